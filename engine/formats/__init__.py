@@ -1,0 +1,1 @@
+"""Readers of model files: Hugging Face folders (safetensors) and GGUF."""
