@@ -1,0 +1,124 @@
+"""Grouped-query attention with a KV cache: projections, optional q/k norms, RoPE, causal softmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.blocks.norm import rms_norm
+from engine.blocks.rope import Rotary
+from engine.kv import HeadsKV
+from engine.spec import AttentionSpec
+from engine.weights import Weights
+
+
+def attention_shapes(spec: AttentionSpec, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of one attention block, by name, with their shapes."""
+    q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}.q_proj.weight": (q_out, hidden),
+        f"{prefix}.k_proj.weight": (kv_out, hidden),
+        f"{prefix}.v_proj.weight": (kv_out, hidden),
+        f"{prefix}.o_proj.weight": (hidden, q_out),
+    }
+    if spec.qkv_bias:
+        shapes |= {f"{prefix}.q_proj.bias": (q_out,), f"{prefix}.k_proj.bias": (kv_out,), f"{prefix}.v_proj.bias": (kv_out,)}
+    if spec.o_bias:
+        shapes[f"{prefix}.o_proj.bias"] = (hidden,)
+    if spec.qk_norm == "head":
+        shapes |= {f"{prefix}.q_norm.weight": (spec.head_dim,), f"{prefix}.k_norm.weight": (spec.head_dim,)}
+    elif spec.qk_norm == "full":
+        shapes |= {f"{prefix}.q_norm.weight": (q_out,), f"{prefix}.k_norm.weight": (kv_out,)}
+    return shapes
+
+
+def causal_mask(q_pos: np.ndarray, k_len: int, window: int | None) -> np.ndarray:
+    """Additive mask [T, S]: 0 where query i may see key j (j <= pos_i, within the window), -inf elsewhere."""
+    k_pos = np.arange(k_len)[None, :]
+    allowed = k_pos <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos > q_pos[:, None] - window
+    return np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
+
+def softmax_rows(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, in float32, stable with -inf entries."""
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    return scores
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """softmax(q k^T * scale + mask) v for grouped heads.
+
+    q [T, H, D], k [Hkv, S, D], v [Hkv, S, Dv], mask [T, S] -> [T, H, Dv].
+    """
+    t, h, d = q.shape
+    hkv = k.shape[0]
+    g = h // hkv
+    qg = q.reshape(t, hkv, g, d).transpose(1, 2, 0, 3)          # [Hkv, G, T, D]
+    scores = np.matmul(qg, k.transpose(0, 2, 1)[:, None])        # [Hkv, G, T, S]
+    scores *= np.float32(scale)
+    scores += mask
+    probs = softmax_rows(scores)
+    out = np.matmul(probs, v[:, None])                           # [Hkv, G, T, Dv]
+    return out.transpose(2, 0, 1, 3).reshape(t, h, v.shape[-1])  # [T, H, Dv]
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One GQA block's weights and its forward pass."""
+
+    spec: AttentionSpec
+    rotary: Rotary
+    rms_eps: float
+    wq: np.ndarray  # [H*D, hidden]
+    wk: np.ndarray  # [Hkv*D, hidden]
+    wv: np.ndarray  # [Hkv*D, hidden]
+    wo: np.ndarray  # [hidden, H*D]
+    bq: np.ndarray | None = None
+    bk: np.ndarray | None = None
+    bv: np.ndarray | None = None
+    bo: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+
+    @classmethod
+    def load(cls, spec: AttentionSpec, w: Weights, prefix: str, rotary: Rotary, rms_eps: float) -> "Attention":
+        """Take the block's tensors from `w`."""
+        return cls(
+            spec, rotary, rms_eps,
+            w[f"{prefix}.q_proj.weight"], w[f"{prefix}.k_proj.weight"],
+            w[f"{prefix}.v_proj.weight"], w[f"{prefix}.o_proj.weight"],
+            w.get(f"{prefix}.q_proj.bias"), w.get(f"{prefix}.k_proj.bias"),
+            w.get(f"{prefix}.v_proj.bias"), w.get(f"{prefix}.o_proj.bias"),
+            w.get(f"{prefix}.q_norm.weight"), w.get(f"{prefix}.k_norm.weight"),
+        )
+
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: HeadsKV) -> np.ndarray:
+        """x [T, hidden] at `positions` -> [T, hidden]; writes this block's keys/values to `cache`."""
+        s, t = self.spec, x.shape[0]
+        q = x @ self.wq.T                                        # [T, H*D]
+        k = x @ self.wk.T                                        # [T, Hkv*D]
+        v = x @ self.wv.T
+        if self.bq is not None:
+            q, k, v = q + self.bq, k + self.bk, v + self.bv
+        if s.qk_norm == "full":
+            q, k = rms_norm(q, self.q_norm, self.rms_eps), rms_norm(k, self.k_norm, self.rms_eps)
+        if s.clip_qkv is not None:
+            c = np.float32(s.clip_qkv)
+            q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+        q = q.reshape(t, s.n_heads, s.head_dim)                  # [T, H, D]
+        k = k.reshape(t, s.n_kv_heads, s.head_dim)               # [T, Hkv, D]
+        v = v.reshape(t, s.n_kv_heads, s.head_dim)
+        if s.qk_norm == "head":
+            q, k = rms_norm(q, self.q_norm, self.rms_eps), rms_norm(k, self.k_norm, self.rms_eps)
+        cos, sin = self.rotary.tables(positions)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        keys, values = cache.write(int(positions[0]), k, v)      # [Hkv, S, D]
+        mask = causal_mask(positions, keys.shape[1], s.sliding_window)
+        out = attend(q, keys, values, mask, s.scale).reshape(t, -1)  # [T, H*D]
+        out = out @ self.wo.T
+        return out + self.bo if self.bo is not None else out

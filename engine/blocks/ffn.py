@@ -1,0 +1,153 @@
+"""Feed-forward blocks: the gated MLP, and the Mixture-of-Experts block with its router.
+
+The MoE block never holds routed experts itself: it asks an `ExpertSource` for the distinct
+experts a step needs (one request per layer step, the "Union" of the design), so that later
+sources can stream them from disk. Each call reports its routing (which experts, which weights,
+per token) so that the rest of the engine can cache, prefetch and display experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+import numpy as np
+
+from engine.blocks.norm import activation
+from engine.spec import MLPSpec, MoESpec
+from engine.weights import Weights
+
+
+def mlp_shapes(prefix: str, hidden: int, intermediate: int, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
+    """Tensors of one gated MLP (gate, up, down) with their shapes."""
+    gate, up, down = names
+    return {
+        f"{prefix}.{gate}.weight": (intermediate, hidden),
+        f"{prefix}.{up}.weight": (intermediate, hidden),
+        f"{prefix}.{down}.weight": (hidden, intermediate),
+    }
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One gated MLP's matrices (also the unit a routed expert is stored, cached and read in)."""
+
+    gate: np.ndarray  # [I, hidden]
+    up: np.ndarray    # [I, hidden]
+    down: np.ndarray  # [hidden, I]
+
+    @classmethod
+    def load(cls, w: Weights, prefix: str, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> "ExpertWeights":
+        """Take gate, up and down of the MLP at `prefix`."""
+        gate, up, down = names
+        return cls(w[f"{prefix}.{gate}.weight"], w[f"{prefix}.{up}.weight"], w[f"{prefix}.{down}.weight"])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the three matrices."""
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+def gated_mlp(x: np.ndarray, e: ExpertWeights, act) -> np.ndarray:
+    """down(act(gate(x)) * up(x)) for x [T, hidden] -> [T, hidden]."""
+    return (act(x @ e.gate.T) * (x @ e.up.T)) @ e.down.T
+
+
+@dataclass(frozen=True)
+class MLP:
+    """A dense feed-forward block."""
+
+    spec: MLPSpec
+    weights: ExpertWeights
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [T, hidden] -> [T, hidden]."""
+        return gated_mlp(x, self.weights, activation(self.spec.act))
+
+
+class ExpertSource(Protocol):
+    """Where the MoE block gets routed experts from (resident now, streamed later)."""
+
+    def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        """The weights of the given experts of one layer."""
+
+
+class ResidentExperts:
+    """Every routed expert held in memory (as views of the checkpoint where possible)."""
+
+    def __init__(self, per_layer: Mapping[int, Sequence[ExpertWeights]]):
+        self.per_layer = {layer: list(experts) for layer, experts in per_layer.items()}
+
+    def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        """The weights of the given experts of one layer."""
+        held = self.per_layer[layer]
+        return {i: held[i] for i in ids}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which experts each token of a step went to in one layer, and with what weights."""
+
+    layer: int
+    experts: np.ndarray  # [T, K] int64
+    weights: np.ndarray  # [T, K] float32
+
+
+def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Choose top-k experts per token from router logits [T, E] -> (ids [T, K], weights [T, K])."""
+    t, e = logits.shape
+    k = spec.top_k
+    if spec.scoring == "sigmoid":
+        scores = (1.0 / (1.0 + np.exp(-logits.astype(np.float32)))).astype(np.float32)
+    else:
+        shifted = logits.astype(np.float32) - logits.max(axis=-1, keepdims=True)
+        scores = np.exp(shifted)
+        scores /= scores.sum(axis=-1, keepdims=True)
+    choice = scores + bias if bias is not None else scores.copy()
+    if spec.n_group > 1:
+        # keep the topk_group groups whose two best experts score highest; mask the others
+        grouped = choice.reshape(t, spec.n_group, e // spec.n_group)
+        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)          # [T, G]
+        keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, : spec.topk_group]
+        group_mask = np.zeros((t, spec.n_group), bool)
+        np.put_along_axis(group_mask, keep, True, axis=-1)
+        choice = np.where(np.repeat(group_mask, e // spec.n_group, axis=-1), choice, -np.inf)
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :k]                      # [T, K] best first
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if spec.norm_topk_prob:
+        denominator = weights.sum(axis=-1, keepdims=True)
+        if spec.scoring == "sigmoid":
+            denominator = denominator + np.float32(1e-20)
+        weights = weights / denominator
+    weights = (weights * np.float32(spec.routed_scaling_factor)).astype(np.float32)
+    return ids.astype(np.int64), weights
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A routed Mixture-of-Experts block with optional (gated) shared experts."""
+
+    spec: MoESpec
+    layer: int
+    router: np.ndarray                       # [E, hidden]
+    correction_bias: np.ndarray | None       # [E]
+    shared: ExpertWeights | None
+    shared_gate: np.ndarray | None           # [1, hidden]
+
+    def __call__(self, x: np.ndarray, source: ExpertSource) -> tuple[np.ndarray, Routing]:
+        """x [T, hidden] -> ([T, hidden], this step's routing)."""
+        act = activation(self.spec.act)
+        ids, weights = route(self.spec, x @ self.router.T, self.correction_bias)   # [T, K] each
+        needed = np.unique(ids)
+        experts = source.experts(self.layer, [int(i) for i in needed])
+        out = np.zeros_like(x, dtype=np.float32)
+        for expert_id in needed:
+            rows, slots = np.nonzero(ids == expert_id)   # tokens routed here; a token picks an expert once
+            y = gated_mlp(x[rows], experts[int(expert_id)], act)                  # [n, hidden]
+            out[rows] += y * weights[rows, slots][:, None]
+        if self.shared is not None:
+            shared = gated_mlp(x, self.shared, act)
+            if self.shared_gate is not None:
+                shared = shared * (1.0 / (1.0 + np.exp(-(x @ self.shared_gate.T))))
+            out += shared
+        return out, Routing(self.layer, ids, weights)

@@ -1,0 +1,109 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): the cache holds the compressed latent.
+
+Keys and values are never expanded per head: the key up-projection is absorbed into the query
+and the value up-projection is applied after attention, so each step costs O(S * R) per head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.blocks.attention import causal_mask, softmax_rows
+from engine.blocks.norm import rms_norm
+from engine.blocks.rope import Rotary
+from engine.kv import LatentKV
+from engine.spec import MLASpec
+from engine.weights import Weights
+
+
+def mla_shapes(spec: MLASpec, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of one MLA block, by name, with their shapes."""
+    h = spec.n_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{prefix}.kv_a_proj_with_mqa.weight": (spec.kv_lora_rank + spec.qk_rope_dim, hidden),
+        f"{prefix}.kv_a_layernorm.weight": (spec.kv_lora_rank,),
+        f"{prefix}.kv_b_proj.weight": (h * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank),
+        f"{prefix}.o_proj.weight": (hidden, h * spec.v_head_dim),
+    }
+    if spec.q_lora_rank is None:
+        shapes[f"{prefix}.q_proj.weight"] = (h * spec.qk_head_dim, hidden)
+    else:
+        shapes |= {
+            f"{prefix}.q_a_proj.weight": (spec.q_lora_rank, hidden),
+            f"{prefix}.q_a_layernorm.weight": (spec.q_lora_rank,),
+            f"{prefix}.q_b_proj.weight": (h * spec.qk_head_dim, spec.q_lora_rank),
+        }
+    if spec.bias:
+        shapes[f"{prefix}.kv_a_proj_with_mqa.bias"] = (spec.kv_lora_rank + spec.qk_rope_dim,)
+        shapes[f"{prefix}.o_proj.bias"] = (hidden,)
+        if spec.q_lora_rank is not None:
+            shapes[f"{prefix}.q_a_proj.bias"] = (spec.q_lora_rank,)
+    return shapes
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """One MLA block's weights and its forward pass."""
+
+    spec: MLASpec
+    rotary: Rotary
+    rms_eps: float
+    wq: np.ndarray | None         # [H*(dn+dr), hidden] when there is no q LoRA
+    wq_a: np.ndarray | None       # [Rq, hidden]
+    q_a_norm: np.ndarray | None   # [Rq]
+    wq_b: np.ndarray | None       # [H*(dn+dr), Rq]
+    wkv_a: np.ndarray             # [R+dr, hidden]
+    kv_a_norm: np.ndarray         # [R]
+    w_uk: np.ndarray              # [H, dn, R] key up-projection (absorbed into q)
+    w_uv: np.ndarray              # [H, dv, R] value up-projection
+    wo: np.ndarray                # [hidden, H*dv]
+    bq_a: np.ndarray | None = None
+    bkv_a: np.ndarray | None = None
+    bo: np.ndarray | None = None
+
+    @classmethod
+    def load(cls, spec: MLASpec, w: Weights, prefix: str, rotary: Rotary, rms_eps: float) -> "LatentAttention":
+        """Take the block's tensors from `w`; splits kv_b_proj into its key and value halves."""
+        kv_b = w[f"{prefix}.kv_b_proj.weight"].reshape(spec.n_heads, spec.qk_nope_dim + spec.v_head_dim, spec.kv_lora_rank)
+        return cls(
+            spec, rotary, rms_eps,
+            w.get(f"{prefix}.q_proj.weight"), w.get(f"{prefix}.q_a_proj.weight"),
+            w.get(f"{prefix}.q_a_layernorm.weight"), w.get(f"{prefix}.q_b_proj.weight"),
+            w[f"{prefix}.kv_a_proj_with_mqa.weight"], w[f"{prefix}.kv_a_layernorm.weight"],
+            np.ascontiguousarray(kv_b[:, : spec.qk_nope_dim]), np.ascontiguousarray(kv_b[:, spec.qk_nope_dim :]),
+            w[f"{prefix}.o_proj.weight"],
+            w.get(f"{prefix}.q_a_proj.bias"), w.get(f"{prefix}.kv_a_proj_with_mqa.bias"), w.get(f"{prefix}.o_proj.bias"),
+        )
+
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: LatentKV) -> np.ndarray:
+        """x [T, hidden] at `positions` -> [T, hidden]; writes the latent to `cache`."""
+        s, t = self.spec, x.shape[0]
+        if self.wq is not None:
+            q = x @ self.wq.T
+        else:
+            qa = x @ self.wq_a.T
+            if self.bq_a is not None:
+                qa = qa + self.bq_a
+            q = rms_norm(qa, self.q_a_norm, self.rms_eps) @ self.wq_b.T
+        q = q.reshape(t, s.n_heads, s.qk_head_dim)                      # [T, H, dn+dr]
+        ckv = x @ self.wkv_a.T                                          # [T, R+dr]
+        if self.bkv_a is not None:
+            ckv = ckv + self.bkv_a
+        latent = rms_norm(ckv[:, : s.kv_lora_rank], self.kv_a_norm, self.rms_eps)  # [T, R]
+        cos, sin = self.rotary.tables(positions)
+        k_rot = self.rotary.apply(ckv[:, None, s.kv_lora_rank :], cos, sin)[:, 0]  # [T, dr]
+        q_rot = self.rotary.apply(q[..., s.qk_nope_dim :], cos, sin)    # [T, H, dr]
+        lat_all, rot_all = cache.write(int(positions[0]), latent, k_rot)  # [S, R], [S, dr]
+
+        q_lat = np.matmul(q[..., : s.qk_nope_dim].transpose(1, 0, 2), self.w_uk)  # [H, T, R]
+        scores = q_lat @ lat_all.T                                      # [H, T, S]
+        scores += np.matmul(q_rot.transpose(1, 0, 2), rot_all.T)        # [H, T, S]
+        scores *= np.float32(s.scale)
+        scores += causal_mask(positions, lat_all.shape[0], None)
+        probs = softmax_rows(scores)
+        ctx = probs @ lat_all                                           # [H, T, R]
+        out = np.matmul(ctx, self.w_uv.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(t, -1)  # [T, H*dv]
+        out = out @ self.wo.T
+        return out + self.bo if self.bo is not None else out

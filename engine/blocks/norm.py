@@ -1,0 +1,39 @@
+"""RMSNorm and activations, in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import ModelFormatError
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last axis, in float32."""
+    x = np.asarray(x, dtype=np.float32)
+    variance = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (np.float32(1.0) / np.sqrt(variance + np.float32(eps)))) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x), without overflow warnings for large negative x."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """The tanh approximation of GELU (gelu_pytorch_tanh, gelu_new)."""
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+
+ACTIVATIONS = {"silu": silu, "swish": silu, "gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh}
+
+
+def activation(name: str):
+    """The activation function called `name` in a config.json."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ModelFormatError(
+            f"activation {name!r} is not supported (supported: {', '.join(sorted(ACTIVATIONS))})"
+        ) from None

@@ -1,0 +1,48 @@
+"""Rotary position embeddings: cos/sin tables and their application to [T, H, D] tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.spec import RopeSpec
+
+
+class Rotary:
+    """Cos/sin tables for one RopeSpec, grown on demand as positions advance."""
+
+    def __init__(self, spec: RopeSpec):
+        self.spec = spec
+        self.inv_freq = spec.inv_freq()             # [dim/2]
+        self._scale = np.float32(spec.cos_sin_scale)
+        self._cos = np.zeros((0, spec.dim // 2), np.float32)  # [P, dim/2]
+        self._sin = np.zeros((0, spec.dim // 2), np.float32)
+
+    def _ensure(self, n: int) -> None:
+        if n <= self._cos.shape[0]:
+            return
+        size = max(n, 2 * self._cos.shape[0], 256)
+        pos = np.arange(size, dtype=np.float32)
+        angles = pos[:, None] * self.inv_freq[None, :]   # [P, dim/2], float32 like the reference
+        self._cos = (np.cos(angles) * self._scale).astype(np.float32)
+        self._sin = (np.sin(angles) * self._scale).astype(np.float32)
+
+    def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin for the given positions: [T, dim/2] each."""
+        self._ensure(int(positions.max()) + 1)
+        return self._cos[positions], self._sin[positions]
+
+    def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Rotate the first `dim` features of x [T, H, D]; returns a new array."""
+        d = self.spec.dim
+        c = cos[:, None, :]   # [T, 1, d/2]
+        s = sin[:, None, :]
+        out = np.array(x, dtype=np.float32, copy=True)
+        if self.spec.interleaved:
+            # pairs (x0, x1), (x2, x3) ... rotate together; the result is laid out de-interleaved
+            # (evens then odds) as the reference does, consistently for q and k.
+            a, b = x[..., 0:d:2], x[..., 1:d:2]
+        else:
+            a, b = x[..., : d // 2], x[..., d // 2 : d]
+        out[..., : d // 2] = a * c - b * s
+        out[..., d // 2 : d] = b * c + a * s
+        return out

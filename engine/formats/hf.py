@@ -1,0 +1,79 @@
+"""Hugging Face folders: config.json, (sharded) safetensors, generation_config.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from engine.errors import ModelFormatError
+from engine.formats.safetensors_file import SafetensorsFile
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from a file, or a ModelFormatError that names the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelFormatError(f"{path}: {what} is missing; a Hugging Face model folder needs it") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFormatError(f"{path}: {what} is not valid JSON ({exc}); fetch the model again") from None
+    if not isinstance(data, dict):
+        raise ModelFormatError(f"{path}: {what} should hold a JSON object")
+    return data
+
+
+class SafetensorsFolder:
+    """All tensors of a folder's model.safetensors, or of the shards its index lists."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        self.path = str(folder)
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        if index.is_file():
+            weight_map = read_json(index, "the safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelFormatError(f"{index}: no 'weight_map' object; fetch the model again")
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (folder / f).is_file()]
+            if missing:
+                raise ModelFormatError(f"{folder}: shard(s) {', '.join(missing)} listed in {index.name} are missing; the download is incomplete: fetch the model again")
+        elif single.is_file():
+            files = [single.name]
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+            if not files:
+                raise ModelFormatError(f"{folder}: no model.safetensors (nor shards with model.safetensors.index.json); this folder holds no weights Colibri can read")
+        self.files = {f: SafetensorsFile(folder / f) for f in files}
+        self._where: dict[str, SafetensorsFile] = {}
+        for f in self.files.values():
+            for name in f.tensors:
+                self._where[name] = f
+        if index.is_file():
+            lost = [n for n, f in weight_map.items() if n not in self._where]
+            if lost:
+                raise ModelFormatError(f"{index}: tensor {lost[0]} is listed but not in {weight_map[lost[0]]}; fetch the model again")
+
+    def names(self) -> Iterable[str]:
+        """Every tensor name in the folder."""
+        return self._where.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape."""
+        return self._where[name].tensors[name][1]
+
+    def dtype(self, name: str) -> str:
+        """A tensor's stored dtype (safetensors spelling)."""
+        return self._where[name].tensors[name][0]
+
+    def load(self, name: str) -> np.ndarray:
+        """A tensor as float32 (a memory-mapped view when stored as F32)."""
+        return self._where[name].float32(name)
+
+    def location(self, name: str) -> str:
+        """The file holding a tensor."""
+        f = self._where.get(name)
+        return str(f.path) if f else self.path

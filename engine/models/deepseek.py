@@ -1,0 +1,67 @@
+"""DeepSeek-V3: multi-head latent attention with decoupled RoPE, and a sigmoid-scored MoE with
+group-limited routing, a score-correction bias, routed scaling and shared experts. The first
+`first_k_dense_replace` layers are dense."""
+
+from __future__ import annotations
+
+import math
+
+from engine.errors import ModelFormatError
+from engine.models.config import Config, model_fields, rope_from_config
+from engine.spec import LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+
+ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+
+def _softmax_scale(qk_head_dim: int, rope) -> float:
+    """head_dim^-0.5, times YaRN's mscale^2 when the context is extended with mscale_all_dim."""
+    scale = qk_head_dim**-0.5
+    if rope.kind == "yarn" and rope.mscale_all_dim and rope.factor > 1:
+        m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
+    """The spec of a DeepSeek-V3 config.json."""
+    scoring = cfg.opt("scoring_func", "sigmoid", str)
+    if scoring != "sigmoid":
+        raise ModelFormatError(f"{cfg.source}: scoring_func {scoring!r} is not supported for {architecture} (only sigmoid)")
+    rope_dim = cfg.req("qk_rope_head_dim")
+    rope = rope_from_config(cfg, rope_dim, interleaved=cfg.opt("rope_interleave", True, bool))
+    nope, q_lora = cfg.req("qk_nope_head_dim"), cfg.opt("q_lora_rank", None, int)
+    attn = MLASpec(
+        n_heads=cfg.req("num_attention_heads"),
+        q_lora_rank=q_lora,
+        kv_lora_rank=cfg.req("kv_lora_rank"),
+        qk_nope_dim=nope,
+        qk_rope_dim=rope_dim,
+        v_head_dim=cfg.req("v_head_dim"),
+        rope=rope,
+        scale=_softmax_scale(nope + rope_dim, rope),
+        bias=cfg.opt("attention_bias", False, bool),
+    )
+    act = cfg.opt("hidden_act", "silu", str)
+    n_experts, expert_ffn = cfg.first(("n_routed_experts", "num_local_experts")), cfg.req("moe_intermediate_size")
+    n_group = cfg.opt("n_group", 1, int)
+    if n_experts % n_group:
+        raise ModelFormatError(f"{cfg.source}: n_routed_experts {n_experts} is not a multiple of n_group {n_group}")
+    moe = MoESpec(
+        n_experts=n_experts,
+        top_k=cfg.req("num_experts_per_tok"),
+        expert_ffn=expert_ffn,
+        scoring="sigmoid",
+        norm_topk_prob=cfg.opt("norm_topk_prob", True, bool),
+        n_group=n_group,
+        topk_group=cfg.opt("topk_group", 1, int),
+        routed_scaling_factor=cfg.opt("routed_scaling_factor", 1.0, float),
+        correction_bias=True,
+        shared_ffn=expert_ffn * cfg.opt("n_shared_experts", 0, int),
+        act=act,
+        shared_prefix="shared_experts",
+    )
+    dense = MLPSpec(intermediate=cfg.req("intermediate_size"), act=act)
+    first_dense = cfg.opt("first_k_dense_replace", 0, int)
+    n = cfg.req("num_hidden_layers")
+    layers = tuple(LayerSpec(attn, dense if i < first_dense else moe) for i in range(n))
+    return ModelSpec(architecture=architecture, layers=layers, **model_fields(cfg))

@@ -1,0 +1,156 @@
+"""The decoder-only transformer every family shares: embed, N x (attention + feed-forward), norm, head.
+
+A family module only turns its config into a `ModelSpec`; this module knows tensor names
+(Hugging Face's), checks them against the spec, and runs the forward pass on a `KVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from engine.blocks.attention import Attention, attention_shapes
+from engine.blocks.ffn import MLP, ExpertSource, ExpertWeights, MoE, ResidentExperts, Routing, mlp_shapes
+from engine.blocks.mla import LatentAttention, mla_shapes
+from engine.blocks.norm import rms_norm
+from engine.blocks.rope import Rotary
+from engine.errors import GenerationError
+from engine.kv import KVCache
+from engine.spec import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from engine.weights import TensorSource, Weights
+
+
+def layer_prefix(i: int) -> str:
+    """The tensor name prefix of decoder layer i."""
+    return f"model.layers.{i}"
+
+
+def expert_prefix(i: int, moe: MoESpec, expert: int) -> str:
+    """The tensor name prefix of routed expert `expert` in layer i."""
+    return f"{layer_prefix(i)}.{moe.prefix}.experts.{expert}"
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model reads, with the shape its spec implies."""
+    h = spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i, layer in enumerate(spec.layers):
+        p = layer_prefix(i)
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        if isinstance(layer.attn, MLASpec):
+            shapes |= mla_shapes(layer.attn, f"{p}.self_attn", h)
+        else:
+            shapes |= attention_shapes(layer.attn, f"{p}.self_attn", h)
+        ffn = layer.ffn
+        if isinstance(ffn, MLPSpec):
+            shapes |= mlp_shapes(f"{p}.{ffn.prefix}", h, ffn.intermediate)
+            continue
+        shapes[f"{p}.{ffn.prefix}.gate.weight"] = (ffn.n_experts, h)
+        if ffn.correction_bias:
+            shapes[f"{p}.{ffn.prefix}.gate.e_score_correction_bias"] = (ffn.n_experts,)
+        for e in range(ffn.n_experts):
+            shapes |= mlp_shapes(expert_prefix(i, ffn, e), h, ffn.expert_ffn, ffn.proj_names)
+        if ffn.shared_ffn:
+            shapes |= mlp_shapes(f"{p}.{ffn.prefix}.{ffn.shared_prefix}", h, ffn.shared_ffn)
+        if ffn.shared_gate:
+            shapes[f"{p}.{ffn.prefix}.shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's blocks."""
+
+    input_norm: np.ndarray        # [hidden]
+    attn: Attention | LatentAttention
+    post_norm: np.ndarray         # [hidden]
+    ffn: MLP | MoE
+
+
+class Transformer:
+    """A decoder-only model ready to run: read-only weights plus the forward pass."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        source: TensorSource,
+        experts: ExpertSource | None = None,
+        on_layer: Callable[[int, int], None] | None = None,
+    ):
+        self.spec = spec
+        w = Weights(source, expected_shapes(spec))
+        self.embed = w["model.embed_tokens.weight"]                          # [V, hidden]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if spec.tie_embeddings else w["lm_head.weight"]  # [V, hidden]
+        rotaries: dict = {}
+        self.layers: list[Layer] = []
+        resident: dict[int, list[ExpertWeights]] = {}
+        for i, ls in enumerate(spec.layers):
+            self.layers.append(self._load_layer(i, ls, w, rotaries, resident))
+            if on_layer is not None:
+                on_layer(i, spec.n_layers)
+        self.experts: ExpertSource = experts if experts is not None else ResidentExperts(resident)
+
+    def _load_layer(self, i: int, ls: LayerSpec, w: Weights, rotaries: dict, resident: dict) -> Layer:
+        p, eps = layer_prefix(i), self.spec.rms_eps
+        rotary = rotaries.setdefault(ls.attn.rope, Rotary(ls.attn.rope))  # layers share cos/sin tables
+        if isinstance(ls.attn, MLASpec):
+            attn = LatentAttention.load(ls.attn, w, f"{p}.self_attn", rotary, eps)
+        else:
+            attn = Attention.load(ls.attn, w, f"{p}.self_attn", rotary, eps)
+        f = ls.ffn
+        if isinstance(f, MLPSpec):
+            ffn: MLP | MoE = MLP(f, ExpertWeights.load(w, f"{p}.{f.prefix}"))
+        else:
+            resident[i] = [ExpertWeights.load(w, expert_prefix(i, f, e), f.proj_names) for e in range(f.n_experts)]
+            ffn = MoE(
+                f, i, w[f"{p}.{f.prefix}.gate.weight"],
+                w.get(f"{p}.{f.prefix}.gate.e_score_correction_bias"),
+                ExpertWeights.load(w, f"{p}.{f.prefix}.{f.shared_prefix}") if f.shared_ffn else None,
+                w.get(f"{p}.{f.prefix}.shared_expert_gate.weight"),
+            )
+        return Layer(w[f"{p}.input_layernorm.weight"], attn, w[f"{p}.post_attention_layernorm.weight"], ffn)
+
+    def forward(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        cache: KVCache,
+        *,
+        all_logits: bool = False,
+        routing: list[Routing] | None = None,
+    ) -> np.ndarray:
+        """Run tokens [T] after what `cache` holds; logits [T, V] (or [1, V] for the last token only).
+
+        Appends each MoE layer's routing to `routing` when a list is given.
+        """
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise GenerationError("no tokens to run: the prompt is empty")
+        if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.spec.vocab_size)][0])
+            raise GenerationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        positions = cache.positions(ids.size)
+        eps = self.spec.rms_eps
+        x = np.array(self.embed[ids], dtype=np.float32)                     # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i])
+            h = rms_norm(x, layer.post_norm, eps)
+            if isinstance(layer.ffn, MoE):
+                y, r = layer.ffn(h, self.experts)
+                if routing is not None:
+                    routing.append(r)
+            else:
+                y = layer.ffn(h)
+            x = x + y
+        cache.commit(ids.size)
+        if not all_logits:
+            x = x[-1:]
+        return rms_norm(x, self.norm, eps) @ self.lm_head.T                # [T or 1, V]

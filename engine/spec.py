@@ -1,0 +1,189 @@
+"""The model spec: every hyperparameter the engine needs, parsed from the checkpoint's own files.
+
+A spec is immutable and holds no weights. Family modules in `engine.models` build it from a
+`config.json` dict (GGUF metadata is first turned into such a dict); the shared blocks in
+`engine.blocks` read it. Tensor names are Hugging Face's, whatever the file format.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding over the first `dim` features of a head."""
+
+    dim: int                      # rotated features per head (even)
+    theta: float                  # base wavelength
+    kind: str = "default"         # default | linear | llama3 | yarn
+    factor: float = 1.0           # context extension factor (linear, llama3, yarn)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 0  # llama3, yarn
+    beta_fast: float = 32.0       # yarn
+    beta_slow: float = 1.0        # yarn
+    mscale: float = 0.0           # yarn
+    mscale_all_dim: float = 0.0   # yarn
+    attention_factor: float | None = None  # yarn: cos/sin scale; derived when None
+    truncate: bool = True         # yarn
+    interleaved: bool = False     # pairs (x0, x1), (x2, x3) rotate together (DeepSeek-V3)
+
+    def inv_freq(self) -> np.ndarray:
+        """Inverse frequencies [dim/2] as float32, computed the way the reference does."""
+        exponent = np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.dim)
+        base = np.float32(self.theta) ** exponent  # float32 like the reference
+        inv = (np.float32(1.0) / base).astype(np.float32)
+        if self.kind == "linear":
+            return (inv / np.float32(self.factor)).astype(np.float32)
+        if self.kind == "llama3":
+            return _llama3_inv_freq(inv, self)
+        if self.kind == "yarn":
+            return _yarn_inv_freq(base, self)
+        return inv
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Factor applied to cos and sin (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor, 1.0)
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _llama3_inv_freq(inv: np.ndarray, r: RopeSpec) -> np.ndarray:
+    low_wavelen = r.original_max_position / r.low_freq_factor
+    high_wavelen = r.original_max_position / r.high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv / np.float32(r.factor), inv).astype(np.float32)
+    smooth = (r.original_max_position / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / np.float32(r.factor) + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(pos_freqs: np.ndarray, r: RopeSpec) -> np.ndarray:
+    def correction_dim(rotations: float) -> float:
+        return (r.dim * math.log(r.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(r.theta))
+
+    low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r.dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = np.clip((np.arange(r.dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = np.float32(1.0) / pos_freqs
+    interpolation = np.float32(1.0) / (np.float32(r.factor) * pos_freqs)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Grouped-query attention (multi-head when n_kv_heads == n_heads)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope: RopeSpec
+    scale: float                      # softmax scale, usually head_dim ** -0.5
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None        # None | "head" (per head, Qwen3) | "full" (whole projection, OLMoE)
+    clip_qkv: float | None = None     # OLMoE: clamp q, k, v to [-c, c]
+    sliding_window: int | None = None  # attend to the last `sliding_window` positions only
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values from a compressed latent."""
+
+    n_heads: int
+    q_lora_rank: int | None           # None: q comes straight from q_proj
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_head_dim: int
+    rope: RopeSpec
+    scale: float
+    bias: bool = False                # attention_bias on q_a_proj / kv_a_proj / o_proj
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key features per head."""
+        return self.qk_nope_dim + self.qk_rope_dim
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A gated feed-forward network: down(act(gate(x)) * up(x))."""
+
+    intermediate: int
+    act: str = "silu"
+    prefix: str = "mlp"               # tensor name prefix inside the layer
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A routed Mixture-of-Experts block, with optional shared experts."""
+
+    n_experts: int
+    top_k: int
+    expert_ffn: int                   # intermediate size of one routed expert
+    scoring: str = "softmax"          # softmax | sigmoid
+    norm_topk_prob: bool = True       # renormalise the chosen experts' weights to sum to 1
+    n_group: int = 1                  # group-limited routing (DeepSeek-V3)
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False     # e_score_correction_bias added for choice only
+    shared_ffn: int = 0               # intermediate size of the shared expert(s); 0 = none
+    shared_gate: bool = False         # sigmoid(shared_expert_gate(x)) scales the shared output
+    act: str = "silu"
+    prefix: str = "mlp"               # "mlp" or "block_sparse_moe"
+    proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    shared_prefix: str = "shared_expert"  # or "shared_experts" (DeepSeek)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: pre-norm attention then pre-norm feed-forward."""
+
+    attn: AttentionSpec | MLASpec
+    ffn: MLPSpec | MoESpec
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only model: embedding, layers, final norm, output head."""
+
+    architecture: str                 # the checkpoint's own name, e.g. "LlamaForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    rms_eps: float
+    tie_embeddings: bool
+    max_position: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict = field(default_factory=dict, compare=False)  # source notes (format, file names)
+
+    @property
+    def n_layers(self) -> int:
+        """Number of decoder layers."""
+        return len(self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes to experts."""
+        return any(isinstance(layer.ffn, MoESpec) for layer in self.layers)
