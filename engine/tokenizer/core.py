@@ -122,7 +122,9 @@ class Tokenizer:
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
         """A decoder that turns ids into text one at a time (for streaming generation)."""
-        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens), self._hold_ids, self._windowed)
+        invisible = self.special_ids if skip_special_tokens else frozenset()
+        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens), self._hold_ids, self._windowed,
+                             invisible)
 
     # ---- chat -------------------------------------------------------------------------------
 

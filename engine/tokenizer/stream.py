@@ -14,15 +14,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
+_WHOLE_HOLD_BACK = 8  # characters kept back in whole-sequence mode (longer than any cleanup pattern)
 
 
 class StreamDecoder:
     """Turns token ids into text as they arrive; see the module docstring for the guarantee."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], hold_ids: frozenset[int] = frozenset(),
-                 windowed: bool = True) -> None:
+                 windowed: bool = True, invisible_ids: frozenset[int] = frozenset()) -> None:
         self._decode = decode
         self._hold = hold_ids  # byte-fallback tokens: text waits until their run ends
+        # Ids that decode() drops (special tokens when skipping them): they do not end a byte run
+        self._invisible = invisible_ids
+        self._run_open = False  # the last visible id is a byte-fallback token
         self._ids: list[int] = []
         self._prefix = 0  # window start: ids[prefix:read] produced the last emitted text
         self._read = 0  # ids[:read] have all their text emitted
@@ -40,7 +44,9 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         """Add one token id; return the text it completed (often "", never a partial character)."""
         self._ids.append(int(token_id))
-        if token_id in self._hold:
+        if token_id not in self._invisible:
+            self._run_open = token_id in self._hold
+        if self._run_open:
             return ""
         return self._advance(final=False)
 
@@ -67,11 +73,15 @@ class StreamDecoder:
 
     def _advance_whole(self, final: bool) -> str:
         text = self._decode(self._ids)
-        if not final and text.endswith(REPLACEMENT):
-            return ""
+        if not final:
+            # Cleanup rules rewrite a few characters around the join with the next token (" ' " -> "'"),
+            # so the last few characters wait for it.
+            text = text[:-_WHOLE_HOLD_BACK]
+            if text.endswith(REPLACEMENT):
+                return ""
         if not text.startswith(self._emitted):
             return ""  # cannot take back what was emitted; nothing better to do than wait
         new = text[len(self._emitted):]
-        self._emitted = text
+        self._emitted += new
         self._read = len(self._ids)
         return new
