@@ -281,7 +281,8 @@ def test_llama3_and_qwen2_flags(smol):
     assert llama3.backend.model.ignore_merges  # Llama-3's tokenizer.json sets it
     assert llama3.encode("hi")[0] == llama3.bos_token_id  # llama.cpp adds BOS for llama3 unless told not to
     qwen2 = Tokenizer.from_gguf_metadata(dict(smol_metadata(), **{"tokenizer.ggml.pre": "qwen2"}), "q.gguf")
-    # Qwen2's tokenizer.json normalizes to NFC: a decomposed "é" encodes like the composed one
+    # Qwen2's tokenizer.json normalizes to NFC (transformers' GGUF conversion leaves that out):
+    # a decomposed "é" encodes like the composed one
     assert qwen2.encode("caf\u0065\u0301") == qwen2.encode("caf\u00e9")
 
 
@@ -465,6 +466,31 @@ def test_folder_with_bos_post_processor(tmp_path, tokenizer_class):
     assert ours.encode_chat([{"role": "user", "content": "Hello"}]) == ours.encode("<s>Hello", False)
 
 
+def test_llama_style_folder(tmp_path):
+    # A Llama/Mistral-style folder: SentencePiece BPE with byte fallback, Metaspace pre-tokenizer,
+    # a post-processor adding <s>, tokenizer_class LlamaTokenizer. Note: for such a class
+    # transformers 5 rebuilds normalizer, pre-tokenizer and decoder from its own defaults instead of
+    # reading them from tokenizer.json; we always follow tokenizer.json. The two agree here because
+    # this tokenizer.json is what LlamaTokenizer builds; for a legacy Llama-2 tokenizer.json (a
+    # Prepend("▁") normalizer) transformers 5 would drop the "▁" before a leading space, which the
+    # file (and SentencePiece) keeps.
+    from tokenizers import decoders, pre_tokenizers
+
+    backend = Tokenizer.from_gguf_metadata(tiny_llama_metadata()).backend
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SP, prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace(SP, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "LlamaTokenizer", "legacy": False, "add_bos_token": True, "bos_token": "<s>",
+              "eos_token": "</s>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = _compare_folder(folder, texts=TEXTS + ["hello<s>world", "the cat</s>"])
+    assert ours.encode("hello") == [1, ours.token_to_id(SP + "hello")]
+
+
 def test_folder_legacy_special_tokens_map(tmp_path):
     folder = tmp_path / "legacy"
     _tiny_bpe_folder(folder, "PreTrainedTokenizerFast")
@@ -474,9 +500,11 @@ def test_folder_legacy_special_tokens_map(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False},
-         "eos_token": "</s>", "pad_token": "</s>"}))
-    ours = _compare_folder(folder, texts=TEXTS[:4])
-    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, 2)
+         "eos_token": "</s>", "pad_token": "<pad>"}))
+    ours = _compare_folder(folder, texts=TEXTS[:4] + ["a<pad>b"])
+    # "<pad>" is not in tokenizer.json: like transformers we add it as a new special token
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (1, 2, ours.vocab_size - 1)
+    assert ours.pad_token_id in ours.special_ids
 
 
 def test_folder_without_tokenizer_json_is_none(tmp_path):

@@ -90,14 +90,16 @@ def _merges_from_scores(tokens: list[str], scores: list[float], types: list[int]
     return [(left, right) for *_, left, right in found]
 
 
-def _added_tokens(tokens: list[str], types: list[int] | None, vocab: set[str]) -> tuple[list, list]:
-    """Control and unknown tokens become special added tokens; user-defined ones plain added tokens."""
+def _added_tokens(tokens: list[str], types: list[int] | None) -> tuple[list[AddedToken], list[AddedToken]]:
+    """Control and unknown tokens become special added tokens; user-defined ones plain added tokens.
+
+    Both are matched whole in the text, as llama.cpp does; only special ones are dropped by
+    decode(skip_special_tokens=True).
+    """
     special: list[AddedToken] = []
     plain: list[AddedToken] = []
     for i, tok in enumerate(tokens):
         kind = types[i] if types is not None else NORMAL
-        if tok not in vocab:
-            continue
         if kind in (CONTROL, UNKNOWN):
             special.append(AddedToken(tok, special=True, normalized=False))
         elif kind == USER_DEFINED:
@@ -146,7 +148,10 @@ def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str], types: li
     kinds = types if types is not None else [NORMAL] * n
     merges_raw = meta.get("tokenizer.ggml.merges")
     if isinstance(merges_raw, (list, tuple)) and merges_raw:
-        merges = [_split_merge(m) for m in merges_raw]  # a converter that kept the tokenizer.json merges
+        try:  # a converter that kept the tokenizer.json merges
+            merges = [_split_merge(m) for m in merges_raw]
+        except (ValueError, AttributeError) as exc:
+            raise _fail(source, f"tokenizer.ggml.merges holds a malformed entry {exc!s:.40}") from exc
     else:
         if scores is None:
             raise _fail(source, "a 'llama' vocabulary needs tokenizer.ggml.scores or tokenizer.ggml.merges")
@@ -216,7 +221,7 @@ def build_from_gguf(meta: Mapping[str, Any], source: str = "") -> GGUFTokenizerP
         default_add_bos = True
     else:
         backend, default_add_bos = _byte_level_backend(meta, tokens, source)
-    special, plain = _added_tokens(tokens, types, set(tokens))
+    special, plain = _added_tokens(tokens, types)
     if special:
         backend.add_special_tokens(special)
     if plain:

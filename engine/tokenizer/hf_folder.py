@@ -134,19 +134,16 @@ def load_folder(folder: Path, cls: type[Tokenizer]) -> Tokenizer | None:
 
     # Tokens the config declares but tokenizer.json lacks are added, as transformers does
     vocab = backend.get_vocab(with_added_tokens=True)
-    declared = config.get("added_tokens_decoder") or {}
-    to_add = []
-    for _, value in sorted(declared.items(), key=lambda kv: int(kv[0])) if isinstance(declared, dict) else []:
-        token = _added_token(value, special=False)
-        if token is not None and token.content not in vocab:
-            to_add.append(token)
+    declared = config.get("added_tokens_decoder")
+    declared_values = [v for _, v in sorted(declared.items(), key=lambda kv: int(kv[0]))] \
+        if isinstance(declared, dict) else []
     extras = list(extra.values()) if isinstance(extra, dict) else list(extra) if isinstance(extra, list) else []
-    for value in [*named.values(), *extras]:
-        token = _added_token(value, special=True)
-        if token is not None and token.content not in vocab and token.content not in {t.content for t in to_add}:
-            to_add.append(token)
-    for token in to_add:
-        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    candidates = [_added_token(v, special=False) for v in declared_values]
+    candidates += [_added_token(v, special=True) for v in [*named.values(), *extras]]
+    for token in candidates:
+        if token is not None and token.content not in vocab:
+            (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+            vocab[token.content] = backend.token_to_id(token.content)
 
     if config.get("split_special_tokens"):
         backend.encode_special_tokens = True
