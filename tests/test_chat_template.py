@@ -144,3 +144,10 @@ def test_no_template_and_bad_messages(smol):
         smol.apply_chat_template([])
     with pytest.raises(TokenizerError, match="must be a dict"):
         smol.apply_chat_template(["hello"])
+
+
+def test_old_jinja_is_refused():
+    from engine.tokenizer.chat_template import _jinja_is_safe
+
+    assert _jinja_is_safe("3.1.6") and _jinja_is_safe("3.2.0rc1") and _jinja_is_safe("4.0")
+    assert not _jinja_is_safe("3.1.5") and not _jinja_is_safe("2.11.3")

@@ -89,9 +89,21 @@ class _SafeNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
 
 
+def _jinja_is_safe(version: str) -> bool:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts) >= (3, 1, 6)
+
+
 @lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
     """Compile a chat template in the sandbox (cached); raises jinja2.TemplateSyntaxError."""
+    if not _jinja_is_safe(jinja2.__version__):
+        # Templates come with downloaded models: older jinja2 sandboxes can be escaped
+        raise TokenizerError(f"chat templates need jinja2 >= 3.1.6 (found {jinja2.__version__}, whose sandbox "
+                             "has known escapes); upgrade it with `pip install -U jinja2`")
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
