@@ -1,0 +1,200 @@
+"""Generation as a chain of generators: `generate_step` yields token ids, `stream_generate` turns
+them into typed events (text deltas, stop handling, stats) that every front end consumes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from engine.errors import ColibriError, GenerationError
+from engine.events import (
+    DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, PromptLogitsEvent, TokenEvent,
+)
+from engine.kv import KVCache
+from engine.models.transformer import Transformer
+from engine.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
+
+PREFILL_CHUNK = 256  # prompt tokens per forward pass: bounds the [H, T, S] score arrays
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate from a tokenized prompt."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()                # stop strings (not included in the output)
+    stop_ids: frozenset[int] | None = None    # None: the model's end-of-sequence ids
+    prompt_logits: bool = False               # send the prompt's logits [T, V] as an event
+    skip_special_tokens: bool = True          # leave control tokens out of the text
+
+
+def prefill(
+    model: Transformer,
+    prompt: Sequence[int],
+    cache: KVCache,
+    *,
+    all_logits: bool = False,
+    chunk: int = PREFILL_CHUNK,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> np.ndarray:
+    """Run the prompt through the model in chunks; the last token's logits [V] (or all, [T, V])."""
+    outs = []
+    total = len(prompt)
+    for start in range(0, total, chunk):
+        part = prompt[start : start + chunk]
+        logits = model.forward(part, cache, all_logits=all_logits)
+        outs.append(logits)
+        if on_progress is not None:
+            on_progress(min(start + chunk, total), total)
+    return np.concatenate(outs) if all_logits else outs[-1][-1]
+
+
+def generate_step(
+    model: Transformer,
+    prompt: Sequence[int],
+    cache: KVCache,
+    sampling: SamplingParams,
+    *,
+    first_logits: np.ndarray | None = None,
+) -> Iterator[int]:
+    """Yield sampled token ids forever; the consumer stops iterating when it has enough.
+
+    `first_logits` are the prompt's last logits when the caller ran the prefill itself.
+    """
+    sampler = make_sampler(sampling)
+    processors = make_logits_processors(sampling)
+    logits = first_logits if first_logits is not None else prefill(model, prompt, cache)
+    seen = np.zeros(len(prompt) + 64, np.int64)   # prompt then generated ids, grown by doubling
+    seen[: len(prompt)] = prompt
+    n = len(prompt)
+    while True:
+        if processors:
+            logits = apply_processors(logits, History(seen[:n], len(prompt)), processors)
+        token = sampler(logits)
+        if n == seen.size:
+            seen = np.concatenate([seen, np.zeros_like(seen)])
+        seen[n] = token
+        n += 1
+        yield token
+        logits = model.forward([token], cache)[-1]
+
+
+class StopStrings:
+    """Holds back text that may be the start of a stop string; reports when one completes."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; return what is safe to emit and whether a stop string was hit."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """Whatever was held back, at the end of generation."""
+        out, self.pending = self.pending, ""
+        return out
+
+
+def stream_generate(
+    model: Transformer,
+    tokenizer,
+    request: GenerationRequest,
+    *,
+    stop_ids: frozenset[int] = frozenset(),
+    cache: KVCache | None = None,
+    cancel: threading.Event | None = None,
+) -> Iterator[Event]:
+    """Generate for one request as a stream of events, ending with DoneEvent or ErrorEvent.
+
+    `tokenizer` may be None (token ids only: texts are then empty).
+    """
+    t0 = time.perf_counter()
+    try:
+        request.sampling.validate()
+        if request.max_tokens < 1:
+            raise GenerationError(f"max_tokens is {request.max_tokens}; it must be at least 1")
+        prompt = list(request.prompt)
+        cache = cache if cache is not None else KVCache(model.spec)
+        if len(prompt) + cache.length >= cache.max_len:
+            raise GenerationError(
+                f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len} "
+                f"(with {cache.length} already used); shorten the prompt or raise --ctx"
+            )
+        progress: list[ProgressEvent] = []
+        logits = prefill(
+            model, prompt, cache, all_logits=request.prompt_logits,
+            on_progress=lambda done, total: progress.append(ProgressEvent(done, total)),
+        )
+    except ColibriError as exc:
+        yield ErrorEvent(str(exc))
+        return
+    yield from progress
+    if request.prompt_logits:
+        yield PromptLogitsEvent(logits)
+        logits = logits[-1]
+    t_prefill = time.perf_counter()
+    stops = request.stop_ids if request.stop_ids is not None else stop_ids
+    decoder = tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens) if tokenizer else None
+    matcher = StopStrings(request.stop)
+    tokens: list[int] = []
+    text: list[str] = []
+    reason, hit, sampled = "length", False, 0
+    t_first = t_last = t_prefill
+    steps = generate_step(model, prompt, cache, request.sampling, first_logits=logits)
+    try:
+        for token in steps:
+            t_last = time.perf_counter()
+            if sampled == 0:
+                t_first = t_last
+            sampled += 1
+            if token in stops:
+                reason = "stop"
+                break
+            tokens.append(token)
+            delta, hit = matcher.feed(decoder.push(token) if decoder else "")
+            text.append(delta)
+            yield TokenEvent(len(tokens) - 1, token, delta)
+            if hit:
+                reason = "stop"
+                break
+            if len(tokens) >= request.max_tokens or cache.length >= cache.max_len:
+                break
+            if cancel is not None and cancel.is_set():
+                reason = "cancelled"
+                break
+    except ColibriError as exc:
+        yield ErrorEvent(str(exc))
+        return
+    finally:
+        steps.close()
+    tail = ""
+    if not hit:  # text held back as a possible stop-string start, or an unfinished byte sequence
+        tail, hit = matcher.feed(decoder.flush() if decoder else "")
+        tail += "" if hit else matcher.flush()
+    text.append(tail)
+    stats = GenerationStats(len(prompt), sampled, t_prefill - t0, t_last - t_first, t_first - t0)
+    yield DoneEvent(reason, tuple(tokens), "".join(text), stats, tail)
