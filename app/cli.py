@@ -11,6 +11,8 @@ from engine.errors import ColibriError
 
 # Modules of `app.commands`, in the order `colibri --help` lists them: one line per command.
 COMMANDS: list[str] = [
+    "run",
+    "chat",
     "pull",
 ]
 

@@ -1,0 +1,82 @@
+"""What `run` and `chat` share: the MODEL argument, sampling flags, loading with progress."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from engine.errors import ColibriError
+from engine.sampling import SamplingParams
+
+
+def add_model_argument(parser: argparse.ArgumentParser, required: bool) -> None:
+    """MODEL: a folder, a .gguf file, or a pulled name."""
+    help_text = "a model folder, a .gguf file, or a name pulled with `colibri pull`"
+    if required:
+        parser.add_argument("model", metavar="MODEL", help=help_text)
+    else:
+        parser.add_argument("model", metavar="MODEL", nargs="?", default=None, help=help_text + " (default: smollm2-135m)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, top_p: float) -> None:
+    """--max-tokens, --temperature, --top-p, --top-k, --min-p, penalties, --seed, --stop, --ctx."""
+    g = parser.add_argument_group("generation")
+    g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=temperature, metavar="T", help=f"0 is greedy (default {temperature})")
+    g.add_argument("--top-p", type=float, default=top_p, metavar="P", help=f"nucleus sampling mass (default {top_p})")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K likeliest tokens (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability (default 0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="CTRL-style penalty on seen tokens (default 1: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X", help="OpenAI presence penalty (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X", help="OpenAI frequency penalty (default 0)")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is generated (repeatable)")
+    g.add_argument("--ctx", type=int, default=None, metavar="N", help="context length in tokens (default: the model's)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags, checked."""
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
+    params.validate()
+    return params
+
+
+def load(model_arg: str | None, quiet: bool = False):
+    """Resolve MODEL and load it, reporting progress on stderr (a terminal gets a live line)."""
+    from app.pull import resolve_model
+    from engine.loader import load_model
+
+    path = resolve_model(model_arg)
+    live = sys.stderr.isatty() and not quiet
+    t0 = time.perf_counter()
+
+    def progress(fraction: float, message: str) -> None:
+        if live:
+            print(f"\rloading {path.name}: {fraction * 100:3.0f}% {message:<24}", end="", file=sys.stderr, flush=True)
+
+    loaded = load_model(path, progress)
+    if live:
+        print("\r" + " " * 79 + "\r", end="", file=sys.stderr)
+    if not quiet:
+        print(f"loaded {path.name} ({loaded.spec.architecture}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return loaded
+
+
+def context_length(loaded, ctx: int | None) -> int:
+    """The --ctx value, checked against what the model supports."""
+    limit = loaded.spec.max_position
+    if ctx is None:
+        return limit
+    if ctx < 1:
+        raise ColibriError(f"--ctx {ctx}: the context must hold at least one token")
+    return ctx

@@ -1,0 +1,120 @@
+"""`colibri chat [MODEL]`: an interactive terminal chat with streaming answers.
+
+Multi-turn history goes through the model's chat template; `/reset` forgets it, `/exit` (or
+Ctrl-D) leaves, Ctrl-C stops the answer being written and keeps the chat open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
+from engine.errors import ColibriError
+
+HELP = "commands: /reset forgets the conversation, /exit leaves; Ctrl-C stops an answer"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `chat` command."""
+    parser = subparsers.add_parser(
+        "chat",
+        help="chat with a model in the terminal",
+        description="An interactive chat with streaming answers. " + HELP + ".",
+    )
+    add_model_argument(parser, required=False)
+    parser.add_argument("--system", metavar="TEXT", help="a system message for the conversation")
+    add_sampling_arguments(parser, temperature=0.7, top_p=0.9)
+    parser.set_defaults(func=_run)
+
+
+class ChatSession:
+    """The conversation and one answer at a time; knows nothing of the terminal."""
+
+    def __init__(self, loaded, sampling, max_tokens: int, ctx: int, system: str | None, stop: tuple[str, ...] = ()):
+        if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
+            raise ColibriError(f"{loaded.name} has no chat template; use `colibri run --prompt` instead")
+        self.loaded, self.sampling, self.max_tokens, self.ctx, self.stop = loaded, sampling, max_tokens, ctx, stop
+        self.system = system
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def answer(self, text: str, cancel: threading.Event):
+        """Add a user turn and stream the answer's events; the answer joins the history when done."""
+        from engine.events import DoneEvent
+        from engine.generate import GenerationRequest, stream_generate
+        from engine.kv import KVCache
+
+        self.messages.append({"role": "user", "content": text})
+        ids = self.loaded.tokenizer.encode_chat(self.messages, add_generation_prompt=True)
+        request = GenerationRequest(prompt=tuple(ids), max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop)
+        cache = KVCache(self.loaded.spec, self.ctx)
+        done = None
+        try:
+            for event in stream_generate(self.loaded.model, self.loaded.tokenizer, request,
+                                         stop_ids=self.loaded.stop_ids, cache=cache, cancel=cancel):
+                if isinstance(event, DoneEvent):
+                    done = event
+                yield event
+        finally:
+            if done is not None:
+                self.messages.append({"role": "assistant", "content": done.text})
+            else:
+                self.messages.pop()  # the turn failed or was abandoned before it ended: forget it
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine.events import DoneEvent, ErrorEvent, TokenEvent
+
+    sampling = sampling_from_args(args)
+    loaded = load(args.model)
+    session = ChatSession(loaded, sampling, args.max_tokens, context_length(loaded, args.ctx), args.system, tuple(args.stop))
+    print(f"chatting with {loaded.name}; {HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print("\n(type /exit or press Ctrl-D to leave)", file=sys.stderr)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            return 0
+        if text == "/reset":
+            session.reset()
+            print("(conversation forgotten)", file=sys.stderr)
+            continue
+        if text.startswith("/"):
+            print(f"unknown command {text.split()[0]}; {HELP}", file=sys.stderr)
+            continue
+        cancel = threading.Event()
+        events = session.answer(text, cancel)
+        try:
+            for event in events:
+                if isinstance(event, TokenEvent):
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+                elif isinstance(event, ErrorEvent):
+                    print(f"\nerror: {event.message}", file=sys.stderr)
+                elif isinstance(event, DoneEvent):
+                    s = event.stats
+                    note = " (stopped)" if event.finish_reason == "cancelled" else ""
+                    sys.stdout.write(event.tail + "\n")
+                    print(f"[{len(event.tokens)} tokens, {s.decode_tok_s:.1f} tok/s, first token {s.ttft_s:.2f} s{note}]",
+                          file=sys.stderr)
+        except KeyboardInterrupt:
+            # stop within one token: the generator sees the flag before its next forward pass
+            cancel.set()
+            for event in events:
+                if isinstance(event, DoneEvent):
+                    sys.stdout.write(event.tail + "\n")
+                    print("[stopped]", file=sys.stderr)

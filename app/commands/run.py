@@ -1,0 +1,126 @@
+"""`colibri run MODEL (--prompt TEXT | --tokens 1,2,3)`: one generation, streamed or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
+from engine.errors import ColibriError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `run` command."""
+    parser = subparsers.add_parser(
+        "run",
+        help="generate text from a prompt",
+        description="Generate from a prompt (text, or token ids with --tokens) and stream the text; "
+        "with --json print one JSON object with the generated ids, the text and speed figures. "
+        "Greedy by default (--temperature 0).",
+    )
+    add_model_argument(parser, required=True)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    src.add_argument("--tokens", metavar="1,2,3", help="the prompt as comma-separated token ids")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("--logits-out", type=Path, metavar="FILE.npy", help="save the prompt's logits, float32 [prompt_len, vocab]")
+    add_sampling_arguments(parser, temperature=0.0, top_p=1.0)
+    parser.set_defaults(func=_run)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """'1, 2,3' -> [1, 2, 3], with a clear error for anything else."""
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ColibriError(f"--tokens {text!r}: expected comma-separated integers such as 1,2,3") from None
+    if not ids:
+        raise ColibriError("--tokens is empty: give at least one token id")
+    return ids
+
+
+def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
+    """The prompt's token ids from --prompt/--tokens, --chat and --system."""
+    if args.system is not None and not args.chat:
+        raise ColibriError("--system needs --chat (the system message goes through the chat template)")
+    if args.tokens is not None:
+        if args.chat:
+            raise ColibriError("--chat applies to --prompt text, not to --tokens ids")
+        return parse_token_ids(args.tokens)
+    if tokenizer is None:
+        raise ColibriError("this model has no tokenizer files (tokenizer.json); pass the prompt as --tokens 1,2,3")
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        messages.append({"role": "user", "content": args.prompt})
+        return tokenizer.encode_chat(messages, add_generation_prompt=True)
+    return tokenizer.encode(args.prompt)
+
+
+def save_npy_atomic(path: Path, array: np.ndarray) -> None:
+    """np.save through a temporary file in the same folder, renamed at the end."""
+    path = path.expanduser()
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ColibriError(f"--logits-out {path}: folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine.events import DoneEvent, ErrorEvent, PromptLogitsEvent, TokenEvent
+    from engine.generate import GenerationRequest, stream_generate
+    from engine.kv import KVCache
+
+    sampling = sampling_from_args(args)
+    if args.max_tokens < 1:
+        raise ColibriError(f"--max-tokens {args.max_tokens}: generate at least one token")
+    loaded = load(args.model, quiet=args.json)
+    ids = prompt_ids(args, loaded.tokenizer)
+    request = GenerationRequest(
+        prompt=tuple(ids), max_tokens=args.max_tokens, sampling=sampling,
+        stop=tuple(args.stop), prompt_logits=args.logits_out is not None,
+    )
+    cache = KVCache(loaded.spec, context_length(loaded, args.ctx))
+    done = None
+    for event in stream_generate(loaded.model, loaded.tokenizer, request, stop_ids=loaded.stop_ids, cache=cache):
+        if isinstance(event, ErrorEvent):
+            raise ColibriError(event.message)
+        if isinstance(event, PromptLogitsEvent):
+            save_npy_atomic(args.logits_out, np.ascontiguousarray(event.logits, dtype=np.float32))
+        elif isinstance(event, TokenEvent) and not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, DoneEvent):
+            done = event
+    assert done is not None
+    if args.json:
+        print(json.dumps({
+            "tokens": list(done.tokens),
+            "text": done.text,
+            "prompt_tokens": len(ids),
+            "finish_reason": done.finish_reason,
+            "stats": done.stats.as_dict(),
+        }, ensure_ascii=False))
+    else:
+        sys.stdout.write(done.tail + "\n")
+        s = done.stats
+        print(
+            f"[{s.prompt_tokens} prompt tokens at {s.prompt_tok_s:.1f} tok/s, {len(done.tokens)} generated at "
+            f"{s.decode_tok_s:.1f} tok/s, first token after {s.ttft_s:.2f} s, {done.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
