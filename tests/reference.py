@@ -1,0 +1,71 @@
+"""The reference side of parity tests: tiny random transformers checkpoints and their outputs.
+
+Checkpoints are built with `AutoModelForCausalLM.from_config`, given non-trivial norms, biases and
+router biases (so that a block that ignores them fails), saved with `save_pretrained` and then
+read back from disk by both sides: Colibri reads the files, never torch's memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+BASE = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=160, initializer_range=0.1, max_position_embeddings=512,
+)
+
+
+def build_checkpoint(folder: Path, model_type: str, seed: int = 0, dtype: str = "float32",
+                     shard_size: str | None = None, **overrides) -> Path:
+    """Save a random model of `model_type` (BASE updated with overrides) into `folder`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.2)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def load_reference(folder: Path):
+    """The saved checkpoint as transformers reads it, in float32 with plain (eager) attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def reference_logits(model, ids: list[int]) -> np.ndarray:
+    """Logits [T, V] of a full forward pass."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def reference_greedy(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens, each from a full recomputation over the whole sequence (no cache)."""
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(reference_logits(model, seq)[-1].argmax()))
+    return seq[len(ids):]
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
