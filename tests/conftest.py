@@ -26,3 +26,27 @@ def smollm2_gguf() -> Path:
     path = pull("smollm2-135m", models_dir=TEST_MODELS)
     assert path.suffix == ".gguf", f"expected the GGUF from the wheel, got {path}"
     return path
+
+
+@pytest.fixture(scope="session")
+def smol_metadata(smollm2_gguf: Path) -> dict:
+    """SmolLM2's GGUF metadata as plain values (read once per run)."""
+    from engine.formats.gguf_meta import gguf_metadata, open_gguf
+
+    return gguf_metadata(open_gguf(smollm2_gguf))
+
+
+@pytest.fixture(scope="session")
+def smol(smol_metadata: dict, smollm2_gguf: Path):
+    """Colibri's tokenizer built from SmolLM2's GGUF metadata."""
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf_metadata(smol_metadata, smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smollm2_gguf: Path):
+    """transformers' tokenizer loaded from the same GGUF (the reference)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)

@@ -4,7 +4,6 @@ conversations, then one template per feature of transformers' Jinja environment,
 from __future__ import annotations
 
 import pytest
-from test_tokenizer import hf_smol, smol, smollm2_gguf  # noqa: F401  (session fixtures, shared)
 
 from engine.errors import TokenizerError
 from engine.tokenizer import Tokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_tokenizer import TEXTS, hf_smol, smol, smollm2_gguf, tiny_llama_metadata  # noqa: F401
+from test_tokenizer import TEXTS, tiny_llama_metadata
 
 from engine.tokenizer import StreamDecoder, Tokenizer
 

