@@ -35,24 +35,20 @@ class GenerationRequest:
     skip_special_tokens: bool = True          # leave control tokens out of the text
 
 
+def prefill_chunks(
+    model: Transformer, prompt: Sequence[int], cache: KVCache, *, all_logits: bool = False, chunk: int = PREFILL_CHUNK
+) -> Iterator[tuple[int, np.ndarray]]:
+    """Run the prompt through the model chunk by chunk, yielding (tokens done, that chunk's logits)."""
+    for start in range(0, len(prompt), chunk):
+        logits = model.forward(prompt[start : start + chunk], cache, all_logits=all_logits)
+        yield min(start + chunk, len(prompt)), logits
+
+
 def prefill(
-    model: Transformer,
-    prompt: Sequence[int],
-    cache: KVCache,
-    *,
-    all_logits: bool = False,
-    chunk: int = PREFILL_CHUNK,
-    on_progress: Callable[[int, int], None] | None = None,
+    model: Transformer, prompt: Sequence[int], cache: KVCache, *, all_logits: bool = False, chunk: int = PREFILL_CHUNK
 ) -> np.ndarray:
-    """Run the prompt through the model in chunks; the last token's logits [V] (or all, [T, V])."""
-    outs = []
-    total = len(prompt)
-    for start in range(0, total, chunk):
-        part = prompt[start : start + chunk]
-        logits = model.forward(part, cache, all_logits=all_logits)
-        outs.append(logits)
-        if on_progress is not None:
-            on_progress(min(start + chunk, total), total)
+    """The prompt's last logits [V] (or all of them, [T, V]) after running it through the model."""
+    outs = [logits for _, logits in prefill_chunks(model, prompt, cache, all_logits=all_logits, chunk=chunk)]
     return np.concatenate(outs) if all_logits else outs[-1][-1]
 
 
@@ -133,29 +129,31 @@ def stream_generate(
     `tokenizer` may be None (token ids only: texts are then empty).
     """
     t0 = time.perf_counter()
+    prompt = list(request.prompt)
+    cache = cache if cache is not None else KVCache(model.spec)
+    chunks: list[np.ndarray] = []
     try:
         request.sampling.validate()
         if request.max_tokens < 1:
             raise GenerationError(f"max_tokens is {request.max_tokens}; it must be at least 1")
-        prompt = list(request.prompt)
-        cache = cache if cache is not None else KVCache(model.spec)
         if len(prompt) + cache.length >= cache.max_len:
             raise GenerationError(
                 f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len} "
                 f"(with {cache.length} already used); shorten the prompt or raise --ctx"
             )
-        progress: list[ProgressEvent] = []
-        logits = prefill(
-            model, prompt, cache, all_logits=request.prompt_logits,
-            on_progress=lambda done, total: progress.append(ProgressEvent(done, total)),
-        )
+        for done, logits in prefill_chunks(model, prompt, cache, all_logits=request.prompt_logits):
+            chunks.append(logits)
+            yield ProgressEvent(done, len(prompt))
+            if cancel is not None and cancel.is_set() and done < len(prompt):
+                t = time.perf_counter() - t0
+                yield DoneEvent("cancelled", (), "", GenerationStats(done, 0, t, 0.0, 0.0))
+                return
     except ColibriError as exc:
         yield ErrorEvent(str(exc))
         return
-    yield from progress
     if request.prompt_logits:
-        yield PromptLogitsEvent(logits)
-        logits = logits[-1]
+        yield PromptLogitsEvent(np.concatenate(chunks))
+    logits = chunks[-1][-1]
     t_prefill = time.perf_counter()
     stops = request.stop_ids if request.stop_ids is not None else stop_ids
     decoder = tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens) if tokenizer else None

@@ -173,3 +173,15 @@ def test_stop_strings(pieces, stops, streamed, hit):
     assert got_hit == hit and out == streamed
     if not hit:  # at the end, what was held back is released
         assert out + matcher.flush() == "".join(pieces)
+
+
+def test_cancel_during_prefill_ends_before_any_token(tiny):
+    """A long prompt is run in chunks; a cancel raised meanwhile stops before the next chunk."""
+    cancel = threading.Event()
+    cancel.set()
+    prompt = tuple(int(t) for t in np.arange(300) % 150)
+    events = list(stream_generate(tiny.model, None, GenerationRequest(prompt=prompt, max_tokens=5),
+                                  cache=KVCache(tiny.spec, 512), cancel=cancel))
+    assert [type(e) for e in events] == [ProgressEvent, DoneEvent]
+    assert events[0].done == 256 and events[0].total == 300
+    assert events[-1].finish_reason == "cancelled" and events[-1].tokens == ()

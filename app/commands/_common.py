@@ -19,15 +19,16 @@ def add_model_argument(parser: argparse.ArgumentParser, required: bool) -> None:
         parser.add_argument("model", metavar="MODEL", nargs="?", default=None, help=help_text + " (default: smollm2-135m)")
 
 
-def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, top_p: float) -> None:
+def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, repetition_penalty: float) -> None:
     """--max-tokens, --temperature, --top-p, --top-k, --min-p, penalties, --seed, --stop, --ctx."""
     g = parser.add_argument_group("generation")
     g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="most tokens to generate (default 256)")
     g.add_argument("--temperature", type=float, default=temperature, metavar="T", help=f"0 is greedy (default {temperature})")
-    g.add_argument("--top-p", type=float, default=top_p, metavar="P", help=f"nucleus sampling mass (default {top_p})")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K likeliest tokens (default 0: off)")
     g.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability (default 0: off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="CTRL-style penalty on seen tokens (default 1: off)")
+    g.add_argument("--repetition-penalty", type=float, default=repetition_penalty, metavar="R",
+                   help=f"CTRL-style penalty on seen tokens, 1 is off (default {repetition_penalty})")
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X", help="OpenAI presence penalty (default 0)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X", help="OpenAI frequency penalty (default 0)")
     g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
@@ -60,13 +61,18 @@ def load(model_arg: str | None, quiet: bool = False):
     live = sys.stderr.isatty() and not quiet
     t0 = time.perf_counter()
 
+    width = 0
+
     def progress(fraction: float, message: str) -> None:
+        nonlocal width
         if live:
-            print(f"\rloading {path.name}: {fraction * 100:3.0f}% {message:<24}", end="", file=sys.stderr, flush=True)
+            line = f"loading {path.name}: {fraction * 100:3.0f}% {message}"
+            width = max(width, len(line))
+            print(f"\r{line:<{width}}", end="", file=sys.stderr, flush=True)
 
     loaded = load_model(path, progress)
     if live:
-        print("\r" + " " * 79 + "\r", end="", file=sys.stderr)
+        print("\r" + " " * width + "\r", end="", file=sys.stderr)
     if not quiet:
         print(f"loaded {path.name} ({loaded.spec.architecture}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return loaded

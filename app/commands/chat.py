@@ -7,6 +7,7 @@ Ctrl-D) leaves, Ctrl-C stops the answer being written and keeps the chat open.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 
@@ -21,11 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "chat",
         help="chat with a model in the terminal",
-        description="An interactive chat with streaming answers. " + HELP + ".",
+        description="An interactive chat with streaming answers. " + HELP + ". Greedy with a mild "
+        "repetition penalty by default: small models answer best that way; raise --temperature for variety.",
     )
     add_model_argument(parser, required=False)
     parser.add_argument("--system", metavar="TEXT", help="a system message for the conversation")
-    add_sampling_arguments(parser, temperature=0.7, top_p=0.9)
+    add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.1)
     parser.set_defaults(func=_run)
 
 
@@ -97,9 +99,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"unknown command {text.split()[0]}; {HELP}", file=sys.stderr)
             continue
         cancel = threading.Event()
-        events = session.answer(text, cancel)
+        # Ctrl-C while answering only raises the flag: the generator sees it before its next
+        # forward pass and ends the answer cleanly (an exception inside it would lose the turn)
+        previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
         try:
-            for event in events:
+            for event in session.answer(text, cancel):
                 if isinstance(event, TokenEvent):
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
@@ -107,14 +111,12 @@ def _run(args: argparse.Namespace) -> int:
                     print(f"\nerror: {event.message}", file=sys.stderr)
                 elif isinstance(event, DoneEvent):
                     s = event.stats
-                    note = " (stopped)" if event.finish_reason == "cancelled" else ""
                     sys.stdout.write(event.tail + "\n")
-                    print(f"[{len(event.tokens)} tokens, {s.decode_tok_s:.1f} tok/s, first token {s.ttft_s:.2f} s{note}]",
-                          file=sys.stderr)
-        except KeyboardInterrupt:
-            # stop within one token: the generator sees the flag before its next forward pass
-            cancel.set()
-            for event in events:
-                if isinstance(event, DoneEvent):
-                    sys.stdout.write(event.tail + "\n")
-                    print("[stopped]", file=sys.stderr)
+                    sys.stdout.flush()
+                    if event.finish_reason == "cancelled":
+                        print("[stopped]", file=sys.stderr)
+                    else:
+                        print(f"[{len(event.tokens)} tokens, {s.decode_tok_s:.1f} tok/s, first token {s.ttft_s:.2f} s]",
+                              file=sys.stderr)
+        finally:
+            signal.signal(signal.SIGINT, previous)

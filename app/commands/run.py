@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--logits-out", type=Path, metavar="FILE.npy", help="save the prompt's logits, float32 [prompt_len, vocab]")
-    add_sampling_arguments(parser, temperature=0.0, top_p=1.0)
+    add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.0)
     parser.set_defaults(func=_run)
 
 
