@@ -31,12 +31,15 @@ class RopeSpec:
     attention_factor: float | None = None  # yarn: cos/sin scale; derived when None
     truncate: bool = True         # yarn
     interleaved: bool = False     # pairs (x0, x1), (x2, x3) rotate together (DeepSeek-V3)
+    freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (GGUF rope_freqs, e.g. Llama 3.1)
 
     def inv_freq(self) -> np.ndarray:
         """Inverse frequencies [dim/2] as float32, computed the way the reference does."""
         exponent = np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.dim)
         base = np.float32(self.theta) ** exponent  # float32 like the reference
         inv = (np.float32(1.0) / base).astype(np.float32)
+        if self.freq_factors is not None:  # llama.cpp stores the scaling as factors instead of a rope type
+            return (inv / np.asarray(self.freq_factors, np.float32)).astype(np.float32)
         if self.kind == "linear":
             return (inv / np.float32(self.factor)).astype(np.float32)
         if self.kind == "llama3":

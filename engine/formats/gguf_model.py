@@ -126,7 +126,11 @@ class GGUFModel:
         self.reader = open_gguf(path)
         self.meta = gguf_metadata(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
+        self._cache: dict[str, np.ndarray] = {}
         self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path)
+        if "rope_freqs.weight" in self._tensors:  # Llama 3.1 scaling, written as per-frequency factors
+            factors = self._dequantized("rope_freqs.weight", keep=False).reshape(-1)
+            self.config["rope_parameters"]["freq_factors"] = [float(f) for f in factors]
         self._arch = self.meta["general.architecture"]
         moe_prefix = "block_sparse_moe" if self.config["architectures"][0] == "MixtralForCausalLM" else "mlp"
         proj = ("w1", "w3", "w2") if moe_prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
@@ -148,7 +152,6 @@ class GGUFModel:
                 n_experts = int(t.shape[-1])  # ggml order: [in, out, experts]
                 for e in range(n_experts):
                     self._names[f"{layer}.{moe_prefix}.experts.{e}.{proj[_EXPERT_STACKS[rest]]}.weight"] = (name, e)
-        self._cache: dict[str, np.ndarray] = {}
 
     def names(self) -> Iterable[str]:
         """Every tensor, by Hugging Face name."""

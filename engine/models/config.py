@@ -91,6 +91,7 @@ def rope_from_config(cfg: Config, dim: int, *, interleaved: bool = False) -> Rop
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
         interleaved=interleaved,
+        freq_factors=tuple(float(f) for f in params["freq_factors"]) if params.get("freq_factors") else None,
     )
 
 
