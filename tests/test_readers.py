@@ -213,3 +213,13 @@ def test_unpermute_inverts_llama_cpp_permutation():
     permuted = w.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     assert not np.array_equal(permuted, w)
     assert np.array_equal(unpermute_qk(permuted, heads), w)
+
+
+def test_progress_reaches_one_and_can_cancel(good):
+    from engine.loader import LoadCancelled
+
+    seen: list[float] = []
+    load_model(good, lambda fraction, message: seen.append(fraction))
+    assert seen[0] == 0.0 and seen[-1] == 1.0 and seen == sorted(seen)
+    with pytest.raises(LoadCancelled):
+        load_model(good, lambda fraction, message: fraction < 0.5)
