@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.blocks.linear import Probe, linear
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
 from engine.kv import HeadsKV
@@ -74,6 +75,7 @@ class Attention:
     spec: AttentionSpec
     rotary: Rotary
     rms_eps: float
+    prefix: str     # tensor name prefix, e.g. "model.layers.3.self_attn"
     wq: np.ndarray  # [H*D, hidden]
     wk: np.ndarray  # [Hkv*D, hidden]
     wv: np.ndarray  # [Hkv*D, hidden]
@@ -89,7 +91,7 @@ class Attention:
     def load(cls, spec: AttentionSpec, w: Weights, prefix: str, rotary: Rotary, rms_eps: float) -> "Attention":
         """Take the block's tensors from `w`."""
         return cls(
-            spec, rotary, rms_eps,
+            spec, rotary, rms_eps, prefix,
             w[f"{prefix}.q_proj.weight"], w[f"{prefix}.k_proj.weight"],
             w[f"{prefix}.v_proj.weight"], w[f"{prefix}.o_proj.weight"],
             w.get(f"{prefix}.q_proj.bias"), w.get(f"{prefix}.k_proj.bias"),
@@ -97,12 +99,15 @@ class Attention:
             w.get(f"{prefix}.q_norm.weight"), w.get(f"{prefix}.k_norm.weight"),
         )
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: HeadsKV) -> np.ndarray:
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: HeadsKV, probe: Probe | None = None) -> np.ndarray:
         """x [T, hidden] at `positions` -> [T, hidden]; writes this block's keys/values to `cache`."""
         s, t = self.spec, x.shape[0]
-        q = x @ self.wq.T                                        # [T, H*D]
-        k = x @ self.wk.T                                        # [T, Hkv*D]
-        v = x @ self.wv.T
+        if probe is not None:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                probe(f"{self.prefix}.{proj}.weight", x)
+        q = linear(x, self.wq)                                   # [T, H*D]
+        k = linear(x, self.wk)                                   # [T, Hkv*D]
+        v = linear(x, self.wv)
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if s.qk_norm == "full":
@@ -120,5 +125,7 @@ class Attention:
         keys, values = cache.write(int(positions[0]), k, v)      # [Hkv, S, D]
         mask = causal_mask(positions, keys.shape[1], s.sliding_window)
         out = attend(q, keys, values, mask, s.scale).reshape(t, -1)  # [T, H*D]
-        out = out @ self.wo.T
+        if probe is not None:
+            probe(f"{self.prefix}.o_proj.weight", out)
+        out = linear(out, self.wo)
         return out + self.bo if self.bo is not None else out

@@ -13,6 +13,7 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
+from engine.blocks.linear import Probe, linear
 from engine.blocks.norm import activation
 from engine.spec import MLPSpec, MoESpec
 from engine.weights import Weights
@@ -32,15 +33,16 @@ def mlp_shapes(prefix: str, hidden: int, intermediate: int, names: Sequence[str]
 class ExpertWeights:
     """One gated MLP's matrices (also the unit a routed expert is stored, cached and read in)."""
 
-    gate: np.ndarray  # [I, hidden]
+    gate: np.ndarray  # [I, hidden]  (float32, or a quantized tensor of that shape)
     up: np.ndarray    # [I, hidden]
     down: np.ndarray  # [hidden, I]
+    names: tuple[str, str, str] = ("", "", "")  # tensor names of gate, up, down (for probes)
 
     @classmethod
     def load(cls, w: Weights, prefix: str, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> "ExpertWeights":
         """Take gate, up and down of the MLP at `prefix`."""
-        gate, up, down = names
-        return cls(w[f"{prefix}.{gate}.weight"], w[f"{prefix}.{up}.weight"], w[f"{prefix}.{down}.weight"])
+        full = tuple(f"{prefix}.{n}.weight" for n in names)
+        return cls(w[full[0]], w[full[1]], w[full[2]], full)
 
     @property
     def nbytes(self) -> int:
@@ -48,9 +50,14 @@ class ExpertWeights:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
-def gated_mlp(x: np.ndarray, e: ExpertWeights, act) -> np.ndarray:
+def gated_mlp(x: np.ndarray, e: ExpertWeights, act, probe: Probe | None = None) -> np.ndarray:
     """down(act(gate(x)) * up(x)) for x [T, hidden] -> [T, hidden]."""
-    return (act(x @ e.gate.T) * (x @ e.up.T)) @ e.down.T
+    h = act(linear(x, e.gate)) * linear(x, e.up)                              # [T, I]
+    if probe is not None:
+        probe(e.names[0], x)
+        probe(e.names[1], x)
+        probe(e.names[2], h)
+    return linear(h, e.down)
 
 
 @dataclass(frozen=True)
@@ -60,9 +67,9 @@ class MLP:
     spec: MLPSpec
     weights: ExpertWeights
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray, probe: Probe | None = None) -> np.ndarray:
         """x [T, hidden] -> [T, hidden]."""
-        return gated_mlp(x, self.weights, activation(self.spec.act))
+        return gated_mlp(x, self.weights, activation(self.spec.act), probe)
 
 
 class ExpertSource(Protocol):
@@ -133,21 +140,26 @@ class MoE:
     correction_bias: np.ndarray | None       # [E]
     shared: ExpertWeights | None
     shared_gate: np.ndarray | None           # [1, hidden]
+    prefix: str = ""                         # tensor name prefix of the block
 
-    def __call__(self, x: np.ndarray, source: ExpertSource) -> tuple[np.ndarray, Routing]:
+    def __call__(self, x: np.ndarray, source: ExpertSource, probe: Probe | None = None) -> tuple[np.ndarray, Routing]:
         """x [T, hidden] -> ([T, hidden], this step's routing)."""
         act = activation(self.spec.act)
+        if probe is not None:
+            probe(f"{self.prefix}.gate.weight", x)
         ids, weights = route(self.spec, x @ self.router.T, self.correction_bias)   # [T, K] each
         needed = np.unique(ids)
         experts = source.experts(self.layer, [int(i) for i in needed])
         out = np.zeros_like(x, dtype=np.float32)
         for expert_id in needed:
             rows, slots = np.nonzero(ids == expert_id)   # tokens routed here; a token picks an expert once
-            y = gated_mlp(x[rows], experts[int(expert_id)], act)                  # [n, hidden]
+            y = gated_mlp(x[rows], experts[int(expert_id)], act, probe)           # [n, hidden]
             out[rows] += y * weights[rows, slots][:, None]
         if self.shared is not None:
-            shared = gated_mlp(x, self.shared, act)
+            shared = gated_mlp(x, self.shared, act, probe)
             if self.shared_gate is not None:
+                if probe is not None:
+                    probe(f"{self.prefix}.shared_expert_gate.weight", x)
                 shared = shared * (1.0 / (1.0 + np.exp(-(x @ self.shared_gate.T))))
             out += shared
         return out, Routing(self.layer, ids, weights)

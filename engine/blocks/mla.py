@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.blocks.attention import causal_mask, softmax_rows
+from engine.blocks.linear import Probe, linear
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
 from engine.kv import LatentKV
@@ -50,6 +51,7 @@ class LatentAttention:
     spec: MLASpec
     rotary: Rotary
     rms_eps: float
+    prefix: str                   # tensor name prefix, e.g. "model.layers.3.self_attn"
     wq: np.ndarray | None         # [H*(dn+dr), hidden] when there is no q LoRA
     wq_a: np.ndarray | None       # [Rq, hidden]
     q_a_norm: np.ndarray | None   # [Rq]
@@ -68,7 +70,7 @@ class LatentAttention:
         """Take the block's tensors from `w`; splits kv_b_proj into its key and value halves."""
         kv_b = w[f"{prefix}.kv_b_proj.weight"].reshape(spec.n_heads, spec.qk_nope_dim + spec.v_head_dim, spec.kv_lora_rank)
         return cls(
-            spec, rotary, rms_eps,
+            spec, rotary, rms_eps, prefix,
             w.get(f"{prefix}.q_proj.weight"), w.get(f"{prefix}.q_a_proj.weight"),
             w.get(f"{prefix}.q_a_layernorm.weight"), w.get(f"{prefix}.q_b_proj.weight"),
             w[f"{prefix}.kv_a_proj_with_mqa.weight"], w[f"{prefix}.kv_a_layernorm.weight"],
@@ -77,21 +79,31 @@ class LatentAttention:
             w.get(f"{prefix}.q_a_proj.bias"), w.get(f"{prefix}.kv_a_proj_with_mqa.bias"), w.get(f"{prefix}.o_proj.bias"),
         )
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: LatentKV) -> np.ndarray:
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: LatentKV, probe: Probe | None = None) -> np.ndarray:
         """x [T, hidden] at `positions` -> [T, hidden]; writes the latent to `cache`."""
-        s, t = self.spec, x.shape[0]
+        s, t, p = self.spec, x.shape[0], self.prefix
         if self.wq is not None:
-            q = x @ self.wq.T
+            if probe is not None:
+                probe(f"{p}.q_proj.weight", x)
+            q = linear(x, self.wq)
         else:
-            qa = x @ self.wq_a.T
+            qa = linear(x, self.wq_a)
             if self.bq_a is not None:
                 qa = qa + self.bq_a
-            q = rms_norm(qa, self.q_a_norm, self.rms_eps) @ self.wq_b.T
+            qa = rms_norm(qa, self.q_a_norm, self.rms_eps)
+            if probe is not None:
+                probe(f"{p}.q_a_proj.weight", x)
+                probe(f"{p}.q_b_proj.weight", qa)
+            q = linear(qa, self.wq_b)
         q = q.reshape(t, s.n_heads, s.qk_head_dim)                      # [T, H, dn+dr]
-        ckv = x @ self.wkv_a.T                                          # [T, R+dr]
+        if probe is not None:
+            probe(f"{p}.kv_a_proj_with_mqa.weight", x)
+        ckv = linear(x, self.wkv_a)                                     # [T, R+dr]
         if self.bkv_a is not None:
             ckv = ckv + self.bkv_a
         latent = rms_norm(ckv[:, : s.kv_lora_rank], self.kv_a_norm, self.rms_eps)  # [T, R]
+        if probe is not None:
+            probe(f"{p}.kv_b_proj.weight", latent)
         cos, sin = self.rotary.tables(positions)
         k_rot = self.rotary.apply(ckv[:, None, s.kv_lora_rank :], cos, sin)[:, 0]  # [T, dr]
         q_rot = self.rotary.apply(q[..., s.qk_nope_dim :], cos, sin)    # [T, H, dr]
@@ -105,5 +117,7 @@ class LatentAttention:
         probs = softmax_rows(scores)
         ctx = probs @ lat_all                                           # [H, T, R]
         out = np.matmul(ctx, self.w_uv.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(t, -1)  # [T, H*dv]
-        out = out @ self.wo.T
+        if probe is not None:
+            probe(f"{p}.o_proj.weight", out)
+        out = linear(out, self.wo)
         return out + self.bo if self.bo is not None else out

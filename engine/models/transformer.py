@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.blocks.attention import Attention, attention_shapes
 from engine.blocks.ffn import MLP, ExpertSource, ExpertWeights, MoE, ResidentExperts, Routing, mlp_shapes
+from engine.blocks.linear import Probe, linear
 from engine.blocks.mla import LatentAttention, mla_shapes
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
@@ -116,6 +117,7 @@ class Transformer:
                 w.get(f"{p}.{f.prefix}.gate.e_score_correction_bias"),
                 ExpertWeights.load(w, f"{p}.{f.prefix}.{f.shared_prefix}") if f.shared_ffn else None,
                 w.get(f"{p}.{f.prefix}.shared_expert_gate.weight"),
+                f"{p}.{f.prefix}",
             )
         return Layer(w[f"{p}.input_layernorm.weight"], attn, w[f"{p}.post_attention_layernorm.weight"], ffn)
 
@@ -126,10 +128,12 @@ class Transformer:
         *,
         all_logits: bool = False,
         routing: list[Routing] | None = None,
+        probe: Probe | None = None,
     ) -> np.ndarray:
         """Run tokens [T] after what `cache` holds; logits [T, V] (or [1, V] for the last token only).
 
-        Appends each MoE layer's routing to `routing` when a list is given.
+        Appends each MoE layer's routing to `routing` when a list is given; calls `probe` with the
+        input of every weight matrix (by tensor name) when given.
         """
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if ids.size == 0:
@@ -141,16 +145,19 @@ class Transformer:
         eps = self.spec.rms_eps
         x = np.array(self.embed[ids], dtype=np.float32)                     # [T, hidden]
         for i, layer in enumerate(self.layers):
-            x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i])
+            x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i], probe)
             h = rms_norm(x, layer.post_norm, eps)
             if isinstance(layer.ffn, MoE):
-                y, r = layer.ffn(h, self.experts)
+                y, r = layer.ffn(h, self.experts, probe)
                 if routing is not None:
                     routing.append(r)
             else:
-                y = layer.ffn(h)
+                y = layer.ffn(h, probe)
             x = x + y
         cache.commit(ids.size)
         if not all_logits:
             x = x[-1:]
-        return rms_norm(x, self.norm, eps) @ self.lm_head.T                # [T or 1, V]
+        x = rms_norm(x, self.norm, eps)
+        if probe is not None:
+            probe("lm_head.weight", x)
+        return linear(x, self.lm_head)                                    # [T or 1, V]
