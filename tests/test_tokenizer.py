@@ -475,3 +475,17 @@ def test_corrupt_folder_files_name_the_file(smol_folder, tmp_path):
     assert tok.decode(tok.encode("fine")) == "fine"
     with pytest.raises(TokenizerError, match=r"tokenizer_config\.json has a syntax error"):
         tok.apply_chat_template(CONVERSATION)
+
+
+def test_gguf_tokenizer_saved_as_folder_reads_back_the_same(smol, tmp_path):
+    """A GGUF's tokenizer written as Hugging Face files encodes, decodes and renders identically."""
+    smol.save(tmp_path)
+    again = Tokenizer.from_folder(tmp_path)
+    for text in TEXTS:
+        for special in (True, False):
+            assert again.encode(text, add_special_tokens=special) == smol.encode(text, add_special_tokens=special)
+    ids = smol.encode(TEXTS[5])
+    assert again.decode(ids) == smol.decode(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert again.encode_chat(messages) == smol.encode_chat(messages)
+    assert (again.bos_token_id, again.eos_token_id, again.special_ids) == (smol.bos_token_id, smol.eos_token_id, smol.special_ids)

@@ -89,6 +89,12 @@ class Tokenizer:
         parts = build_from_gguf(meta, source)
         return cls(parts.backend, parts.special_tokens, parts.chat_template, source=source or "GGUF file")
 
+    def save(self, folder: str | Path) -> list[Path]:
+        """Write this tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json, chat template)."""
+        from engine.tokenizer.hf_folder import save_folder
+
+        return save_folder(self, Path(folder))
+
     # ---- text <-> ids -----------------------------------------------------------------------
 
     @property

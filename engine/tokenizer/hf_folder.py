@@ -156,3 +156,21 @@ def load_folder(folder: Path, cls: type[Tokenizer]) -> Tokenizer | None:
         source=template_source if templates else str(folder),
         clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
     )
+
+
+def save_folder(tokenizer: "Tokenizer", folder: Path) -> list[Path]:
+    """Write tokenizer.json, tokenizer_config.json and the chat template(s) so `load_folder` reads the
+    same tokenizer back (used to give a GGUF's tokenizer to a Hugging Face-style folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
+    tokenizer.backend.save(str(written[0]))
+    config: dict[str, Any] = dict(tokenizer.special_tokens)
+    config["clean_up_tokenization_spaces"] = False
+    templates = tokenizer._templates
+    if isinstance(templates, str):
+        (folder / "chat_template.jinja").write_text(templates, encoding="utf-8")
+        written.append(folder / "chat_template.jinja")
+    elif templates:
+        config["chat_template"] = [{"name": n, "template": t} for n, t in templates.items()]
+    written[1].write_text(json.dumps(config, indent=1, ensure_ascii=False), encoding="utf-8")
+    return written
