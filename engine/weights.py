@@ -25,8 +25,9 @@ class TensorSource(Protocol):
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, without reading it."""
 
-    def load(self, name: str) -> np.ndarray:
-        """The tensor as float32 (a read-only memory map where the stored dtype allows)."""
+    def load(self, name: str):
+        """The tensor as float32 (a read-only memory map where the stored dtype allows), or a
+        quantized tensor (an object with `shape`, `matmul(x)` and `dequantize()`)."""
 
     def location(self, name: str) -> str:
         """The file that holds the tensor, for error messages."""
@@ -58,9 +59,17 @@ class Weights:
         if name not in self.expected:
             raise KeyError(name)
         arr = self.source.load(name)
-        if arr.dtype != np.float32:
-            raise ModelFormatError(f"{self.source.location(name)}: tensor {name} loaded as {arr.dtype}, expected float32")
+        if isinstance(arr, np.ndarray):
+            if arr.dtype != np.float32:
+                raise ModelFormatError(f"{self.source.location(name)}: tensor {name} loaded as {arr.dtype}, expected float32")
+        elif not hasattr(arr, "matmul"):  # a quantized tensor brings its own kernel
+            raise ModelFormatError(f"{self.source.location(name)}: tensor {name} loaded as {type(arr).__name__}")
         return arr
+
+    def dense(self, name: str) -> np.ndarray:
+        """The tensor as a float32 array, dequantized if stored quantized (for small tensors used whole)."""
+        arr = self[name]
+        return arr if isinstance(arr, np.ndarray) else arr.dequantize()
 
     def get(self, name: str) -> np.ndarray | None:
         """The tensor, or None when the model does not use it."""

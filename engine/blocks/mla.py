@@ -68,7 +68,7 @@ class LatentAttention:
     @classmethod
     def load(cls, spec: MLASpec, w: Weights, prefix: str, rotary: Rotary, rms_eps: float) -> "LatentAttention":
         """Take the block's tensors from `w`; splits kv_b_proj into its key and value halves."""
-        kv_b = w[f"{prefix}.kv_b_proj.weight"].reshape(spec.n_heads, spec.qk_nope_dim + spec.v_head_dim, spec.kv_lora_rank)
+        kv_b = w.dense(f"{prefix}.kv_b_proj.weight").reshape(spec.n_heads, spec.qk_nope_dim + spec.v_head_dim, spec.kv_lora_rank)
         return cls(
             spec, rotary, rms_eps, prefix,
             w.get(f"{prefix}.q_proj.weight"), w.get(f"{prefix}.q_a_proj.weight"),

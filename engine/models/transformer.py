@@ -66,6 +66,13 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def embed_rows(embed, ids: np.ndarray) -> np.ndarray:
+    """The embedding rows of `ids` as float32 [T, hidden], from a float or a quantized table."""
+    if isinstance(embed, np.ndarray):
+        return np.array(embed[ids], dtype=np.float32)
+    return embed.dequantize_rows(ids)
+
+
 @dataclass(frozen=True)
 class Layer:
     """One decoder layer's blocks."""
@@ -143,7 +150,7 @@ class Transformer:
             raise GenerationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         positions = cache.positions(ids.size)
         eps = self.spec.rms_eps
-        x = np.array(self.embed[ids], dtype=np.float32)                     # [T, hidden]
+        x = embed_rows(self.embed, ids)                                     # [T, hidden]
         for i, layer in enumerate(self.layers):
             x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i], probe)
             h = rms_norm(x, layer.post_norm, eps)
