@@ -1,0 +1,81 @@
+"""A whole memory budget split into what the weights may take, with the assumptions said aloud.
+
+Memory = weights + KV cache for the chosen context + working buffers + the interpreter's and
+libraries' own footprint (measured in this process before any model is loaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import ColibriError
+from engine.generate import PREFILL_CHUNK
+from engine.spec import MLASpec, ModelSpec
+
+from app.sizes import format_size
+
+
+def process_rss() -> int:
+    """This process's resident memory in bytes (Linux /proc; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def kv_bytes(spec: ModelSpec, ctx: int) -> int:
+    """KV cache bytes for `ctx` tokens (float32; MLA caches its compressed latent)."""
+    per_token = 0
+    for layer in spec.layers:
+        a = layer.attn
+        if isinstance(a, MLASpec):
+            per_token += (a.kv_lora_rank + a.qk_rope_dim) * 4
+        else:
+            per_token += 2 * a.n_kv_heads * a.head_dim * 4
+    return per_token * ctx
+
+
+def working_bytes(spec: ModelSpec, ctx: int) -> int:
+    """The largest buffers a prefill chunk makes: attention scores, logits, activations."""
+    heads = max(layer.attn.n_heads for layer in spec.layers)
+    scores = heads * PREFILL_CHUNK * ctx * 4 * 2          # scores and probabilities
+    logits = PREFILL_CHUNK * spec.vocab_size * 4
+    widest = max(getattr(layer.ffn, "intermediate", 0) or getattr(layer.ffn, "expert_ffn", 0) for layer in spec.layers)
+    activations = PREFILL_CHUNK * max(widest, spec.hidden_size) * 4 * 6
+    return scores + logits + activations
+
+
+@dataclass(frozen=True)
+class BudgetSplit:
+    """How a memory budget divides."""
+
+    total: int
+    kv: int
+    working: int
+    baseline: int
+    ctx: int
+
+    @property
+    def weights(self) -> int:
+        """What is left for the weights."""
+        return self.total - self.kv - self.working - self.baseline
+
+    def describe(self) -> str:
+        """The assumptions, for the user."""
+        return (f"of {format_size(self.total)}: KV cache for {self.ctx} tokens {format_size(self.kv)}, working buffers "
+                f"{format_size(self.working)}, interpreter and libraries {format_size(self.baseline)} (measured) "
+                f"-> {format_size(self.weights)} for the weights")
+
+
+def split_budget(spec: ModelSpec, total: int, ctx: int, baseline: int) -> BudgetSplit:
+    """Divide `total` bytes; fails clearly when nothing is left for the weights."""
+    if ctx < 1 or ctx > spec.max_position:
+        raise ColibriError(f"--ctx {ctx}: the model supports 1 to {spec.max_position} tokens")
+    split = BudgetSplit(total, kv_bytes(spec, ctx), working_bytes(spec, ctx), baseline, ctx)
+    if split.weights <= 0:
+        raise ColibriError(f"a memory budget of {format_size(total)} leaves nothing for the weights ({split.describe()}); "
+                           "raise --max-memory or lower --ctx")
+    return split
