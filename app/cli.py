@@ -14,6 +14,8 @@ COMMANDS: list[str] = [
     "run",
     "chat",
     "pull",
+    "synth",
+    "bench",
 ]
 
 
