@@ -53,18 +53,25 @@ class BenchResult:
 # ---- threads --------------------------------------------------------------------------------
 
 
+def check_threads(threads: int) -> None:
+    """Refuse a thread count numba cannot run."""
+    import numba
+
+    if threads < 1:
+        raise ColibriError(f"--threads {threads}: must be at least 1")
+    most = numba.config.NUMBA_NUM_THREADS
+    if threads > most:
+        raise ColibriError(f"--threads {threads}: numba was started with at most {most} threads; "
+                           f"pass --threads {most} or less, or set NUMBA_NUM_THREADS={threads} before starting")
+
+
 @contextmanager
 def thread_limits(threads: int) -> Iterator[None]:
     """Run the body with `threads` numba threads and BLAS threads; restore both after."""
     import numba
     from threadpoolctl import threadpool_limits
 
-    if threads < 1:
-        raise ColibriError(f"--threads {threads}: use at least one thread")
-    most = numba.config.NUMBA_NUM_THREADS
-    if threads > most:
-        raise ColibriError(f"--threads {threads}: numba was started with at most {most} threads; "
-                           f"pass --threads {most} or less, or set NUMBA_NUM_THREADS={threads} before starting")
+    check_threads(threads)
     before = numba.get_num_threads()
     numba.set_num_threads(threads)
     try:

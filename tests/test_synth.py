@@ -158,6 +158,16 @@ def test_weights_are_seeded_normal_and_independent_of_layout() -> None:
     assert np.abs(widened - a).max() <= np.abs(a).max() * 2.0 ** -8    # the same values, rounded
 
 
+def test_same_seed_same_folder(tmp_path: Path, corpus: list[str]) -> None:
+    for name in ("a", "b"):
+        write_checkpoint("llama-tiny", tmp_path / name, seed=7, corpus=corpus)
+    write_checkpoint("llama-tiny", tmp_path / "c", seed=8, corpus=corpus)
+    for file in (tmp_path / "a").iterdir():
+        assert file.read_bytes() == (tmp_path / "b" / file.name).read_bytes(), file.name
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "c" / "model.safetensors").read_bytes()
+    assert (tmp_path / "a" / "tokenizer.model").read_bytes() == (tmp_path / "c" / "tokenizer.model").read_bytes()
+
+
 def test_interrupted_synth_leaves_nothing(tmp_path: Path, corpus: list[str]) -> None:
     def interrupt(done: int, total: int, what: str) -> None:
         if done > total // 2:

@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for flag, value in (("--prompt", args.prompt), ("--gen", args.gen), ("--runs", args.runs), ("--threads", args.threads)):
+    for flag, value in (("--prompt", args.prompt), ("--gen", args.gen), ("--runs", args.runs)):
         if value < 1:
             raise ColibriError(f"{flag} {value}: must be at least 1")
     if args.runs > 1000:
@@ -52,11 +52,10 @@ def format_table(r) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.bench import bench_model, thread_limits
+    from app.bench import bench_model, check_threads
 
     _check(args)
-    with thread_limits(args.threads):  # refuse a bad --threads before loading anything
-        pass
+    check_threads(args.threads)  # before loading anything
     loaded = load(args.model, quiet=args.json)
     live = sys.stderr.isatty() and not args.json
 
