@@ -1,0 +1,20 @@
+"""Group-wise quantized weights (2 to 8 bits, fp16 scales) and their numba kernels.
+
+- `QuantizedTensor`, `quantize`, `weighted_error` (engine/quant/tensor.py): storage, the
+  importance-weighted clip search, the error the bit planner minimises.
+- `moe_experts` (engine/quant/experts.py): all selected experts of a MoE layer step in one call.
+- `matmul_f32` (engine/quant/fp32.py): batch-invariant x @ w.T for float32 weights.
+
+Activations stay float32 in every kernel: weights are dequantized (exactly, for symmetric
+formats) and multiplied by fused multiply-adds in a fixed 16-lane order, which makes every
+output bitwise independent of batch size and threads. Quantizing activations to int8 (as
+llama.cpp does) measured no faster here in decode, slower in prefill (a float conversion per
+32 products), and adds its own error.
+"""
+
+from engine.quant.experts import moe_experts
+from engine.quant.fp32 import matmul_f32
+from engine.quant.layout import BITS, GROUPS
+from engine.quant.tensor import QuantizedTensor, quantize, weighted_error
+
+__all__ = ["BITS", "GROUPS", "QuantizedTensor", "matmul_f32", "moe_experts", "quantize", "weighted_error"]

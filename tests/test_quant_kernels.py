@@ -1,0 +1,133 @@
+"""Quantized and float32 matmul kernels: bitwise against the numpy reference, batch- and thread-invariant."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from test_quant_reference import lane_dot
+
+from engine.quant import BITS, QuantizedTensor, matmul_f32, quantize
+from engine.quant import kernels
+
+TOKENS = (1, 3, 17, 128)  # 1 and 3 take the on-the-fly (decode) path, 17 and 128 the tile (prefill) path
+
+
+@pytest.fixture
+def threads():
+    """Set numba's thread count inside a test; restored afterwards."""
+    before = numba.get_num_threads()
+    yield numba.set_num_threads
+    numba.set_num_threads(before)
+
+
+def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, cols)) * 0.05).astype(np.float32)
+
+
+def _acts(t: int, cols: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((t, cols)).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("asym", [False, True])
+def test_matmul_matches_reference_bitwise(bits, asym):
+    # odd row counts (no multiple of the 4-row tile), several groups per row
+    for rows, cols, group in ((37, 256, 32), (37, 256, 64), (41, 256, 128), (6, 96, 32)):
+        q = quantize(_weights(rows, cols, bits), bits, group, asymmetric=asym)
+        w = q.dequantize()
+        for t in TOKENS:
+            x = _acts(t, cols, t)
+            assert np.array_equal(q.matmul(x), lane_dot(w, x)), (rows, cols, group, t)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_kernel_dequantization_equals_numpy_dequantize(bits):
+    q = quantize(_weights(9, 128, 0), bits, 64, asymmetric=bits <= 3)
+    a, b, sc, mn = (arr.reshape(-1) for arr in (q.a, q.b, q.scales, q.mins))
+    dst = np.empty(9 * 128, np.float32)
+    for r0 in range(0, 9, 4):
+        nr = min(4, 9 - r0)
+        kernels.dequant_rows(bits, q.asymmetric, 64, a, b, sc, mn, 128, r0, nr, dst[r0 * 128:])
+    assert np.array_equal(dst.reshape(9, 128), q.dequantize())
+
+
+@pytest.mark.parametrize("bits", [4, 8, 2])
+def test_matmul_is_batch_and_thread_invariant(bits, threads):
+    q = quantize(_weights(70, 384, 1), bits, 32)
+    x = _acts(128, 384, 2)
+    results = []
+    for n in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        threads(n)
+        full = q.matmul(x)
+        results.append(full)
+        for t in (0, 1, 63, 127):
+            assert np.array_equal(q.matmul(x[t:t + 1])[0], full[t]), (n, t)
+        for start, size in ((0, 2), (5, 3), (9, 4), (20, 5), (40, 17), (1, 127)):
+            assert np.array_equal(q.matmul(x[start:start + size]), full[start:start + size]), (n, start, size)
+    assert all(np.array_equal(r, results[0]) for r in results)
+
+
+def test_matmul_of_zero_rows_and_tokens():
+    w = _weights(12, 64, 3)
+    w[5] = 0.0
+    q = quantize(w, 4, 32)
+    y = q.matmul(_acts(4, 64, 4))
+    assert (y[:, 5] == 0).all()
+    assert q.matmul(np.zeros((0, 64), np.float32)).shape == (0, 12)
+
+
+@pytest.mark.parametrize("rows,cols", [(1024 // 16, 1024 // 8), (37, 83), (5, 16), (3, 7)])
+def test_matmul_f32_matches_reference_bitwise(rows, cols):
+    w = _weights(rows, cols, rows)
+    for t in TOKENS:
+        x = _acts(t, cols, t)
+        assert np.array_equal(matmul_f32(x, w), lane_dot(w, x)), (rows, cols, t)
+
+
+def test_matmul_f32_is_batch_and_thread_invariant(threads):
+    w = _weights(45, 200, 5)
+    x = _acts(33, 200, 6)
+    full = matmul_f32(x, w)
+    for n in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        threads(n)
+        assert np.array_equal(matmul_f32(x, w), full)
+        for t in range(33):
+            assert np.array_equal(matmul_f32(x[t:t + 1], w)[0], full[t])
+
+
+def test_matmul_f32_takes_read_only_and_strided_weights():
+    w = _weights(20, 48, 7)
+    x = _acts(5, 48, 8)
+    ro = w.copy()
+    ro.flags.writeable = False
+    assert np.array_equal(matmul_f32(x, ro), lane_dot(w, x))
+    wide = np.zeros((20, 96), np.float32)
+    wide[:, ::2] = w
+    assert np.array_equal(matmul_f32(x, wide[:, ::2]), lane_dot(w, x))
+
+
+def test_bad_activations_are_named():
+    q = quantize(_weights(8, 64, 9), 4, 32)
+    with pytest.raises(ValueError, match="float32"):
+        q.matmul(np.zeros((2, 64), np.float64))
+    with pytest.raises(ValueError, match=r"expected \[T, 64\]"):
+        q.matmul(np.zeros((2, 32), np.float32))
+    with pytest.raises(ValueError, match=r"expected \[T, 64\]"):
+        q.matmul(np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match="numpy array"):
+        q.matmul([[0.0] * 64])
+    with pytest.raises(ValueError, match="float32"):
+        matmul_f32(np.zeros((1, 4), np.float32), np.zeros((3, 4), np.float64))
+    with pytest.raises(ValueError, match=r"expected \[T, 4\]"):
+        matmul_f32(np.zeros((1, 5), np.float32), np.zeros((3, 4), np.float32))
+
+
+def test_quantized_tensor_works_through_linear():
+    from engine.blocks.linear import linear
+
+    q = quantize(_weights(10, 64, 10), 5, 32)
+    x = _acts(3, 64, 11)
+    assert isinstance(q, QuantizedTensor)
+    assert np.array_equal(linear(x, q), q.matmul(x))

@@ -1,0 +1,106 @@
+"""A plain numpy reference of the quantized kernels' arithmetic, exact to the bit, and its own tests.
+
+The kernels compute y[t, r] with fused multiply-adds in 16 lanes (lane j takes k = j, j + 16, ...)
+and a fixed reduction tree (engine/quant/kernels.py). numpy has no fused multiply-add, so
+`fma32` emulates it: the product of two float32 is exact in float64, the float64 sum is
+corrected by its exact rounding error (two-sum), and the one case where rounding float64 to
+float32 would round twice (a float64 sum exactly halfway between two float32) is broken by the
+sign of that error. With it, `lane_dot` reproduces the kernels bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from engine.quant.simd import fma32 as hw_fma32
+
+LANES = 16
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """a * b + c rounded once to float32 (round to nearest even), elementwise with broadcasting."""
+    a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+    p = a.astype(np.float64) * b.astype(np.float64)            # exact: 24 + 24 bits < 53
+    cd = c.astype(np.float64)
+    s = p + cd
+    bv = s - p
+    err = (p - (s - bv)) + (cd - bv)                           # s + err == p + c exactly
+    r = s.astype(np.float32)
+    rd = r.astype(np.float64)
+    toward = np.where(s > rd, np.float32(np.inf), np.float32(-np.inf))
+    other = np.nextafter(r, toward)
+    tie = (s != rd) & (s == (rd + other.astype(np.float64)) / 2) & (err != 0)
+    hi = np.maximum(r, other)
+    lo = np.minimum(r, other)
+    return np.where(tie, np.where(err > 0, hi, lo), r).astype(np.float32)
+
+
+def lane_sum(v: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (16 lanes) by the kernels' tree: halves added lane-wise."""
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v[..., 0]
+
+
+def lane_dot(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ w [R, K].T -> [T, R] float32, by exactly the kernels' sequence of operations."""
+    w = np.asarray(w, np.float32)
+    x = np.asarray(x, np.float32)
+    k = w.shape[1]
+    k16 = k // LANES
+    lanes = np.zeros((x.shape[0], w.shape[0], LANES), np.float32)                   # [T, R, 16]
+    for i in range(k16):
+        s = slice(i * LANES, (i + 1) * LANES)
+        lanes = fma32(w[None, :, s], x[:, None, s], lanes)
+    y = lane_sum(lanes)                                                               # [T, R]
+    for j in range(k16 * LANES, k):
+        y = fma32(w[None, :, j], x[:, None, j], y)
+    return y
+
+
+@njit(cache=True)
+def _hw_fma(a, b, c, out):
+    for i in range(a.shape[0]):
+        out[i] = hw_fma32(a[i], b[i], c[i])
+
+
+def hardware_fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The CPU's fused multiply-add (the kernels' primitive), for checking the emulation."""
+    out = np.empty(a.shape, np.float32)
+    _hw_fma(a.astype(np.float32), b.astype(np.float32), c.astype(np.float32), out)
+    return out
+
+
+def test_fma_emulation_matches_hardware_on_random_values():
+    rng = np.random.default_rng(0)
+    n = 200_000
+    a = rng.standard_normal(n).astype(np.float32)
+    b = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+    c = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+    assert np.array_equal(fma32(a, b, c), hardware_fma(a, b, c))
+
+
+def test_fma_emulation_breaks_double_rounding_ties():
+    # a * b = 2**-24 - 2**-54 makes the float64 sum land exactly halfway between two float32:
+    # rounding that to float32 again would give 1 + 2**-22; the true result rounds to 1 + 2**-23
+    a = np.float32(1 + 2.0**-15)
+    b = np.float32(2.0**-24 * (1 - 2.0**-15))
+    c = np.float32(1 + 2.0**-23)
+    naive = np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+    assert naive == np.float32(1 + 2.0**-22)
+    assert fma32(a, b, c) == np.float32(1 + 2.0**-23)
+    assert hardware_fma(np.array([a]), np.array([b]), np.array([c]))[0] == np.float32(1 + 2.0**-23)
+    # and the mirror case below zero, and an exact tie that stays a tie (ties to even)
+    assert fma32(-a, b, -c) == np.float32(-(1 + 2.0**-23))
+    assert fma32(np.float32(1), np.float32(2.0**-24), np.float32(1 + 2.0**-23)) == np.float32(1 + 2.0**-22)
+
+
+def test_lane_dot_is_close_to_float64():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((7, 83)).astype(np.float32)
+    x = rng.standard_normal((5, 83)).astype(np.float32)
+    exact = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = 83 * 2.0**-24 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+    assert (np.abs(lane_dot(w, x) - exact) <= bound).all()
