@@ -98,7 +98,7 @@ class Shape:
 
 SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("mixtral-1.7b", "Mixtral MoE, 64 experts top-8 (the benchmark shape)", mixtral_config(
-        hidden=1024, layers=16, heads=16, kv_heads=4, head_dim=64, experts=64, top_k=8, ffn=512,
+        hidden=1024, layers=16, heads=16, kv_heads=16, head_dim=64, experts=64, top_k=8, ffn=512,
         vocab=32000, rope_theta=1e6, max_pos=4096, eps=1e-5)),
     Shape("olmoe-7b", "OLMoE-1B-7B's shape, 64 experts top-8, q/k norms", olmoe_config(
         hidden=2048, layers=16, heads=16, kv_heads=16, experts=64, top_k=8, ffn=1024,

@@ -121,10 +121,10 @@ def test_tokenizer_json_agrees_with_sentencepiece(folders: dict[str, Path], name
 def test_big_shapes_counted_without_writing() -> None:
     mixtral = plan_checkpoint("mixtral-1.7b")
     h, layers, experts, ffn, vocab = 1024, 16, 64, 512, 32000
-    attn = h * 16 * 64 * 2 + h * 4 * 64 * 2             # q, o + k, v (4 KV heads of 64)
+    attn = h * 16 * 64 * 4                              # q, k, v, o: 16 heads of 64, as many KV heads
     per_layer = attn + 2 * h + experts * h + experts * 3 * h * ffn
-    assert mixtral.total_params == layers * per_layer + 2 * vocab * h + h == 1_719_174_144
-    assert mixtral.active_params == mixtral.total_params - layers * (experts - 8) * 3 * h * ffn == 309_888_000
+    assert mixtral.total_params == layers * per_layer + 2 * vocab * h + h == 1_744_339_968
+    assert mixtral.active_params == mixtral.total_params - layers * (experts - 8) * 3 * h * ffn == 335_053_824
     assert mixtral.nbytes == 2 * mixtral.total_params
     assert len(mixtral.files) == 2 and mixtral.sharded
 
@@ -198,7 +198,7 @@ def test_cli_list_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for name in SHAPES:
         assert name in out
-    assert "1.719 B params" in out and "6.919 B params" in out
+    assert "1.744 B params" in out and "6.919 B params" in out
     assert cli.main(["synth", "no-such-shape", "somewhere"]) == 2
     assert "colibri: error: unknown shape 'no-such-shape'" in capsys.readouterr().err
     assert cli.main(["synth", "llama-tiny"]) == 2
