@@ -16,6 +16,8 @@ COMMANDS: list[str] = [
     "pull",
     "synth",
     "bench",
+    "moefy",
+    "atlas",
 ]
 
 

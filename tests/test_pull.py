@@ -239,7 +239,8 @@ def test_resolve_model_names(tmp_path: Path, smollm2_gguf: Path, monkeypatch: py
     # The default model and the alias, from the models folder the environment names.
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(smollm2_gguf.parent.parent))
     assert resolve_model("smollm2-135m") == smollm2_gguf
-    assert resolve_model(None) == smollm2_gguf
+    # Without MODEL: the MoE derived from this alias, prepared on first use (tests/test_moefy.py covers that)
+    assert pull_mod.DERIVED[pull_mod.DEFAULT_MODEL].source == "smollm2-135m"
 
 
 def test_models_dir_default_and_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
