@@ -151,7 +151,7 @@ def moefy(src: str | Path, out: str | Path, options: MoefyOptions = MoefyOptions
         dense_tick = _counter(lambda n: report(0.75 + 0.07 * n / passages, "perplexity of the dense model"))
         dense_chats, dense_prose = score(dense.model, heldout_chats, dense_tick), score(dense.model, heldout_prose, dense_tick)
         del dense
-        moe = load_model(tmp, lambda f, m: report(0.82 + 0.03 * f, f"loading the MoE: {m}"))
+        moe = load_model(tmp, lambda f, m: report(0.82 + 0.03 * f, "loading the MoE"))
         moe_tick = _counter(lambda n: report(0.85 + 0.15 * n / passages, "perplexity and routing of the MoE"))
         moe_chats, moe_prose = score(moe.model, heldout_chats, moe_tick), score(moe.model, heldout_prose, moe_tick)
         result = _report(src, out, options, calib_info, dense_chats, moe_chats, dense_prose, moe_prose,
@@ -242,7 +242,7 @@ def format_report(result: dict[str, Any]) -> str:
     """The report as text: perplexities, then each layer's expert shares on the held-out chats."""
     e = result["options"]["experts"]
     lines = []
-    for name, label in (("heldout_text", "held-out text (assets/probes/heldout.txt)"),
+    for name, label in (("heldout_text", "held-out text (heldout.txt beside the probes)"),
                         ("heldout_chats", "held-out chats (probe prompts not used for calibration)")):
         p = result["perplexity"][name]
         lines.append(f"perplexity on {label}, {p['tokens']} tokens: dense {p['dense']:.3f}, "
