@@ -137,6 +137,8 @@ def measure_options(
     scale = w.shape[0] / sample.shape[0]
     options = []
     for bits in bits_options:
+        if bits == FLOAT_BITS:
+            continue  # always offered, below
         q = quantize(sample, bits, group, importance=importance)
         err = weighted_error(sample, q, importance) * scale * usage
         options.append(Option(bits, int(round(q.nbytes * scale)), float(err)))

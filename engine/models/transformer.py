@@ -70,7 +70,7 @@ def embed_rows(embed, ids: np.ndarray) -> np.ndarray:
     """The embedding rows of `ids` as float32 [T, hidden], from a float or a quantized table."""
     if isinstance(embed, np.ndarray):
         return np.array(embed[ids], dtype=np.float32)
-    return embed.dequantize_rows(ids)
+    return np.concatenate([embed.dequantize_rows(int(i), int(i) + 1) for i in ids])
 
 
 @dataclass(frozen=True)
