@@ -23,8 +23,8 @@ help: ## list the targets
 	@echo "Colibri: make TARGET"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  \1\t/' | expand -t 16
 
-run: system-deps $(RUNTIME_STAMP) ## set up, pull the default model (SmolLM2-135M) and chat with it
-	$(VENV)/bin/colibri pull smollm2-135m
+run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-135M upcycled to an MoE) and chat with it
+	$(VENV)/bin/colibri pull smollm2-moe
 	$(VENV)/bin/colibri chat
 
 test: system-deps $(TEST_STAMP) ## set up with the test extra (torch, transformers) and run pytest

@@ -16,7 +16,7 @@ def add_model_argument(parser: argparse.ArgumentParser, required: bool) -> None:
     if required:
         parser.add_argument("model", metavar="MODEL", help=help_text)
     else:
-        parser.add_argument("model", metavar="MODEL", nargs="?", default=None, help=help_text + " (default: smollm2-135m)")
+        parser.add_argument("model", metavar="MODEL", nargs="?", default=None, help=help_text + " (default: smollm2-moe, prepared on first use)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, repetition_penalty: float) -> None:
