@@ -8,10 +8,10 @@ import pytest
 
 from test_quant_reference import lane_dot
 
-from engine.quant import BITS, QuantizedTensor, matmul_f32, quantize
+from engine.quant import BITS, QuantizedTensor, matmul_f32, matmul_many, quantize
 from engine.quant import kernels
 
-TOKENS = (1, 3, 17, 128)  # 1 and 3 take the on-the-fly (decode) path, 17 and 128 the tile (prefill) path
+TOKENS = (1, 2, 3, 17, 128)  # 1 and 2 take the on-the-fly (decode) path, 3 (a padded tile), 17 and 128 the tile path
 
 
 @pytest.fixture
@@ -67,6 +67,18 @@ def test_matmul_is_batch_and_thread_invariant(bits, threads):
         for start, size in ((0, 2), (5, 3), (9, 4), (20, 5), (40, 17), (1, 127)):
             assert np.array_equal(q.matmul(x[start:start + size]), full[start:start + size]), (n, start, size)
     assert all(np.array_equal(r, results[0]) for r in results)
+
+
+def test_matmul_many_equals_each_matmul():
+    # q, k, v of different widths and formats sharing one input, in one parallel call
+    tensors = [quantize(_weights(rows, 128, rows), bits, 32) for rows, bits in ((64, 4), (17, 8), (17, 2), (5, 6))]
+    for t in (1, 3, 20):
+        x = _acts(t, 128, t)
+        outs = matmul_many(x, tensors)
+        assert [o.shape for o in outs] == [(t, q.shape[0]) for q in tensors]
+        assert all(np.array_equal(o, q.matmul(x)) for o, q in zip(outs, tensors))
+    with pytest.raises(ValueError, match="share an input width"):
+        matmul_many(_acts(1, 128, 0), [tensors[0], quantize(_weights(4, 64, 0), 4, 32)])
 
 
 def test_matmul_of_zero_rows_and_tokens():

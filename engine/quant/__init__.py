@@ -1,7 +1,8 @@
 """Group-wise quantized weights (2 to 8 bits, fp16 scales) and their numba kernels.
 
-- `QuantizedTensor`, `quantize`, `weighted_error` (engine/quant/tensor.py): storage, the
-  importance-weighted clip search, the error the bit planner minimises.
+- `QuantizedTensor`, `quantize`, `weighted_error`, `matmul_many` (engine/quant/tensor.py):
+  storage, the importance-weighted clip search, the error the bit planner minimises, and
+  several matrices that share an input (q, k, v) in one parallel call.
 - `moe_experts` (engine/quant/experts.py): all selected experts of a MoE layer step in one call.
 - `matmul_f32` (engine/quant/fp32.py): batch-invariant x @ w.T for float32 weights.
 
@@ -15,6 +16,6 @@ llama.cpp does) measured no faster here in decode, slower in prefill (a float co
 from engine.quant.experts import moe_experts
 from engine.quant.fp32 import matmul_f32
 from engine.quant.layout import BITS, GROUPS
-from engine.quant.tensor import QuantizedTensor, quantize, weighted_error
+from engine.quant.tensor import QuantizedTensor, matmul_many, quantize, weighted_error
 
-__all__ = ["BITS", "GROUPS", "QuantizedTensor", "matmul_f32", "moe_experts", "quantize", "weighted_error"]
+__all__ = ["BITS", "GROUPS", "QuantizedTensor", "matmul_f32", "matmul_many", "moe_experts", "quantize", "weighted_error"]

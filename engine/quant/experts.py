@@ -26,6 +26,7 @@ from numba import njit
 
 from engine.quant.kernels import run_items
 from engine.quant.simd import U64, fma32
+from engine.quant.tensor import DESCRIPTOR_FIELDS as DESCRIPTOR
 from engine.quant.tensor import QuantizedTensor, check_activations
 
 ROWS_PER_ITEM = 64  # rows of one matrix per work item (a multiple of the 4-row tile)
@@ -46,9 +47,7 @@ def plan_slots(ids, needed, inter, hidden, k_slots):
 
     ids [T*K] expert per slot, needed [E] the distinct ids sorted. Returns (order [T*K]: slots grouped by
     expert, each group in slot order; tok [T*K]: the token of each ordered slot; gate/up items over the
-    table [gate_0, up_0, gate_1, ...]; down items over the table [down_0, down_1, ...]). Items run chunk-major
-    (every expert's first rows, then the next rows ...) so that a static split gives each thread a share of
-    every expert.
+    table [gate_0, up_0, gate_1, ...]; down items over the table [down_0, down_1, ...]).
     """
     n_e = needed.shape[0]
     n_slots = ids.shape[0]
@@ -63,32 +62,30 @@ def plan_slots(ids, needed, inter, hidden, k_slots):
     for s in range(n_slots):
         order[fill[local[s]]] = s
         fill[local[s]] += 1
-    chunks_gu = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
-    gate_up = np.empty((chunks_gu * n_e * 2, 6), np.int64)
-    n = 0
-    for c in range(chunks_gu):
-        for e in range(n_e):
-            for m in range(2):                      # gate rows to slot buffer 0, up rows to buffer 1
-                gate_up[n, 0] = 2 * e + m
-                gate_up[n, 1] = c * ROWS_PER_ITEM
-                gate_up[n, 2] = min(inter, (c + 1) * ROWS_PER_ITEM)
-                gate_up[n, 3] = starts[e]
-                gate_up[n, 4] = starts[e + 1]
-                gate_up[n, 5] = m * n_slots * inter
-                n += 1
-    chunks_d = (hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
-    down = np.empty((chunks_d * n_e, 6), np.int64)
-    n = 0
-    for c in range(chunks_d):
-        for e in range(n_e):
-            down[n, 0] = e
-            down[n, 1] = c * ROWS_PER_ITEM
-            down[n, 2] = min(hidden, (c + 1) * ROWS_PER_ITEM)
-            down[n, 3] = starts[e]
-            down[n, 4] = starts[e + 1]
-            down[n, 5] = 0
-            n += 1
+    # items chunk-major (every expert's first rows, then the next ...): a static split over the
+    # threads then gives each thread a share of every expert, however unevenly tokens chose them
+    gate_up = _expert_items(2 * n_e, inter, starts, n_slots * inter, inter, 2)
+    down = _expert_items(n_e, hidden, starts, 0, hidden, 1)
     return order, order // k_slots, gate_up, down
+
+
+@njit(cache=True)
+def _expert_items(n_mats, rows, starts, buffer_stride, ldo, per_expert):
+    """Items over n_mats matrices of `rows` rows; matrix m belongs to expert m // per_expert and writes the output
+    buffer (m % per_expert) of size buffer_stride."""
+    chunks = (rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    items = np.empty((chunks * n_mats, 7), np.int64)
+    for n in range(chunks * n_mats):
+        m, c = n % n_mats, n // n_mats
+        e = m // per_expert
+        items[n, 0] = m
+        items[n, 1] = c * ROWS_PER_ITEM
+        items[n, 2] = min(rows, (c + 1) * ROWS_PER_ITEM)
+        items[n, 3] = starts[e]
+        items[n, 4] = starts[e + 1]
+        items[n, 5] = (m % per_expert) * buffer_stride
+        items[n, 6] = ldo
+    return items
 
 
 @njit(cache=True, boundscheck=False)
@@ -139,7 +136,7 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
         return out
     flat = ids.reshape(-1).astype(np.int64, copy=False)
     needed = sorted(set(flat.tolist())) if flat.size <= 256 else np.unique(flat).tolist()
-    rows = [_descriptors(experts, i, hidden) for i in needed]
+    rows = [_descriptors(experts, i) for i in needed]
     inter = rows[0][3]
     for i, row in zip(needed, rows):
         if row[3:5] != (inter, hidden) or row[16:18] != (inter, hidden) or row[29:31] != (hidden, inter):
@@ -149,24 +146,22 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     n_slots = t * k
     order, tok, gate_up_items, down_items = plan_slots(flat, np.array(needed, np.int64), inter, hidden, k)
     gate_up = np.empty(2 * n_slots * inter, np.float32)                     # [gate | up][slot, I]
-    run_items(table[:, :2].reshape(-1, DESCRIPTOR), gate_up_items, x.reshape(-1), tok, order, gate_up, inter)
+    run_items(table[:, :2].reshape(-1, DESCRIPTOR), gate_up_items, x.reshape(-1), tok, order, gate_up)
     h = silu_product(gate_up, n_slots, inter)                                # [slot, I]
     y = np.empty(n_slots * hidden, np.float32)                               # [slot, hidden]
-    run_items(np.ascontiguousarray(table[:, 2]), down_items, h, order, order, y, hidden)
+    run_items(np.ascontiguousarray(table[:, 2]), down_items, h, order, order, y)
     sum_slots(y, weights.reshape(-1), k, hidden, out.reshape(-1))
     return out
 
 
-DESCRIPTOR = 13
 
-
-def _descriptors(experts, i: int, hidden: int) -> tuple[int, ...]:
+def _descriptors(experts, i: int) -> tuple[int, ...]:
     """gate, up, down descriptors of expert i, concatenated; ValueError when missing or not quantized."""
     try:
         e = experts[i]
+        return e.gate.descriptor + e.up.descriptor + e.down.descriptor
     except (KeyError, IndexError):
         raise ValueError(f"routing chose expert {i} but no weights were given for it") from None
-    mats = (e.gate, e.up, e.down)
-    if not all(isinstance(m, QuantizedTensor) for m in mats):
-        raise ValueError(f"expert {i}: the fused kernel runs quantized experts only; run float32 experts with gated_mlp")
-    return e.gate.descriptor + e.up.descriptor + e.down.descriptor
+    except AttributeError:
+        raise ValueError(f"expert {i}: the fused kernel runs quantized experts only (QuantizedTensor gate, up, down); "
+                         "run float32 experts with gated_mlp") from None

@@ -30,12 +30,12 @@ from numba import literally, njit, prange
 from engine.quant.layout import BLOCK
 from engine.quant.simd import (
     HAS_AVX512, U64, address_as_voidptr, f16_to_f32, fma32, prefetch, stack_block, vcodes2, vcodes3, vcodes4, vcodes5, vcodes6,
-    vcodes8, vfma, vhalves, viota, vload, vlookup, vmul, vsplat, vstore, vsum, vtofloat, vzero,
+    vcodes8, vfma, vhalves, viota, vload, vlookup, vlookup16, vmul, vsplat, vstore, vsum, vtofloat, vzero,
 )
 
 F32 = np.float32
 TILE = 4            # rows per register tile (and tokens per tile in the prefill path)
-OTF_MAX_TOKENS = 3  # at most this many tokens: dequantize on the fly instead of via a scratch tile
+OTF_MAX_TOKENS = 2  # at most this many tokens: dequantize on the fly instead of via a scratch tile (measured)
 
 
 # -- dequantization of one block half -------------------------------------------------------
@@ -97,7 +97,7 @@ def _dq(bits, a, b, r, blk, nb, half, d, m, low, high):
     rb = U64(r) * U64(nb) + U64(blk)
     codes = _codes(bits, a, rb * U64(ab), b, rb * U64(bb), half)
     if _uses_table(bits):
-        return vlookup(low, high, codes)
+        return vlookup(low, high, codes) if bits == 5 else vlookup16(low, codes)
     return vfma(vtofloat(codes), d, m)
 
 
@@ -219,6 +219,7 @@ def _otf_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i
                         lo3, hi3 = _tables(bits, d3, m3)
                         for blk in range(g * bpg, (g + 1) * bpg):
                             # the next 4 rows' codes are contiguous: fetch a block's share of them ahead
+                            # (the hardware prefetcher alone left decode stalling on RAM: 1.5-2x slower)
                             ahead = U64(r + 4) * U64(nb * ab) + U64(blk * 4 * ab)
                             prefetch(a, ahead)
                             if ab == 32:
@@ -274,12 +275,16 @@ def tile_rows(w, wo0, K, nr, x, xrows, orows, i0, i1, out, ldo, col0):
         wo2 = wo1 + U64(K)
         wo3 = wo2 + U64(K)
         i = i0
-        while i + 4 <= i1:
-            # 16 accumulators c<row><token>: each weight vector is loaded once for 4 tokens
+        while i < i1 and i1 - i0 > 1:
+            # 16 accumulators c<row><token>: each weight vector is loaded once for 4 tokens. A last,
+            # partial tile repeats its last token: the same numbers, written twice to the same place
+            i_1 = min(i + 1, i1 - 1)
+            i_2 = min(i + 2, i1 - 1)
+            i_3 = min(i + 3, i1 - 1)
             x0 = U64(xrows[i]) * U64(K)
-            x1 = U64(xrows[i + 1]) * U64(K)
-            x2 = U64(xrows[i + 2]) * U64(K)
-            x3 = U64(xrows[i + 3]) * U64(K)
+            x1 = U64(xrows[i_1]) * U64(K)
+            x2 = U64(xrows[i_2]) * U64(K)
+            x3 = U64(xrows[i_3]) * U64(K)
             c00 = vzero(); c01 = vzero(); c02 = vzero(); c03 = vzero()
             c10 = vzero(); c11 = vzero(); c12 = vzero(); c13 = vzero()
             c20 = vzero(); c21 = vzero(); c22 = vzero(); c23 = vzero()
@@ -303,27 +308,33 @@ def tile_rows(w, wo0, K, nr, x, xrows, orows, i0, i1, out, ldo, col0):
             out[o + U64(1)] = _finish(c10, w, wo1, x, x0, k16, K)
             out[o + U64(2)] = _finish(c20, w, wo2, x, x0, k16, K)
             out[o + U64(3)] = _finish(c30, w, wo3, x, x0, k16, K)
-            o = U64(orows[i + 1]) * U64(ldo) + U64(col0)
+            o = U64(orows[i_1]) * U64(ldo) + U64(col0)
             out[o] = _finish(c01, w, wo0, x, x1, k16, K)
             out[o + U64(1)] = _finish(c11, w, wo1, x, x1, k16, K)
             out[o + U64(2)] = _finish(c21, w, wo2, x, x1, k16, K)
             out[o + U64(3)] = _finish(c31, w, wo3, x, x1, k16, K)
-            o = U64(orows[i + 2]) * U64(ldo) + U64(col0)
+            o = U64(orows[i_2]) * U64(ldo) + U64(col0)
             out[o] = _finish(c02, w, wo0, x, x2, k16, K)
             out[o + U64(1)] = _finish(c12, w, wo1, x, x2, k16, K)
             out[o + U64(2)] = _finish(c22, w, wo2, x, x2, k16, K)
             out[o + U64(3)] = _finish(c32, w, wo3, x, x2, k16, K)
-            o = U64(orows[i + 3]) * U64(ldo) + U64(col0)
+            o = U64(orows[i_3]) * U64(ldo) + U64(col0)
             out[o] = _finish(c03, w, wo0, x, x3, k16, K)
             out[o + U64(1)] = _finish(c13, w, wo1, x, x3, k16, K)
             out[o + U64(2)] = _finish(c23, w, wo2, x, x3, k16, K)
             out[o + U64(3)] = _finish(c33, w, wo3, x, x3, k16, K)
             i += 4
-        while i < i1:
+        while i < i1:  # a single token (decode of a float32 matrix)
             x0 = U64(xrows[i]) * U64(K)
             c00 = vzero(); c10 = vzero(); c20 = vzero(); c30 = vzero()
+            ahead = wo0 + U64(4 * K)  # the next 4 rows (contiguous in a float32 matrix): 4 lines per step
             for j in range(k16):
                 k = U64(j * 16)
+                p = ahead + U64(j * 64)
+                prefetch(w, p)
+                prefetch(w, p + U64(16))
+                prefetch(w, p + U64(32))
+                prefetch(w, p + U64(48))
                 v = vload(x, x0 + k)
                 c00 = vfma(vload(w, wo0 + k), v, c00)
                 c10 = vfma(vload(w, wo1 + k), v, c10)
@@ -373,21 +384,22 @@ def planes(desc):
 
 
 # -- work items: the one parallel kernel every quantized product runs in ----------------------
-# An item is (matrix, r0, r1, i0, i1, base): rows r0 .. r1 - 1 of matrix `table[matrix]` times
+# An item is (matrix, r0, r1, i0, i1, base, ldo): rows r0 .. r1 - 1 of matrix `table[matrix]` times
 # tokens i0 .. i1 - 1 (token i reads x row xrows[i]) into out[base + orows[i] * ldo + row].
-# A single matrix product and both phases of the fused experts are lists of items; keeping one
-# parallel kernel means the format-specialised loops are optimised once, not once per caller
-# (numba re-optimises everything a cached kernel links, which made the first run minutes long).
+# Single products, several matrices sharing an input, and both phases of the fused experts are
+# lists of items; keeping one parallel kernel means the format-specialised loops are optimised
+# once, not once per caller (numba re-optimises all the code a cached kernel links: with a kernel
+# per use, the first run compiled for minutes).
 
-ITEM_FIELDS = 6
+ITEM_FIELDS = 7
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
-def run_items(table, items, x, xrows, orows, out, ldo):
-    """Run every work item (see above) over the threads; items in order, static split."""
+def run_items(table, items, x, xrows, orows, out):
+    """Run every work item (see above) over the threads: items in order, split statically."""
     for j in prange(items.shape[0]):
         bits, asym, group, _, cols, a, b, sc, mn = planes(table[items[j, 0]])
-        r0, r1, i0, i1, base = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5]
+        r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
         scratch = np.empty(TILE * cols if i1 - i0 > OTF_MAX_TOKENS else 0, np.float32)
         quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0, scratch)
 
@@ -401,18 +413,28 @@ def chunking(R, threads):
 
 
 @njit(cache=True)
-def matmul_items(R, T, threads):
-    """Items of one [R, K] matrix (table row 0) times T tokens, and the identity token rows."""
-    chunks, per = chunking(R, threads)
-    items = np.zeros((chunks, ITEM_FIELDS), np.int64)
+def matmul_items(rows, T, threads):
+    """Items of matrices with `rows` [M] rows each (table order) times T tokens, matrix m writing a [T, rows[m]]
+    block at offset T * sum(rows[:m]) of the output; and the identity token rows."""
     n = 0
-    for c in range(chunks):
-        r0 = c * per * TILE
-        if r0 < R:
-            items[n, 1] = r0
-            items[n, 2] = min(R, r0 + per * TILE)
-            items[n, 4] = T
-            n += 1
+    for m in range(rows.shape[0]):
+        n += chunking(rows[m], threads)[0]
+    items = np.zeros((n, ITEM_FIELDS), np.int64)
+    n = 0
+    base = 0
+    for m in range(rows.shape[0]):
+        chunks, per = chunking(rows[m], threads)
+        for c in range(chunks):
+            r0 = c * per * TILE
+            if r0 < rows[m]:
+                items[n, 0] = m
+                items[n, 1] = r0
+                items[n, 2] = min(rows[m], r0 + per * TILE)
+                items[n, 4] = T
+                items[n, 5] = base
+                items[n, 6] = rows[m]
+                n += 1
+        base += T * rows[m]
     return items[:n], np.arange(T)
 
 

@@ -331,6 +331,23 @@ def vmul(typingctx, a, b):
 
 
 @intrinsic
+def vlookup16(typingctx, table, idx):
+    """Lane j = table[idx[j]] from a 16-entry table; idx < 16 (vpermps on AVX-512, a per-lane select elsewhere)."""
+    def codegen(context, builder, sig, args):
+        tab, ix = args
+        if HAS_AVX512:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_VF, [_VF, _VI]), "llvm.x86.avx512.permvar.sf.512")
+            return builder.call(fn, [tab, ix])
+        out = ir.Constant(_VF, ir.Undefined)
+        for j in range(LANES):
+            v = builder.extract_element(tab, builder.extract_element(ix, ir.Constant(_I32, j)))
+            out = builder.insert_element(out, v, ir.Constant(_I32, j))
+        return out
+    return f32x16(f32x16, i32x16), codegen
+
+
+@intrinsic
 def stack_block(typingctx):
     """Pointer to 128 float32 on the calling function's stack (wrap with numba.carray; never let it escape)."""
     def codegen(context, builder, sig, args):

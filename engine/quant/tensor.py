@@ -1,13 +1,15 @@
 """`QuantizedTensor`: one group-wise quantized weight matrix, and `quantize` / `weighted_error`.
 
-The tensor owns its storage arrays (layout in `engine/quant/layout.py`) as read-only views, so a
-tensor loaded from a memory map and one just quantized look the same to the kernels (one numba
-specialisation) and nothing can change weights under a running model.
+The tensor holds its storage arrays (layout in `engine/quant/layout.py`) as read-only views, so
+nothing can change weights under a running model and a memory-mapped tensor is never copied.
+Kernels reach the arrays through `descriptor` (addresses and sizes), the same way for a memory
+map, a cache buffer or a freshly quantized array.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numba
 import numpy as np
@@ -82,6 +84,7 @@ class QuantizedTensor:
     _flat: tuple = field(init=False, repr=False)          # the four arrays flattened, as the kernels take them
     _descriptor: tuple = field(init=False, repr=False)
     _table: np.ndarray = field(init=False, repr=False)
+    _rows: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_format(self.bits, self.group)
@@ -105,14 +108,15 @@ class QuantizedTensor:
             row += [arr.ctypes.data, arr.size]
         set_(self, "_descriptor", tuple(int(v) for v in row))
         set_(self, "_table", np.array([row], np.int64))  # [1, 13]: a one-matrix table for kernels.run_items
+        set_(self, "_rows", np.array([out], np.int64))
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] float32 -> x @ W.T [T, out] float32 (bitwise independent of T and of threads)."""
         x = check_activations(x, self.shape[1])
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
         if x.shape[0]:
-            items, tokens = kernels.matmul_items(self.shape[0], x.shape[0], numba.get_num_threads())
-            kernels.run_items(self._table, items, x.reshape(-1), tokens, tokens, out.reshape(-1), self.shape[0])
+            items, tokens = kernels.matmul_items(self._rows, x.shape[0], numba.get_num_threads())
+            kernels.run_items(self._table, items, x.reshape(-1), tokens, tokens, out.reshape(-1))
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -183,6 +187,26 @@ class QuantizedTensor:
         return cls(tuple(meta["shape"]), bits, group, asym, buffers["a"],
                    buffers.get("b", np.zeros((rows, 0), np.uint8)), buffers["scales"],
                    buffers.get("mins", np.zeros((rows, 0), np.uint16)))
+
+
+def matmul_many(x: np.ndarray, tensors: Sequence[QuantizedTensor]) -> list[np.ndarray]:
+    """x [T, in] times several quantized [out_i, in] matrices sharing that input (q, k, v; gate, up) in one
+    parallel call -> [T, out_i] each, bitwise equal to each tensor's own matmul."""
+    if not tensors or not all(isinstance(t, QuantizedTensor) for t in tensors):
+        raise ValueError("matmul_many takes a non-empty sequence of QuantizedTensors")
+    n_in = tensors[0].shape[1]
+    if any(t.shape[1] != n_in for t in tensors):
+        raise ValueError(f"matmul_many: the matrices do not share an input width: {[list(t.shape) for t in tensors]}")
+    x = check_activations(x, n_in)
+    rows = np.array([t.shape[0] for t in tensors], np.int64)
+    t_count = x.shape[0]
+    flat = np.empty(t_count * int(rows.sum()), np.float32)
+    if t_count:
+        table = np.array([t.descriptor for t in tensors], np.int64)
+        items, tokens = kernels.matmul_items(rows, t_count, numba.get_num_threads())
+        kernels.run_items(table, items, x.reshape(-1), tokens, tokens, flat)
+    ends = np.cumsum(rows * t_count)
+    return [flat[e - r * t_count:e].reshape(t_count, r) for e, r in zip(ends, rows)]
 
 
 def _check_weights(w: np.ndarray, group: int) -> np.ndarray:
