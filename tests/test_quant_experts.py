@@ -103,6 +103,8 @@ def test_bad_fused_inputs_are_named(experts):
         moe_experts(x, ids, weights.astype(np.float64), experts)
     with pytest.raises(ValueError, match=r"integer \[T, K\]"):
         moe_experts(x, ids.astype(np.float32), weights, experts)
+    with pytest.raises(ValueError, match=">= 0"):
+        moe_experts(x, -ids, weights, [experts[e] for e in range(N_EXPERTS)])
     with pytest.raises(ValueError, match="4 tokens but the routing 2"):
         moe_experts(x, ids[:2], weights[:2], experts)
     with pytest.raises(ValueError, match="float32"):

@@ -136,6 +136,53 @@ def test_bad_activations_are_named():
         matmul_f32(np.zeros((1, 5), np.float32), np.zeros((3, 4), np.float32))
 
 
+_PORTABLE_SCRIPT = """
+import sys
+import numpy as np
+from engine.quant import QuantizedTensor, matmul_f32, simd
+from engine.quant.layout import FORMATS, f16_bits
+
+
+def products():
+    # random codes and scales (not quantize(): its search may round differently on another CPU)
+    rng = np.random.default_rng(0)
+    parts = []
+    for bits, fmt in FORMATS.items():
+        planes = [rng.integers(0, 256, (37, 8 * n), dtype=np.uint8) for n in (fmt.a_bytes, fmt.b_bytes)]
+        scales, mins = (f16_bits(rng.uniform(-0.02, 0.02, (37, 4))) for _ in range(2))
+        for asym in (False, True):
+            q = QuantizedTensor((37, 256), bits, 64, asym, *planes, scales, mins if asym else np.zeros((37, 0), np.uint16))
+            x = rng.standard_normal((5, 256)).astype(np.float32)
+            parts += [q.matmul(x), q.matmul(x[:1]), q.matmul(x[:2])]
+    w = rng.standard_normal((9, 83)).astype(np.float32)
+    parts.append(matmul_f32(rng.standard_normal((3, 83)).astype(np.float32), w))
+    return np.concatenate([p.ravel() for p in parts]).tobytes().hex()
+
+
+if __name__ == "__main__":
+    assert not simd.HAS_AVX512
+    sys.stdout.write(products())
+"""
+
+
+def test_generic_cpu_build_gives_the_same_bits():
+    # the kernels compiled for a baseline x86-64 (no AVX, no FMA unit, no table permutes) must
+    # reproduce this machine's results bit for bit: hardware changes speed, never the answer
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(repo / ".cache" / "numba-generic")}
+    run = subprocess.run([sys.executable, "-c", _PORTABLE_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    here = {}
+    exec(_PORTABLE_SCRIPT.replace('if __name__ == "__main__":', "if False:"), here)
+    assert run.stdout == here["products"]()
+
+
 def test_quantized_tensor_works_through_linear():
     from engine.blocks.linear import linear
 

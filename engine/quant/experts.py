@@ -1,13 +1,13 @@
-"""Fused routed experts: every selected expert of one MoE layer step in one numba call.
+"""Fused routed experts: every selected expert of one MoE layer step in one call.
 
 `moe_experts(x, ids, weights, experts)` returns, for each token t,
 
     out[t] = sum over slots k = 0 .. K-1, in order, of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))
 
 with e = ids[t, k]. The call runs in four steps: the gate and up rows of all chosen experts as one
-list of work items spread over the threads (decode: K experts x row chunks in one parallel region
-instead of 3K kernel launches), the SiLU product per slot, the down rows of all experts as a
-second list, and the weighted sum per token in slot order. Every number is computed as the
+list of work items spread over the threads, the SiLU product per slot, the down rows of all
+experts as a second list, and the weighted sum per token in slot order (decode: two parallel
+regions, each K experts x row chunks over both threads, instead of 3K kernel launches). Every number is computed as the
 single-matrix kernel computes it (engine/quant/kernels.py), so the result is bitwise independent
 of the batch, of which other tokens chose the same expert, and of the thread count.
 
@@ -136,11 +136,14 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
         return out
     flat = ids.reshape(-1).astype(np.int64, copy=False)
     needed = sorted(set(flat.tolist())) if flat.size <= 256 else np.unique(flat).tolist()
+    if needed[0] < 0:
+        raise ValueError(f"expert ids must be >= 0, got {needed[0]}")
     rows = [_descriptors(experts, i) for i in needed]
-    inter = rows[0][3]
+    inter, d = rows[0][3], DESCRIPTOR
     for i, row in zip(needed, rows):
-        if row[3:5] != (inter, hidden) or row[16:18] != (inter, hidden) or row[29:31] != (hidden, inter):
-            raise ValueError(f"expert {i}: gate {list(row[3:5])}, up {list(row[16:18])}, down {list(row[29:31])} "
+        gate, up, down = row[3:5], row[d + 3:d + 5], row[2 * d + 3:2 * d + 5]          # (out, in) of each
+        if gate != (inter, hidden) or up != (inter, hidden) or down != (hidden, inter):
+            raise ValueError(f"expert {i}: gate {list(gate)}, up {list(up)}, down {list(down)} "
                              f"do not fit hidden {hidden} and intermediate {inter}")
     table = np.array(rows, np.int64).reshape(len(needed), 3, DESCRIPTOR)
     n_slots = t * k
@@ -152,7 +155,6 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     run_items(np.ascontiguousarray(table[:, 2]), down_items, h, order, order, y)
     sum_slots(y, weights.reshape(-1), k, hidden, out.reshape(-1))
     return out
-
 
 
 def _descriptors(experts, i: int) -> tuple[int, ...]:

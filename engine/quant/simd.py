@@ -7,10 +7,12 @@ the same 16 lanes (lane j sums the products of the indices k = j mod 16, in incr
 fused multiply-add each) and reduces them by the same fixed tree (`vsum`). That order is what
 makes results bitwise identical whatever the batch size, tiling or thread count.
 
-The vector is LLVM's `<16 x float>`: AVX-512 keeps it in one register, AVX2 in two. All
-operations are plain LLVM IR (generic intrinsics only), so the code runs on any x86-64 or ARM CPU.
+The vector is LLVM's `<16 x float>`: AVX-512 keeps it in one register, AVX2 in two. Operations
+are generic LLVM IR (fma, masked loads, fp16 extension, prefetch), so the code compiles for any
+x86-64 or ARM CPU; the one exception, a table lookup by lane (vpermps), is used only when the CPU
+numba compiles for has AVX-512 (`HAS_AVX512`) and has a generic fallback giving the same values.
 Code loaders (`vcodes*`) unpack one half (16 codes) of a 32-weight block of each packed layout
-(see `engine/quant/layout.py`) into float lanes.
+(see `engine/quant/layout.py`) into integer lanes.
 """
 
 from __future__ import annotations
@@ -62,10 +64,14 @@ class _I32x16Model(models.PrimitiveModel):
 
 
 def _host_has(feature: str) -> bool:
-    """Whether the CPU numba compiles for has an x86 feature (numba targets the host CPU)."""
+    """Whether the CPU numba compiles for has an x86 feature (False when numba targets a named CPU)."""
+    from numba.core import config
+
+    if config.CPU_NAME not in (None, "host"):  # e.g. a portable build for a generic CPU
+        return False
     try:
         import llvmlite.binding as llvm
-        return llvm.get_host_cpu_features().get(feature, False)
+        return bool(llvm.get_host_cpu_features().get(feature, False))
     except Exception:  # non-x86 hosts, or an llvmlite without feature queries
         return False
 
@@ -94,6 +100,26 @@ def _splat_i32(builder, value):
 
 def _as_i32(builder, value):
     return builder.trunc(value, _I32) if value.type.width > 32 else builder.zext(value, _I32) if value.type.width < 32 else value
+
+
+def _f16_bits_to_f32(builder, h):
+    """fp16 bit patterns (i32 scalar or vector, high bits zero) -> float32, exact for finite values.
+
+    Exponent and mantissa moved into float32 position read as 2**(e - 127) * 1.m; times 2**112 that
+    is 2**(e - 15) * 1.m, and a subnormal half lands on the right float32 subnormal. Integer ops and
+    one multiply, so no fp16 support (F16C) or runtime helper is needed.
+    """
+    ty = h.type
+
+    def const(v):
+        return ir.Constant(ty, [ir.Constant(_I32, v)] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(_I32, v)
+
+    sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
+    mag = builder.shl(builder.and_(h, const(0x7FFF)), const(13))
+    fty = ir.VectorType(_F32, ty.count) if isinstance(ty, ir.VectorType) else _F32
+    f = builder.bitcast(builder.or_(sign, mag), fty)
+    scale = ir.Constant(_F32, 2.0 ** 112)
+    return builder.fmul(f, ir.Constant(fty, [scale] * ty.count) if isinstance(ty, ir.VectorType) else scale)
 
 
 # -- float vectors ---------------------------------------------------------------------------
@@ -186,13 +212,7 @@ def f16_to_f32(typingctx, h):
         return None
 
     def codegen(context, builder, sig, args):
-        x = builder.zext(args[0], _I32) if args[0].type.width < 32 else builder.trunc(args[0], _I32) if args[0].type.width > 32 else args[0]
-        sign = builder.shl(builder.and_(x, ir.Constant(_I32, 0x8000)), ir.Constant(_I32, 16))
-        mag = builder.shl(builder.and_(x, ir.Constant(_I32, 0x7FFF)), ir.Constant(_I32, 13))
-        # exponent and mantissa moved into float32 position read as 2**(e - 127) * 1.m; times 2**112
-        # rebiases to 2**(e - 15) * 1.m, and a subnormal half becomes the right float32 subnormal
-        f = builder.bitcast(builder.or_(sign, mag), _F32)
-        return builder.fmul(f, ir.Constant(_F32, 2.0 ** 112))
+        return _f16_bits_to_f32(builder, _as_i32(builder, args[0]))
     return types.float32(h), codegen
 
 
@@ -318,7 +338,7 @@ def vhalves(typingctx, arr, off, n):
             builder.module, ir.FunctionType(vh, [vh.as_pointer(), _I32, ir.VectorType(ir.IntType(1), LANES), vh]),
             "llvm.masked.load.v16i16.p0")
         bits = builder.call(fn, [ptr, ir.Constant(_I32, 2), mask, ir.Constant(vh, [ir.Constant(ir.IntType(16), 0)] * LANES)])
-        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VF)
+        return _f16_bits_to_f32(builder, builder.zext(bits, _VI))
     return f32x16(arr, off, n), codegen
 
 
