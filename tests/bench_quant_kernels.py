@@ -1,12 +1,13 @@
 """Benchmark of the quantized kernels on the matrices of `mixtral-1.7b` (not a test: run it by hand).
 
-    .venv/bin/python tests/bench_quant_kernels.py [--bits 4 8] [--repeat 9] [--skip-prefill]
+    .venv/bin/python tests/bench_quant_kernels.py [--bits 4 8] [--repeat 9] [--threads 2] [--skip-prefill] [--separate-qkv]
 
 A whole model's worth of distinct random weights (16 layers: q, k, v, o, router, 64 experts;
 lm_head), so that decode reads from RAM as it would in a model that does not fit in cache.
 Reports per decoded token (T=1) the matmul time, the weight bytes it reads, the GB/s that makes
 and the tokens/s it implies (matmuls only), then prefill of 128 tokens, matmul_f32 against BLAS,
-and the quantized GEMM against BLAS on dequantized weights. Medians of --repeat runs.
+and the quantized GEMM against BLAS on dequantized weights. Medians of --repeat runs; a run during
+which another process used the CPUs is thrown away and repeated (the machine is shared).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class CleanClock:
 
 
 CLOCK = CleanClock()
+SEPARATE_QKV = False  # --separate-qkv: three matmul calls instead of one matmul_many
 
 
 def random_tensor(rng: np.random.Generator, rows: int, cols: int, bits: int, group: int) -> QuantizedTensor:
@@ -146,7 +148,12 @@ def run_step(model: Model, x: np.ndarray, rng: np.random.Generator, logits_token
     for lay in model.layers:
         ids, w = routing(rng, x.shape[0])
         c = time.perf_counter()
-        matmul_many(x, (lay.q, lay.k, lay.v))   # one parallel call for the three that share x
+        if SEPARATE_QKV:
+            lay.q.matmul(x)
+            lay.k.matmul(x)
+            lay.v.matmul(x)
+        else:
+            matmul_many(x, (lay.q, lay.k, lay.v))   # one parallel call for the three that share x
         lay.o.matmul(x)
         c1 = time.perf_counter()
         matmul_f32(x, lay.router)
@@ -256,7 +263,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--separate-qkv", action="store_true", help="q, k, v as three calls instead of matmul_many")
     args = ap.parse_args()
+    global SEPARATE_QKV
+    SEPARATE_QKV = args.separate_qkv
     numba.set_num_threads(args.threads)
     try:
         from threadpoolctl import threadpool_limits

@@ -57,6 +57,18 @@ def test_round_trip_through_read_only_memmap_shares_memory(tmp_path, bits, raw):
     assert np.array_equal(q2.matmul(x[:1]), q.matmul(x[:1]))
 
 
+def test_pickle_and_copy_rebuild_the_kernel_view():
+    import copy
+    import pickle
+
+    q = _tensor(5)
+    x = np.random.default_rng(1).standard_normal((3, SHAPE[1])).astype(np.float32)
+    for clone in (pickle.loads(pickle.dumps(q)), copy.deepcopy(q), copy.copy(q)):
+        assert np.array_equal(clone.matmul(x), q.matmul(x))
+    again = pickle.loads(pickle.dumps(q))
+    assert again.descriptor[5] == again.a.ctypes.data != q.a.ctypes.data  # its own arrays, not stale addresses
+
+
 def test_buffers_hold_only_what_the_format_uses():
     assert set(_tensor(4).to_buffers()[1]) == {"a", "scales"}
     assert set(_tensor(5).to_buffers()[1]) == {"a", "b", "scales"}

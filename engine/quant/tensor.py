@@ -134,6 +134,10 @@ class QuantizedTensor:
             m = d * np.float32(-(1 << (self.bits - 1)))
         return u * d + m  # u * d is exact in float32, so this rounds once, like the kernels' fma
 
+    def __reduce__(self):
+        # rebuild through __init__ (pickle, copy): the descriptor's addresses belong to this process's arrays
+        return (type(self), (self.shape, self.bits, self.group, self.asymmetric, self.a, self.b, self.scales, self.mins))
+
     def __repr__(self) -> str:
         kind = "asymmetric" if self.asymmetric else "symmetric"
         return (f"QuantizedTensor(shape={list(self.shape)}, bits={self.bits}, group={self.group}, {kind}, "
