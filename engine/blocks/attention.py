@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.blocks.linear import Probe, linear
+from engine.blocks.linear import Probe, linear, linear_many
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
 from engine.kv import HeadsKV
@@ -105,9 +105,7 @@ class Attention:
         if probe is not None:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 probe(f"{self.prefix}.{proj}.weight", x)
-        q = linear(x, self.wq)                                   # [T, H*D]
-        k = linear(x, self.wk)                                   # [T, Hkv*D]
-        v = linear(x, self.wv)
+        q, k, v = linear_many(x, (self.wq, self.wk, self.wv))     # [T, H*D], [T, Hkv*D] x 2
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
         if s.qk_norm == "full":

@@ -13,7 +13,7 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
-from engine.blocks.linear import Probe, linear
+from engine.blocks.linear import Probe, is_quantized, linear, linear_many
 from engine.blocks.norm import activation
 from engine.spec import MLPSpec, MoESpec
 from engine.weights import Weights
@@ -52,7 +52,8 @@ class ExpertWeights:
 
 def gated_mlp(x: np.ndarray, e: ExpertWeights, act, probe: Probe | None = None) -> np.ndarray:
     """down(act(gate(x)) * up(x)) for x [T, hidden] -> [T, hidden]."""
-    h = act(linear(x, e.gate)) * linear(x, e.up)                              # [T, I]
+    g, u = linear_many(x, (e.gate, e.up))                                     # [T, I] each
+    h = act(g) * u
     if probe is not None:
         probe(e.names[0], x)
         probe(e.names[1], x)
@@ -150,11 +151,14 @@ class MoE:
         ids, weights = route(self.spec, x @ self.router.T, self.correction_bias)   # [T, K] each
         needed = np.unique(ids)
         experts = source.experts(self.layer, [int(i) for i in needed])
-        out = np.zeros_like(x, dtype=np.float32)
-        for expert_id in needed:
-            rows, slots = np.nonzero(ids == expert_id)   # tokens routed here; a token picks an expert once
-            y = gated_mlp(x[rows], experts[int(expert_id)], act, probe)           # [n, hidden]
-            out[rows] += y * weights[rows, slots][:, None]
+        first = experts[int(needed[0])]
+        if probe is None and self.spec.act == "silu" and is_quantized(first.gate):
+            # every selected expert in one parallel call (the probe needs per-expert inputs: loop then)
+            from engine.quant import moe_experts
+
+            out = moe_experts(x, ids, weights, experts)
+        else:
+            out = self._loop(x, ids, weights, needed, experts, act, probe)
         if self.shared is not None:
             shared = gated_mlp(x, self.shared, act, probe)
             if self.shared_gate is not None:
@@ -163,3 +167,13 @@ class MoE:
                 shared = shared * (1.0 / (1.0 + np.exp(-(x @ self.shared_gate.T))))
             out += shared
         return out, Routing(self.layer, ids, weights)
+
+    @staticmethod
+    def _loop(x, ids, weights, needed, experts, act, probe) -> np.ndarray:
+        """The routed experts one at a time (float weights, or when a probe watches each expert)."""
+        out = np.zeros_like(x, dtype=np.float32)
+        for expert_id in needed:
+            rows, slots = np.nonzero(ids == expert_id)   # tokens routed here; a token picks an expert once
+            y = gated_mlp(x[rows], experts[int(expert_id)], act, probe)           # [n, hidden]
+            out[rows] += y * weights[rows, slots][:, None]
+        return out

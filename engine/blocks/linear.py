@@ -7,7 +7,7 @@ planner measures activation energy with it, moefy clusters feed-forward inputs w
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -19,3 +19,18 @@ def linear(x: np.ndarray, w) -> np.ndarray:
     if isinstance(w, np.ndarray):
         return x @ w.T
     return w.matmul(x)
+
+
+def linear_many(x: np.ndarray, ws: Sequence) -> list[np.ndarray]:
+    """x [T, in] times several weights sharing that input (q, k, v; gate, up): one parallel call
+    when all are quantized, else one product each."""
+    if all(is_quantized(w) for w in ws):
+        from engine.quant import matmul_many
+
+        return matmul_many(x, ws)
+    return [linear(x, w) for w in ws]
+
+
+def is_quantized(w) -> bool:
+    """Whether a weight is a quantized tensor (rather than a float32 array)."""
+    return w is not None and not isinstance(w, np.ndarray)
