@@ -149,10 +149,11 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     n_slots = t * k
     order, tok, gate_up_items, down_items = plan_slots(flat, np.array(needed, np.int64), inter, hidden, k)
     gate_up = np.empty(2 * n_slots * inter, np.float32)                     # [gate | up][slot, I]
-    run_items(table[:, :2].reshape(-1, DESCRIPTOR), gate_up_items, x.reshape(-1), tok, order, gate_up)
+    run_items(table[:, :2].reshape(-1, DESCRIPTOR), gate_up_items, np.arange(len(gate_up_items) + 1), x.reshape(-1),
+              tok, order, gate_up)
     h = silu_product(gate_up, n_slots, inter)                                # [slot, I]
     y = np.empty(n_slots * hidden, np.float32)                               # [slot, hidden]
-    run_items(np.ascontiguousarray(table[:, 2]), down_items, h, order, order, y)
+    run_items(np.ascontiguousarray(table[:, 2]), down_items, np.arange(len(down_items) + 1), h, order, order, y)
     sum_slots(y, weights.reshape(-1), k, hidden, out.reshape(-1))
     return out
 

@@ -385,7 +385,8 @@ def planes(desc):
 
 # -- work items: the one parallel kernel every quantized product runs in ----------------------
 # An item is (matrix, r0, r1, i0, i1, base, ldo): rows r0 .. r1 - 1 of matrix `table[matrix]` times
-# tokens i0 .. i1 - 1 (token i reads x row xrows[i]) into out[base + orows[i] * ldo + row].
+# tokens i0 .. i1 - 1 (token i reads x row xrows[i]) into out[base + orows[i] * ldo + row]; the
+# threads share out pieces, each a run of consecutive items.
 # Single products, several matrices sharing an input, and both phases of the fused experts are
 # lists of items; keeping one parallel kernel means the format-specialised loops are optimised
 # once, not once per caller (numba re-optimises all the code a cached kernel links: with a kernel
@@ -395,13 +396,16 @@ ITEM_FIELDS = 7
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
-def run_items(table, items, x, xrows, orows, out):
-    """Run every work item (see above) over the threads: items in order, split statically."""
-    for j in prange(items.shape[0]):
-        bits, asym, group, _, cols, a, b, sc, mn = planes(table[items[j, 0]])
-        r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
-        scratch = np.empty(TILE * cols if i1 - i0 > OTF_MAX_TOKENS else 0, np.float32)
-        quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0, scratch)
+def run_items(table, items, pieces, x, xrows, orows, out):
+    """Run the work items (see above) over the threads: piece p is items pieces[p] .. pieces[p + 1] - 1, and
+    the pieces are split statically, so pieces of equal work balance the threads."""
+    for p in prange(pieces.shape[0] - 1):
+        for j in range(pieces[p], pieces[p + 1]):
+            bits, asym, group, _, cols, a, b, sc, mn = planes(table[items[j, 0]])
+            r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
+            scratch = np.empty(TILE * cols if i1 - i0 > OTF_MAX_TOKENS else 0, np.float32)
+            quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0,
+                       scratch)
 
 
 @njit(cache=True)
@@ -414,28 +418,37 @@ def chunking(R, threads):
 
 @njit(cache=True)
 def matmul_items(rows, T, threads):
-    """Items of matrices with `rows` [M] rows each (table order) times T tokens, matrix m writing a [T, rows[m]]
-    block at offset T * sum(rows[:m]) of the output; and the identity token rows."""
+    """(items, pieces, token rows) of matrices with `rows` [M] rows each (table order) times T tokens; matrix m
+    writes a [T, rows[m]] block at offset T * sum(rows[:m]) of the output.
+
+    The matrices' rows, laid end to end, are cut into pieces of equal size (about 8 per thread); a piece
+    that straddles matrices holds one item per matrix. Equal pieces keep the threads equally busy.
+    """
+    _, per = chunking(rows.sum(), threads)
+    size = per * TILE                                       # rows per piece
+    n_pieces = (rows.sum() + size - 1) // size
+    items = np.zeros((n_pieces + rows.shape[0], ITEM_FIELDS), np.int64)
+    pieces = np.zeros(n_pieces + 1, np.int64)
     n = 0
-    for m in range(rows.shape[0]):
-        n += chunking(rows[m], threads)[0]
-    items = np.zeros((n, ITEM_FIELDS), np.int64)
-    n = 0
-    base = 0
-    for m in range(rows.shape[0]):
-        chunks, per = chunking(rows[m], threads)
-        for c in range(chunks):
-            r0 = c * per * TILE
-            if r0 < rows[m]:
+    for p in range(n_pieces):
+        pieces[p] = n
+        start = 0
+        base = 0
+        for m in range(rows.shape[0]):
+            lo = max(p * size, start)
+            hi = min((p + 1) * size, start + rows[m])
+            if lo < hi:
                 items[n, 0] = m
-                items[n, 1] = r0
-                items[n, 2] = min(rows[m], r0 + per * TILE)
+                items[n, 1] = lo - start
+                items[n, 2] = hi - start
                 items[n, 4] = T
                 items[n, 5] = base
                 items[n, 6] = rows[m]
                 n += 1
-        base += T * rows[m]
-    return items[:n], np.arange(T)
+            start += rows[m]
+            base += T * rows[m]
+    pieces[n_pieces] = n
+    return items[:n], pieces, np.arange(T)
 
 
 @njit(parallel=True, cache=True, boundscheck=False)

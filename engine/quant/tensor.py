@@ -115,8 +115,8 @@ class QuantizedTensor:
         x = check_activations(x, self.shape[1])
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
         if x.shape[0]:
-            items, tokens = kernels.matmul_items(self._rows, x.shape[0], numba.get_num_threads())
-            kernels.run_items(self._table, items, x.reshape(-1), tokens, tokens, out.reshape(-1))
+            items, pieces, tokens = kernels.matmul_items(self._rows, x.shape[0], numba.get_num_threads())
+            kernels.run_items(self._table, items, pieces, x.reshape(-1), tokens, tokens, out.reshape(-1))
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -207,8 +207,8 @@ def matmul_many(x: np.ndarray, tensors: Sequence[QuantizedTensor]) -> list[np.nd
     flat = np.empty(t_count * int(rows.sum()), np.float32)
     if t_count:
         table = np.array([t.descriptor for t in tensors], np.int64)
-        items, tokens = kernels.matmul_items(rows, t_count, numba.get_num_threads())
-        kernels.run_items(table, items, x.reshape(-1), tokens, tokens, flat)
+        items, pieces, tokens = kernels.matmul_items(rows, t_count, numba.get_num_threads())
+        kernels.run_items(table, items, pieces, x.reshape(-1), tokens, tokens, flat)
     ends = np.cumsum(rows * t_count)
     return [flat[e - r * t_count:e].reshape(t_count, r) for e, r in zip(ends, rows)]
 
