@@ -42,13 +42,14 @@ class HeadsKV:
         self._v = _Grown((spec.n_kv_heads, 0, spec.head_dim), axis=1)
 
     def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k, v [T, Hkv, D] at positions start.. and return all keys/values so far."""
+        """Store k, v [T, Hkv, D] at positions start.. and return the whole buffers [Hkv, capacity, D]
+        (positions past start + T hold nothing meaningful: readers stop at their query's position)."""
         end = start + k.shape[0]
         self._k.ensure(end, self.limit)
         self._v.ensure(end, self.limit)
         self._k.data[:, start:end] = k.transpose(1, 0, 2)
         self._v.data[:, start:end] = v.transpose(1, 0, 2)
-        return self._k.data[:, :end], self._v.data[:, :end]
+        return self._k.data, self._v.data
 
     @property
     def nbytes(self) -> int:

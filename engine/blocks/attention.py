@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.blocks.attention_kernel import attend_causal
 from engine.blocks.linear import Probe, linear, linear_many
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
@@ -52,7 +53,7 @@ def softmax_rows(scores: np.ndarray) -> np.ndarray:
 
 
 def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-    """softmax(q k^T * scale + mask) v for grouped heads.
+    """softmax(q k^T * scale + mask) v for grouped heads, in plain numpy (the reference of the kernel).
 
     q [T, H, D], k [Hkv, S, D], v [Hkv, S, Dv], mask [T, S] -> [T, H, Dv].
     """
@@ -120,9 +121,8 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.rms_eps), rms_norm(k, self.k_norm, self.rms_eps)
         cos, sin = self.rotary.tables(positions)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        keys, values = cache.write(int(positions[0]), k, v)      # [Hkv, S, D]
-        mask = causal_mask(positions, keys.shape[1], s.sliding_window)
-        out = attend(q, keys, values, mask, s.scale).reshape(t, -1)  # [T, H*D]
+        keys, values = cache.write(int(positions[0]), k, v)      # [Hkv, capacity, D]
+        out = attend_causal(q, keys, values, positions, s.scale, s.sliding_window).reshape(t, -1)  # [T, H*D]
         if probe is not None:
             probe(f"{self.prefix}.o_proj.weight", out)
         out = linear(out, self.wo)
