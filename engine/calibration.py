@@ -82,7 +82,8 @@ def collect_stats(
         cache = KVCache(model.spec, len(seq))
         for start in range(0, len(seq), PREFILL_CHUNK):
             part = seq[start : start + PREFILL_CHUNK]
-            model.forward(part, cache, probe=stats)
+            # every position's logits: the output head reads every token of real generation too
+            model.forward(part, cache, probe=stats, all_logits=True)
             stats.tokens += len(part)
             done += len(part)
             if progress is not None:

@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "minus KV cache for --ctx and measured overhead) the planner measures each matrix's error on "
         "calibration text and picks widths that fit. An interrupted conversion resumes when rerun.",
     )
-    parser.add_argument("src", metavar="SRC", type=Path, help="a Hugging Face model folder or a .gguf file")
+    parser.add_argument("src", metavar="SRC", help="a Hugging Face model folder, a .gguf file or a pulled name")
     parser.add_argument("out", metavar="OUT", type=Path, help="the container folder to write")
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), help="one width for every weight matrix")
@@ -42,6 +42,9 @@ def _run(args: argparse.Namespace) -> int:
     from engine.loader import open_checkpoint
     from engine.planner import parse_keep_bits
 
+    from app.pull import resolve_model
+
+    args.src = resolve_model(args.src)
     baseline = process_rss()
     budget = parse_size(args.budget, "--budget") if args.budget else None
     if args.max_memory:
