@@ -16,9 +16,9 @@ no faster in decode here (both ~12 G weights/s per core before tuning), would co
 conversion and scale per 32 products in prefill, where float FMA tiles beat BLAS, and adds error.
 """
 
-from engine.quant.experts import moe_experts
+from engine.quant.experts import expert_outputs, moe_experts, weighted_sum
 from engine.quant.fp32 import matmul_f32
 from engine.quant.layout import BITS, GROUPS
 from engine.quant.tensor import QuantizedTensor, matmul_many, quantize, weighted_error
 
-__all__ = ["BITS", "GROUPS", "QuantizedTensor", "matmul_f32", "matmul_many", "moe_experts", "quantize", "weighted_error"]
+__all__ = ["BITS", "GROUPS", "QuantizedTensor", "matmul_f32", "expert_outputs", "matmul_many", "moe_experts", "weighted_sum", "quantize", "weighted_error"]

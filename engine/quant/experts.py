@@ -117,6 +117,18 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
     `experts` maps an expert id to its gate, up, down QuantizedTensors (a dict from ExpertSource.experts, or a list
     indexed by id). Bitwise independent of T, of the other tokens in the batch and of the thread count.
     """
+    x, ids, weights = check_routing(x, ids, weights)
+    t, k = ids.shape
+    out = np.zeros((t, x.shape[1]), np.float32)
+    if t == 0 or k == 0:
+        return out
+    y = np.empty((t * k, x.shape[1]), np.float32)
+    expert_outputs(x, ids, experts, np.arange(t * k), y)
+    return weighted_sum(y, weights, out)
+
+
+def check_routing(x, ids, weights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x, ids, weights) checked: x [T, hidden] float32 contiguous, ids [T, K] integers, weights [T, K] float32."""
     ids = np.asarray(ids)
     if ids.ndim != 2 or ids.dtype.kind not in "iu":
         raise ValueError(f"expert ids must be an integer [T, K] array, got {ids.dtype} {list(ids.shape)}")
@@ -126,15 +138,31 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                          f"got {weights.dtype} {list(weights.shape)}")
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError(f"activations must be a [T, hidden] array, got {getattr(x, 'shape', type(x).__name__)}")
+    if x.shape[0] != ids.shape[0]:
+        raise ValueError(f"activations have {x.shape[0]} tokens but the routing {ids.shape[0]}")
+    return check_activations(x, x.shape[1]), ids, weights
+
+
+def weighted_sum(y: np.ndarray, weights: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out [T, hidden] = sum over slots k in order of weights[t, k] * y[t * K + k] (y [T*K, hidden]); returns out."""
+    t, k = weights.shape
+    sum_slots(y.reshape(-1), np.ascontiguousarray(weights, np.float32).reshape(-1), k, out.shape[1], out.reshape(-1))
+    return out
+
+
+def expert_outputs(x: np.ndarray, ids: np.ndarray, experts: Mapping[int, ExpertLike] | Sequence[ExpertLike],
+                   slots: np.ndarray, y: np.ndarray) -> None:
+    """y[s] = down_e(silu(gate_e(x_t)) * up_e(x_t)) for the given slots s = t * K + k (e = ids[t, k]).
+
+    Every slot's row is computed as it would be in any other batch, so a layer step may run its slots in
+    parts (the experts already in memory first, the others as their reads finish) with the same result.
+    """
     t, k = ids.shape
-    if x.shape[0] != t:
-        raise ValueError(f"activations have {x.shape[0]} tokens but the routing {t}")
     hidden = x.shape[1]
-    x = check_activations(x, hidden)
-    out = np.zeros((t, hidden), np.float32)
-    if t == 0 or k == 0:
-        return out
-    flat = ids.reshape(-1).astype(np.int64, copy=False)
+    slots = np.asarray(slots, np.int64)                                      # sorted, distinct
+    if slots.size == 0:
+        return
+    flat = ids.reshape(-1).astype(np.int64, copy=False)[slots]
     needed = sorted(set(flat.tolist())) if flat.size <= 256 else np.unique(flat).tolist()
     if needed[0] < 0:
         raise ValueError(f"expert ids must be >= 0, got {needed[0]}")
@@ -146,16 +174,20 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
             raise ValueError(f"expert {i}: gate {list(gate)}, up {list(up)}, down {list(down)} "
                              f"do not fit hidden {hidden} and intermediate {inter}")
     table = np.array(rows, np.int64).reshape(len(needed), 3, DESCRIPTOR)
-    n_slots = t * k
-    order, tok, gate_up_items, down_items = plan_slots(flat, np.array(needed, np.int64), inter, hidden, k)
+    n_slots = flat.size
+    order, _, gate_up_items, down_items = plan_slots(flat, np.array(needed, np.int64), inter, hidden, k)
+    tok = slots[order] // k                                                  # the token of each ordered slot
     gate_up = np.empty(2 * n_slots * inter, np.float32)                     # [gate | up][slot, I]
     run_items(table[:, :2].reshape(-1, DESCRIPTOR), gate_up_items, np.arange(len(gate_up_items) + 1), x.reshape(-1),
               tok, order, gate_up)
     h = silu_product(gate_up, n_slots, inter)                                # [slot, I]
-    y = np.empty(n_slots * hidden, np.float32)                               # [slot, hidden]
-    run_items(np.ascontiguousarray(table[:, 2]), down_items, np.arange(len(down_items) + 1), h, order, order, y)
-    sum_slots(y, weights.reshape(-1), k, hidden, out.reshape(-1))
-    return out
+    if n_slots == t * k and slots[0] == 0 and slots[-1] == n_slots - 1:     # every slot, in order: y in place
+        run_items(np.ascontiguousarray(table[:, 2]), down_items, np.arange(len(down_items) + 1), h, order, order,
+                  y.reshape(-1))
+        return
+    part = np.empty(n_slots * hidden, np.float32)                            # [slot of the part, hidden]
+    run_items(np.ascontiguousarray(table[:, 2]), down_items, np.arange(len(down_items) + 1), h, order, order, part)
+    y[slots] = part.reshape(n_slots, hidden)
 
 
 def _descriptors(experts, i: int) -> tuple[int, ...]:
