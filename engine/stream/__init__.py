@@ -1,0 +1,1 @@
+"""Streaming MoE expert weights from disk under a memory budget: reader threads, caching policy."""
