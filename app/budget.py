@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import ColibriError
-from engine.generate import PREFILL_CHUNK
-from engine.spec import MLASpec, ModelSpec
+from engine.spec import ModelSpec
+from engine.stream.budget import kv_bytes, working_bytes
 
 from app.sizes import format_size
 
@@ -24,28 +24,6 @@ def process_rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def kv_bytes(spec: ModelSpec, ctx: int) -> int:
-    """KV cache bytes for `ctx` tokens (float32; MLA caches its compressed latent)."""
-    per_token = 0
-    for layer in spec.layers:
-        a = layer.attn
-        if isinstance(a, MLASpec):
-            per_token += (a.kv_lora_rank + a.qk_rope_dim) * 4
-        else:
-            per_token += 2 * a.n_kv_heads * a.head_dim * 4
-    return per_token * ctx
-
-
-def working_bytes(spec: ModelSpec, ctx: int) -> int:
-    """The largest buffers a prefill chunk makes: attention scores, logits, activations."""
-    heads = max(layer.attn.n_heads for layer in spec.layers)
-    scores = heads * PREFILL_CHUNK * ctx * 4 * 2          # scores and probabilities
-    logits = PREFILL_CHUNK * spec.vocab_size * 4
-    widest = max(getattr(layer.ffn, "intermediate", 0) or getattr(layer.ffn, "expert_ffn", 0) for layer in spec.layers)
-    activations = PREFILL_CHUNK * max(widest, spec.hidden_size) * 4 * 6
-    return scores + logits + activations
 
 
 @dataclass(frozen=True)

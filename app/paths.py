@@ -1,4 +1,4 @@
-"""Where Colibri keeps its files on the user's machine: the models folder."""
+"""Where Colibri keeps its files on the user's machine: the models folder, usage histories."""
 
 from __future__ import annotations
 
@@ -18,5 +18,12 @@ def models_dir() -> Path:
     else:
         # appauthor=False: no "<author>\<app>" nesting on Windows; on Linux this honours XDG_DATA_HOME.
         path = Path(platformdirs.user_data_dir("colibri", appauthor=False)) / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def usage_dir() -> Path:
+    """Usage histories (one per model hash): `<user data dir>/colibri/usage`, beside the models folder."""
+    path = models_dir().parent / "usage"
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from engine.errors import ColibriError
+from engine.stream.budget import format_bytes as format_size  # noqa: F401 - one formatting rule for engine and app
 
 _UNITS = {"": 10**9, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -21,11 +22,3 @@ def parse_size(text: str, what: str = "size") -> int:
     if value <= 0:
         raise ColibriError(f"{what} {text!r}: must be more than zero")
     return value
-
-
-def format_size(n: float) -> str:
-    """1234567 -> '1.23 MB'."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"

@@ -70,10 +70,12 @@ def generate_step(
     seen = np.zeros(len(prompt) + 64, np.int64)   # prompt then generated ids, grown by doubling
     seen[: len(prompt)] = prompt
     n = len(prompt)
+    tel = model.telemetry
     while True:
-        if processors:
-            logits = apply_processors(logits, History(seen[:n], len(prompt)), processors)
-        token = sampler(logits)
+        with tel.phase("sampling"):
+            if processors:
+                logits = apply_processors(logits, History(seen[:n], len(prompt)), processors)
+            token = sampler(logits)
         if n == seen.size:
             seen = np.concatenate([seen, np.zeros_like(seen)])
         seen[n] = token

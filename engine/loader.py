@@ -18,6 +18,7 @@ from engine.formats.hf import SafetensorsFolder, read_json
 from engine.models import spec_from_config
 from engine.models.transformer import Transformer
 from engine.spec import ModelSpec
+from engine.telemetry import NULL, Telemetry
 from engine.tokenizer import Tokenizer
 from engine.weights import TensorSource
 
@@ -39,11 +40,34 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     stop_ids: frozenset[int]                    # end-of-sequence ids: generation stops on any of them
     defaults: dict[str, Any] = field(default_factory=dict)  # sampling defaults from generation_config.json
+    store: Any = None                           # the ExpertStore (MoE) or LayerStore (dense) streaming weights, if any
+    history_path: Path | None = None            # where the usage history is saved on close
 
     @property
     def name(self) -> str:
         """A short display name."""
         return self.path.name
+
+    def close(self) -> None:
+        """Save the usage history (atomically) and stop the store's readers; idempotent."""
+        store, self.store = self.store, None
+        if store is None:
+            return
+        try:
+            if store.history is not None and self.history_path is not None:
+                store.history.save(self.history_path)
+        finally:
+            store.close()
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """Stream routed experts from a container instead of holding them all (engine.stream)."""
+
+    store: Any                                  # engine.stream.store.StoreSettings
+    prefetch_depth: int = 1                     # layers read ahead (MoE: by lookahead routing; 0: off)
+    history_path: Path | None = None            # the usage-history sidecar (None: no learning)
+    resident_layers: int = 0                    # dense models: the first layers held, the others streamed
 
 
 def _report(progress: Progress | None, fraction: float, message: str) -> None:
@@ -83,8 +107,11 @@ class Checkpoint:
         return frozenset(stop)
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Open a Hugging Face folder, a Colibri container or a GGUF file, checking what can be checked."""
+def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool = True) -> Checkpoint:
+    """Open a Hugging Face folder, a Colibri container or a GGUF file, checking what can be checked.
+
+    verify_experts=False leaves a container's expert extents unread (a streaming store checks each on its first read).
+    """
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or folder; pass a model folder or a .gguf file (or `colibri pull` one)")
@@ -96,7 +123,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         tokenizer = Tokenizer.from_gguf_metadata(source.meta, str(path)) if "tokenizer.ggml.tokens" in source.meta else None
     else:
         if is_container(path):
-            source = Container.open(path)
+            source = Container.open(path, verify=verify, verify_experts=verify_experts)
             config, where = source.config, str(path / MANIFEST)
         else:
             config = read_json(path / "config.json", "config.json")
@@ -107,19 +134,89 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(path, config, spec, source, tokenizer, gen)
 
 
-def load_model(path: str | Path, progress: Progress | None = None) -> LoadedModel:
-    """Load a Hugging Face folder, a Colibri container or a GGUF file, ready to generate."""
+def load_model(path: str | Path, progress: Progress | None = None, stream: StreamOptions | None = None,
+               telemetry: Telemetry = NULL) -> LoadedModel:
+    """Load a Hugging Face folder, a Colibri container or a GGUF file, ready to generate.
+
+    With `stream`, routed experts stay on disk and an ExpertStore brings them in under its byte budget
+    (a container is needed: its experts lie in aligned extents, one read each).
+    """
     _report(progress, 0.0, f"reading {Path(path).name}")
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, verify_experts=stream is None, verify=stream is None)
+    store, layers, history_path = None, None, None
+    if stream is not None:
+        # what is held is checked now; streamed experts or layers when the store first reads them, so that
+        # opening a model larger than memory does not read all of it
+        if _is_moe(ckpt.spec):
+            _need_container(ckpt)
+            ckpt.source.verify(experts=False)
+            store = _open_store(ckpt, stream, telemetry)
+            history_path = stream.history_path
+        else:
+            _need_container(ckpt)
+            held = [n for n in ckpt.source.names() if not _streamed_layer(n, stream.resident_layers)]
+            ckpt.source.verify(names=held)
+            layers = _open_layers(ckpt, stream, telemetry)
+            store = layers
     _report(progress, 0.1, "loading weights")
     on_layer = lambda i, n: _report(progress, 0.1 + 0.9 * (i + 1) / n, f"layer {i + 1}/{n}")  # noqa: E731
-    model = Transformer(ckpt.spec, ckpt.source, on_layer=on_layer)
+    try:
+        model = Transformer(ckpt.spec, ckpt.source, experts=None if layers is not None else store, on_layer=on_layer,
+                            telemetry=telemetry, prefetch_depth=stream.prefetch_depth if stream is not None else 0,
+                            layers=layers)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     if isinstance(ckpt.source, GGUFModel):
         ckpt.source.release()
     gen = ckpt.generation
     defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample") if k in gen}
     _report(progress, 1.0, "ready")
-    return LoadedModel(ckpt.path, ckpt.spec, model, ckpt.tokenizer, ckpt.stop_ids, defaults)
+    return LoadedModel(ckpt.path, ckpt.spec, model, ckpt.tokenizer, ckpt.stop_ids, defaults, store, history_path)
+
+
+def _is_moe(spec: ModelSpec) -> bool:
+    from engine.spec import MoESpec
+
+    return any(isinstance(layer.ffn, MoESpec) for layer in spec.layers)
+
+
+def _streamed_layer(name: str, resident_layers: int) -> bool:
+    """Whether tensor `name` belongs to a decoder layer at or past `resident_layers`."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) >= resident_layers
+
+
+def _need_container(ckpt: Checkpoint) -> None:
+    if not isinstance(ckpt.source, Container):
+        raise ColibriError(f"{ckpt.path}: streaming needs a Colibri container (weights laid out for reading in pieces); "
+                           f"convert it first: `colibri convert {ckpt.path} OUT --bits 4`")
+
+
+def _open_layers(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
+    """The layer store of a dense model: the first layers held, the others read ahead while earlier ones compute."""
+    from engine.stream.layers import LayerStore
+
+    _need_container(ckpt)
+    s = stream.store
+    return LayerStore(ckpt.source, ckpt.spec, stream.resident_layers, stream.prefetch_depth, io_threads=s.io_threads,
+                      telemetry=telemetry, direct=s.direct, io=s.io)
+
+
+def _open_store(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
+    """The expert store over a container, with the usage history when one is kept."""
+    from engine.spec import MoESpec
+    from engine.stream.history import UsageHistory
+    from engine.stream.store import ExpertStore
+
+    _need_container(ckpt)
+    moe = [layer.ffn for layer in ckpt.spec.layers if isinstance(layer.ffn, MoESpec)]
+    history = None
+    if stream.history_path is not None:
+        history = UsageHistory.load_or_new(stream.history_path, ckpt.source.model_hash, ckpt.spec.n_layers,
+                                           max(m.n_experts for m in moe))
+    return ExpertStore(ckpt.source, ckpt.spec, stream.store, history, telemetry)
 
 
 def _ids(value: Any) -> list[int]:

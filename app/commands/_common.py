@@ -52,12 +52,18 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
-def load(model_arg: str | None, quiet: bool = False):
-    """Resolve MODEL and load it, reporting progress on stderr (a terminal gets a live line)."""
+def load(model_arg: str | None, quiet: bool = False, args: argparse.Namespace | None = None, telemetry=None):
+    """Resolve MODEL and load it, reporting progress on stderr (a terminal gets a live line).
+
+    With the memory flags in `args` (app.streaming) and --max-memory given, the model streams.
+    """
     from app.pull import resolve_model
+    from app.streaming import stream_options
     from engine.loader import load_model
+    from engine.telemetry import NULL
 
     path = resolve_model(model_arg)
+    stream = stream_options(args, path, quiet) if args is not None else None
     live = sys.stderr.isatty() and not quiet
     t0 = time.perf_counter()
 
@@ -70,7 +76,7 @@ def load(model_arg: str | None, quiet: bool = False):
             width = max(width, len(line))
             print(f"\r{line:<{width}}", end="", file=sys.stderr, flush=True)
 
-    loaded = load_model(path, progress)
+    loaded = load_model(path, progress, stream, telemetry if telemetry is not None else NULL)
     if live:
         print("\r" + " " * width + "\r", end="", file=sys.stderr)
     if not quiet:

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
+from app.streaming import add_memory_arguments
 from engine.errors import ColibriError
 
 HELP = "commands: /reset forgets the conversation, /exit leaves; Ctrl-C stops an answer"
@@ -28,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_argument(parser, required=False)
     parser.add_argument("--system", metavar="TEXT", help="a system message for the conversation")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.1)
+    add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
 
@@ -74,7 +76,14 @@ def _run(args: argparse.Namespace) -> int:
     from engine.events import DoneEvent, ErrorEvent, TokenEvent
 
     sampling = sampling_from_args(args)
-    loaded = load(args.model)
+    loaded = load(args.model, args=args)
+    try:
+        return _chat(args, loaded, sampling)
+    finally:
+        loaded.close()                      # saves the usage history of a streamed model
+
+
+def _chat(args: argparse.Namespace, loaded, sampling) -> int:
     session = ChatSession(loaded, sampling, args.max_tokens, context_length(loaded, args.ctx), args.system, tuple(args.stop))
     print(f"chatting with {loaded.name}; {HELP}", file=sys.stderr)
     while True:

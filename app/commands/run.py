@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
+from app.streaming import add_memory_arguments
 from engine.errors import ColibriError
 
 
@@ -33,6 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--logits-out", type=Path, metavar="FILE.npy", help="save the prompt's logits, float32 [prompt_len, vocab]")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.0)
+    add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
 
@@ -88,7 +90,18 @@ def _run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if args.max_tokens < 1:
         raise ColibriError(f"--max-tokens {args.max_tokens}: generate at least one token")
-    loaded = load(args.model, quiet=args.json)
+    loaded = load(args.model, quiet=args.json, args=args)
+    try:
+        return _answer(args, loaded, sampling)
+    finally:
+        loaded.close()                      # saves the usage history of a streamed model
+
+
+def _answer(args: argparse.Namespace, loaded, sampling) -> int:
+    from engine.events import DoneEvent, ErrorEvent, PromptLogitsEvent, TokenEvent
+    from engine.generate import GenerationRequest, stream_generate
+    from engine.kv import KVCache
+
     ids = prompt_ids(args, loaded.tokenizer)
     request = GenerationRequest(
         prompt=tuple(ids), max_tokens=args.max_tokens, sampling=sampling,

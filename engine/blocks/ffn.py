@@ -9,12 +9,14 @@ per token) so that the rest of the engine can cache, prefetch and display expert
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from engine.blocks.linear import Probe, is_quantized, linear, linear_many
 from engine.blocks.norm import activation
+from engine.quant import expert_outputs, weighted_sum
+from engine.telemetry import NULL, Telemetry
 from engine.spec import MLPSpec, MoESpec
 from engine.weights import Weights
 
@@ -74,10 +76,13 @@ class MLP:
 
 
 class ExpertSource(Protocol):
-    """Where the MoE block gets routed experts from (resident now, streamed later)."""
+    """Where the MoE block gets routed experts from: resident, or streamed by engine.stream.ExpertStore."""
 
     def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         """The weights of the given experts of one layer."""
+
+    def groups(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+        """The same experts in groups as they become available (each stays valid until the next is asked for)."""
 
 
 class ResidentExperts:
@@ -90,6 +95,10 @@ class ResidentExperts:
         """The weights of the given experts of one layer."""
         held = self.per_layer[layer]
         return {i: held[i] for i in ids}
+
+    def groups(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+        """All of them at once."""
+        yield self.experts(layer, ids)
 
 
 @dataclass(frozen=True)
@@ -143,37 +152,46 @@ class MoE:
     shared_gate: np.ndarray | None           # [1, hidden]
     prefix: str = ""                         # tensor name prefix of the block
 
-    def __call__(self, x: np.ndarray, source: ExpertSource, probe: Probe | None = None) -> tuple[np.ndarray, Routing]:
-        """x [T, hidden] -> ([T, hidden], this step's routing)."""
-        act = activation(self.spec.act)
-        if probe is not None:
-            probe(f"{self.prefix}.gate.weight", x)
-        ids, weights = route(self.spec, x @ self.router.T, self.correction_bias)   # [T, K] each
-        needed = np.unique(ids)
-        experts = source.experts(self.layer, [int(i) for i in needed])
-        first = experts[int(needed[0])]
-        if probe is None and self.spec.act == "silu" and is_quantized(first.gate):
-            # every selected expert in one parallel call (the probe needs per-expert inputs: loop then)
-            from engine.quant import moe_experts
+    def __call__(self, x: np.ndarray, source: ExpertSource, probe: Probe | None = None,
+                 telemetry: Telemetry = NULL) -> tuple[np.ndarray, Routing]:
+        """x [T, hidden] -> ([T, hidden], this step's routing).
 
-            out = moe_experts(x, ids, weights, experts)
-        else:
-            out = self._loop(x, ids, weights, needed, experts, act, probe)
+        Each (token, slot) output is computed alone and the slots are summed in order afterwards, so the
+        result does not depend on which experts were in memory first or how the source grouped them.
+        """
+        act = activation(self.spec.act)
+        t, hidden = x.shape
+        with telemetry.phase("dense"):
+            if probe is not None:
+                probe(f"{self.prefix}.gate.weight", x)
+            ids, weights = route(self.spec, x @ self.router.T, self.correction_bias)   # [T, K] each
+        k = ids.shape[1]
+        flat = ids.reshape(-1)                                                         # [T*K] slot s = t*K + k
+        needed = np.unique(ids)
+        y = np.empty((t * k, hidden), np.float32)                                      # [T*K, hidden]
+        with telemetry.phase("experts"):
+            for group in source.groups(self.layer, [int(i) for i in needed]):
+                slots = np.nonzero(np.isin(flat, np.fromiter(group, np.int64, len(group))))[0]
+                self._outputs(x, ids, group, slots, y, act, probe)
+            out = weighted_sum(y, weights, np.zeros((t, hidden), np.float32))
         if self.shared is not None:
-            shared = gated_mlp(x, self.shared, act, probe)
-            if self.shared_gate is not None:
-                if probe is not None:
-                    probe(f"{self.prefix}.shared_expert_gate.weight", x)
-                shared = shared * (1.0 / (1.0 + np.exp(-(x @ self.shared_gate.T))))
-            out += shared
+            with telemetry.phase("dense"):
+                shared = gated_mlp(x, self.shared, act, probe)
+                if self.shared_gate is not None:
+                    if probe is not None:
+                        probe(f"{self.prefix}.shared_expert_gate.weight", x)
+                    shared = shared * (1.0 / (1.0 + np.exp(-(x @ self.shared_gate.T))))
+                out += shared
         return out, Routing(self.layer, ids, weights)
 
-    @staticmethod
-    def _loop(x, ids, weights, needed, experts, act, probe) -> np.ndarray:
-        """The routed experts one at a time (float weights, or when a probe watches each expert)."""
-        out = np.zeros_like(x, dtype=np.float32)
-        for expert_id in needed:
-            rows, slots = np.nonzero(ids == expert_id)   # tokens routed here; a token picks an expert once
-            y = gated_mlp(x[rows], experts[int(expert_id)], act, probe)           # [n, hidden]
-            out[rows] += y * weights[rows, slots][:, None]
-        return out
+    def _outputs(self, x, ids, experts, slots, y, act, probe) -> None:
+        """y[s] for the given slots whose experts are in `experts`: one fused call, or one expert at a time."""
+        first = next(iter(experts.values()))
+        if probe is None and self.spec.act == "silu" and is_quantized(first.gate):
+            expert_outputs(x, ids, experts, slots, y)
+            return
+        flat, k = ids.reshape(-1), ids.shape[1]
+        for expert_id, e in experts.items():
+            mine = slots[flat[slots] == expert_id]                   # slots routed here; a token picks it once
+            if mine.size:
+                y[mine] = gated_mlp(x[mine // k], e, act, probe)     # [n, hidden]

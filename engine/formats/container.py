@@ -338,8 +338,12 @@ class Container:
     maps: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, folder: str | Path, verify: bool = True) -> "Container":
-        """Read and check the manifest, map the data files, verify sizes and checksums."""
+    def open(cls, folder: str | Path, verify: bool = True, verify_experts: bool = True) -> "Container":
+        """Read and check the manifest, map the data files, verify sizes and checksums.
+
+        verify_experts=False leaves the expert files unread (a streaming store checks each extent's CRC-32
+        when it first reads it): opening a model larger than memory must not read all of it.
+        """
         folder = Path(folder)
         mpath = folder / MANIFEST
         try:
@@ -372,12 +376,16 @@ class Container:
                 raise ModelFormatError(f"{path}: {what}; the container is truncated: convert the model again with `colibri convert`")
             self.maps[fname] = np.memmap(path, dtype=np.uint8, mode="r")
         if verify:
-            self.verify()
+            self.verify(experts=verify_experts)
         return self
 
-    def verify(self) -> None:
-        """Check every tensor's CRC-32 (about 4 GB/s)."""
-        for e in self.entries.values():
+    def verify(self, experts: bool = True, names: Iterable[str] | None = None) -> None:
+        """Check tensors' CRC-32 (about 4 GB/s): all, those outside expert extents (experts=False), or `names`."""
+        expert_files = {x.file for x in self.extents.values()}
+        chosen = self.entries.values() if names is None else [self.entries[n] for n in names]
+        for e in chosen:
+            if not experts and e.file in expert_files:
+                continue
             span = self.maps[e.file][e.offset : e.offset + e.length]
             if zlib.crc32(memoryview(span)) != e.crc32:
                 raise ModelFormatError(
@@ -411,20 +419,32 @@ class Container:
     def load(self, name: str):
         """A float32 array (a view for f32) or a quantized tensor whose arrays are views of the map."""
         e = self.entries[name]
-        span = self.maps[e.file][e.offset : e.offset + e.length]
-        if e.kind == "quant":
-            from engine.quant import QuantizedTensor
+        return tensor_from_span(e, self.maps[e.file][e.offset : e.offset + e.length])
 
-            buffers = {}
-            for key, (off, nbytes, dtype, shape) in e.buffers.items():
-                view = np.asarray(span[off : off + nbytes]).view(np.dtype(dtype)).reshape(shape)
-                view.flags.writeable = False
-                buffers[key] = view
-            return QuantizedTensor.from_buffers(e.quant, buffers)
-        raw = np.asarray(span).view(_PLAIN[e.kind]).reshape(e.shape)
-        if e.kind == "f32":
-            raw.flags.writeable = False
-            return raw
-        out = bf16_to_f32(raw) if e.kind == "bf16" else raw.astype(np.float32)
-        out.flags.writeable = False
-        return out
+    def extent_entries(self, layer: int, expert: int) -> list[tuple[TensorEntry, int]]:
+        """The tensors inside one expert's extent, each with its offset from the extent's start."""
+        x = self.extents[(layer, expert)]
+        inside = [(e, e.offset - x.offset) for e in self.entries.values()
+                  if e.file == x.file and x.offset <= e.offset and e.offset + e.length <= x.offset + x.length]
+        return sorted(inside, key=lambda pair: pair[1])
+
+
+def tensor_from_span(e: TensorEntry, span: np.ndarray):
+    """The tensor `e` describes over its bytes `span` (uint8): views for f32 and quantized, widened f16/bf16."""
+    if e.kind == "quant":
+        from engine.quant import QuantizedTensor
+
+        buffers = {}
+        for key, (off, nbytes, dtype, shape) in e.buffers.items():
+            view = np.asarray(span[off : off + nbytes]).view(np.dtype(dtype)).reshape(shape)
+            view.flags.writeable = False
+            buffers[key] = view
+        return QuantizedTensor.from_buffers(e.quant, buffers)
+    raw = np.asarray(span[: e.length]).view(_PLAIN[e.kind]).reshape(e.shape)
+    if e.kind == "f32":
+        raw = raw.view()
+        raw.flags.writeable = False
+        return raw
+    out = bf16_to_f32(raw) if e.kind == "bf16" else raw.astype(np.float32)
+    out.flags.writeable = False
+    return out

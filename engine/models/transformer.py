@@ -7,12 +7,12 @@ A family module only turns its config into a `ModelSpec`; this module knows tens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from engine.blocks.attention import Attention, attention_shapes
-from engine.blocks.ffn import MLP, ExpertSource, ExpertWeights, MoE, ResidentExperts, Routing, mlp_shapes
+from engine.blocks.ffn import MLP, ExpertSource, ExpertWeights, MoE, ResidentExperts, Routing, mlp_shapes, route
 from engine.blocks.linear import Probe, linear
 from engine.blocks.mla import LatentAttention, mla_shapes
 from engine.blocks.norm import rms_norm
@@ -20,7 +20,21 @@ from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
 from engine.spec import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource, Weights
+
+
+class LayerSource(Protocol):
+    """Where streamed decoder layers come from (engine.stream.layers.LayerStore)."""
+
+    def streams(self, i: int) -> bool:
+        """Whether layer i is streamed rather than held."""
+
+    def bind(self, build: Callable[[int, TensorSource], "Layer"]) -> None:
+        """The function that builds layer i over a source holding its tensors."""
+
+    def layer(self, i: int) -> "Layer":
+        """Layer i, in memory until the next call (reads of the following layers start here)."""
 
 
 def layer_prefix(i: int) -> str:
@@ -84,7 +98,12 @@ class Layer:
 
 
 class Transformer:
-    """A decoder-only model ready to run: read-only weights plus the forward pass."""
+    """A decoder-only model ready to run: read-only weights plus the forward pass.
+
+    Routed experts come from `experts` when given (a streaming store: the checkpoint's experts are then
+    never touched here), else they are held resident. With a store that reads ahead (`prefetch`),
+    the router of layer i + D applied to the hidden state after layer i predicts that layer's experts.
+    """
 
     def __init__(
         self,
@@ -92,20 +111,37 @@ class Transformer:
         source: TensorSource,
         experts: ExpertSource | None = None,
         on_layer: Callable[[int, int], None] | None = None,
+        telemetry: Telemetry = NULL,
+        prefetch_depth: int = 0,
+        layers: "LayerSource | None" = None,
     ):
         self.spec = spec
+        self.telemetry = telemetry
+        self.prefetch_depth = prefetch_depth
+        self.streamed = experts is not None
+        self.layer_source = layers
         w = Weights(source, expected_shapes(spec))
         self.embed = w["model.embed_tokens.weight"]                          # [V, hidden]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if spec.tie_embeddings else w["lm_head.weight"]  # [V, hidden]
         rotaries: dict = {}
-        self.layers: list[Layer] = []
+        self.layers: list[Layer | None] = []     # None: a streamed layer, built from the layer source per use
         resident: dict[int, list[ExpertWeights]] = {}
         for i, ls in enumerate(spec.layers):
-            self.layers.append(self._load_layer(i, ls, w, rotaries, resident))
+            streamed = layers is not None and layers.streams(i)
+            self.layers.append(None if streamed else self._load_layer(i, ls, w, rotaries, resident))
             if on_layer is not None:
                 on_layer(i, spec.n_layers)
+        self._rotaries = rotaries
         self.experts: ExpertSource = experts if experts is not None else ResidentExperts(resident)
+        if layers is not None:
+            layers.bind(self._build_layer)
+
+    def _build_layer(self, i: int, source: TensorSource) -> Layer:
+        """Layer i over the tensors `source` holds (a streamed layer's buffer)."""
+        p = layer_prefix(i) + "."
+        shapes = {n: s for n, s in expected_shapes(self.spec).items() if n.startswith(p)}
+        return self._load_layer(i, self.spec.layers[i], Weights(source, shapes), self._rotaries, {})
 
     def _load_layer(self, i: int, ls: LayerSpec, w: Weights, rotaries: dict, resident: dict) -> Layer:
         p, eps = layer_prefix(i), self.spec.rms_eps
@@ -118,7 +154,8 @@ class Transformer:
         if isinstance(f, MLPSpec):
             ffn: MLP | MoE = MLP(f, ExpertWeights.load(w, f"{p}.{f.prefix}"))
         else:
-            resident[i] = [ExpertWeights.load(w, expert_prefix(i, f, e), f.proj_names) for e in range(f.n_experts)]
+            if not self.streamed:
+                resident[i] = [ExpertWeights.load(w, expert_prefix(i, f, e), f.proj_names) for e in range(f.n_experts)]
             ffn = MoE(
                 f, i, w[f"{p}.{f.prefix}.gate.weight"],
                 w.get(f"{p}.{f.prefix}.gate.e_score_correction_bias"),
@@ -149,22 +186,48 @@ class Transformer:
             bad = int(ids[(ids < 0) | (ids >= self.spec.vocab_size)][0])
             raise GenerationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         positions = cache.positions(ids.size)
-        eps = self.spec.rms_eps
-        x = embed_rows(self.embed, ids)                                     # [T, hidden]
+        eps, tel = self.spec.rms_eps, self.telemetry
+        ahead = self.prefetch_depth if hasattr(self.experts, "prefetch") else 0
+        with tel.phase("dense"):
+            x = embed_rows(self.embed, ids)                                 # [T, hidden]
+        for j in range(min(ahead, len(self.layers))):
+            self._predict(j, x)
         for i, layer in enumerate(self.layers):
-            x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i], probe)
+            if layer is None:
+                layer = self.layer_source.layer(i)
+            with tel.phase("attention"):
+                x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i], probe)
             h = rms_norm(x, layer.post_norm, eps)
             if isinstance(layer.ffn, MoE):
-                y, r = layer.ffn(h, self.experts, probe)
+                y, r = layer.ffn(h, self.experts, probe, tel)
+                tel.route(i, r.experts)
                 if routing is not None:
                     routing.append(r)
             else:
-                y = layer.ffn(h, probe)
+                with tel.phase("dense"):
+                    y = layer.ffn(h, probe)
             x = x + y
+            if ahead and i + ahead < len(self.layers):
+                self._predict(i + ahead, x)
         cache.commit(ids.size)
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, self.norm, eps)
         if probe is not None:
             probe("lm_head.weight", x)
-        return linear(x, self.lm_head)                                    # [T or 1, V]
+        with tel.phase("dense"):
+            logits = linear(x, self.lm_head)                              # [T or 1, V]
+        if self.streamed:
+            self.experts.end_token(ids.size)
+        tel.end_token(ids.size, prefill=ids.size > 1)
+        return logits
+
+    def _predict(self, j: int, x: np.ndarray) -> None:
+        """Start reading the experts layer j's router would choose for the hidden state x [T, hidden]."""
+        layer = self.layers[j]
+        if layer is None or not isinstance(layer.ffn, MoE):
+            return
+        moe = layer.ffn
+        h = rms_norm(x, layer.post_norm, self.spec.rms_eps)
+        ids, _ = route(moe.spec, h @ moe.router.T, moe.correction_bias)       # [T, K]
+        self.experts.prefetch(j, np.unique(ids).tolist())

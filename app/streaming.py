@@ -1,0 +1,66 @@
+"""The memory and streaming flags that `run`, `chat`, `bench` (and later `serve` and `gui`) share.
+
+`--max-memory` turns streaming on: the budget is divided (engine.stream.budget) into resident
+weights, KV cache, working buffers and the memory for streamed weights, and the model loads with
+an expert store (MoE) or a layer store (dense). The usage history that teaches the pins lives in
+the user's data folder, one file per model hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from engine.errors import ColibriError
+
+DEFAULT_STREAM_CTX = 4096   # context assumed for the KV budget when --ctx is not given
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """--max-memory, --io, --io-threads, --prefetch-depth, --cache-policy, --resident-layers."""
+    g = parser.add_argument_group("memory and streaming")
+    g.add_argument("--max-memory", metavar="SIZE",
+                   help="memory for the model (weights, expert cache, KV cache, buffers), e.g. 9GB or 512MB (a bare "
+                        "number is GB); what does not fit streams from disk (needs a container: `colibri convert`)")
+    g.add_argument("--io", choices=("pread", "mmap"), default="pread",
+                   help="how streamed weights are read: pread into the cache (default) or mmap page faults (baseline)")
+    g.add_argument("--io-threads", type=int, default=2, metavar="N", help="reader threads (default 2)")
+    g.add_argument("--prefetch-depth", type=int, default=1, metavar="D",
+                   help="layers read ahead while the current one computes (default 1; 0 is off)")
+    g.add_argument("--cache-policy", choices=("lru", "lfru", "learned"), default="learned",
+                   help="which cached expert leaves first (default learned: usage history plus recency)")
+    g.add_argument("--resident-layers", type=int, default=None, metavar="N",
+                   help="dense models: layers held in memory (default: as many as the budget allows)")
+    g.add_argument("--no-history", action="store_true", help="neither read nor update the usage history")
+
+
+def stream_options(args: argparse.Namespace, path: Path, quiet: bool = False):
+    """StreamOptions from the flags for the model at `path`, or None without --max-memory."""
+    if getattr(args, "max_memory", None) is None:
+        return None
+    from app.sizes import parse_size
+    from engine.formats.container import Container, is_container
+    from engine.loader import StreamOptions, open_checkpoint
+    from engine.stream.budget import plan_memory
+    from engine.stream.store import StoreSettings
+
+    total = parse_size(args.max_memory, "--max-memory")
+    if args.prefetch_depth < 0:
+        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) or more")
+    if not (Path(path).is_dir() and is_container(path)):
+        raise ColibriError(f"{path}: --max-memory streams from a Colibri container; convert the model first: "
+                           f"`colibri convert {path} OUT --bits 4`, then run OUT")
+    ckpt = open_checkpoint(path, verify=False)           # the loader checks what it holds
+    container: Container = ckpt.source
+    if getattr(args, "ctx", None) is None:
+        args.ctx = min(ckpt.spec.max_position, DEFAULT_STREAM_CTX)
+    plan = plan_memory(container, ckpt.spec, total, args.ctx, args.prefetch_depth, args.resident_layers)
+    if not quiet:
+        print(f"memory budget {plan.describe()}", file=sys.stderr)
+    settings = StoreSettings(capacity=plan.cache, io=args.io, io_threads=args.io_threads, policy=args.cache_policy)
+    settings.check()
+    from app.paths import usage_dir
+
+    history = None if args.no_history else usage_dir() / f"{container.model_hash}.npz"
+    return StreamOptions(settings, args.prefetch_depth, history, plan.resident_layers or 0)

@@ -1,0 +1,513 @@
+"""The expert store: routed experts of a container held in a byte budget, read from disk on demand.
+
+Each MoE layer step asks for the distinct experts its tokens chose (the Union). Experts live in
+tiers (Place): *pinned* (chosen from the usage history, never evicted), *cached* (replaced by a
+policy: LRU, frequency-and-recency, or learned from history) and *disk*. Misses are read by an
+I/O pool into fixed-size slots of one aligned arena, one `pread` per expert, while the experts
+already in memory compute (Overlap): `groups` yields the resident ones at once and the others as
+their reads finish. The next layers' experts are predicted and read ahead (`prefetch`). Routing
+counts feed the usage history, which re-pins with hysteresis as the workload changes (Learn).
+
+The store never changes an answer: a slot's bytes are the container's bytes (CRC-32 checked on
+the first read), and the MoE block sums the experts' outputs in a fixed order whatever arrived
+first. All bookkeeping runs on the engine thread; I/O threads only fill slots and check sums.
+
+`--io mmap` is the baseline the others are measured against: experts are views of the mapped
+files, read by page faults inside the kernels; evicted ones are dropped with MADV_DONTNEED so
+the budget still holds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import mmap
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from engine.blocks.ffn import ExpertWeights
+from engine.errors import ColibriError, ModelFormatError
+from engine.formats.container import Container, tensor_from_span
+from engine.spec import ModelSpec, MoESpec
+from engine.stream.history import Repinner, UsageHistory
+from engine.stream.io import PAGE, IOPool, aligned_empty
+from engine.stream.policy import make_policy
+from engine.telemetry import NULL, Telemetry
+
+Key = tuple[int, int]   # (layer, expert)
+IO_MODES = ("pread", "mmap")
+POLICIES = ("lru", "lfru", "learned")
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """How the store holds experts."""
+
+    capacity: int                   # bytes of memory for routed experts (pinned + cached)
+    io: str = "pread"               # pread | mmap
+    io_threads: int = 2
+    policy: str = "learned"         # lru | lfru | learned
+    pin_fraction: float = 0.5       # share of the slots pinned from the usage history
+    direct: bool | None = None      # O_DIRECT: None = when the file system allows it
+    verify: bool = True             # CRC-32 of each extent on its first read
+    repin_every: int = 32           # tokens between re-pinning decisions
+
+    def check(self) -> None:
+        """ColibriError naming a bad value."""
+        if self.io not in IO_MODES:
+            raise ColibriError(f"--io {self.io!r}: choose one of {', '.join(IO_MODES)}")
+        if self.policy not in POLICIES:
+            raise ColibriError(f"--cache-policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
+        if self.io_threads < 1 or self.io_threads > 64:
+            raise ColibriError(f"--io-threads {self.io_threads}: use 1 to 64")
+        if not 0.0 <= self.pin_fraction <= 1.0:
+            raise ColibriError(f"pin fraction {self.pin_fraction}: use 0 to 1")
+
+
+@dataclass(frozen=True)
+class PrefetchStats:
+    """How well the lookahead predicted: over the layer steps it predicted, experts counted once per step."""
+
+    predicted: int
+    needed: int
+    correct: int
+
+    @property
+    def precision(self) -> float:
+        """Share of predicted experts that were needed."""
+        return self.correct / self.predicted if self.predicted else 0.0
+
+    @property
+    def recall(self) -> float:
+        """Share of needed experts that were predicted."""
+        return self.correct / self.needed if self.needed else 0.0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters since the store opened."""
+
+    hits: dict[str, int]            # pinned / cached / disk (a miss read from disk)
+    bytes_read: int
+    reads: int
+    prefetch_issued: int
+    prefetch_used: int
+    prefetch_wasted: int
+    prefetch: PrefetchStats
+    occupancy: dict[str, int]       # bytes per tier in memory
+    slots: int
+    slot_bytes: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of expert requests served from memory."""
+        total = sum(self.hits.values())
+        return (self.hits["pinned"] + self.hits["cached"]) / total if total else 0.0
+
+
+class _Recipe:
+    """How to build one expert's ExpertWeights from its extent's bytes."""
+
+    __slots__ = ("file", "offset", "length", "crc32", "parts")
+
+    def __init__(self, container: Container, layer: int, expert: int, names: tuple[str, str, str]):
+        x = container.extents[(layer, expert)]
+        self.file, self.offset, self.length, self.crc32 = str(Path(container.path) / x.file), x.offset, x.length, x.crc32
+        inside = {e.name: (e, rel) for e, rel in container.extent_entries(layer, expert)}
+        missing = [n for n in names if n not in inside]
+        if missing:
+            raise ModelFormatError(f"{container.path}: expert {expert} of layer {layer} has no {missing[0]} in its extent; "
+                                   "convert the model again with `colibri convert`")
+        self.parts = [inside[n] for n in names]
+
+    def build(self, data: np.ndarray, names: tuple[str, str, str]) -> ExpertWeights:
+        """The expert over `data` (its extent's bytes)."""
+        gate, up, down = (tensor_from_span(e, data[rel : rel + e.length]) for e, rel in self.parts)
+        return ExpertWeights(gate, up, down, names)
+
+
+class ExpertStore:
+    """Routed experts of a container in a byte budget (an `ExpertSource` for the MoE blocks)."""
+
+    def __init__(self, container: Container, spec: ModelSpec, settings: StoreSettings,
+                 history: UsageHistory | None = None, telemetry: Telemetry = NULL):
+        settings.check()
+        self.container, self.spec, self.settings, self.telemetry = container, spec, settings, telemetry
+        self.names: dict[Key, tuple[str, str, str]] = {}
+        self.recipes: dict[Key, _Recipe] = {}
+        for i, layer in enumerate(spec.layers):
+            if isinstance(layer.ffn, MoESpec):
+                for e in range(layer.ffn.n_experts):
+                    names = _expert_names(i, layer.ffn, e)
+                    if (i, e) not in container.extents:
+                        raise ModelFormatError(f"{container.path}: expert {e} of layer {i} is not stored as an extent; "
+                                               "streaming needs a container written by `colibri convert`")
+                    self.names[(i, e)] = names
+                    self.recipes[(i, e)] = _Recipe(container, i, e, names)
+        if not self.recipes:
+            raise ColibriError(f"{container.path}: the model has no routed experts to stream")
+        self.slot_bytes = _round_up(max(r.length for r in self.recipes.values()), PAGE)
+        self.n_slots = settings.capacity // self.slot_bytes
+        min_slots = max(layer.ffn.top_k for layer in spec.layers if isinstance(layer.ffn, MoESpec))
+        if self.n_slots < min_slots:
+            raise ColibriError(f"an expert cache of {settings.capacity} bytes holds {self.n_slots} experts of "
+                               f"{self.slot_bytes} bytes; a token needs {min_slots} at once: allow at least "
+                               f"{min_slots * self.slot_bytes} bytes for experts (raise --max-memory)")
+        self.history = history
+        half_life = 16 * spec.n_layers                  # layer steps: about 16 tokens (measured on routing traces)
+        if settings.policy == "learned" and history is not None:
+            self.policy = make_policy("learned", history.counts, half_life=half_life)
+        else:                                            # "learned" without a history yet starts as LFRU
+            name = "lfru" if settings.policy == "learned" else settings.policy
+            self.policy = make_policy(name, half_life=half_life)
+        self.now = 0                                   # layer steps so far (the policies' clock)
+        self.where: dict[Key, int] = {}                # resident or loading key -> slot
+        self.loading: dict[Key, cf.Future] = {}        # reads in flight
+        self.built: dict[Key, ExpertWeights] = {}      # resident experts
+        self.pinned: set[Key] = set()
+        self.prefetched: set[Key] = set()              # read ahead and not yet used
+        self.verified: set[Key] = set()
+        self.free: list[int] = []
+        self.hits = {"pinned": 0, "cached": 0, "disk": 0}
+        self.bytes_read = self.reads = 0
+        self.pf_issued = self.pf_used = self.pf_wasted = 0
+        self.predicted: dict[int, set[int]] = {}       # layer -> experts predicted for its next step
+        self.pf_counts = [0, 0, 0]                     # predicted, needed, correct
+        self.repinner = Repinner(max(0, int(self.n_slots * settings.pin_fraction)), every_tokens=settings.repin_every)
+        self.tokens = 0
+        if settings.io == "mmap":
+            self.arena = None
+            self.io = None
+            self.maps = {str(Path(container.path) / f): m for f, m in container.maps.items()}
+        else:
+            self.arena = aligned_empty(self.n_slots * self.slot_bytes)     # untouched pages cost nothing
+            self.io = IOPool(settings.io_threads, settings.direct)
+            self.free = list(range(self.n_slots - 1, -1, -1))
+        if history is not None and history.tokens > 0 and self.repinner.capacity > 0:
+            self._pin(history.pinned(self.repinner.capacity))
+
+    # --- the ExpertSource protocol ---
+
+    def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
+        """The given experts of one layer, all in memory at once (blocking)."""
+        out: dict[int, ExpertWeights] = {}
+        for group in self.groups(layer, ids):
+            out.update(group)
+        return out
+
+    def groups(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+        """The given experts in groups: the resident ones first, then the others as their reads finish.
+
+        An expert yielded stays in memory until the caller asks for the next group (or ends the loop).
+        When the cache holds fewer slots than the step needs, later reads wait for earlier groups to be
+        consumed and reuse their slots.
+        """
+        self.now += 1
+        ids = [int(i) for i in ids]
+        self._score_prediction(layer, ids)
+        if self.history is not None:
+            self.history.record(layer, np.asarray(ids))
+        if self.settings.io == "mmap":
+            yield self._mmap_step(layer, ids)
+            self._trim_mapped()                          # the step's experts are computed: back within capacity
+            return
+        step = [(layer, i) for i in ids]
+        protect = set(step)
+        ready: dict[int, ExpertWeights] = {}
+        waiting: dict[cf.Future, Key] = {}
+        queue: list[Key] = []
+        tel = self.telemetry
+        for key in step:
+            if key in self.built:
+                tier = "pinned" if key in self.pinned else "cached"
+                self.hits[tier] += 1
+                tel.hit(tier)
+                ready[key[1]] = self.built[key]
+                if key not in self.pinned:
+                    self.policy.access(key, self.now)
+            elif key in self.loading:                    # read ahead, still in flight
+                self.hits["disk"] += 1
+                tel.hit("disk")
+                waiting[self.loading[key]] = key
+            else:
+                self.hits["disk"] += 1
+                tel.hit("disk")
+                queue.append(key)
+            if key in self.prefetched:
+                self.prefetched.discard(key)
+                self.pf_used += 1
+                tel.prefetch(used=1)
+        self._start(queue, protect, waiting)
+        if ready:
+            yield ready
+            protect.difference_update((layer, i) for i in ready)   # computed: their slots may be reused
+        while waiting or queue:
+            if not waiting:
+                # every slot is pinned, read ahead (in flight) or held by this step: make room, else wait for a read
+                self._start(queue, protect, waiting)
+                if not waiting:
+                    if not self.loading:
+                        raise ColibriError(f"the expert cache ({self.n_slots} slots, {len(self.pinned)} pinned) cannot "
+                                           "hold this step's experts; raise --max-memory")
+                    with tel.phase("io_wait"):
+                        cf.wait(list(self.loading.values()), return_when=cf.FIRST_COMPLETED)
+                    continue
+            with tel.phase("io_wait"):
+                done, _ = cf.wait(list(waiting), return_when=cf.FIRST_COMPLETED)
+            group: dict[int, ExpertWeights] = {}
+            for fut in done:
+                key = waiting.pop(fut)
+                self._finish(key, fut)
+                group[key[1]] = self.built[key]
+            yield group
+            if queue:                                    # slots ran short: consumed experts may now make room
+                protect.difference_update((layer, i) for i in group)
+                self._start(queue, protect, waiting)
+        self._publish()
+
+    # --- lookahead ---
+
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
+        """Start reading the experts predicted for `layer`'s next step (no waiting)."""
+        ids = [int(i) for i in ids]
+        self.predicted[layer] = set(ids)
+        if self.settings.io == "mmap":
+            return
+        queue = [(layer, i) for i in ids if (layer, i) not in self.where]
+        protect = {(layer, i) for i in ids}
+        before = len(self.loading)
+        self._start(queue, protect, {}, prefetch=True)
+        started = len(self.loading) - before
+        if started:
+            self.pf_issued += started
+            self.telemetry.prefetch(issued=started)
+
+    def _score_prediction(self, layer: int, ids: list[int]) -> None:
+        predicted = self.predicted.pop(layer, None)
+        if predicted is None:
+            return
+        needed = set(ids)
+        self.pf_counts[0] += len(predicted)
+        self.pf_counts[1] += len(needed)
+        self.pf_counts[2] += len(predicted & needed)
+
+    # --- per token ---
+
+    def end_token(self, n: int = 1) -> None:
+        """Advance the usage history by n tokens and re-pin when the workload has moved."""
+        self.tokens += n
+        if self.history is None:
+            return
+        self.history.end_token(n)
+        if self.repinner.capacity > 0:
+            to_pin, to_unpin = self.repinner.update(self.history, frozenset(self.pinned), self.tokens)
+            for key in to_unpin:
+                self.pinned.discard(key)
+                if key in self.built:
+                    self.policy.insert(key, self.now)
+            if to_pin:
+                self._pin(to_pin)
+
+    def stats(self) -> StoreStats:
+        """Counters and occupancy now."""
+        return StoreStats(dict(self.hits), self.bytes_read, self.reads, self.pf_issued, self.pf_used, self.pf_wasted,
+                          PrefetchStats(*self.pf_counts), self._occupancy(), self.n_slots, self.slot_bytes)
+
+    def close(self) -> None:
+        """Stop the readers (waiting for reads in flight) and drop the arena."""
+        if self.io is not None:
+            for fut in list(self.loading.values()):
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - closing: a failed read no longer matters
+                    pass
+            self.io.close()
+            self.io = None
+        self.loading.clear()
+        self.built.clear()
+        self.where.clear()
+
+    def __enter__(self) -> "ExpertStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals ---
+
+    def _pin(self, keys) -> None:
+        """Pin keys: resident ones move out of the policy's reach, the others are read in the background."""
+        for key in keys:
+            if key not in self.recipes or len(self.pinned) >= self.repinner.capacity:
+                continue
+            self.pinned.add(key)
+            if key in self.built:
+                self.policy.remove(key)
+        if self.settings.io != "mmap":
+            queue = [k for k in keys if k in self.pinned and k not in self.where]
+            self._start(queue, set(queue), {}, prefetch=False)
+
+    def _start(self, queue: list[Key], protect: set[Key], waiting: dict, prefetch: bool = False) -> None:
+        """Start reads for queued keys while slots can be found; leaves the rest queued (in order)."""
+        while queue:
+            key = queue[0]
+            slot = self._slot(protect)
+            if slot is None:
+                return
+            queue.pop(0)
+            r = self.recipes[key]
+            dest = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+            self.where[key] = slot
+            fut = self._read(key, r, dest)
+            self.loading[key] = fut
+            if prefetch:
+                self.prefetched.add(key)
+            else:
+                waiting[fut] = key
+            self.bytes_read += r.length
+            self.reads += 1
+            self.telemetry.bytes_read(r.length)
+
+    def _read(self, key: Key, r: _Recipe, dest: np.ndarray) -> cf.Future:
+        """A future that completes when the extent is in `dest` and its checksum (first read only) holds."""
+        done: cf.Future = cf.Future()
+        check = self.settings.verify and key not in self.verified
+
+        def finished(read: cf.Future) -> None:
+            try:
+                read.result()
+                if check and zlib.crc32(memoryview(dest[: r.length])) != r.crc32:
+                    raise ModelFormatError(f"{r.file}: checksum mismatch in expert {key[1]} of layer {key[0]}; the "
+                                           "container is corrupt: convert the model again with `colibri convert`")
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
+                done.set_exception(exc)
+
+        self.io.submit(r.file, r.offset, r.length, dest).add_done_callback(finished)
+        return done
+
+    def _finish(self, key: Key, fut: cf.Future) -> None:
+        """A read completed: build the expert over its slot (or free the slot and raise)."""
+        self.loading.pop(key, None)
+        try:
+            fut.result()
+        except BaseException:
+            self.free.append(self.where.pop(key))
+            self.prefetched.discard(key)
+            raise
+        self.verified.add(key)
+        slot = self.where[key]
+        data = self.arena[slot * self.slot_bytes : slot * self.slot_bytes + self.recipes[key].length]
+        self.built[key] = self.recipes[key].build(data, self.names[key])
+        if key not in self.pinned:
+            self.policy.insert(key, self.now)
+            self.policy.access(key, self.now)
+
+    def _slot(self, protect: set[Key]) -> int | None:
+        """A free slot, evicting a cached expert (never a protected, pinned or loading one); None if none."""
+        if self.free:
+            return self.free.pop()
+        self._settle()
+        if self.free:
+            return self.free.pop()
+        try:
+            victim = self.policy.victim(protect | self.loading.keys() | self.pinned)
+        except LookupError:
+            return None
+        self._evict(victim)
+        return self.free.pop()
+
+    def _settle(self) -> None:
+        """Finish reads that completed in the background (prefetches), so their slots are accounted."""
+        for key, fut in list(self.loading.items()):
+            if fut.done():
+                try:
+                    self._finish(key, fut)
+                except ColibriError:
+                    pass                                 # a failed prefetch: the real request reads again and raises
+
+    def _evict(self, key: Key) -> None:
+        self.policy.remove(key)
+        self.built.pop(key, None)
+        self.free.append(self.where.pop(key))
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.pf_wasted += 1
+            self.telemetry.prefetch(wasted=1)
+
+    def _mmap_step(self, layer: int, ids: list[int]) -> dict[int, ExpertWeights]:
+        """Page-fault mode: views of the mapped extents; evicted extents are dropped from memory."""
+        tel = self.telemetry
+        out = {}
+        for i in ids:
+            key = (layer, i)
+            if key in self.built:
+                tier = "pinned" if key in self.pinned else "cached"
+                self.hits[tier] += 1
+                tel.hit(tier)
+                if key not in self.pinned:
+                    self.policy.access(key, self.now)
+            else:
+                self.hits["disk"] += 1
+                tel.hit("disk")
+                r = self.recipes[key]
+                m = self.maps[r.file]
+                self.built[key] = r.build(m[r.offset : r.offset + r.length], self.names[key])
+                self.where[key] = -1
+                self.bytes_read += r.length      # at most: page faults read what the kernels touch
+                self.reads += 1
+                tel.bytes_read(r.length)
+                if key not in self.pinned:
+                    self.policy.insert(key, self.now)
+                    self.policy.access(key, self.now)
+            out[i] = self.built[key]
+        self._publish()
+        return out
+
+    def _trim_mapped(self) -> None:
+        """Drop mapped experts (least valued first) until the cache holds no more than its slots."""
+        while len(self.built) > self.n_slots:
+            try:
+                victim = self.policy.victim(self.pinned)
+            except LookupError:
+                return
+            self._drop_mapped(victim)
+
+    def _drop_mapped(self, key: Key) -> None:
+        self.policy.remove(key)
+        self.built.pop(key, None)
+        self.where.pop(key, None)
+        r = self.recipes[key]
+        m = self.maps[r.file]
+        start = r.offset - r.offset % PAGE
+        end = _round_up(r.offset + r.length, PAGE)
+        try:
+            m._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, len(m)) - start)
+        except (AttributeError, OSError, ValueError):
+            pass                                          # the page cache keeps it; RSS may then exceed the budget
+
+    def _occupancy(self) -> dict[str, int]:
+        pinned = sum(self.recipes[k].length for k in self.built if k in self.pinned)
+        cached = sum(self.recipes[k].length for k in self.built if k not in self.pinned)
+        disk = sum(r.length for r in self.recipes.values()) - pinned - cached
+        return {"pinned": pinned, "cached": cached, "disk": disk}
+
+    def _publish(self) -> None:
+        tel = self.telemetry
+        if tel.enabled:
+            for tier, nbytes in self._occupancy().items():
+                tel.set_occupancy(tier, nbytes)
+
+
+def _expert_names(layer: int, moe: MoESpec, expert: int) -> tuple[str, str, str]:
+    from engine.models.transformer import expert_prefix
+
+    p = expert_prefix(layer, moe, expert)
+    return tuple(f"{p}.{n}.weight" for n in moe.proj_names)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align

@@ -1,0 +1,189 @@
+"""Streaming against resident: the expert store changes speed, never the answer; and it keeps its budget."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from reference import build_checkpoint
+
+from app.convert import ConvertSettings, convert
+from engine.errors import ColibriError, ModelFormatError
+from engine.kv import KVCache
+from engine.loader import StreamOptions, load_model
+from engine.stream.store import StoreSettings
+from engine.telemetry import Telemetry
+
+PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7, 150, 12, 33]
+N_EXPERTS, TOP_K, LAYERS = 8, 2, 3
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    src = build_checkpoint(tmp_path_factory.mktemp("src"), "mixtral", num_local_experts=N_EXPERTS,
+                           num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
+    return convert(src, tmp_path_factory.mktemp("c") / "moe", ConvertSettings(bits=4), log=lambda m: None)
+
+
+def _run(loaded, steps: int = 10, batch_prompt: bool = True) -> tuple[np.ndarray, list[int]]:
+    """Prompt logits (all positions) and greedy continuation logits, with the tokens chosen."""
+    model = loaded.model
+    cache = KVCache(loaded.spec, len(PROMPT) + steps + 1)
+    if batch_prompt:
+        logits = [model.forward(PROMPT, cache, all_logits=True)]
+    else:
+        logits = [model.forward([t], cache, all_logits=True) for t in PROMPT]
+    tokens = []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits[-1][-1])))
+        logits.append(model.forward([tokens[-1]], cache))
+    return np.concatenate(logits), tokens
+
+
+@pytest.fixture(scope="module")
+def resident(container):
+    return _run(load_model(container))
+
+
+def _expert_bytes(loaded) -> int:
+    return loaded.store.slot_bytes
+
+
+def _stream(container, slots: int, tmp_path=None, **kw) -> object:
+    probe = load_model(container, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    slot = probe.store.slot_bytes
+    probe.close()
+    depth = kw.pop("prefetch_depth", 1)
+    history = kw.pop("history_path", None)
+    telemetry = kw.pop("telemetry", None) or Telemetry(LAYERS, N_EXPERTS)
+    settings = StoreSettings(capacity=slots * slot, **kw)
+    return load_model(container, stream=StreamOptions(settings, depth, history), telemetry=telemetry)
+
+
+@pytest.mark.parametrize("slots, policy, depth, io", [
+    (TOP_K, "lru", 0, "pread"),              # the least that can run: every step refills the cache
+    (6, "lfru", 1, "pread"),                 # a quarter of the 24 experts
+    (12, "learned", 2, "pread"),
+    (24, "lru", 1, "pread"),                 # everything fits
+    (6, "lru", 0, "mmap"),                   # the page-fault baseline
+])
+def test_streamed_logits_are_bitwise_the_resident_ones(container, resident, slots, policy, depth, io):
+    loaded = _stream(container, slots, policy=policy, prefetch_depth=depth, io=io)
+    try:
+        logits, tokens = _run(loaded)
+        stats = loaded.store.stats()
+    finally:
+        loaded.close()
+    assert tokens == resident[1]
+    assert np.array_equal(logits, resident[0])
+    assert stats.hits["disk"] > 0
+    if slots >= LAYERS * N_EXPERTS:
+        assert stats.hits["disk"] <= stats.reads <= LAYERS * N_EXPERTS   # each expert read once (or read ahead), then hits
+    occupancy = stats.occupancy
+    assert occupancy["pinned"] + occupancy["cached"] <= slots * stats.slot_bytes
+
+
+def test_token_by_token_prompt_matches_too(container, resident):
+    loaded = _stream(container, 4, policy="lfru")
+    try:
+        logits, tokens = _run(loaded, batch_prompt=False)
+    finally:
+        loaded.close()
+    assert tokens == resident[1]
+    full = load_model(container)
+    want, _ = _run(full, batch_prompt=False)
+    assert np.array_equal(logits, want)
+
+
+def test_union_reads_each_expert_once_per_layer_step(container):
+    loaded = _stream(container, 24, prefetch_depth=0)
+    try:
+        cache = KVCache(loaded.spec, 64)
+        routing = []
+        loaded.model.forward(PROMPT, cache, routing=routing)
+        distinct = sum(len(np.unique(r.experts)) for r in routing)
+        stats = loaded.store.stats()
+    finally:
+        loaded.close()
+    assert stats.reads == distinct                     # 12 tokens x top-2, but one read per distinct expert
+    assert sum(stats.hits.values()) == distinct
+
+
+def test_prefetch_predicts_and_is_counted(container):
+    telemetry = Telemetry(LAYERS, N_EXPERTS)
+    loaded = _stream(container, 12, prefetch_depth=1, telemetry=telemetry)
+    try:
+        _run(loaded, steps=12)
+        stats = loaded.store.stats()
+    finally:
+        loaded.close()
+    p = stats.prefetch
+    assert p.predicted > 0 and p.needed > 0
+    assert 0.0 < p.recall <= 1.0 and 0.0 < p.precision <= 1.0
+    assert stats.prefetch_issued >= stats.prefetch_used > 0
+    snap = telemetry.snapshot()
+    assert snap.prefetch_used == stats.prefetch_used
+    assert snap.bytes_read == stats.bytes_read
+    assert snap.hits["disk"] == stats.hits["disk"]
+
+
+def test_history_pins_experts_on_the_next_start(container, resident, tmp_path):
+    path = tmp_path / "usage.npz"
+    loaded = _stream(container, 8, policy="learned", history_path=path)
+    _run(loaded)
+    loaded.close()
+    assert path.is_file()
+    again = _stream(container, 8, policy="learned", history_path=path, pin_fraction=0.5)
+    try:
+        assert len(again.store.pinned) == 4
+        logits, tokens = _run(again)
+        stats = again.store.stats()
+    finally:
+        again.close()
+    assert tokens == resident[1] and np.array_equal(logits, resident[0])
+    assert stats.hits["pinned"] > 0
+
+
+def test_too_small_a_cache_says_the_minimum(container):
+    with pytest.raises(ColibriError, match="allow at least"):
+        _stream(container, TOP_K - 1)
+
+
+def test_a_corrupt_expert_is_refused_when_first_read(container, tmp_path):
+    import shutil
+
+    from engine.formats.container import Container
+
+    copy = tmp_path / "moe"
+    shutil.copytree(container, copy)
+    x = Container.open(copy, verify=False).extents[(1, 3)]
+    with open(copy / x.file, "r+b") as f:
+        f.seek(x.offset + 100)
+        byte = f.read(1)
+        f.seek(x.offset + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    loaded = _stream(copy, 24, prefetch_depth=0)
+    try:
+        with pytest.raises(ModelFormatError, match="checksum mismatch in expert 3 of layer 1"):
+            for _ in range(20):
+                _run(loaded, steps=4)
+    finally:
+        loaded.close()
+
+
+def test_streaming_needs_a_container(tmp_path):
+    src = build_checkpoint(tmp_path / "hf", "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ColibriError, match="colibri convert"):
+        load_model(src, stream=StreamOptions(StoreSettings(capacity=1 << 20)))
+
+
+def test_close_stops_the_readers(container):
+    import threading
+
+    loaded = _stream(container, 6)
+    _run(loaded, steps=2)
+    loaded.close()
+    loaded.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("colibri-io")]
