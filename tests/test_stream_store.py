@@ -187,3 +187,31 @@ def test_close_stops_the_readers(container):
     loaded.close()
     loaded.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("colibri-io")]
+
+
+def test_live_budget_and_io_threads_change_between_tokens(container, resident):
+    loaded = _stream(container, 24, policy="lfru")
+    store, model = loaded.store, loaded.model
+    try:
+        cache = KVCache(loaded.spec, len(PROMPT) + 12)
+        logits = [model.forward(PROMPT, cache, all_logits=True)]
+        tokens = []
+        changes = {2: lambda: store.set_capacity(4 * store.slot_bytes),      # shrink: evicts
+                   4: lambda: store.set_io_threads(1),
+                   5: lambda: setattr(model, "prefetch_depth", 2),
+                   7: lambda: store.set_capacity(20 * store.slot_bytes)}     # grow: fills again
+        for step in range(10):
+            if step in changes:
+                changes[step]()
+            if step == 3:
+                occ = store.stats().occupancy
+                assert occ["pinned"] + occ["cached"] <= 4 * store.slot_bytes
+            tokens.append(int(np.argmax(logits[-1][-1])))
+            logits.append(model.forward([tokens[-1]], cache))
+        assert store.n_slots == 20
+        with pytest.raises(ColibriError, match="allow at least"):
+            store.set_capacity(store.slot_bytes)
+    finally:
+        loaded.close()
+    assert tokens == resident[1]
+    assert np.array_equal(np.concatenate(logits), resident[0])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import mmap
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
@@ -33,7 +33,7 @@ from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container, tensor_from_span
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.history import Repinner, UsageHistory
-from engine.stream.io import PAGE, IOPool, aligned_empty
+from engine.stream.io import PAGE, IOPool
 from engine.stream.policy import make_policy
 from engine.telemetry import NULL, Telemetry
 
@@ -183,7 +183,13 @@ class ExpertStore:
             self.io = None
             self.maps = {str(Path(container.path) / f): m for f, m in container.maps.items()}
         else:
-            self.arena = aligned_empty(self.n_slots * self.slot_bytes)     # untouched pages cost nothing
+            # room for every expert, reserved but not committed: the budget may grow later without moving
+            # experts, and only slots in use take memory (a shrink hands their pages back)
+            self.max_slots = len(self.recipes)
+            self._arena_map = mmap.mmap(-1, self.max_slots * self.slot_bytes,
+                                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+            self.arena = np.frombuffer(self._arena_map, np.uint8)
+            self.n_slots = min(self.n_slots, self.max_slots)
             self.io = IOPool(settings.io_threads, settings.direct)
             self.free = list(range(self.n_slots - 1, -1, -1))
         if history is not None and history.tokens > 0 and self.repinner.capacity > 0:
@@ -311,6 +317,53 @@ class ExpertStore:
             if to_pin:
                 self._pin(to_pin)
 
+    def set_capacity(self, capacity: int) -> None:
+        """Change the byte budget between tokens: shrinking evicts (and returns the memory), growing lets the cache fill."""
+        slots = capacity // self.slot_bytes
+        min_slots = max(layer.ffn.top_k for layer in self.spec.layers if isinstance(layer.ffn, MoESpec))
+        if slots < min_slots:
+            raise ColibriError(f"an expert cache of {capacity} bytes holds {slots} experts; a token needs {min_slots}: "
+                               f"allow at least {min_slots * self.slot_bytes} bytes for experts")
+        self.settings = replace(self.settings, capacity=capacity)
+        if self.settings.io == "mmap":
+            self.n_slots = slots
+            self._trim_mapped()
+            self.repinner = Repinner(int(slots * self.settings.pin_fraction), every_tokens=self.settings.repin_every)
+            return
+        slots = min(slots, self.max_slots)
+        for fut in list(self.loading.values()):          # reads in flight finish first: their slots may go
+            cf.wait([fut])
+        self._settle()
+        if slots < self.n_slots:
+            for key in [k for k, slot in self.where.items() if slot >= slots]:
+                if key in self.pinned:
+                    self.pinned.discard(key)
+                    self.policy.insert(key, self.now)
+                self._evict(key)
+            self.free = [f for f in self.free if f < slots]
+            self._arena_map.madvise(mmap.MADV_DONTNEED, slots * self.slot_bytes, (self.n_slots - slots) * self.slot_bytes)
+            excess = len(self.pinned) - int(slots * self.settings.pin_fraction)
+            for key in sorted(self.pinned)[:max(excess, 0)]:
+                self.pinned.discard(key)
+                self.policy.insert(key, self.now)
+        else:
+            self.free.extend(range(slots - 1, self.n_slots - 1, -1))
+        self.n_slots = slots
+        self.repinner = Repinner(int(slots * self.settings.pin_fraction), every_tokens=self.settings.repin_every)
+        self._publish()
+
+    def set_io_threads(self, threads: int) -> None:
+        """Change the number of reader threads between tokens (reads in flight finish on the old pool)."""
+        if threads == self.settings.io_threads:
+            return
+        self.settings = replace(self.settings, io_threads=threads)
+        self.settings.check()
+        if self.io is not None:
+            old, self.io = self.io, IOPool(threads, self.settings.direct)
+            for fut in list(self.loading.values()):
+                cf.wait([fut])
+            old.close()
+
     def stats(self) -> StoreStats:
         """Counters and occupancy now."""
         return StoreStats(dict(self.hits), self.bytes_read, self.reads, self.pf_issued, self.pf_used, self.pf_wasted,
@@ -329,6 +382,7 @@ class ExpertStore:
         self.loading.clear()
         self.built.clear()
         self.where.clear()
+        self.arena = None
 
     def __enter__(self) -> "ExpertStore":
         return self
