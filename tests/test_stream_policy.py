@@ -233,4 +233,13 @@ def test_learned_prior_beats_lru_on_skewed_routing():
 
 def test_learned_with_a_flat_prior_is_lfru():
     trace, _ = routing_trace(4, 16, 2, 100, seed=5)
-    assert simulate(trace, 16, Learned(np.ones((4, 16)))) == simulate(trace, 16, LFRU())
+    assert simulate(trace, 16, Learned(np.ones((4, 16)))) == simulate(trace, 16, LFRU(admission=True))
+    assert simulate(trace, 16, Learned(np.ones((4, 16)), admission=False)) == simulate(trace, 16, LFRU())
+
+
+def test_admission_keeps_the_best_keys_when_a_step_outnumbers_the_cache():
+    """A cyclic scan of 12 keys through 8 slots: LRU misses every time; admission keeps 8 and hits them."""
+    trace = [(0, tuple(range(12)))] * 0 + [(0, (i,)) for _ in range(50) for i in range(12)]
+    assert simulate(trace, 8, LRU()).hits == 0
+    kept = simulate(trace, 8, LFRU(admission=True))
+    assert kept.hits >= 8 * 45

@@ -6,7 +6,10 @@ import argparse
 import json
 import sys
 
+from pathlib import Path
+
 from app.commands._common import add_model_argument, load
+from app.streaming import add_memory_arguments
 from engine.errors import ColibriError
 
 
@@ -19,13 +22,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "median of --runs runs); report the weight bytes one decoded token reads, the bandwidth that achieves, "
         "the RAM read bandwidth measured on the spot, and the decode speed that bandwidth would allow.",
     )
-    add_model_argument(parser, required=True)
+    parser.add_argument("model", metavar="MODEL", nargs="?", help="a model folder, a .gguf file, or a pulled name")
     parser.add_argument("--prompt", type=int, default=128, metavar="N", help="prompt tokens per run (default 128)")
-    parser.add_argument("--gen", type=int, default=64, metavar="N", help="decode steps per run (default 64)")
+    parser.add_argument("--gen", type=int, default=64, metavar="N",
+                        help="decode steps per run (default 64; per chat when streaming)")
     parser.add_argument("--runs", type=int, default=3, metavar="N", help="timed runs after the warm-up (default 3)")
     parser.add_argument("--threads", type=int, default=2, metavar="N", help="numba and BLAS threads (default 2)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random prompt (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    g = parser.add_argument_group("streaming (with --max-memory)")
+    g.add_argument("--ctx", type=int, default=1024, metavar="N", help="context the KV budget assumes (default 1024)")
+    g.add_argument("--chats", type=int, default=8, metavar="N", help="chats in the streaming workload (default 8)")
+    g.add_argument("--trace", type=Path, metavar="FILE", help="record the cold run's routing trace to FILE and "
+                   "replay it through every policy and Belady's optimum")
+    g.add_argument("--replay", type=Path, metavar="FILE", help="only replay a recorded trace (no model run)")
+    g.add_argument("--mmap-gen", type=int, default=8, metavar="N",
+                   help="decode steps per chat of the page-fault baseline run (default 8; 0 skips it)")
+    add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
 
@@ -54,6 +67,15 @@ def format_table(r) -> str:
 def _run(args: argparse.Namespace) -> int:
     from app.bench import bench_model, check_threads
 
+    if args.replay is not None:
+        from app.stream_bench import format_replay, load_trace, replay
+
+        print(format_replay(replay(load_trace(args.replay))))
+        return 0
+    if args.model is None:
+        raise ColibriError("give MODEL (or --replay FILE)")
+    if args.max_memory is not None:
+        return _stream(args)
     _check(args)
     check_threads(args.threads)  # before loading anything
     loaded = load(args.model, quiet=args.json)
@@ -72,4 +94,60 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
     else:
         print(format_table(result))
+    return 0
+
+
+def _stream(args: argparse.Namespace) -> int:
+    """The streaming bench: cold, warm (learned pins) and page-fault runs against the I/O roofline."""
+    import dataclasses
+    import tempfile
+
+    from app.bench import check_threads, thread_limits
+    from app.budget import process_rss
+    from app.pull import resolve_model
+    from app.stream_bench import (disk_bandwidth, format_replay, format_runs, replay, run_workload, save_trace,
+                                  workload)
+    from app.streaming import stream_options
+    from engine.loader import open_checkpoint
+
+    if args.chats < 1 or args.gen < 1:
+        raise ColibriError("--chats and --gen must be at least 1")
+    check_threads(args.threads)
+    path = resolve_model(args.model)
+    baseline = process_rss()
+    log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    args.no_history = True
+    base = stream_options(args, path, quiet=args.json)
+    ckpt = open_checkpoint(path, verify=False)
+    c = ckpt.source
+    slot = -(-max(x.length for x in c.extents.values()) // 4096) * 4096
+    prompts = workload(ckpt.tokenizer, args.chats, ckpt.spec.vocab_size)
+    gb_s = disk_bandwidth(path, slot, args.io_threads)
+    log(f"disk: {gb_s:.2f} GB/s cold reads of {slot / 1e6:.2f} MB on {args.io_threads} threads")
+    trace: list = []
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp, thread_limits(args.threads):
+        history = Path(tmp) / "usage.npz"
+        learn = dataclasses.replace(base, history_path=history)
+        runs.append(run_workload(path, learn, prompts, args.gen, "cold", gb_s, trace, log))
+        runs.append(run_workload(path, learn, prompts, args.gen, "warm", gb_s, None, log))
+        if args.mmap_gen > 0 and base.store.io != "mmap":
+            mm = dataclasses.replace(base, store=dataclasses.replace(base.store, io="mmap"))
+            runs.append(run_workload(path, mm, prompts, args.mmap_gen, "mmap", gb_s, None, log))
+    moe = [layer.ffn for layer in ckpt.spec.layers if hasattr(layer.ffn, "n_experts")]
+    data = {"model_hash": c.model_hash, "n_layers": ckpt.spec.n_layers, "n_experts": max(m.n_experts for m in moe),
+            "chats": trace}
+    rows = replay(data) if len(trace) >= 2 else []
+    if args.trace is not None:
+        save_trace(args.trace, data["model_hash"], data["n_layers"], data["n_experts"], trace)
+    if args.json:
+        print(json.dumps({"baseline_rss": baseline, "budget": base.store.capacity, "disk_gb_s": gb_s,
+                          "runs": [r.as_dict() for r in runs], "replay": [dataclasses.asdict(r) for r in rows]}))
+    else:
+        print(f"{path.name}: expert cache {base.store.capacity / 1e6:.0f} MB, {args.chats} chats x {args.gen} tokens; "
+              f"interpreter and libraries {baseline / 1e6:.0f} MB before loading")
+        print(format_runs(runs))
+        if rows:
+            print("routing trace replayed (prior: first half of the chats; scored: second half)")
+            print(format_replay(rows))
     return 0

@@ -6,6 +6,7 @@ A family module only turns its config into a `ModelSpec`; this module knows tens
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -118,6 +119,9 @@ class Transformer:
         self.spec = spec
         self.telemetry = telemetry
         self.prefetch_depth = prefetch_depth
+        # experts predicted beyond top_k (None: top_k // 2): on mixtral-1.7b one layer ahead, top-8 predicted
+        # 67% of the experts used, top-12 79% (at 53% precision); spare disk reads buy recall
+        self.lookahead_extra: int | None = None
         self.streamed = experts is not None
         self.layer_source = layers
         w = Weights(source, expected_shapes(spec))
@@ -229,5 +233,8 @@ class Transformer:
             return
         moe = layer.ffn
         h = rms_norm(x, layer.post_norm, self.spec.rms_eps)
-        ids, _ = route(moe.spec, h @ moe.router.T, moe.correction_bias)       # [T, K]
+        extra = moe.spec.top_k // 2 if self.lookahead_extra is None else self.lookahead_extra
+        k = min(moe.spec.n_experts, moe.spec.top_k + extra)
+        spec = moe.spec if k == moe.spec.top_k else dataclasses.replace(moe.spec, top_k=k)
+        ids, _ = route(spec, h @ moe.router.T, moe.correction_bias)           # [T, k]
         self.experts.prefetch(j, np.unique(ids).tolist())

@@ -94,7 +94,8 @@ class LFRU:
 
     name = "lfru"
 
-    def __init__(self, half_life: float = LFRU_HALF_LIFE):
+    def __init__(self, half_life: float = LFRU_HALF_LIFE, admission: bool = False):
+        self.admission = admission
         if not half_life > 0:
             raise ValueError(f"half_life must be > 0 steps, got {half_life}")
         self.half_life = float(half_life)
@@ -144,6 +145,14 @@ class LFRU:
         """`key` left the cache; its count is kept."""
         self._cached.discard(key)
 
+    def admit(self, key: Key, victim: Key) -> bool:
+        """Whether `key` (on its past uses, before this one) should replace `victim`, or be read through.
+
+        With admission on, a newcomer must score at least as high as the key it would push out: when a
+        token's experts outnumber the cache, the cache keeps its best keys instead of cycling through all.
+        """
+        return not self.admission or self._score(key) >= self._score(victim)
+
     def victim(self, exclude: AbstractSet[Key]) -> Key:
         """The cached key of lowest score outside `exclude` (older last use on ties)."""
         held = []
@@ -175,8 +184,8 @@ class Learned(LFRU):
     name = "learned"
 
     def __init__(self, prior: Mapping[Key, float] | np.ndarray, half_life: float = LFRU_HALF_LIFE,
-                 prior_weight: float = LEARNED_PRIOR_WEIGHT):
-        super().__init__(half_life)
+                 prior_weight: float = LEARNED_PRIOR_WEIGHT, admission: bool = True):
+        super().__init__(half_life, admission)
         if not prior_weight >= 0:
             raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
         if isinstance(prior, np.ndarray):
@@ -267,8 +276,15 @@ def simulate(trace: Trace, capacity: int, policy: Policy,
                     continue
                 if old not in cached or old in step:
                     raise RuntimeError(f"policy {policy.name} chose {old}, which it may not evict")
+                admit = getattr(policy, "admit", lambda k, v: True)(key, old)   # judged on its past uses
+                policy.access(key, now)
+                if not admit:
+                    continue               # not worth a place: read through, the victim stays
                 cached.remove(old)
                 policy.remove(old)
+                cached.add(key)
+                policy.insert(key, now)
+                continue
             cached.add(key)
             policy.insert(key, now)
             policy.access(key, now)

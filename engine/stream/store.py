@@ -178,6 +178,7 @@ class ExpertStore:
         self.pf_counts = [0, 0, 0]                     # predicted, needed, correct
         self.repinner = Repinner(max(0, int(self.n_slots * settings.pin_fraction)), every_tokens=settings.repin_every)
         self.tokens = 0
+        self.trace: list[tuple[int, tuple[int, ...]]] | None = None   # set to a list to record every layer step
         if settings.io == "mmap":
             self.arena = None
             self.io = None
@@ -192,6 +193,9 @@ class ExpertStore:
             self.n_slots = min(self.n_slots, self.max_slots)
             self.io = IOPool(settings.io_threads, settings.direct)
             self.free = list(range(self.n_slots - 1, -1, -1))
+        self.scratch: list[int] = []                   # slots for experts read through, not kept (admission)
+        self.transient: set[Key] = set()
+        self._layout_scratch()
         if history is not None and history.tokens > 0 and self.repinner.capacity > 0:
             self._pin(history.pinned(self.repinner.capacity))
 
@@ -214,6 +218,8 @@ class ExpertStore:
         self.now += 1
         ids = [int(i) for i in ids]
         self._score_prediction(layer, ids)
+        if self.trace is not None:
+            self.trace.append((layer, tuple(ids)))
         if self.history is not None:
             self.history.record(layer, np.asarray(ids))
         if self.settings.io == "mmap":
@@ -269,6 +275,7 @@ class ExpertStore:
                 self._finish(key, fut)
                 group[key[1]] = self.built[key]
             yield group
+            self._release(layer, group)
             if queue:                                    # slots ran short: consumed experts may now make room
                 protect.difference_update((layer, i) for i in group)
                 self._start(queue, protect, waiting)
@@ -349,6 +356,9 @@ class ExpertStore:
         else:
             self.free.extend(range(slots - 1, self.n_slots - 1, -1))
         self.n_slots = slots
+        self.free.extend(f for f in self.scratch if f < slots)   # re-laid below
+        self.scratch = []
+        self._layout_scratch()
         self.repinner = Repinner(int(slots * self.settings.pin_fraction), every_tokens=self.settings.repin_every)
         self._publish()
 
@@ -408,7 +418,7 @@ class ExpertStore:
         """Start reads for queued keys while slots can be found; leaves the rest queued (in order)."""
         while queue:
             key = queue[0]
-            slot = self._slot(protect)
+            slot = self._slot(protect, key, prefetch)
             if slot is None:
                 return
             queue.pop(0)
@@ -449,19 +459,30 @@ class ExpertStore:
         try:
             fut.result()
         except BaseException:
-            self.free.append(self.where.pop(key))
+            slot = self.where.pop(key)
+            if key in self.transient:
+                self.transient.discard(key)
+                self.scratch.append(slot)
+            else:
+                self.free.append(slot)
             self.prefetched.discard(key)
             raise
         self.verified.add(key)
         slot = self.where[key]
         data = self.arena[slot * self.slot_bytes : slot * self.slot_bytes + self.recipes[key].length]
         self.built[key] = self.recipes[key].build(data, self.names[key])
-        if key not in self.pinned:
+        if key in self.transient:
+            self.policy.access(key, self.now)           # counted, not kept
+        elif key not in self.pinned:
             self.policy.insert(key, self.now)
             self.policy.access(key, self.now)
 
-    def _slot(self, protect: set[Key]) -> int | None:
-        """A free slot, evicting a cached expert (never a protected, pinned or loading one); None if none."""
+    def _slot(self, protect: set[Key], key: Key | None = None, prefetch: bool = False) -> int | None:
+        """A slot for `key`: a free one, or a cached expert's (never a protected, pinned or loading one).
+
+        With admission (frequency policies), a key worth less than the expert it would push out is read
+        through a scratch slot and not kept; a prefetch is then skipped. None when no slot can be had.
+        """
         if self.free:
             return self.free.pop()
         self._settle()
@@ -470,9 +491,44 @@ class ExpertStore:
         try:
             victim = self.policy.victim(protect | self.loading.keys() | self.pinned)
         except LookupError:
-            return None
+            victim = None
+        admit = getattr(self.policy, "admit", None)
+        through = key is not None and key not in self.pinned and (
+            victim is None or (admit is not None and not admit(key, victim)))
+        if through:
+            if prefetch or not self.scratch:
+                return None if (prefetch or victim is None) else self._take(victim)
+            self.transient.add(key)
+            return self.scratch.pop()
+        return None if victim is None else self._take(victim)
+
+    def _take(self, victim: Key) -> int:
         self._evict(victim)
         return self.free.pop()
+
+    def _release(self, layer: int, group: Mapping[int, ExpertWeights]) -> None:
+        """Experts read through (not kept) are done with: their scratch slots return."""
+        for i in group:
+            key = (layer, i)
+            if key in self.transient:
+                self.transient.discard(key)
+                self.built.pop(key, None)
+                self.scratch.append(self.where.pop(key))
+
+    def _layout_scratch(self) -> None:
+        """Reserve the last slots for read-through when the policy admits by value (a quarter, at most top_k)."""
+        if self.settings.io == "mmap" or not getattr(self.policy, "admission", False):
+            return
+        top_k = max(layer.ffn.top_k for layer in self.spec.layers if isinstance(layer.ffn, MoESpec))
+        n = min(top_k, self.n_slots // 4)
+        want = set(range(self.n_slots - n, self.n_slots))
+        for key in [k for k, slot in self.where.items() if slot in want]:
+            self.pinned.discard(key)
+            if key in self.built:
+                self.policy.insert(key, self.now)
+                self._evict(key)
+        self.free = [f for f in self.free if f not in want]
+        self.scratch = sorted(want, reverse=True)
 
     def _settle(self) -> None:
         """Finish reads that completed in the background (prefetches), so their slots are accounted."""
