@@ -216,9 +216,9 @@ class ReplayRow:
     belady: float
 
 
-def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float = 0.5) -> list[ReplayRow]:
+def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float = 0.25) -> list[ReplayRow]:
     """Hit rates on the second half of the chats; the learned policy's prior is the first half's usage."""
-    from engine.stream.policy import belady, make_policy, simulate
+    from engine.stream.policy import belady, make_policy, simulate, wants_admission
 
     chats = trace["chats"]
     if len(chats) < 2:
@@ -232,6 +232,7 @@ def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float = 0.5) -
     test = [step for chat in chats[half:] for step in chat]
     total = n_layers * n_experts
     half_life = 16 * n_layers
+    per_token = max(sum(len(ids) for _, ids in chat[-n_layers:]) for chat in chats)   # a decode token's experts
     rows = []
     for f in fractions:
         cap = max(1, int(round(f * total)))
@@ -240,12 +241,14 @@ def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float = 0.5) -
         pinned = frozenset((int(i // n_experts), int(i % n_experts)) for i in order if prior.flat[i] > 0)
         rate = lambda r: r.hit_rate  # noqa: E731
         # pins are read from disk once too (at start): their first use counts as a miss, as every policy's does
-        learned = simulate(test, cap, make_policy("learned", prior, half_life=half_life), pinned)
+        learned = simulate(test, cap, make_policy("learned", prior, half_life=half_life,
+                                                  admission=wants_admission(cap, per_token)), pinned)
         first_uses = len(pinned & {(layer, i) for layer, ids in test for i in ids})
         rows.append(ReplayRow(
             f, cap,
             rate(simulate(test, cap, make_policy("lru"))),
-            rate(simulate(test, cap, make_policy("lfru", half_life=half_life))),
+            rate(simulate(test, cap, make_policy("lfru", half_life=half_life,
+                                                 admission=wants_admission(cap, per_token)))),
             (learned.hits - first_uses) / learned.accesses if learned.accesses else 0.0,
             rate(belady(test, cap)),
         ))

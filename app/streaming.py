@@ -57,7 +57,11 @@ def stream_options(args: argparse.Namespace, path: Path, quiet: bool = False):
         args.ctx = min(ckpt.spec.max_position, DEFAULT_STREAM_CTX)
     plan = plan_memory(container, ckpt.spec, total, args.ctx, args.prefetch_depth, args.resident_layers)
     if not quiet:
-        print(f"memory budget {plan.describe()}", file=sys.stderr)
+        from app.budget import process_rss
+        from app.sizes import format_size
+
+        print(f"memory budget {plan.describe()}; the interpreter and libraries take {format_size(process_rss())} "
+              "more (measured before loading, not counted)", file=sys.stderr)
     settings = StoreSettings(capacity=plan.cache, io=args.io, io_threads=args.io_threads, policy=args.cache_policy)
     settings.check()
     from app.paths import usage_dir

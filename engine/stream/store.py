@@ -34,7 +34,7 @@ from engine.formats.container import Container, tensor_from_span
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.history import Repinner, UsageHistory
 from engine.stream.io import PAGE, IOPool
-from engine.stream.policy import make_policy
+from engine.stream.policy import make_policy, wants_admission
 from engine.telemetry import NULL, Telemetry
 
 Key = tuple[int, int]   # (layer, expert)
@@ -50,7 +50,7 @@ class StoreSettings:
     io: str = "pread"               # pread | mmap
     io_threads: int = 2
     policy: str = "learned"         # lru | lfru | learned
-    pin_fraction: float = 0.5       # share of the slots pinned from the usage history
+    pin_fraction: float = 0.25      # share of the slots pinned from the usage history
     direct: bool | None = None      # O_DIRECT: None = when the file system allows it
     verify: bool = True             # CRC-32 of each extent on its first read
     repin_every: int = 32           # tokens between re-pinning decisions
@@ -158,11 +158,13 @@ class ExpertStore:
                                f"{min_slots * self.slot_bytes} bytes for experts (raise --max-memory)")
         self.history = history
         half_life = 16 * spec.n_layers                  # layer steps: about 16 tokens (measured on routing traces)
+        per_token = sum(layer.ffn.top_k for layer in spec.layers if isinstance(layer.ffn, MoESpec))
+        admission = wants_admission(self.n_slots, per_token) if settings.policy != "lru" else False
         if settings.policy == "learned" and history is not None:
-            self.policy = make_policy("learned", history.counts, half_life=half_life)
+            self.policy = make_policy("learned", history.counts, half_life=half_life, admission=admission)
         else:                                            # "learned" without a history yet starts as LFRU
             name = "lfru" if settings.policy == "learned" else settings.policy
-            self.policy = make_policy(name, half_life=half_life)
+            self.policy = make_policy(name, half_life=half_life, admission=admission)
         self.now = 0                                   # layer steps so far (the policies' clock)
         self.where: dict[Key, int] = {}                # resident or loading key -> slot
         self.loading: dict[Key, cf.Future] = {}        # reads in flight
