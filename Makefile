@@ -11,7 +11,11 @@ CACHE := $(CURDIR)/.cache
 PYTEST_ARGS ?=
 
 # Debian packages the tests need; installed by `system-deps` when missing (with sudo unless root).
-DEBIAN_PACKAGES :=
+# The desktop app (Qt's xcb platform, OpenGL through Mesa) and the GUI tests' virtual display (Xvfb):
+DEBIAN_PACKAGES := libgl1 libegl1 libgl1-mesa-dri libfontconfig1 libfreetype6 libglib2.0-0 libdbus-1-3 \
+	libx11-6 libxkbcommon0 xvfb xauth libx11-xcb1 libxkbcommon-x11-0 libxcb-cursor0 libxcb-icccm4 \
+	libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-render0 libxcb-shape0 \
+	libxcb-shm0 libxcb-sync1 libxcb-util1 libxcb-xfixes0 libxcb-xkb1
 
 # Re-install only when pyproject.toml changes: one stamp per set of dependencies.
 RUNTIME_STAMP := $(VENV)/.installed-runtime
@@ -23,12 +27,17 @@ help: ## list the targets
 	@echo "Colibri: make TARGET"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  \1\t/' | expand -t 16
 
-run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-135M upcycled to an MoE) and chat with it
+run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-135M upcycled to an MoE) and open the app on it
 	$(VENV)/bin/colibri pull smollm2-moe
-	$(VENV)/bin/colibri chat
+	@if $(VENV)/bin/colibri gui --check-display; then \
+		$(VENV)/bin/colibri gui smollm2-moe; \
+	else \
+		echo "make run: so the terminal chat opens instead (Ctrl-D leaves)" >&2; \
+		$(VENV)/bin/colibri chat smollm2-moe; \
+	fi
 
 test: system-deps $(TEST_STAMP) ## set up with the test extra (torch, transformers) and run pytest
-	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 \
+	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE \
 		$(VENV_PY) -m pytest $(PYTEST_ARGS)
 
 venv: $(RUNTIME_STAMP) ## create .venv with the runtime dependencies only

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from engine import __version__
@@ -22,6 +23,7 @@ COMMANDS: list[str] = [
     "bench",
     "moefy",
     "atlas",
+    "gui",
 ]
 
 
@@ -41,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command named in ARGV (default: sys.argv[1:]) and return the process's exit code."""
+    from app.runtime import prepare_process
+
+    prepare_process()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -54,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:                 # `colibri info OUT | head`: the reader left; not an error of ours
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's final flush stays quiet
+        except OSError:
+            pass
+        return 0
 
 
 if __name__ == "__main__":

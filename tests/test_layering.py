@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 QT = {"PySide6", "PySide2", "PyQt5", "PyQt6", "shiboken6", "shiboken2", "qtpy", "pyqtgraph", "vispy"}
 WEB = {"fastapi", "starlette", "uvicorn", "flask", "aiohttp", "django", "tornado", "sanic", "quart"}
 ENGINE_FORBIDDEN = QT | WEB | {"app", "ui"}
-APP_FORBIDDEN = {"ui"}
+APP_FORBIDDEN = {"ui"} | QT  # app/ drives the engine for every front end: the GUI's Qt stays in ui/
 _IMPORT_FUNCS = {"import_module", "__import__"}
 
 
@@ -139,6 +139,18 @@ def test_engine_sources_import_no_qt_web_app_or_ui() -> None:
 def test_app_imports_ui_only_in_the_gui_entry_point() -> None:
     in_gui = lambda module: module.rpartition(".")[2].startswith("gui")  # noqa: E731
     assert _tree_violations("app", APP_FORBIDDEN, skip=in_gui) == []
+
+
+def test_ui_imports_no_web_framework_and_nothing_climbs_out() -> None:
+    assert _tree_violations("ui", WEB) == []
+
+
+def test_the_engine_service_and_conversations_load_no_qt() -> None:
+    script = "import sys, app.service, app.conversations, app.commands.gui; " \
+             f"print(sorted({{n.split('.')[0] for n in sys.modules}} & set({sorted(QT | {'ui'})!r})))"
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_importing_every_engine_module_loads_no_forbidden_package() -> None:

@@ -1,0 +1,89 @@
+"""`colibri gui [MODEL]` (also the `colibri-gui` program): the desktop app, chat and live inspector.
+
+The only module of `app` that imports `ui`, and only once the display has been checked: without
+one, it says why and what to run instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from app.commands._common import add_model_argument
+from app.streaming import add_memory_arguments
+from engine.errors import ColibriError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `gui` command."""
+    parser = subparsers.add_parser(
+        "gui",
+        help="open the desktop app (chat and live inspector)",
+        description="The desktop app: chat with streaming answers and watch the engine at work (expert heat, "
+        "memory tiers, I/O). MODEL opens at start; the memory flags set how it loads (the sliders change the "
+        "budget, read-ahead and context while it runs).",
+    )
+    add_model_argument(parser, required=False)
+    parser.add_argument("--ctx", type=int, default=None, metavar="N",
+                        help="context length in tokens (default: 4096 or the model's limit)")
+    parser.add_argument("--check-display", action="store_true",
+                        help="only check that a display is available (exit 0) or say why not (exit 3)")
+    add_memory_arguments(parser)
+    parser.set_defaults(func=_run)
+
+
+def display_problem(env: dict[str, str] | None = None, platform: str | None = None) -> str | None:
+    """Why no window can open here, or None when one can."""
+    env = os.environ if env is None else env
+    platform = sys.platform if platform is None else platform
+    if not platform.startswith("linux") or env.get("QT_QPA_PLATFORM"):
+        return None
+    if env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
+        return None
+    return ("no display: neither DISPLAY nor WAYLAND_DISPLAY is set, so no window can open; chat in the terminal "
+            "with `colibri chat`, or run the app under a virtual display: `xvfb-run colibri gui`")
+
+
+def load_options(args: argparse.Namespace):
+    """The service's LoadOptions from the memory flags."""
+    from app.service import LoadOptions
+    from app.sizes import parse_size
+
+    if args.prefetch_depth < 0:
+        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) or more")
+    if args.ctx is not None and args.ctx < 1:
+        raise ColibriError(f"--ctx {args.ctx}: the context must hold at least one token")
+    return LoadOptions(
+        max_memory=parse_size(args.max_memory, "--max-memory") if args.max_memory else None,
+        context_length=args.ctx, prefetch_depth=args.prefetch_depth, io=args.io, io_threads=args.io_threads,
+        cache_policy=args.cache_policy, resident_layers=args.resident_layers, history=not args.no_history,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    problem = display_problem()
+    if args.check_display:
+        if problem:
+            print(f"colibri gui: {problem}", file=sys.stderr)
+            return 3
+        return 0
+    if problem:
+        raise ColibriError(problem)
+    options = load_options(args)
+    try:
+        from ui.app import run
+    except ImportError as exc:  # the GUI's packages are runtime dependencies, but a broken install says so
+        raise ColibriError(f"the desktop app cannot start ({exc}); reinstall Colibri: pip install -e .") from None
+    return run(args.model, options)
+
+
+def main() -> int:
+    """The `colibri-gui` program: `colibri gui` with the same arguments."""
+    from app.cli import main as cli_main
+
+    return cli_main(["gui", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

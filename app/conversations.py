@@ -1,0 +1,195 @@
+"""Saved conversations: one JSON file each in the user's data folder, written atomically.
+
+A conversation is a frozen value (its turns, system prompt, sampling settings, and the stats
+of each answer); the store lists, saves and deletes them. A file that cannot be read is left
+where it is, reported once as a warning and skipped: never overwritten, never deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+log = logging.getLogger(__name__)
+
+FORMAT = "colibri-conversation"
+VERSION = 1
+ROLES = ("user", "assistant")
+TITLE_CHARS = 60
+
+
+def conversations_dir() -> Path:
+    """`<user data dir>/colibri/conversations` (honours XDG_DATA_HOME on Linux); created on demand."""
+    path = Path(platformdirs.user_data_dir("colibri", appauthor=False)) / "conversations"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message; an answer also carries how it was made."""
+
+    role: str                                   # "user" | "assistant"
+    content: str
+    stats: Mapping[str, Any] | None = None      # answers: ttft_s, tok_s, tokens, finish_reason, model
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain values for the file."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.stats is not None:
+            out["stats"] = dict(self.stats)
+        return out
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling settings a conversation remembers."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 512
+    repetition_penalty: float = 1.1
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat: its turns in order, the system prompt and sampling it uses."""
+
+    id: str
+    title: str = "New chat"
+    created: float = 0.0
+    updated: float = 0.0
+    system: str = ""
+    turns: tuple[Turn, ...] = ()
+    sampling: Sampling = field(default_factory=Sampling)
+
+    @classmethod
+    def new(cls, system: str = "", sampling: Sampling | None = None) -> Conversation:
+        """An empty conversation with a fresh id."""
+        now = time.time()
+        return cls(uuid.uuid4().hex, "New chat", now, now, system, (), sampling or Sampling())
+
+    def with_turn(self, turn: Turn) -> Conversation:
+        """This conversation with one more turn (its first question names it)."""
+        if turn.role not in ROLES:
+            raise ValueError(f"a turn's role is one of {ROLES}, not {turn.role!r}")
+        title = self.title
+        if not self.turns and turn.role == "user":
+            title = _title(turn.content)
+        return replace(self, turns=self.turns + (turn,), title=title, updated=time.time())
+
+    def without_last_answer(self) -> Conversation:
+        """This conversation up to its last question (to regenerate the answer)."""
+        turns = self.turns
+        while turns and turns[-1].role == "assistant":
+            turns = turns[:-1]
+        return replace(self, turns=turns, updated=time.time())
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat template's input: the system prompt (when set), then the turns."""
+        head = [{"role": "system", "content": self.system}] if self.system.strip() else []
+        return head + [{"role": t.role, "content": t.content} for t in self.turns]
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's content."""
+        s = self.sampling
+        return {
+            "format": FORMAT, "version": VERSION, "id": self.id, "title": self.title,
+            "created": self.created, "updated": self.updated, "system": self.system,
+            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens,
+                         "repetition_penalty": s.repetition_penalty},
+            "turns": [t.to_json() for t in self.turns],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> Conversation:
+        """A conversation from a file's content; ValueError naming what is wrong."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError("not a Colibri conversation")
+        if data.get("version") != VERSION:
+            raise ValueError(f"version {data.get('version')} is not {VERSION}")
+        try:
+            turns = []
+            for t in data["turns"]:
+                if t["role"] not in ROLES or not isinstance(t["content"], str):
+                    raise ValueError(f"a turn with role {t['role']!r} is not a chat turn")
+                turns.append(Turn(t["role"], t["content"], t.get("stats")))
+            known = Sampling.__dataclass_fields__
+            sampling = Sampling(**{k: v for k, v in (data.get("sampling") or {}).items() if k in known})
+            return cls(str(data["id"]), str(data["title"]), float(data["created"]), float(data["updated"]),
+                       str(data.get("system", "")), tuple(turns), sampling)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"missing or malformed field: {exc}") from None
+
+
+def _title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+class ConversationStore:
+    """The conversations of one folder (default: the user data folder's `conversations`)."""
+
+    def __init__(self, folder: str | Path | None = None):
+        self.folder = Path(folder) if folder is not None else conversations_dir()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.skipped: dict[Path, str] = {}      # unreadable files and why (warned once each)
+
+    def path(self, conversation_id: str) -> Path:
+        """The file of a conversation."""
+        if not conversation_id or not all(c.isalnum() or c in "-_" for c in conversation_id):
+            raise ValueError(f"conversation id {conversation_id!r}: letters, digits, - and _ only")
+        return self.folder / f"{conversation_id}.json"
+
+    def list(self) -> list[Conversation]:
+        """Every readable conversation, the latest updated first; unreadable files are skipped with a warning."""
+        found = []
+        for path in sorted(self.folder.glob("*.json")):
+            try:
+                conv = Conversation.from_json(json.loads(path.read_text(encoding="utf-8")))
+                if path.stem != conv.id:
+                    raise ValueError(f"it holds conversation {conv.id!r}, not {path.stem!r}")
+            except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+                if path not in self.skipped:
+                    log.warning("conversation file %s skipped (left as it is): %s", path, exc)
+                self.skipped[path] = str(exc)
+                continue
+            self.skipped.pop(path, None)
+            found.append(conv)
+        return sorted(found, key=lambda c: c.updated, reverse=True)
+
+    def load(self, conversation_id: str) -> Conversation:
+        """One conversation; ValueError or OSError when its file is missing or unreadable."""
+        return Conversation.from_json(json.loads(self.path(conversation_id).read_text(encoding="utf-8")))
+
+    def save(self, conversation: Conversation) -> Path:
+        """Write a conversation atomically (temporary file, fsync, rename); refuses to replace an unreadable file."""
+        path = self.path(conversation.id)
+        if path in self.skipped and path.exists():
+            raise ValueError(f"{path} could not be read ({self.skipped[path]}); it is kept as it is, not overwritten")
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".part", dir=self.folder)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(conversation.to_json(), f, ensure_ascii=False, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def delete(self, conversation_id: str) -> None:
+        """Remove a conversation's file (a missing one is no error)."""
+        self.path(conversation_id).unlink(missing_ok=True)

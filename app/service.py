@@ -1,0 +1,485 @@
+"""The engine service: the one way front ends (the GUI, later the HTTP server) drive the engine.
+
+One engine thread owns the loaded model. Requests go in through a queue as frozen dataclasses
+(load, generate, unload, atlas); events come out through one callback, called on the engine
+thread, each carrying the id of the request it answers. Nothing here imports Qt: the GUI's
+bridge turns the callback into queued signals.
+
+Live settings (memory budget, prefetch depth, reader threads, context length) never wait in the
+queue behind a generation: they go into a pending slot that the engine thread applies between
+two tokens (or at once when idle). Cancelling sets the running request's flag, which the engine
+checks after every token, prefill chunk or loaded layer.
+
+Each loaded model gets its own `Telemetry`; `subscribe` hands out subscriptions that survive
+model changes, so a view subscribes once and keeps receiving snapshots of whatever is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from app.service_messages import (  # noqa: F401 - re-exported: front ends import the messages from here
+    TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, AtlasFailed, AtlasProgress, AtlasReady,
+    AtlasRequest, ChatMessage, EngineSettings, GenerateRequest, Generation, LoadFailed, LoadOptions, LoadProgress,
+    LoadRequest, ModelInfo, ModelLoaded, ModelUnloaded, Request, ServiceEvent, SettingsApplied, SettingsChange,
+    UnloadRequest, _ApplySettings, _Shutdown,
+)
+from app.service_model import ALL, Engaged, available_memory, full_budget, n_experts, peek_spec, read_atlas, rss
+from engine.errors import ColibriError
+from engine.events import DoneEvent, ErrorEvent, GenerationStats, TokenEvent
+from engine.sampling import SamplingParams
+from engine.telemetry import Snapshot, Telemetry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXT = 4096      # context length when the options name none (capped by the model's own limit)
+PROGRESS_INTERVAL = 0.05    # seconds between load/atlas progress events (the last one always goes out)
+
+
+# ---- subscriptions that outlive a model ------------------------------------------------------------
+
+
+class Subscription:
+    """Telemetry snapshots of whatever model is loaded, delivered on the engine thread; `close` stops them."""
+
+    def __init__(self, service: EngineService, callback: Callable[[Snapshot], None], min_interval: float,
+                 deliver: Callable[[Snapshot], None] | None = None):
+        self.callback = callback
+        self.min_interval = min_interval
+        self._deliver = deliver or callback   # what the telemetry calls (the callback, or a wrapper of it)
+        self._service = service
+        self._inner = None                  # engine.telemetry.Subscription of the current model
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Stop deliveries (waits for a callback running on the engine thread); idempotent."""
+        with self._service._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._service._subs.remove(self)
+            inner, self._inner = self._inner, None
+        if inner is not None:
+            inner.close()
+
+    def _attach(self, telemetry: Telemetry | None) -> None:
+        """Follow `telemetry` (None: no model); the caller holds the service's lock."""
+        if self._inner is not None:
+            self._inner.close()
+            self._inner = None
+        if telemetry is not None and not self._closed:
+            self._inner = telemetry.subscribe(self._deliver, self.min_interval)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EngineService:
+    """Runs one model on its own thread; requests in, typed events out (see the module's header)."""
+
+    def __init__(self, on_event: Callable[[ServiceEvent], None] | None = None, *, name: str = "colibri-engine"):
+        self._on_event = on_event
+        self._queue: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()           # guards the fields below that other threads touch
+        self._subs: list[Subscription] = []
+        self._telemetry: Telemetry | None = None
+        self._pending: SettingsChange | None = None
+        self._pending_id = 0
+        self._active: tuple[int, threading.Event] | None = None  # the request running and its cancel flag
+        self._cancelled: set[int] = set()       # queued requests cancelled before they ran
+        self._cancel_below = 0                  # every request id below this was cancelled (cancel(None))
+        self._info: ModelInfo | None = None
+        self._closed = False
+        self._model: Engaged | None = None      # engine thread only
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # --- any thread ----------------------------------------------------------------------------------
+
+    def load(self, path: str | Path, options: LoadOptions = LoadOptions()) -> int:
+        """Open a model folder, container, .gguf file or pulled name (the current model is closed first)."""
+        return self._put(lambda i: LoadRequest(i, str(path), options))
+
+    def unload(self) -> int:
+        """Close the loaded model and free its memory."""
+        return self._put(UnloadRequest)
+
+    def generate(self, prompt: Sequence[int] | None = None, *, messages: Sequence[ChatMessage | Mapping] | None = None,
+                 sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = ()) -> int:
+        """Generate from token ids or chat messages; the events come back as `Generation` with this id."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("generate: give either prompt token ids or chat messages")
+        msgs = None if messages is None else tuple(
+            m if isinstance(m, ChatMessage) else ChatMessage(str(m["role"]), str(m["content"])) for m in messages)
+        ids = None if prompt is None else tuple(int(t) for t in prompt)
+        return self._put(lambda i: GenerateRequest(i, ids, msgs, sampling, int(max_tokens), tuple(stop)))
+
+    def compute_atlas(self) -> int:
+        """Route the probe prompts through the loaded MoE and save its atlas sidecar beside it."""
+        return self._put(AtlasRequest)
+
+    def cancel(self, request: int | None = None) -> None:
+        """Stop request `request` (running or queued); None stops the running one and everything queued."""
+        with self._lock:
+            if request is None:
+                self._cancel_below = next(self._ids)
+            else:
+                self._cancelled.add(request)
+            active = self._active
+        if active is not None and (request is None or active[0] == request):
+            active[1].set()
+
+    def update_settings(self, change: SettingsChange) -> int:
+        """Apply live settings between tokens (at once when idle); answered by `SettingsApplied`."""
+        with self._lock:
+            i = next(self._ids)
+            self._pending = change if self._pending is None else self._pending.merged(change)
+            self._pending_id = i
+        self._queue.put(_ApplySettings())
+        return i
+
+    def subscribe(self, callback: Callable[[Snapshot], None], min_interval: float = 0.0) -> Subscription:
+        """Telemetry snapshots of the loaded model (and of every model loaded later), at most every min_interval s."""
+        sub = Subscription(self, callback, min_interval)
+        with self._lock:
+            self._subs.append(sub)
+            sub._attach(self._telemetry)
+        return sub
+
+    def subscribe_tiers(self, callback: Callable[[Any], None], min_interval: float = 0.0) -> Subscription:
+        """Each expert's tier as a read-only int8 grid [layers, experts] (TIER_* codes; None for a model without
+        routed experts), delivered on the engine thread with the snapshots, at most every min_interval s."""
+        sub = Subscription(self, callback, min_interval, deliver=lambda _snap: callback(self._tiers()))
+        with self._lock:
+            self._subs.append(sub)
+            sub._attach(self._telemetry)
+        return sub
+
+    def snapshot(self) -> Snapshot | None:
+        """The loaded model's latest telemetry snapshot, or None without a model."""
+        with self._lock:
+            tel = self._telemetry
+        return tel.snapshot() if tel is not None else None
+
+    @property
+    def info(self) -> ModelInfo | None:
+        """The loaded model as of its last load or settings change."""
+        return self._info
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is alive."""
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop what runs, close the model (saving its usage history) and end the thread; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.cancel()
+        self._queue.put(_Shutdown())
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s", timeout)
+
+    def __enter__(self) -> EngineService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _put(self, make: Callable[[int], Request]) -> int:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine service is closed")
+            i = next(self._ids)
+        self._queue.put(make(i))
+        return i
+
+    # --- engine thread -----------------------------------------------------------------------------
+
+    def _emit(self, event: ServiceEvent) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:  # a broken listener must not stop the engine
+            log.exception("engine service listener failed on %s", type(event).__name__)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                req = self._queue.get()
+                if isinstance(req, _Shutdown):
+                    break
+                try:
+                    self._handle(req)
+                except Exception as exc:  # noqa: BLE001 - the thread outlives any request
+                    log.error("engine request %r failed:\n%s", req, traceback.format_exc())
+                    self._fail(req, f"internal error: {type(exc).__name__}: {exc}")
+                finally:
+                    with self._lock:
+                        self._active = None
+        finally:
+            self._close_model()
+
+    def _handle(self, req: Request) -> None:
+        if isinstance(req, _ApplySettings):
+            self._apply_pending()
+            return
+        cancel = threading.Event()
+        with self._lock:
+            if req.id < self._cancel_below or req.id in self._cancelled:
+                cancel.set()
+            self._cancelled.discard(req.id)
+            self._active = (req.id, cancel)
+        if isinstance(req, LoadRequest):
+            self._load(req, cancel)
+        elif isinstance(req, GenerateRequest):
+            self._generate(req, cancel)
+        elif isinstance(req, UnloadRequest):
+            self._close_model()
+            self._emit(ModelUnloaded(req.id))
+        elif isinstance(req, AtlasRequest):
+            self._atlas(req, cancel)
+
+    def _fail(self, req: Request, message: str) -> None:
+        """Answer a request that raised, so that no front end waits for it forever."""
+        if isinstance(req, LoadRequest):
+            self._close_model()
+            self._emit(LoadFailed(req.id, message))
+        elif isinstance(req, GenerateRequest):
+            self._emit(Generation(req.id, ErrorEvent(message)))
+        elif isinstance(req, AtlasRequest):
+            self._emit(AtlasFailed(req.id, message))
+        elif isinstance(req, _ApplySettings):
+            self._emit(SettingsApplied(self._pending_id, self._info, (message,)))
+
+    # --- loading ---
+
+    def _load(self, req: LoadRequest, cancel: threading.Event) -> None:
+        from engine.loader import LoadCancelled, load_model
+
+        self._close_model()   # first: memory is what this engine is short of
+        last = [0.0]
+
+        def progress(fraction: float, message: str) -> bool:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_INTERVAL or fraction >= 1.0:
+                last[0] = now
+                self._emit(LoadProgress(req.id, fraction, message))
+            return not cancel.is_set()
+
+        try:
+            if cancel.is_set():
+                raise LoadCancelled("loading cancelled")
+            progress(0.0, f"opening {Path(req.path).name}")
+            path, spec, container, stream, budget, ctx = self._plan_load(req.path, req.options)
+            telemetry = Telemetry(spec.n_layers, n_experts(spec))
+            baseline = rss()     # the interpreter and libraries: outside the budget, reported apart
+            loaded = load_model(path, progress, stream, telemetry)
+        except LoadCancelled:
+            self._emit(LoadFailed(req.id, f"loading {Path(req.path).name} was cancelled", cancelled=True))
+            return
+        except (ColibriError, OSError, ValueError) as exc:
+            self._emit(LoadFailed(req.id, _message(exc)))
+            return
+        settings = EngineSettings(budget, req.options.prefetch_depth if stream is not None else 0,
+                                  req.options.io_threads, ctx)
+        model = Engaged.open(loaded, telemetry, settings)
+        self._model = model
+        with self._lock:
+            self._telemetry = telemetry
+            for sub in self._subs:
+                sub._attach(telemetry)
+        self._info = model.info
+        if baseline is not None:
+            telemetry.set_gauge("rss_baseline", baseline)
+        model.set_gauges()
+        telemetry.flush()
+        self._emit(ModelLoaded(req.id, model.info, read_atlas(path)))
+
+    def _plan_load(self, model: str, options: LoadOptions):
+        """(path, spec, container or None, StreamOptions or None, budget or None, context length) for a load."""
+        from app.pull import resolve_model
+        from app.streaming import stream_options
+        from engine.formats.container import is_container
+        from engine.loader import open_checkpoint
+        from engine.stream.budget import plan_memory
+
+        path = resolve_model(model)
+        container = None
+        if path.is_dir() and is_container(path):
+            ckpt = open_checkpoint(path, verify=False, verify_experts=False)
+            spec, container = ckpt.spec, ckpt.source
+        else:
+            spec = peek_spec(path)
+        ctx = options.context_length or min(spec.max_position, DEFAULT_CONTEXT)
+        if not 1 <= ctx <= spec.max_position:
+            raise ColibriError(f"context length {ctx}: the model supports 1 to {spec.max_position} tokens")
+        budget = options.max_memory
+        wants = options.stream if options.stream is not None else (container is not None and n_experts(spec) > 0)
+        if budget is None and wants and container is not None:
+            full = full_budget(plan_memory(container, spec, ALL, ctx, options.prefetch_depth))
+            least = plan_memory(container, spec, full, ctx, options.prefetch_depth).minimum
+            avail = available_memory()
+            budget = full if avail is None else max(least, min(full, int(avail * 0.75)))
+        if budget is None:
+            if options.stream:
+                raise ColibriError(f"{path.name}: streaming needs a memory budget (max_memory)")
+            return path, spec, container, None, None, ctx
+        args = argparse.Namespace(max_memory=f"{budget}b", io=options.io, io_threads=options.io_threads,
+                                  prefetch_depth=options.prefetch_depth, cache_policy=options.cache_policy,
+                                  resident_layers=options.resident_layers, no_history=not options.history, ctx=ctx)
+        return path, spec, container, stream_options(args, path, quiet=True), budget, ctx
+
+    def _close_model(self) -> None:
+        model, self._model = self._model, None
+        with self._lock:
+            self._telemetry = None
+            for sub in self._subs:
+                sub._attach(None)
+        self._info = None
+        if model is not None:
+            try:
+                model.loaded.close()
+            except Exception:  # noqa: BLE001 - a failed history save must not keep the model alive
+                log.exception("closing %s failed", model.info.name)
+
+    # --- generation ---
+
+    def _generate(self, req: GenerateRequest, cancel: threading.Event) -> None:
+        from engine.generate import GenerationRequest, stream_generate
+        from engine.kv import KVCache
+
+        model = self._model
+        if cancel.is_set():
+            self._emit(Generation(req.id, DoneEvent("cancelled", (), "", GenerationStats(0, 0, 0.0, 0.0, 0.0))))
+            return
+        if model is None:
+            self._emit(Generation(req.id, ErrorEvent("no model is loaded: open one first")))
+            return
+        loaded, tel = model.loaded, model.telemetry
+        try:
+            prompt = req.prompt if req.prompt is not None else tuple(self._chat_prompt(loaded, req.messages))
+        except ColibriError as exc:
+            self._emit(Generation(req.id, ErrorEvent(_message(exc))))
+            return
+        request = GenerationRequest(prompt=prompt, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop)
+        cache = KVCache(loaded.spec, model.info.settings.context_length)
+        tel.begin()
+        t0, first = time.perf_counter(), True
+        try:
+            for event in stream_generate(loaded.model, loaded.tokenizer, request, stop_ids=loaded.stop_ids,
+                                         cache=cache, cancel=cancel):
+                if first and isinstance(event, TokenEvent):
+                    first = False
+                    tel.set_gauge("ttft", time.perf_counter() - t0)
+                elif isinstance(event, DoneEvent) and event.stats.generated_tokens:
+                    tel.set_gauge("ttft", event.stats.ttft_s)
+                self._emit(Generation(req.id, event))
+                # between two tokens: the only moment settings may change under a running generation
+                if self._pending is not None:
+                    self._apply_pending()
+                tel.set_gauge("kv_bytes", cache.nbytes)
+                model.gauge_rss()
+                time.sleep(0)   # numba kernels hold the GIL: hand it to the UI thread once per token
+        finally:
+            tel.flush()
+
+    @staticmethod
+    def _chat_prompt(loaded, messages: tuple[ChatMessage, ...]) -> list[int]:
+        if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
+            raise ColibriError(f"{loaded.name} has no chat template, so it cannot chat; "
+                               "send token ids, or open an instruction-tuned model")
+        return loaded.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages],
+                                            add_generation_prompt=True)
+
+    # --- live settings ---
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            change, self._pending = self._pending, None
+            request = self._pending_id
+        if change is None:
+            return
+        model = self._model
+        if model is None:
+            self._emit(SettingsApplied(request, None, ("no model is loaded: the settings apply to a loaded model",)))
+            return
+        problems = model.apply(change)
+        self._info = model.info
+        model.set_gauges()
+        model.telemetry.flush()
+        self._emit(SettingsApplied(request, model.info, tuple(problems)))
+
+    def _tiers(self):
+        """The loaded model's expert tiers now (engine thread: the store is touched nowhere else)."""
+        model = self._model
+        return model.tiers() if model is not None else None
+
+    # --- the atlas ---
+
+    def _atlas(self, req: AtlasRequest, cancel: threading.Event) -> None:
+        from app.atlas import AtlasCancelled, _write_atomic, build_atlas, default_sidecar, model_hash, route_probes
+        from app.probes import load_probes
+
+        model = self._model
+        if model is None:
+            self._emit(AtlasFailed(req.id, "no model is loaded: open a Mixture-of-Experts model first"))
+            return
+        last = [0.0]
+
+        def progress(fraction: float, message: str) -> bool:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_INTERVAL or fraction >= 1.0:
+                last[0] = now
+                self._emit(AtlasProgress(req.id, fraction, message))
+            return not cancel.is_set()
+
+        path = model.info.path
+        try:
+            if cancel.is_set():
+                raise AtlasCancelled("atlas cancelled")
+            topics = load_probes(None)
+            model.telemetry.begin()
+            counts, tokens = route_probes(model.loaded, topics, progress, 0.0, 0.95)
+            atlas = build_atlas(path, topics, counts, tokens, model_hash(path), "assets/probes")
+            sidecar = default_sidecar(path)
+            _write_atomic(sidecar, atlas)
+        except AtlasCancelled:
+            self._emit(AtlasFailed(req.id, "the atlas was cancelled; nothing was written", cancelled=True))
+            return
+        except (ColibriError, OSError) as exc:
+            self._emit(AtlasFailed(req.id, _message(exc)))
+            return
+        finally:
+            model.telemetry.flush()
+        self._emit(AtlasProgress(req.id, 1.0, "done"))
+        self._emit(AtlasReady(req.id, sidecar, atlas))
+
+
+def _message(exc: BaseException) -> str:
+    """A user-facing message: a ColibriError's own words, anything else with its kind."""
+    if isinstance(exc, ColibriError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

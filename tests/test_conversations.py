@@ -1,0 +1,82 @@
+"""Saved conversations: round trip, atomic writes, order, and unreadable files kept and skipped."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from app.conversations import Conversation, ConversationStore, Sampling, Turn, conversations_dir
+
+
+def _chat(question: str = "What is a hummingbird?") -> Conversation:
+    return Conversation.new("Be brief.", Sampling(temperature=0.3, max_tokens=64)).with_turn(
+        Turn("user", question)).with_turn(Turn("assistant", "A small bird.", {"tokens": 4, "tok_s": 12.5}))
+
+
+def test_a_conversation_survives_a_round_trip(tmp_path):
+    store = ConversationStore(tmp_path)
+    conv = _chat()
+    path = store.save(conv)
+    assert path == tmp_path / f"{conv.id}.json" and conv.title == "What is a hummingbird?"
+    again = ConversationStore(tmp_path).load(conv.id)           # a new store: as after a restart
+    assert again == conv
+    assert again.messages() == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "What is a hummingbird?"},
+                                {"role": "assistant", "content": "A small bird."}]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+def test_the_list_is_latest_first_and_delete_removes(tmp_path):
+    store = ConversationStore(tmp_path)
+    old, new = _chat("first"), _chat("second")
+    new = Conversation(**{**new.__dict__, "updated": old.updated + 10})
+    store.save(old)
+    store.save(new)
+    assert [c.title for c in store.list()] == ["second", "first"]
+    store.delete(old.id)
+    store.delete(old.id)                                        # twice is no error
+    assert [c.id for c in store.list()] == [new.id]
+
+
+def test_regenerate_drops_the_last_answer_only():
+    conv = _chat()
+    assert [t.role for t in conv.without_last_answer().turns] == ["user"]
+    with pytest.raises(ValueError):
+        conv.with_turn(Turn("system", "no"))
+
+
+def test_an_unreadable_file_is_skipped_with_a_warning_and_never_overwritten(tmp_path, caplog):
+    store = ConversationStore(tmp_path)
+    good = _chat()
+    store.save(good)
+    broken = tmp_path / "0123abcd.json"
+    broken.write_text('{"format": "colibri-conversation", "version": 1, "id": "0123abcd", "turns": [')
+    foreign = tmp_path / "notes.json"
+    foreign.write_text(json.dumps({"hello": "world"}))
+    with caplog.at_level(logging.WARNING):
+        assert [c.id for c in store.list()] == [good.id]
+    assert "0123abcd.json" in caplog.text and "notes.json" in caplog.text
+    assert set(store.skipped) == {broken, foreign}
+    victim = Conversation(**{**_chat().__dict__, "id": "0123abcd"})
+    with pytest.raises(ValueError, match="not overwritten"):
+        store.save(victim)
+    assert broken.read_text().endswith('"turns": [')              # left exactly as it was
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        store.list()
+    assert caplog.text == ""                                     # warned once, not at every refresh
+
+
+def test_ids_cannot_escape_the_folder(tmp_path):
+    with pytest.raises(ValueError):
+        ConversationStore(tmp_path).path("../etc/passwd")
+
+
+def test_the_default_folder_is_in_the_user_data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    if os.name != "posix" or not str(conversations_dir()).startswith(str(tmp_path)):
+        pytest.skip("platformdirs does not follow XDG_DATA_HOME here")
+    assert conversations_dir() == tmp_path / "colibri" / "conversations" and conversations_dir().is_dir()

@@ -1,0 +1,383 @@
+"""The desktop app: QApplication setup and the main window (chat in the middle, conversations and
+controls on the left, the inspector on the right), its layout saved between runs.
+
+The window talks to the engine only through its `Bridge` (which owns the `EngineService`):
+requests go out through the service, events and snapshots come back as queued signals.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QApplication, QDockWidget, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton, QWidget,
+)
+
+from app.conversations import ConversationStore
+from app.service import LoadFailed, LoadOptions, ModelInfo, ModelLoaded, SettingsApplied
+from ui.bridge import Bridge
+from ui.chat import ChatPanel
+from ui.controls import ControlsPanel
+from ui.conversation_list import ConversationList
+from ui.models import ModelActions
+from ui.theme import app_icon, apply_theme
+
+log = logging.getLogger(__name__)
+
+try:  # the inspector is built apart; the window works without it
+    from ui.inspector import Inspector
+except ImportError as _exc:  # pragma: no cover - only while ui.inspector is missing
+    Inspector = None
+    _INSPECTOR_MISSING = str(_exc)
+
+APP_NAME = "Colibri"
+ORGANIZATION = "colibri"
+
+
+class _InspectorPlaceholder(QLabel):
+    """Stands in for ui.inspector.Inspector when it cannot be imported."""
+
+    atlasRequested = Signal()
+    atlasCancelRequested = Signal()
+
+    def __init__(self, reason: str):
+        super().__init__(f"The inspector is not available ({reason}).")
+        self.setWordWrap(True)
+        self.setAlignment(Qt.AlignmentFlag.AlignCenter)
+
+    def set_snapshot(self, snapshot) -> None: ...
+    def set_model_info(self, n_layers: int, n_experts: int, budget_bytes: int | None) -> None: ...
+    def set_tiers(self, tiers) -> None: ...
+    def set_atlas(self, atlas) -> None: ...
+    def set_atlas_progress(self, fraction) -> None: ...
+    def close_views(self) -> None: ...
+
+
+def configure(app: QApplication) -> None:
+    """Names (for QSettings and the desktop), the icon and the theme."""
+    app.setApplicationName(APP_NAME)
+    app.setApplicationDisplayName(APP_NAME)
+    app.setOrganizationName(ORGANIZATION)
+    app.setDesktopFileName("colibri")
+    app.setWindowIcon(app_icon())
+    apply_theme(app)
+
+
+class MainWindow(QMainWindow):
+    """Chat, conversations, controls and the inspector around one engine service."""
+
+    def __init__(self, settings: QSettings | None = None, conversations: ConversationStore | None = None,
+                 load_options: LoadOptions = LoadOptions()):
+        super().__init__()
+        self.setObjectName("mainWindow")
+        self.setWindowTitle(APP_NAME)
+        self.setWindowIcon(app_icon())
+        self.settings = settings if settings is not None else QSettings()
+        self.store = conversations if conversations is not None else ConversationStore()
+        self.load_options = load_options
+        self.info: ModelInfo | None = None
+        self.error_dialog: QMessageBox | None = None    # the last error shown (tests look at it)
+        self._load_request: int | None = None
+        self._atlas_request: int | None = None
+        self._closed = False
+
+        self.bridge = Bridge(self)
+        self.chat = ChatPanel(self.bridge, self.store)
+        self.conversations = ConversationList()
+        self.controls = ControlsPanel()
+        self.inspector = Inspector() if Inspector is not None else _InspectorPlaceholder(_INSPECTOR_MISSING)
+        self.models = ModelActions(self, self.settings)
+        self.setCentralWidget(self.chat)
+        self.setDockNestingEnabled(True)
+        self._dock("Conversations", self.conversations, Qt.DockWidgetArea.LeftDockWidgetArea)
+        self._dock("Controls", self.controls, Qt.DockWidgetArea.LeftDockWidgetArea)
+        self._dock("Inspector", self.inspector, Qt.DockWidgetArea.RightDockWidgetArea)
+        self._build_menus()
+        self._build_status()
+        self._wire()
+        self._refresh_conversations()
+        self.chat.set_model(None)
+        self._restore_layout()
+
+    # --- building ---
+
+    def _dock(self, title: str, widget: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(f"dock{title}")
+        dock.setWidget(widget)
+        dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                         | QDockWidget.DockWidgetFeature.DockWidgetClosable
+                         | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+        self.addDockWidget(area, dock)
+        return dock
+
+    def _build_menus(self) -> None:
+        file = self.menuBar().addMenu("&File")
+        file.addAction(self.models.open_folder)
+        file.addAction(self.models.open_gguf)
+        file.addMenu(self.models.recent_menu)
+        file.addSeparator()
+        file.addAction(self.models.convert)
+        file.addSeparator()
+        quit_action = QAction("Quit", self, shortcut=QKeySequence.StandardKey.Quit)
+        quit_action.triggered.connect(self.close)
+        file.addAction(quit_action)
+        chat = self.menuBar().addMenu("&Chat")
+        new = QAction("New chat", self, shortcut=QKeySequence.StandardKey.New)
+        new.triggered.connect(self._new_conversation)
+        chat.addAction(new)
+        view = self.menuBar().addMenu("&View")
+        for dock in self.findChildren(QDockWidget):
+            view.addAction(dock.toggleViewAction())
+        help_menu = self.menuBar().addMenu("&Help")
+        about = QAction("About Colibri", self)
+        about.triggered.connect(self._about)
+        help_menu.addAction(about)
+
+    def _build_status(self) -> None:
+        self.model_label = QLabel("No model")
+        self.load_bar = QProgressBar()
+        self.load_bar.setRange(0, 1000)
+        self.load_bar.setMaximumWidth(220)
+        self.load_bar.setTextVisible(True)
+        self.load_cancel = QPushButton("Cancel")
+        self.load_cancel.clicked.connect(self.cancel_load)
+        bar = self.statusBar()
+        bar.addWidget(self.model_label, 1)
+        bar.addPermanentWidget(self.load_bar)
+        bar.addPermanentWidget(self.load_cancel)
+        self.load_bar.hide()
+        self.load_cancel.hide()
+
+    def _wire(self) -> None:
+        b = self.bridge
+        b.loadProgress.connect(self._on_load_progress)
+        b.modelLoaded.connect(self._on_loaded)
+        b.loadFailed.connect(self._on_load_failed)
+        b.settingsApplied.connect(self._on_settings)
+        b.snapshot.connect(self.inspector.set_snapshot)
+        b.tiers.connect(self.inspector.set_tiers)
+        b.atlasProgress.connect(self._on_atlas_progress)
+        b.atlasReady.connect(self._on_atlas_ready)
+        b.atlasFailed.connect(self._on_atlas_failed)
+        self.controls.changeRequested.connect(b.service.update_settings)
+        self.inspector.atlasRequested.connect(self.compute_atlas)
+        self.inspector.atlasCancelRequested.connect(self._cancel_atlas)
+        self.models.openRequested.connect(self.open_model)
+        self.models.converted.connect(self.open_model)
+        self.chat.conversationsChanged.connect(self._refresh_conversations)
+        self.conversations.selected.connect(self._open_conversation)
+        self.conversations.newRequested.connect(self._new_conversation)
+        self.conversations.deleteRequested.connect(self._delete_conversation)
+
+    # --- models ---
+
+    def open_model(self, path: str, options: LoadOptions | None = None) -> int:
+        """Load a model (folder, .gguf, container or pulled name) through the service."""
+        self.chat.stop()
+        self._load_request = self.bridge.service.load(path, options or self.load_options)
+        self.chat.set_model(None)
+        self.controls.set_model(None)
+        self.model_label.setText(f"Loading {Path(path).name}…")
+        self.load_bar.setValue(0)
+        self.load_bar.show()
+        self.load_cancel.show()
+        return self._load_request
+
+    def cancel_load(self) -> None:
+        """Stop the load in progress."""
+        if self._load_request is not None:
+            self.bridge.service.cancel(self._load_request)
+
+    def compute_atlas(self) -> None:
+        """Compute the loaded model's atlas (the inspector asked)."""
+        if self.info is None:
+            self.show_error("No model", "Open a Mixture-of-Experts model before computing its atlas.")
+            return
+        self._atlas_request = self.bridge.service.compute_atlas()
+        self.inspector.set_atlas_progress(0.0)
+
+    def _cancel_atlas(self) -> None:
+        if self._atlas_request is not None:
+            self.bridge.service.cancel(self._atlas_request)
+
+    def _on_load_progress(self, request: int, fraction: float, message: str) -> None:
+        if request == self._load_request:
+            self.load_bar.setValue(int(fraction * 1000))
+            self.load_bar.setFormat(message)
+
+    def _on_loaded(self, event: ModelLoaded) -> None:
+        if event.request != self._load_request:
+            return
+        self._end_load()
+        info = self.info = event.info
+        self.chat.set_model(info)
+        self.controls.set_model(info)
+        self.inspector.set_model_info(info.n_layers, info.n_experts, info.settings.memory_budget)
+        try:
+            self.inspector.set_atlas(dict(event.atlas) if event.atlas is not None else None)
+        except ValueError as exc:
+            log.warning("the atlas of %s is not shown: %s", info.name, exc)
+        self.models.add_recent(info.path)
+        how = {"experts": "experts stream from disk", "layers": "layers stream from disk"}.get(info.streaming,
+                                                                                               "held in memory")
+        self.model_label.setText(f"{info.name} · {info.architecture} · {how}")
+        log.info("loaded %s (%s, %s)", info.path, info.architecture, how)
+        self.setWindowTitle(f"{info.name} — {APP_NAME}")
+
+    def _on_load_failed(self, event: LoadFailed) -> None:
+        if event.request != self._load_request:
+            return
+        self._end_load()
+        self.info = None
+        self.chat.set_model(None)
+        self.controls.set_model(None)
+        self.inspector.set_model_info(0, 0, None)
+        self.setWindowTitle(APP_NAME)
+        if event.cancelled:
+            self.model_label.setText("Loading cancelled")
+        else:
+            log.warning("the model did not load: %s", event.message)
+            self.model_label.setText("No model (the last one failed to load)")
+            self.show_error("The model could not be loaded", event.message)
+
+    def _end_load(self) -> None:
+        self._load_request = None
+        self.load_bar.hide()
+        self.load_cancel.hide()
+
+    def _on_settings(self, applied: SettingsApplied) -> None:
+        self.controls.show_applied(applied)
+        if applied.info is not None:
+            self.info = applied.info
+            s = applied.info.settings
+            self.inspector.set_model_info(applied.info.n_layers, applied.info.n_experts, s.memory_budget)
+
+    def _on_atlas_progress(self, request: int, fraction: float, message: str) -> None:
+        if request == self._atlas_request:
+            self.inspector.set_atlas_progress(fraction)
+
+    def _on_atlas_ready(self, event) -> None:
+        self._atlas_request = None
+        self.inspector.set_atlas_progress(None)
+        try:
+            self.inspector.set_atlas(dict(event.atlas))
+        except ValueError as exc:
+            self.show_error("The atlas cannot be shown", str(exc))
+
+    def _on_atlas_failed(self, event) -> None:
+        self._atlas_request = None
+        self.inspector.set_atlas_progress(None)
+        if not event.cancelled:
+            self.show_error("The atlas could not be computed", event.message)
+
+    def show_error(self, title: str, message: str) -> QMessageBox:
+        """A non-blocking error dialog (the app stays up and responsive)."""
+        box = QMessageBox(QMessageBox.Icon.Critical, title, message, QMessageBox.StandardButton.Ok, self)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.error_dialog = box
+        box.finished.connect(lambda _r, box=box: self._dialog_closed(box))
+        box.open()
+        return box
+
+    def _dialog_closed(self, box: QMessageBox) -> None:
+        if self.error_dialog is box:
+            self.error_dialog = None
+
+    # --- conversations ---
+
+    def _refresh_conversations(self) -> None:
+        self.conversations.set_conversations(self.store.list(), self.chat.conversation.id)
+
+    def _open_conversation(self, conversation_id: str) -> None:
+        try:
+            conv = self.store.load(conversation_id)
+        except (OSError, ValueError) as exc:
+            self.show_error("The conversation cannot be opened", str(exc))
+            return
+        self.chat.open_conversation(conv)
+        self._refresh_conversations()
+
+    def _new_conversation(self) -> None:
+        self.chat.new_conversation()
+        self._refresh_conversations()
+
+    def _delete_conversation(self, conversation_id: str) -> None:
+        self.store.delete(conversation_id)
+        if conversation_id == self.chat.conversation.id:
+            self.chat.new_conversation()
+        self._refresh_conversations()
+
+    # --- layout and closing ---
+
+    def _restore_layout(self) -> None:
+        geometry = self.settings.value("window/geometry")
+        state = self.settings.value("window/state")
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1440, 900)
+        if state is not None:
+            self.restoreState(state)
+        else:  # first run: the chat gets the most room, the inspector a good share
+            docks = {d.objectName(): d for d in self.findChildren(QDockWidget)}
+            self.resizeDocks([docks["dockConversations"], docks["dockInspector"]], [230, 620],
+                             Qt.Orientation.Horizontal)
+            self.resizeDocks([docks["dockConversations"], docks["dockControls"]], [420, 300],
+                             Qt.Orientation.Vertical)
+
+    def save_layout(self) -> None:
+        """Keep the window's geometry and dock layout for the next run."""
+        self.settings.setValue("window/geometry", self.saveGeometry())
+        self.settings.setValue("window/state", self.saveState())
+        self.settings.sync()
+
+    def shutdown(self) -> None:
+        """Save the layout, stop every timer and worker, close the engine; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.save_layout()
+        self.chat.close_views()
+        self.controls.close_views()
+        self.inspector.close_views()
+        self.models.shutdown()
+        self.bridge.close()
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.shutdown()
+        super().closeEvent(event)
+
+    def _about(self) -> None:
+        QMessageBox.about(self, "About Colibri",
+                          "Colibri runs language models, above all Mixture-of-Experts models, on computers whose "
+                          "memory cannot hold them, streaming experts from disk.")
+
+
+def run(model: str | None, options: LoadOptions = LoadOptions()) -> int:
+    """Open the app (loading MODEL, else the most recent model) and run it until the window closes."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    configure(app)
+    window = MainWindow(load_options=options)
+    window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+    window.show()
+    target = model or next(iter(window.models.recent.paths()), None)
+    if target:
+        window.open_model(target)
+    # Ctrl-C in the terminal closes the window: Python sees the signal when the timer wakes it
+    signal.signal(signal.SIGINT, lambda *_: window.close())
+    wake = QTimer()
+    wake.timeout.connect(lambda: None)
+    wake.start(250)
+    try:
+        return app.exec()
+    finally:
+        wake.stop()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)

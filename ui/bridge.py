@@ -1,0 +1,93 @@
+"""The bridge between the engine service and the Qt views: service events and telemetry snapshots
+(delivered on the engine thread) become queued signals handled on the main thread.
+
+The bridge owns the service: views send requests through `bridge.service` and never touch the
+engine. Snapshots arrive at most SNAPSHOT_HZ times a second; views store them and redraw on their
+own timers, so a fast model never makes the UI paint once per token.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QObject, Qt, Signal
+
+from app.service import (
+    AtlasFailed, AtlasProgress, AtlasReady, EngineService, Generation, LoadFailed, LoadProgress, ModelLoaded,
+    ModelUnloaded, ServiceEvent, SettingsApplied,
+)
+
+SNAPSHOT_HZ = 30    # at most this many telemetry snapshots a second reach the views
+
+
+class Bridge(QObject):
+    """Service events as typed Qt signals on the main thread; `close` stops the engine thread."""
+
+    loadProgress = Signal(int, float, str)      # request, fraction, message
+    modelLoaded = Signal(object)                # app.service.ModelLoaded
+    loadFailed = Signal(object)                 # app.service.LoadFailed
+    modelUnloaded = Signal(int)                 # request
+    generation = Signal(int, object)            # request, engine event (TokenEvent, DoneEvent, ...)
+    settingsApplied = Signal(object)            # app.service.SettingsApplied
+    atlasProgress = Signal(int, float, str)
+    atlasReady = Signal(object)                 # app.service.AtlasReady
+    atlasFailed = Signal(object)                # app.service.AtlasFailed
+    snapshot = Signal(object)                   # engine.telemetry.Snapshot
+    tiers = Signal(object)                      # int8 [layers, experts] (app.service TIER_* codes) or None
+
+    _event = Signal(object)                     # emitted on the engine thread, received on the main thread
+    _snapshot = Signal(object)
+    _tiers = Signal(object)
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
+        self._snapshot.connect(self._deliver_snapshot, Qt.ConnectionType.QueuedConnection)
+        self._tiers.connect(self._deliver_tiers, Qt.ConnectionType.QueuedConnection)
+        self.service = EngineService(on_event=self._event.emit)
+        self._subscriptions = (self.service.subscribe(self._snapshot.emit, 1.0 / SNAPSHOT_HZ),
+                               self.service.subscribe_tiers(self._tiers.emit, 1.0 / SNAPSHOT_HZ))
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop snapshots and the engine thread (the model is closed and its usage history saved); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for sub in self._subscriptions:
+            sub.close()
+        self.service.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran."""
+        return self._closed
+
+    def _deliver_snapshot(self, snap: object) -> None:
+        if not self._closed:
+            self.snapshot.emit(snap)
+
+    def _deliver_tiers(self, grid: object) -> None:
+        if not self._closed:
+            self.tiers.emit(grid)
+
+    def _dispatch(self, event: ServiceEvent) -> None:
+        """Re-emit a service event as its typed signal (main thread)."""
+        if self._closed:
+            return
+        if isinstance(event, Generation):
+            self.generation.emit(event.request, event.event)
+        elif isinstance(event, LoadProgress):
+            self.loadProgress.emit(event.request, event.fraction, event.message)
+        elif isinstance(event, ModelLoaded):
+            self.modelLoaded.emit(event)
+        elif isinstance(event, LoadFailed):
+            self.loadFailed.emit(event)
+        elif isinstance(event, ModelUnloaded):
+            self.modelUnloaded.emit(event.request)
+        elif isinstance(event, SettingsApplied):
+            self.settingsApplied.emit(event)
+        elif isinstance(event, AtlasProgress):
+            self.atlasProgress.emit(event.request, event.fraction, event.message)
+        elif isinstance(event, AtlasReady):
+            self.atlasReady.emit(event)
+        elif isinstance(event, AtlasFailed):
+            self.atlasFailed.emit(event)

@@ -1,0 +1,403 @@
+"""The Atlas tab: the experts in 3D at their atlas positions (vispy), or an offer to compute the atlas.
+
+Points are coloured by top topic and sized by specialisation; a Qt legend sits beside the canvas.
+Three Markers visuals share one scene: the experts (set once per atlas), the experts the current
+token routed to (drawn over the rest, updated per redraw) and a ring on the selected expert.
+Hover and click pick the point nearest the pointer on screen, from positions projected through
+the scene's own transforms (no GL picking pass). Dragging turns the turntable camera.
+
+Without an OpenGL context (QT_QPA_PLATFORM=offscreen, a remote session without GLX) the canvas
+is replaced by a message; the selection and the routed experts are still tracked. When Qt replaces
+the widget's GL context (a dock floated or docked again), the canvas is rebuilt from the same camera.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtGui import QGuiApplication, QOffscreenSurface, QOpenGLContext
+from PySide6.QtWidgets import (QGridLayout, QHBoxLayout, QLabel, QProgressBar, QPushButton, QStackedWidget,
+                               QToolTip, QVBoxLayout, QWidget)
+
+from ui.inspector.common import Theme, swatch_css
+from ui.inspector.data import AtlasData, Frame
+
+PICK_RADIUS = 8.0      # px: how near the pointer a point must be to be hovered or clicked
+CLICK_SLOP = 4.0       # px: a press and release further apart than this are a drag (rotation)
+DRAW_SHARE = 2.0       # routed experts are redrawn at most once per this many canvas draw times
+NO_ATLAS = ("This model has no atlas yet. Computing it routes a set of probe prompts on a dozen topics "
+            "(Python, SQL, mathematics, law, French, ...) through the model and records which experts each "
+            "topic uses.")
+NO_MODEL = "The atlas maps the experts of a Mixture-of-Experts model: load one to see or compute its atlas."
+_NO_GL_WIDGETS = {"offscreen", "minimal", "linuxfb", "vnc"}  # Qt platforms without RasterGLSurface
+_gl_problem: list[str | None] = []  # the cached answer of gl_problem(), once asked
+
+
+def gl_problem() -> str | None:
+    """Why vispy cannot draw in this process (None: it can); asked once, then cached."""
+    if _gl_problem:
+        return _gl_problem[0]
+    problem = None
+    platform = QGuiApplication.platformName()
+    ctx = QOpenGLContext()
+    if platform in _NO_GL_WIDGETS:  # they may make a context (offscreen does, given a DISPLAY) but no QOpenGLWidget
+        problem = f"the Qt platform '{platform}' cannot show OpenGL widgets"
+    elif not ctx.create():
+        problem = f"no OpenGL context on the Qt platform '{platform}'"
+    else:
+        surface = QOffscreenSurface()
+        surface.setFormat(ctx.format())
+        surface.create()
+        if not ctx.makeCurrent(surface):
+            problem = f"an OpenGL context exists on the Qt platform '{platform}' but cannot be made current"
+        ctx.doneCurrent()
+        surface.destroy()
+    if problem is None:
+        try:
+            import vispy.app
+
+            vispy.app.use_app("pyside6")
+        except Exception as exc:  # vispy already bound to another toolkit, or missing
+            problem = f"vispy cannot draw with PySide6 ({exc})"
+    _gl_problem.append(problem)
+    return problem
+
+
+class _Legend(QWidget):
+    """Topic colours with their expert counts, and what size, flash and ring mean."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.grid = QGridLayout()
+        self.notes = QLabel("size: specialisation (bigger = fewer topics)\n"
+                            "bright: routed by the current token\nring: selected expert\n"
+                            "drag: turn, wheel: zoom, shift+drag: pan")
+        self.notes.setWordWrap(True)
+        self.info = QLabel("hover an expert")
+        self.info.setWordWrap(True)
+        layout = QVBoxLayout(self)
+        layout.addWidget(QLabel("<b>Top topic</b>"))
+        layout.addLayout(self.grid)
+        layout.addSpacing(8)
+        layout.addWidget(self.notes)
+        layout.addSpacing(8)
+        layout.addWidget(self.info)
+        layout.addStretch(1)
+        self.setMinimumWidth(200)
+        self.rows: list[QLabel] = []
+
+    def fill(self, data: AtlasData, theme: Theme) -> None:
+        """One row per topic (and one for experts never chosen)."""
+        while self.grid.count():
+            w = self.grid.takeAt(0).widget()
+            if w is not None:
+                w.deleteLater()
+        self.rows = []
+        counts = np.bincount(data.top + 1, minlength=len(data.topics) + 1)  # [topics + 1], slot 0 = never chosen
+        entries = [(theme.topic(t), f"{data.titles[t]} ({counts[t + 1]})") for t in range(len(data.topics))]
+        if counts[0]:
+            entries.append((theme.unused, f"never chosen ({counts[0]})"))
+        for row, (rgb, text) in enumerate(entries):
+            swatch = QLabel()
+            swatch.setFixedSize(12, 12)
+            swatch.setStyleSheet(swatch_css(rgb))
+            label = QLabel(text)
+            self.grid.addWidget(swatch, row, 0)
+            self.grid.addWidget(label, row, 1)
+            self.rows.append(label)
+
+
+class AtlasView(QWidget):
+    """The 3D atlas; emits `selected(layer, expert)` on a click, `computeRequested` / `cancelRequested`."""
+
+    selected = Signal(int, int)
+    computeRequested = Signal()
+    cancelRequested = Signal()
+
+    def __init__(self, theme: Theme, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.theme = theme
+        self.pages = QStackedWidget()
+
+        # page 0: no atlas yet
+        empty = QWidget()
+        self.message = QLabel(NO_MODEL)
+        self.message.setWordWrap(True)
+        self.message.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.compute_button = QPushButton("Compute atlas")
+        self.compute_button.clicked.connect(self.computeRequested)
+        self.compute_button.setEnabled(False)
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.clicked.connect(self.cancelRequested)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(self.compute_button)
+        row.addWidget(self.progress, 2)
+        row.addWidget(self.cancel_button)
+        row.addStretch(1)
+        col = QVBoxLayout(empty)
+        col.addStretch(1)
+        col.addWidget(self.message)
+        col.addLayout(row)
+        col.addStretch(1)
+        self.pages.addWidget(empty)
+
+        # page 1: the atlas (canvas or a message) and the legend
+        shown = QWidget()
+        self.canvas_host = QVBoxLayout()
+        self.canvas_host.setContentsMargins(0, 0, 0, 0)
+        self.no_gl = QLabel("")
+        self.no_gl.setWordWrap(True)
+        self.no_gl.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.no_gl.setVisible(False)
+        self.canvas_host.addWidget(self.no_gl)
+        self.legend = _Legend()
+        split = QHBoxLayout(shown)
+        split.addLayout(self.canvas_host, 1)
+        split.addWidget(self.legend)
+        self.pages.addWidget(shown)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.pages)
+
+        self.data: AtlasData | None = None
+        self.canvas = None                       # vispy SceneCanvas, made when an atlas arrives and GL works
+        self._view = self._points = self._lit = self._ring = None
+        self.lit_rows = np.zeros(0, np.int64)    # [K] atlas rows routed by the current token
+        self.selected_key: tuple[int, int] | None = None
+        self.hovered: tuple[int, int] | None = None
+        self._current: tuple = ()
+        self._closed = False
+        self.draw_cost = 0.0                     # s, smoothed CPU time of one canvas draw
+        self.pending = False                     # a newer token waits for its turn to be drawn
+        self._lit_at = 0.0
+        self._draw_start = 0.0
+        self.set_progress(None)
+
+    # --- state from the inspector ------------------------------------------------------------
+
+    def set_theme(self, theme: Theme) -> None:
+        """Recolour the canvas, points and legend."""
+        self.theme = theme
+        if self.data is not None:
+            self.legend.fill(self.data, theme)
+        if self.canvas is not None:
+            self.canvas.bgcolor = np.array(theme.background) / 255
+            self._draw_points()
+            self._draw_overlays()
+
+    def set_progress(self, fraction: float | None) -> None:
+        """Show the computing progress with a Cancel button; None hides them."""
+        busy = fraction is not None
+        self.progress.setVisible(busy)
+        self.cancel_button.setVisible(busy)
+        self.compute_button.setVisible(not busy)
+        if busy:
+            self.progress.setValue(int(min(max(fraction, 0.0), 1.0) * 1000))
+            self.progress.setFormat(f"computing the atlas: {100 * fraction:.0f}%")
+
+    def set_has_experts(self, has_experts: bool) -> None:
+        """Offer to compute an atlas only for a model with routed experts."""
+        self.message.setText(NO_ATLAS if has_experts else NO_MODEL)
+        self.compute_button.setEnabled(has_experts)
+
+    def set_atlas(self, data: AtlasData | None) -> None:
+        """Show an atlas (None: the offer to compute one)."""
+        self.data = data
+        self.hovered = None
+        if data is None:
+            self.pages.setCurrentIndex(0)
+            return
+        self.pages.setCurrentIndex(1)
+        self.legend.fill(data, self.theme)
+        self._ensure_canvas()
+        self._draw_points()
+        self._current = ()
+        self.lit_rows = np.zeros(0, np.int64)
+        self._draw_overlays()
+
+    def set_selected(self, key: tuple[int, int] | None) -> None:
+        """Ring an expert (None: none) without emitting `selected`."""
+        self.selected_key = key
+        self._describe(key, "selected")
+        self._draw_overlays()
+
+    def redraw(self, frame: Frame) -> None:
+        """Light up the experts the frame's token routed to (deferred, see `pending`, while GL is slow)."""
+        snap = frame.snapshot
+        current = snap.current if snap is not None else ()
+        self.pending = False
+        if self.data is None or current == self._current:
+            return
+        now = time.monotonic()
+        if self.canvas is not None and now - self._lit_at < DRAW_SHARE * self.draw_cost:
+            self.pending = True  # software GL at 20k points takes ~80 ms a frame: leave the GUI thread time to breathe
+            return
+        self._lit_at = now
+        self._current = current
+        rows = [self.data.row(layer, e) for layer, ids in current for e in ids]
+        self.lit_rows = np.array([r for r in rows if r is not None], np.int64)
+        self._draw_overlays()
+
+    def close_gl(self) -> None:
+        """Close the canvas and free its GL context; the view shows nothing 3D afterwards."""
+        self._closed = True
+        QToolTip.hideText()
+        self._drop_canvas()
+
+    # --- picking ---------------------------------------------------------------------------
+
+    def screen_positions(self) -> np.ndarray:
+        """Canvas pixel coordinates [N, 2] of every expert under the current camera."""
+        if self._points is None or self.data is None:
+            return np.zeros((0, 2))
+        p = self._points.get_transform("visual", "canvas").map(self.data.positions)  # [N, 4] homogeneous
+        return p[:, :2] / p[:, 3:4]
+
+    def pick(self, x: float, y: float) -> int | None:
+        """The atlas row of the expert drawn nearest canvas pixel (x, y), if within PICK_RADIUS."""
+        xy = self.screen_positions()
+        if not len(xy):
+            return None
+        d2 = ((xy - (x, y)) ** 2).sum(axis=1)
+        i = int(np.argmin(d2))
+        return i if d2[i] <= PICK_RADIUS ** 2 else None
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _ensure_canvas(self, camera: dict | None = None) -> None:
+        """Make the canvas and its visuals (camera: the turntable's state to start from)."""
+        if self.canvas is not None or self._closed:
+            return
+        problem = gl_problem()
+        if problem is not None:
+            self.no_gl.setText(f"The 3D atlas needs OpenGL: {problem}. The Brain tab shows the same experts; "
+                               "hover a cell there for its atlas topic.")
+            self.no_gl.setVisible(True)
+            return
+        from vispy import scene
+
+        self.canvas = scene.SceneCanvas(keys=None, show=False, parent=self,
+                                        bgcolor=np.array(self.theme.background) / 255)
+        self.canvas.native.setMinimumSize(200, 200)
+        self.canvas_host.addWidget(self.canvas.native, 1)
+        self._view = self.canvas.central_widget.add_view()
+        self._view.camera = scene.TurntableCamera(**(camera or {"fov": 40.0, "elevation": 20.0, "azimuth": 30.0,
+                                                                "distance": 3.4}))
+        self._points = scene.visuals.Markers(parent=self._view.scene)
+        self._lit = scene.visuals.Markers(parent=self._view.scene)
+        self._ring = scene.visuals.Markers(parent=self._view.scene)
+        for overlay in (self._lit, self._ring):   # drawn after the points and over them
+            overlay.set_gl_state("translucent", depth_test=False)
+            overlay.order = 1
+        self.canvas.events.mouse_move.connect(self._on_move)
+        self.canvas.events.draw.connect(self._draw_started, position="first")
+        self.canvas.events.draw.connect(self._draw_finished, position="last")
+        self.canvas.events.mouse_release.connect(self._on_release)
+        self.canvas.events.initialize.connect(self._on_initialize)
+        self._inits = 0
+
+    def _drop_canvas(self) -> None:
+        """Close the canvas (its GL context goes with its widget)."""
+        if self.canvas is None:
+            return
+        native = self.canvas.native
+        self.canvas.close()
+        native.setParent(None)
+        native.deleteLater()
+        self.canvas = self._view = self._points = self._lit = self._ring = None
+
+    def _on_initialize(self, event: object) -> None:
+        self._inits += 1
+        if self._inits > 1:
+            # Qt gave the widget a new GL context (its dock floated or docked: a new window), and vispy's
+            # GL objects died with the old one. Draw nothing until a new canvas replaces this one.
+            for visual in (self._points, self._lit, self._ring):
+                visual.visible = False
+            QTimer.singleShot(0, self, self._rebuild_canvas)
+
+    def _rebuild_canvas(self) -> None:
+        """A new canvas in place of one whose GL context was replaced, seen from the same camera."""
+        if self.canvas is None or self._closed:
+            return
+        cam = self._view.camera
+        camera = {"fov": cam.fov, "elevation": cam.elevation, "azimuth": cam.azimuth, "distance": cam.distance,
+                  "center": tuple(cam.center)}
+        self._drop_canvas()
+        self._ensure_canvas(camera)
+        self._draw_points()
+        self._draw_overlays()
+
+    def _sizes(self) -> np.ndarray:
+        """Marker diameters [N] px: 4..16 by specialisation, smaller when there are many (less overlap, less fill)."""
+        crowd = float(np.clip(np.sqrt(2000 / max(len(self.data), 1)), 0.45, 1.0))
+        return (4.0 + 12.0 * self.data.specialisation) * crowd
+
+    def _draw_points(self) -> None:
+        if self._points is None or self.data is None:
+            return
+        data, theme = self.data, self.theme
+        colours = np.array([theme.topic(t) for t in range(len(data.topics))] + [theme.unused], np.float32) / 255
+        faces = np.ones((len(data), 4), np.float32)
+        faces[:, :3] = colours[data.top]           # row -1 (never chosen) is the last colour
+        self._points.set_data(data.positions, face_color=faces, size=self._sizes(), edge_width=0)
+
+    def _draw_overlays(self) -> None:
+        if self._lit is None or self.data is None:
+            return
+        theme = self.theme
+        rows = self.lit_rows
+        flash = (*(np.array(theme.flash) / 255), 1.0)
+        if len(rows):
+            self._lit.set_data(self.data.positions[rows], face_color=flash, size=self._sizes()[rows] + 6,
+                               edge_width=1.0, edge_color=(*(np.array(theme.foreground) / 255), 1.0))
+        self._lit.visible = bool(len(rows))
+        row = self.data.row(*self.selected_key) if self.selected_key is not None else None
+        if row is not None:
+            self._ring.set_data(self.data.positions[row : row + 1], symbol="ring", size=24,
+                                face_color=(*(np.array(theme.foreground) / 255), 1.0), edge_width=0)
+        self._ring.visible = row is not None
+
+    def _draw_started(self, event: object) -> None:
+        self._draw_start = time.perf_counter()
+
+    def _draw_finished(self, event: object) -> None:
+        cost = time.perf_counter() - self._draw_start
+        self.draw_cost = cost if self.draw_cost == 0.0 else 0.8 * self.draw_cost + 0.2 * cost
+
+    def _describe(self, key: tuple[int, int] | None, what: str) -> None:
+        if key is None or self.data is None:
+            return
+        self.legend.info.setText(f"{what}: layer {key[0]}, expert {key[1]}\n{self.data.describe(*key)}")
+
+    def _on_move(self, event: object) -> None:
+        if event.is_dragging or self.data is None:
+            return
+        row = self.pick(*event.pos[:2])
+        key = tuple(int(v) for v in self.data.keys[row]) if row is not None else None
+        if key == self.hovered:
+            return
+        self.hovered = key
+        if key is None:
+            QToolTip.hideText()
+            return
+        text = f"layer {key[0]}, expert {key[1]}\n{self.data.describe(*key)}"
+        self.legend.info.setText(text)
+        native = self.canvas.native
+        QToolTip.showText(native.mapToGlobal(QPoint(int(event.pos[0]), int(event.pos[1]))), text, native)
+
+    def _on_release(self, event: object) -> None:
+        press = event.press_event
+        if self.data is None or event.button != 1 or press is None or np.hypot(*(np.asarray(event.pos) - press.pos)) > CLICK_SLOP:
+            return
+        row = self.pick(*event.pos[:2])
+        if row is None:
+            return
+        key = (int(self.data.keys[row, 0]), int(self.data.keys[row, 1]))
+        self.set_selected(key)
+        self.selected.emit(*key)

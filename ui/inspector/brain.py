@@ -1,0 +1,201 @@
+"""The Brain tab: every expert of every layer as one cell of a grid [layers x experts].
+
+Colour is the expert's tier, brightness its heat (decayed routing count, log-scaled against the
+hottest), and the experts the current token routed to flash. The whole grid is one RGBA image
+built with numpy and handed to a single ImageItem per redraw, so 20,000 experts cost one array
+and one texture, not 20,000 items. Hovering a cell shows its tooltip; clicking selects it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPoint, QRectF, Qt, Signal
+from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
+
+from ui.inspector.common import Theme, style_plot, swatch_css
+from ui.inspector.data import (TIER_CACHED, TIER_DISK, TIER_NAMES, TIER_NONE, TIER_PINNED, TIER_RESIDENT,
+                               TIER_UNKNOWN, Frame)
+
+_CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
+
+
+def _fit(a: np.ndarray | None, shape: tuple[int, int], fill: float, dtype: type) -> np.ndarray:
+    """`a` cropped or padded with `fill` to `shape` (a new array)."""
+    out = np.full(shape, fill, dtype)
+    if a is not None and a.ndim == 2:
+        rows, cols = min(shape[0], a.shape[0]), min(shape[1], a.shape[1])
+        out[:rows, :cols] = a[:rows, :cols]
+    return out
+
+
+def grid_rgba(theme: Theme, shape: tuple[int, int], tiers: np.ndarray | None, heat: np.ndarray | None,
+              current: tuple[tuple[int, tuple[int, ...]], ...]) -> np.ndarray:
+    """The Brain image [L, E, 4] uint8: tier colour dimmed by coldness, the current token's experts in flash."""
+    bg = np.array(theme.background, np.float32)
+    fg = np.array(theme.foreground, np.float32)
+    codes = _fit(tiers, shape, TIER_NONE, np.int8) if tiers is not None else np.full(shape, TIER_UNKNOWN, np.int8)
+    lut = np.array([theme.tiers.get(c, theme.background) for c in _CODES], np.float32)  # [6, 3]
+    h = _fit(heat, shape, 0.0, np.float32)                                                 # [L, E]
+    hmax = float(h.max()) if h.size else 0.0
+    level = np.log1p(h) / np.log1p(hmax) if hmax > 0 else h                                # 0..1
+    mix = 0.22 + 0.78 * level                                                              # cold cells keep a hint of their tier
+    rgb = bg + (lut[codes + 1] - bg) * mix[..., None]                                      # [L, E, 3]
+    rgb[codes == TIER_NONE] = bg + (fg - bg) * 0.06                                        # no expert: just off the background
+    rgba = np.empty((*shape, 4), np.uint8)
+    rgba[..., :3] = rgb
+    rgba[..., 3] = 255
+    flash = np.array(theme.flash, np.uint8)
+    for layer, ids in current:
+        if 0 <= layer < shape[0]:
+            cols = np.fromiter((e for e in ids if 0 <= e < shape[1]), np.int64)
+            rgba[layer, cols, :3] = flash
+    return rgba
+
+
+class BrainView(QWidget):
+    """The layers x experts grid; emits `selected(layer, expert)` when the user clicks a cell."""
+
+    selected = Signal(int, int)
+
+    def __init__(self, theme: Theme, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.view = pg.GraphicsLayoutWidget()
+        self.plot = self.view.addPlot()
+        self.plot.invertY(True)       # layer 0 on top, as a model is read
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        self.plot.setLabel("left", "layer")
+        self.plot.setLabel("bottom", "expert")
+        self.image = pg.ImageItem(axisOrder="row-major")  # cell (layer, expert) = pixel [row layer, column expert]
+        self.plot.addItem(self.image)
+        self.outline = QGraphicsRectItem()
+        self.outline.setZValue(10)
+        self.outline.setVisible(False)
+        self.plot.addItem(self.outline)
+        self.view.scene().sigMouseMoved.connect(self._moved)
+        self.view.scene().sigMouseClicked.connect(self._clicked)
+
+        self.legend = QHBoxLayout()
+        self._legend_swatches: list[tuple[QLabel, int | str]] = []
+        for key, text in ((TIER_PINNED, "pinned"), (TIER_CACHED, "cached"), (TIER_DISK, "disk"),
+                          (TIER_RESIDENT, "resident"), ("flash", "current token")):
+            swatch = QLabel()
+            swatch.setFixedSize(12, 12)
+            self._legend_swatches.append((swatch, key))
+            self.legend.addWidget(swatch)
+            self.legend.addWidget(QLabel(text))
+            self.legend.addSpacing(8)
+        self.legend.addWidget(QLabel("brighter = routed more lately"))
+        self.legend.addStretch(1)
+        self.status = QLabel("")
+        self.legend.addWidget(self.status)
+
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.view, 1)
+        layout.addLayout(self.legend)
+
+        self.rgba: np.ndarray | None = None    # [L, E, 4] the image last drawn
+        self.shape = (0, 0)
+        self.frame: Frame | None = None
+        self.hovered: tuple[int, int] | None = None
+        self.selected_cell: tuple[int, int] | None = None
+        self.set_theme(theme)
+
+    def set_theme(self, theme: Theme) -> None:
+        """Recolour axes, the outline and the legend (the image follows at the next redraw)."""
+        self.theme = theme
+        style_plot(self.view, [self.plot], theme)
+        pen = pg.mkPen(theme.qcolor(theme.foreground), width=2)
+        pen.setCosmetic(True)
+        self.outline.setPen(pen)
+        for swatch, key in self._legend_swatches:
+            swatch.setStyleSheet(swatch_css(theme.flash if key == "flash" else theme.tiers[key]))
+
+    def redraw(self, frame: Frame) -> None:
+        """Rebuild and show the grid of the frame."""
+        self.frame = frame
+        snap = frame.snapshot
+        shape = frame.shape
+        if shape[0] == 0 or shape[1] == 0:
+            self.image.clear()
+            self.rgba, self.shape = None, (0, 0)
+            self.status.setText("no experts: a dense model, or no model loaded")
+            return
+        self.rgba = grid_rgba(self.theme, shape, frame.tiers, snap.heat if snap is not None else None,
+                              snap.current if snap is not None else ())
+        self.image.setImage(self.rgba, autoLevels=False)
+        if shape != self.shape:
+            self.shape = shape
+            vb = self.plot.getViewBox()
+            vb.setLimits(xMin=0, xMax=shape[1], yMin=0, yMax=shape[0])
+            vb.setRange(xRange=(0, shape[1]), yRange=(0, shape[0]), padding=0)
+        self.status.setText("" if frame.tiers is not None else "tiers not reported")
+
+    def set_selected(self, cell: tuple[int, int] | None) -> None:
+        """Outline a cell (None: none) without emitting `selected`."""
+        self.selected_cell = cell
+        if cell is None:
+            self.outline.setVisible(False)
+            return
+        layer, expert = cell
+        self.outline.setRect(QRectF(expert, layer, 1, 1))
+        self.outline.setVisible(True)
+
+    def cell_at(self, scene_pos: pg.QtCore.QPointF) -> tuple[int, int] | None:
+        """The (layer, expert) under a scene position, None outside the grid."""
+        vb = self.plot.getViewBox()
+        if not vb.sceneBoundingRect().contains(scene_pos):
+            return None
+        p = vb.mapSceneToView(scene_pos)
+        layer, expert = int(np.floor(p.y())), int(np.floor(p.x()))
+        if 0 <= layer < self.shape[0] and 0 <= expert < self.shape[1]:
+            return layer, expert
+        return None
+
+    def hover_text(self, layer: int, expert: int) -> str:
+        """The tooltip of a cell: layer, expert, tier, recent selections, atlas topic."""
+        frame = self.frame
+        lines = [f"layer {layer}, expert {expert}"]
+        if frame is None:
+            return lines[0]
+        tiers = frame.tiers
+        if tiers is not None and layer < tiers.shape[0] and expert < tiers.shape[1]:
+            lines.append(f"tier: {TIER_NAMES.get(int(tiers[layer, expert]), '?')}")
+        else:
+            lines.append("tier: not reported")
+        snap = frame.snapshot
+        if snap is not None and layer < snap.heat.shape[0] and expert < snap.heat.shape[1]:
+            routed_now = any(lay == layer and expert in ids for lay, ids in snap.current)
+            lines.append(f"selections: {snap.heat[layer, expert]:.1f} (recent, decayed)"
+                         + ("; routed by the current token" if routed_now else ""))
+        lines.append(frame.atlas.describe(layer, expert) if frame.atlas is not None else "atlas: none yet")
+        return "\n".join(lines)
+
+    def _moved(self, scene_pos: pg.QtCore.QPointF) -> None:
+        cell = self.cell_at(scene_pos)
+        if cell == self.hovered:
+            return
+        self.hovered = cell
+        if cell is None:
+            QToolTip.hideText()
+            return
+        local = self.view.mapFromScene(scene_pos)
+        where = self.view.viewport().mapToGlobal(QPoint(local.x(), local.y()))
+        QToolTip.showText(where, self.hover_text(*cell), self.view)
+
+    def _clicked(self, event: object) -> None:
+        if event.button() != Qt.MouseButton.LeftButton:
+            return
+        cell = self.cell_at(event.scenePos())
+        if cell is None:
+            return
+        event.accept()
+        self.set_selected(cell)
+        self.selected.emit(*cell)
+
+    def leaveEvent(self, event: object) -> None:
+        """Drop the tooltip when the pointer leaves the grid."""
+        self.hovered = None
+        QToolTip.hideText()
+        super().leaveEvent(event)

@@ -1,0 +1,127 @@
+"""Colours and number formats shared by the inspector's views, for light and dark palettes.
+
+A `Theme` is derived from the widget's QPalette (dark when the window colour is dark), so the
+views follow the desktop theme and re-theme on a palette change. Colours are RGB tuples (0..255)
+so numpy (Brain) and vispy (Atlas) can use them as well as Qt.
+
+pyqtgraph's global config is left alone: the Brain's ImageItem is built with
+`axisOrder="row-major"` (a per-item option), which has the effect of
+`pg.setConfigOptions(imageAxisOrder="row-major")` without changing other plots of the process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pyqtgraph as pg
+from PySide6.QtGui import QColor, QPalette
+
+from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN
+
+RGB = tuple[int, int, int]
+
+REDRAW_HZ = 30  # views redraw at most this often, whatever the token rate
+
+# Categorical topic colours, chosen to stay apart on light and dark backgrounds.
+_TOPICS: tuple[RGB, ...] = (
+    (31, 119, 200), (235, 120, 20), (40, 160, 70), (210, 45, 50), (140, 90, 190), (150, 95, 70),
+    (220, 100, 180), (120, 130, 140), (20, 60, 120), (20, 180, 190), (95, 60, 140), (250, 160, 150),
+)
+
+
+@dataclass(frozen=True)
+class Theme:
+    """The inspector's colours for one palette."""
+
+    dark: bool
+    background: RGB          # plot and grid background (the palette's Base)
+    foreground: RGB          # text, the selection outline (WindowText)
+    muted: RGB               # axis lines (Mid)
+    tiers: dict[int, RGB]    # tier code -> colour at full heat
+    phases: dict[str, RGB]   # telemetry phase -> bar colour
+    flash: RGB               # experts routed by the current token
+    unused: RGB              # experts never chosen by the atlas probes
+
+    def topic(self, index: int) -> RGB:
+        """Colour of topic `index` (-1: no topic)."""
+        if index < 0:
+            return self.unused
+        base = _TOPICS[index % len(_TOPICS)]
+        if index < len(_TOPICS):
+            return base
+        k = 0.6 if self.dark else 1.4  # a second round of the same hues, lighter or darker
+        return tuple(int(min(255, c * k)) for c in base)  # type: ignore[return-value]
+
+    def qcolor(self, rgb: RGB, alpha: int = 255) -> QColor:
+        """A QColor of rgb."""
+        return QColor(rgb[0], rgb[1], rgb[2], alpha)
+
+
+def theme_for(palette: QPalette) -> Theme:
+    """The theme of a palette: dark when its window colour is dark; background, text and lines from its roles."""
+
+    def rgb(role: QPalette.ColorRole) -> RGB:
+        c = palette.color(role)
+        return c.red(), c.green(), c.blue()
+
+    dark = palette.color(QPalette.ColorRole.Window).lightness() < 128
+    bg, fg, muted = rgb(QPalette.ColorRole.Base), rgb(QPalette.ColorRole.WindowText), rgb(QPalette.ColorRole.Mid)
+    if dark:
+        return Theme(
+            dark=True, background=bg, foreground=fg, muted=muted,
+            tiers={TIER_DISK: (105, 115, 135), TIER_CACHED: (60, 200, 120), TIER_PINNED: (175, 125, 255),
+                   TIER_RESIDENT: (80, 170, 235), TIER_UNKNOWN: (170, 170, 170)},
+            phases={"attention": (80, 150, 235), "dense": (40, 185, 180), "experts": (170, 120, 250),
+                    "io_wait": (235, 85, 80), "sampling": (240, 190, 60), "other": (130, 135, 145)},
+            flash=(255, 225, 40), unused=(90, 92, 98),
+        )
+    return Theme(
+        dark=False, background=bg, foreground=fg, muted=muted,
+        tiers={TIER_DISK: (120, 130, 150), TIER_CACHED: (25, 150, 80), TIER_PINNED: (120, 65, 210),
+               TIER_RESIDENT: (30, 110, 200), TIER_UNKNOWN: (110, 110, 110)},
+        phases={"attention": (40, 110, 210), "dense": (20, 150, 145), "experts": (125, 80, 210),
+                "io_wait": (215, 55, 50), "sampling": (225, 160, 20), "other": (150, 155, 165)},
+        flash=(255, 200, 0), unused=(195, 198, 205),
+    )
+
+
+def style_plot(plot: pg.PlotWidget | pg.GraphicsLayoutWidget, items: list[pg.PlotItem], theme: Theme) -> None:
+    """Give a plot widget and its plot items the theme's background, axis and text colours."""
+    plot.setBackground(theme.qcolor(theme.background))
+    for item in items:
+        for name in ("left", "bottom", "right", "top"):
+            axis = item.getAxis(name)
+            axis.setPen(theme.qcolor(theme.muted))
+            axis.setTextPen(theme.qcolor(theme.foreground))
+
+
+def swatch_css(rgb: RGB) -> str:
+    """Style sheet of a small colour square (a QLabel)."""
+    return f"background-color: rgb{rgb}; border-radius: 2px;"
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes in binary units: '1.50 GiB'; '—' for unknown."""
+    if n is None or not math.isfinite(n):
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return "—"  # unreachable
+
+
+def fmt_ms(seconds: float | None) -> str:
+    """Seconds as milliseconds: '12.3 ms'; '—' for unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    ms = seconds * 1e3
+    return f"{ms:.3f} ms" if ms < 1 else f"{ms:.1f} ms" if ms < 1000 else f"{seconds:.2f} s"
+
+
+def fmt_percent(fraction: float | None) -> str:
+    """A fraction as a percentage: '87.5%'."""
+    if fraction is None or not math.isfinite(fraction):
+        return "—"
+    return f"{100 * fraction:.1f}%"

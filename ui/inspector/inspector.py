@@ -1,0 +1,181 @@
+"""The Inspector widget: Overview, Time, Brain and Atlas tabs, redrawn from the latest snapshot on a timer.
+
+Setters only store what they are given; a QTimer (at most REDRAW_HZ, running while the widget is
+shown) builds one frozen `Frame` per tick when something changed and hands it to the tab in view,
+so the cost of the views is bounded by the screen rate, never by the token rate.
+
+Threads: `set_snapshot` and `set_tiers` store one reference and may be called from any thread
+(e.g. a telemetry subscriber on the engine thread); every other method is for the GUI thread.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PySide6.QtCore import QEvent, QTimer, Signal
+from PySide6.QtWidgets import QTabWidget, QToolTip, QVBoxLayout, QWidget
+
+from engine.telemetry import Snapshot
+from ui.inspector.atlas import AtlasView
+from ui.inspector.brain import BrainView
+from ui.inspector.common import REDRAW_HZ, theme_for
+from ui.inspector.data import AtlasData, Frame
+from ui.inspector.overview import OverviewView
+from ui.inspector.timeline import TimeView
+
+
+class Inspector(QWidget):
+    """The live inspector of a generation (see the module doc for the threading contract)."""
+
+    atlasRequested = Signal()          # the user asked to compute the atlas
+    atlasCancelRequested = Signal()    # the user cancelled that computation
+    expertSelected = Signal(int, int)  # (layer, expert) chosen in the Brain or the Atlas
+
+    INTERVAL_MS = math.ceil(1000 / REDRAW_HZ)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        theme = theme_for(self.palette())
+        self.overview = OverviewView(theme)
+        self.time = TimeView(theme)
+        self.brain = BrainView(theme)
+        self.atlas = AtlasView(theme)
+        self.tabs = QTabWidget()
+        for view, name in ((self.overview, "Overview"), (self.time, "Time"), (self.brain, "Brain"),
+                           (self.atlas, "Atlas")):
+            self.tabs.addTab(view, name)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.tabs)
+
+        self._snapshot: Snapshot | None = None
+        self._drawn: Snapshot | None = None   # the snapshot of the last redraw
+        self._dirty = True                    # something besides the snapshot changed
+        self._shape = (0, 0)
+        self._budget: float | None = None
+        self._tiers: np.ndarray | None = None
+        self._atlas: AtlasData | None = None
+        self._selected: tuple[int, int] | None = None
+        self._closed = False
+        self.redraws = 0                      # timer ticks that handed a frame to the views (tests, diagnostics)
+
+        self._timer = QTimer(self)
+        self._timer.setInterval(self.INTERVAL_MS)
+        self._timer.timeout.connect(self._tick)
+        self.tabs.currentChanged.connect(self._mark_dirty)
+        self.brain.selected.connect(self._user_selected)
+        self.atlas.selected.connect(self._user_selected)
+        self.atlas.computeRequested.connect(self.atlasRequested)
+        self.atlas.cancelRequested.connect(self.atlasCancelRequested)
+
+    # --- the API of the main window ---------------------------------------------------------
+
+    def set_snapshot(self, snapshot: Snapshot) -> None:
+        """Keep the latest telemetry snapshot; the next tick draws it (cheap, any thread)."""
+        self._snapshot = snapshot
+
+    def set_model_info(self, n_layers: int, n_experts: int, budget_bytes: int | None) -> None:
+        """The Brain grid's shape and the memory budget (None: no budget, or the "budget" gauge)."""
+        self._shape = (max(0, int(n_layers)), max(0, int(n_experts)))
+        self._budget = float(budget_bytes) if budget_bytes else None
+        self.atlas.set_has_experts(self._shape[1] > 0)
+        self._dirty = True
+
+    def set_tiers(self, tiers: np.ndarray | None) -> None:
+        """Each expert's tier [L, E] int8 (see ui.inspector.data), copied; None: unknown (any thread)."""
+        if tiers is not None:
+            tiers = np.array(tiers, np.int8)
+            if tiers.ndim != 2:
+                raise ValueError(f"tiers must be a [layers, experts] grid, got shape {tiers.shape}")
+            tiers.flags.writeable = False
+        self._tiers = tiers
+        self._dirty = True
+
+    def set_atlas(self, atlas: dict | None) -> None:
+        """The model's atlas as `app.atlas` reads it (None: offer to compute one); ValueError if unreadable."""
+        data = AtlasData.from_dict(atlas) if atlas is not None else None
+        self._atlas = data
+        self.atlas.set_atlas(data)
+        self.atlas.set_progress(None)
+        self.atlas.set_selected(self._selected)
+        self._dirty = True
+
+    def set_atlas_progress(self, fraction: float | None) -> None:
+        """Progress 0..1 of the atlas being computed, with a Cancel button; None hides it."""
+        self.atlas.set_progress(fraction)
+
+    def select_expert(self, layer: int, expert: int) -> None:
+        """Highlight an expert in the Brain and the Atlas (no expertSelected: the caller knows)."""
+        self._selected = (layer, expert)
+        self.brain.set_selected(self._selected)
+        self.atlas.set_selected(self._selected)
+
+    def close_views(self) -> None:
+        """Stop the timer and free the Atlas's GL context; the inspector draws nothing afterwards."""
+        self._closed = True
+        self._timer.stop()
+        QToolTip.hideText()
+        self.atlas.close_gl()
+
+    # --- Qt ------------------------------------------------------------------------------------
+
+    def showEvent(self, event: QEvent) -> None:
+        """Start redrawing when shown."""
+        super().showEvent(event)
+        if not self._closed:
+            self._dirty = True
+            self._timer.start()
+
+    def hideEvent(self, event: QEvent) -> None:
+        """Nothing to draw while hidden."""
+        self._timer.stop()
+        super().hideEvent(event)
+
+    def closeEvent(self, event: QEvent) -> None:
+        """Closing the inspector releases its views."""
+        self.close_views()
+        super().closeEvent(event)
+
+    def changeEvent(self, event: QEvent) -> None:
+        """Follow the palette (light / dark)."""
+        if event.type() == QEvent.Type.PaletteChange:
+            theme = theme_for(self.palette())
+            for view in (self.overview, self.time, self.brain, self.atlas):
+                view.set_theme(theme)
+            self._dirty = True
+        super().changeEvent(event)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _mark_dirty(self, *args: object) -> None:
+        self._dirty = True
+
+    def _user_selected(self, layer: int, expert: int) -> None:
+        self.select_expert(layer, expert)
+        self.expertSelected.emit(layer, expert)
+
+    def _frame(self) -> Frame:
+        snap = self._snapshot
+        shape = self._shape
+        for grid in (snap.heat if snap is not None else None, self._tiers):
+            if grid is not None and grid.ndim == 2:
+                shape = (max(shape[0], grid.shape[0]), max(shape[1], grid.shape[1]))
+        budget = self._budget
+        if budget is None and snap is not None and snap.gauges.get("budget"):
+            budget = snap.gauges["budget"]
+        return Frame(snap, shape, budget, self._tiers, self._atlas, self._selected)
+
+    def _tick(self) -> None:
+        """Redraw the tab in view if a new snapshot arrived or anything else changed."""
+        snap = self._snapshot
+        view = self.tabs.currentWidget()
+        if not self._dirty and snap is self._drawn and not (view is self.atlas and self.atlas.pending):
+            return
+        self._dirty = False
+        self._drawn = snap
+        frame = self._frame()
+        self.overview.record(frame)
+        if view is not None:
+            view.redraw(frame)
+        self.redraws += 1

@@ -1,0 +1,337 @@
+"""Models: open a folder or a GGUF file, the recent models, and converting one into a container.
+
+A conversion (app.convert) runs on a worker thread behind a progress dialog; Cancel raises from
+the conversion's log callback at its next message, so it stops between tensors (the partial
+output resumes next time). The worker is always joined before the dialog goes away.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QObject, QSettings, Qt, Signal
+from PySide6.QtGui import QAction
+from PySide6.QtWidgets import (
+    QButtonGroup, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QMenu,
+    QProgressDialog, QPushButton, QRadioButton, QSpinBox, QWidget,
+)
+
+from app.convert import ConvertSettings, convert
+from engine.errors import ColibriError
+
+RECENT_KEY = "models/recent"
+MAX_RECENT = 8
+_WRITTEN = re.compile(r"written (\d+)/(\d+) tensors")
+
+
+class RecentModels:
+    """Recently opened models, the latest first, kept in QSettings."""
+
+    def __init__(self, settings: QSettings):
+        self.settings = settings
+
+    def paths(self) -> list[str]:
+        """The recent models that still exist."""
+        value = self.settings.value(RECENT_KEY, [])
+        items = [value] if isinstance(value, str) else list(value or [])
+        return [p for p in items if Path(p).exists()]
+
+    def add(self, path: str | Path) -> None:
+        """Put path first."""
+        path = str(Path(path))
+        items = [path] + [p for p in self.paths() if p != path]
+        self.settings.setValue(RECENT_KEY, items[:MAX_RECENT])
+
+
+class ConvertCancelled(Exception):
+    """Raised from the log callback to stop a conversion."""
+
+
+@dataclass(frozen=True)
+class ConvertStep:
+    """A conversion's progress message; percent is None while it cannot tell."""
+
+    message: str
+    percent: int | None
+
+
+class ConvertJob(QObject):
+    """app.convert.convert on a worker thread, reporting through queued signals."""
+
+    progress = Signal(object)       # ConvertStep
+    finished = Signal(str)          # the container's path
+    failed = Signal(str, bool)      # message, cancelled
+
+    _relay = Signal(object)
+
+    def __init__(self, src: Path, out: Path, settings: ConvertSettings, parent: QObject | None = None):
+        super().__init__(parent)
+        self.src, self.out, self.settings = Path(src), Path(out), settings
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._relay.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
+
+    def start(self) -> None:
+        """Start converting."""
+        self._thread = threading.Thread(target=self._run, name="colibri-convert", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Ask the conversion to stop at its next message."""
+        self._cancel.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Join the worker; True when it has ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        def log(message: str) -> None:
+            if self._cancel.is_set():
+                raise ConvertCancelled()
+            m = _WRITTEN.search(message)
+            self._relay.emit(ConvertStep(message, int(100 * int(m[1]) / max(1, int(m[2]))) if m else None))
+
+        try:
+            out = convert(self.src, self.out, self.settings, log=log)
+        except ConvertCancelled:
+            self._relay.emit(("failed", "the conversion was cancelled; running it again resumes it", True))
+        except ColibriError as exc:
+            self._relay.emit(("failed", str(exc), False))
+        except Exception as exc:  # noqa: BLE001 - reported in the dialog, never a dead worker
+            self._relay.emit(("failed", f"{type(exc).__name__}: {exc}", False))
+        else:
+            self._relay.emit(("finished", str(out)))
+
+    def _deliver(self, item: object) -> None:
+        if isinstance(item, ConvertStep):
+            self.progress.emit(item)
+        elif item[0] == "finished":
+            self.finished.emit(item[1])
+        else:
+            self.failed.emit(item[1], item[2])
+
+
+class ConvertDialog(QDialog):
+    """Choose a source, an output folder and a width or budget; then convert behind a cancellable progress dialog."""
+
+    converted = Signal(str)         # the new container's path
+
+    def __init__(self, source: str | None, out_dir: Path, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Convert a model")
+        self.out_dir = out_dir
+        self.job: ConvertJob | None = None
+        self.progress_dialog: QProgressDialog | None = None
+        self.source = QLineEdit(source or "")
+        self.source.setPlaceholderText("a Hugging Face folder or a .gguf file")
+        self.output = QLineEdit()
+        self.bits = QSpinBox(minimum=2, maximum=8, value=4)
+        self.budget = QLineEdit()
+        self.budget.setPlaceholderText("e.g. 2GB: the planner picks each tensor's width")
+        self.by_bits, self.by_budget = QRadioButton("One width"), QRadioButton("Fit a budget")
+        self.by_bits.setChecked(True)
+        group = QButtonGroup(self)
+        group.addButton(self.by_bits)
+        group.addButton(self.by_budget)
+        self.error = QLabel()
+        self.error.setWordWrap(True)
+        self.error.setStyleSheet("color: palette(bright-text);")
+        browse = QPushButton("Browse…")
+        browse.clicked.connect(self._browse)
+        src_row = QHBoxLayout()
+        src_row.addWidget(self.source, 1)
+        src_row.addWidget(browse)
+        bits_row, budget_row = QHBoxLayout(), QHBoxLayout()
+        bits_row.addWidget(self.by_bits)
+        bits_row.addWidget(self.bits)
+        bits_row.addWidget(QLabel("bits"))
+        bits_row.addStretch(1)
+        budget_row.addWidget(self.by_budget)
+        budget_row.addWidget(self.budget, 1)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
+        self.start_button = buttons.addButton("Convert", QDialogButtonBox.ButtonRole.AcceptRole)
+        buttons.accepted.connect(self.start)
+        buttons.rejected.connect(self.reject)
+        form = QFormLayout(self)
+        form.addRow("Source", src_row)
+        form.addRow("Output", self.output)
+        form.addRow(bits_row)
+        form.addRow(budget_row)
+        form.addRow(self.error)
+        form.addRow(buttons)
+        self.source.textChanged.connect(self._suggest_output)
+        self.bits.valueChanged.connect(lambda _: self._suggest_output(self.source.text()))
+        self._suggest_output(self.source.text())
+        self.resize(560, self.sizeHint().height())
+
+    def settings(self) -> ConvertSettings:
+        """The conversion asked for; ColibriError naming a bad field."""
+        if self.by_budget.isChecked():
+            from app.sizes import parse_size
+
+            return ConvertSettings(budget=parse_size(self.budget.text(), "budget"))
+        return ConvertSettings(bits=self.bits.value())
+
+    def start(self) -> None:
+        """Check the fields and start the conversion."""
+        src, out = Path(self.source.text().strip()).expanduser(), Path(self.output.text().strip()).expanduser()
+        try:
+            if not src.exists():
+                raise ColibriError(f"{src}: no such folder or file")
+            if not self.output.text().strip():
+                raise ColibriError("choose an output folder")
+            settings = self.settings()
+        except ColibriError as exc:
+            self.error.setText(str(exc))
+            return
+        self.error.clear()
+        self.job = ConvertJob(src, out, settings, self)
+        dlg = QProgressDialog(f"Converting {src.name}…", "Cancel", 0, 0, self)
+        dlg.setWindowTitle("Converting")
+        dlg.setWindowModality(Qt.WindowModality.WindowModal)
+        dlg.setMinimumDuration(0)
+        dlg.setAutoClose(False)
+        dlg.setAutoReset(False)
+        dlg.canceled.connect(self._cancel)
+        self.progress_dialog = dlg
+        self.job.progress.connect(self._step)
+        self.job.finished.connect(self._done)
+        self.job.failed.connect(self._failed)
+        self.start_button.setEnabled(False)
+        self.job.start()
+        dlg.show()
+
+    def cancel_job(self) -> None:
+        """Cancel a running conversion and wait for its worker."""
+        if self.job is not None:
+            self.job.cancel()
+            self.job.wait()
+
+    def _cancel(self) -> None:
+        if self.job is not None and self.job.running:
+            self.job.cancel()
+            if self.progress_dialog is not None:
+                self.progress_dialog.setLabelText("Cancelling at the next tensor…")
+                self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
+
+    def _step(self, step: ConvertStep) -> None:
+        dlg = self.progress_dialog
+        if dlg is None:
+            return
+        if step.percent is None:
+            dlg.setRange(0, 0)
+        else:
+            dlg.setRange(0, 100)
+            dlg.setValue(step.percent)
+        if not (self.job and self.job._cancel.is_set()):
+            dlg.setLabelText(step.message)
+
+    def _end(self) -> None:
+        if self.job is not None:
+            self.job.wait()
+        if self.progress_dialog is not None:
+            self.progress_dialog.close()
+            self.progress_dialog.deleteLater()
+            self.progress_dialog = None
+        self.start_button.setEnabled(True)
+
+    def _done(self, path: str) -> None:
+        self._end()
+        self.converted.emit(path)
+        self.accept()
+
+    def _failed(self, message: str, cancelled: bool) -> None:
+        self._end()
+        self.error.setText(message)
+
+    def reject(self) -> None:
+        self.cancel_job()
+        super().reject()
+
+    def _browse(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self, "Model folder to convert")
+        if folder:
+            self.source.setText(folder)
+
+    def _suggest_output(self, src: str) -> None:
+        if not src.strip():
+            return
+        name = Path(src.strip()).name
+        name = name[:-5] if name.lower().endswith(".gguf") else name
+        self.output.setText(str(self.out_dir / f"{name}-q{self.bits.value()}"))
+
+
+class ModelActions(QObject):
+    """The File menu's model actions; `openRequested` carries a path to load."""
+
+    openRequested = Signal(str)
+    converted = Signal(str)
+
+    def __init__(self, window: QWidget, settings: QSettings):
+        super().__init__(window)
+        self.window = window
+        self.recent = RecentModels(settings)
+        self.current: str | None = None
+        self.convert_dialog: ConvertDialog | None = None
+        self.open_folder = QAction("Open model folder…", self, shortcut="Ctrl+O")
+        self.open_gguf = QAction("Open GGUF file…", self, shortcut="Ctrl+Shift+O")
+        self.convert = QAction("Convert…", self)
+        self.open_folder.triggered.connect(self._open_folder)
+        self.open_gguf.triggered.connect(self._open_gguf)
+        self.convert.triggered.connect(lambda: self.show_convert())
+        self.recent_menu = QMenu("Recent models", window)
+        self.recent_menu.aboutToShow.connect(self._fill_recent)
+
+    def add_recent(self, path: str | Path) -> None:
+        """Remember a model that loaded."""
+        self.current = str(path)
+        self.recent.add(path)
+
+    def show_convert(self, source: str | None = None) -> ConvertDialog:
+        """Open the conversion dialog (non-blocking) for source, or the current model."""
+        from app.paths import models_dir
+
+        if self.convert_dialog is not None:
+            self.convert_dialog.cancel_job()
+            self.convert_dialog.deleteLater()
+        dlg = ConvertDialog(source or self.current, models_dir(), self.window)
+        dlg.converted.connect(self.converted)
+        self.convert_dialog = dlg
+        dlg.open()
+        return dlg
+
+    def shutdown(self) -> None:
+        """Cancel a conversion and join its worker (the window is closing)."""
+        if self.convert_dialog is not None:
+            self.convert_dialog.cancel_job()
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        paths = self.recent.paths()
+        if not paths:
+            self.recent_menu.addAction("(none yet)").setEnabled(False)
+        for p in paths:
+            action = self.recent_menu.addAction(Path(p).name)
+            action.setToolTip(p)
+            action.triggered.connect(lambda _=False, p=p: self.openRequested.emit(p))
+
+    def _open_folder(self) -> None:
+        folder = QFileDialog.getExistingDirectory(self.window, "Open a model folder (Hugging Face or container)")
+        if folder:
+            self.openRequested.emit(folder)
+
+    def _open_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self.window, "Open a GGUF file", "", "GGUF models (*.gguf)")
+        if path:
+            self.openRequested.emit(path)
