@@ -45,7 +45,8 @@ class StreamRun:
     prompt_tok_s: float
     decode_tok_s: float
     hit_rate: float                 # expert requests served from memory, during decode
-    missed_bytes_per_token: float   # expert bytes read per decoded token
+    missed_bytes_per_token: float   # bytes of the experts a decoded token asked for and did not find in memory
+    read_bytes_per_token: float     # bytes read per decoded token (misses and reads ahead)
     disk_gb_s: float                # measured read bandwidth (the roofline's denominator)
     io_roofline_tok_s: float        # disk bandwidth / missed bytes per token
     roofline_fraction: float        # decode_tok_s / io_roofline_tok_s
@@ -159,16 +160,18 @@ def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: 
                 phases[k] += snap.averages.get(k, 0.0) * gen
             log(f"{label}: chat {c + 1}/{len(prompts)}: {gen / max(time.perf_counter() - t0, 1e-9):.1f} tok/s decode")
         stats = store.stats()
+        expert_bytes = sum(r.length for r in store.recipes.values()) / len(store.recipes)
     finally:
         loaded.close()
     total = sum(decode_hits.values())
     hit_rate = (decode_hits["pinned"] + decode_hits["cached"]) / total if total else 0.0
-    missed = decode_bytes / n_decode
+    read = decode_bytes / n_decode
+    missed = decode_hits["disk"] * expert_bytes / n_decode
     roof = disk_gb_s * 1e9 / missed if missed else float("inf")
     decode_tok_s = n_decode / decode_s
     ms = lambda k: phases[k] / n_decode * 1e3  # noqa: E731
     return StreamRun(label, stream.store.io, stream.store.policy, stream.prefetch_depth, n_prompt, n_decode,
-                     n_prompt / prompt_s, decode_tok_s, hit_rate, missed, disk_gb_s, roof,
+                     n_prompt / prompt_s, decode_tok_s, hit_rate, missed, read, disk_gb_s, roof,
                      decode_tok_s / roof if roof != float("inf") else 0.0, stats.prefetch.recall,
                      stats.prefetch.precision, ms("io_wait"), ms("experts"), ms("attention"), ms("dense"),
                      ms("other"), _rss())
@@ -272,7 +275,7 @@ def format_runs(runs: list[StreamRun]) -> str:
             f"  {r.label:5s} io={r.io:5s} {r.policy:7s} depth {r.prefetch_depth}: decode {r.decode_tok_s:6.2f} tok/s, "
             f"prompt {r.prompt_tok_s:6.1f} tok/s, hit rate {r.hit_rate * 100:5.1f}%, {r.missed_bytes_per_token / 1e6:6.1f} MB "
             f"missed/token, I/O roofline {r.io_roofline_tok_s:6.2f} tok/s at {r.disk_gb_s:.2f} GB/s "
-            f"-> {r.roofline_fraction * 100:5.1f}%; lookahead recall {r.prefetch_recall * 100:4.1f}% precision "
+            f"-> {r.roofline_fraction * 100:5.1f}% ({r.read_bytes_per_token / 1e6:.1f} MB read/token with reads ahead); lookahead recall {r.prefetch_recall * 100:4.1f}% precision "
             f"{r.prefetch_precision * 100:4.1f}%; per token io wait {r.io_wait_ms:.1f} ms, experts {r.experts_ms:.1f} ms, "
             f"attention {r.attention_ms:.1f} ms, dense {r.dense_ms:.1f} ms; peak RSS {r.peak_rss / 1e6:.0f} MB")
     by = {r.label: r for r in runs}

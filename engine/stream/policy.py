@@ -145,6 +145,10 @@ class LFRU:
         """`key` left the cache; its count is kept."""
         self._cached.discard(key)
 
+    def score(self, key: Key) -> float:
+        """The key's value now (decayed, prior-weighted use count); comparable between keys."""
+        return self._score(key)
+
     def admit(self, key: Key, victim: Key) -> bool:
         """Whether `key` (on its past uses, before this one) should replace `victim`, or be read through.
 

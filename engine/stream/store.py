@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import mmap
+import os
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -497,6 +498,9 @@ class ExpertStore:
         admit = getattr(self.policy, "admit", None)
         through = key is not None and key not in self.pinned and (
             victim is None or (admit is not None and not admit(key, victim)))
+        score = getattr(self.policy, "score", None)
+        if prefetch and victim is not None and score is not None and score(key) <= score(victim):
+            return None        # a guess never pushes out an expert worth more than it (measured: it halved decode)
         if through:
             if prefetch or not self.scratch:
                 return None if (prefetch or victim is None) else self._take(victim)
@@ -599,7 +603,17 @@ class ExpertStore:
         try:
             m._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, len(m)) - start)
         except (AttributeError, OSError, ValueError):
-            pass                                          # the page cache keeps it; RSS may then exceed the budget
+            pass
+        # and out of the page cache: the budget holds for the file's pages too (else the baseline would be
+        # served from memory the budget does not allow, and no cheaper than reading)
+        try:
+            fd = os.open(r.file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, start, min(end, len(m)) - start, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except (AttributeError, OSError):
+            pass
 
     def _occupancy(self) -> dict[str, int]:
         pinned = sum(self.recipes[k].length for k in self.built if k in self.pinned)
