@@ -51,6 +51,10 @@ class AtlasMismatch(ColibriError):
 def model_hash(path: str | Path) -> str:
     """The model's identity for sidecars: sha256 of config.json and sampled bytes of its weight files."""
     path = Path(path)
+    if path.is_dir() and (path / "manifest.json").is_file():    # a Colibri container carries its hash
+        from engine.formats.container import Container
+
+        return Container.open(path, verify=False).model_hash
     digest = hashlib.sha256(HASH_SCHEME.encode())
     if path.is_dir():
         config = path / "config.json"
@@ -177,7 +181,7 @@ def run_atlas(model: str | Path, out: str | Path | None = None, probes: str | Pa
     loaded = load_model(model, lambda f, m: _report(progress, 0.2 * f, f"loading {model.name}: {m}"))
     counts, tokens = route_probes(loaded, topics, progress, 0.2, 0.75)
     atlas = build_atlas(model, topics, counts, tokens, model_id, str(probes) if probes is not None else "assets/probes")
-    _write_atomic(sidecar, atlas)
+    write_atomic(sidecar, atlas)
     _report(progress, 1.0, "done")
     return sidecar, atlas
 
@@ -198,7 +202,7 @@ def report_text(atlas: dict[str, Any]) -> str:
     return head + "\n" + text_report(stats, names) + f"\npositions: {atlas['statistics']['position']}"
 
 
-def _write_atomic(path: Path, data: dict[str, Any]) -> None:
+def write_atomic(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     try:

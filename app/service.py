@@ -440,7 +440,7 @@ class EngineService:
     # --- the atlas ---
 
     def _atlas(self, req: AtlasRequest, cancel: threading.Event) -> None:
-        from app.atlas import AtlasCancelled, _write_atomic, build_atlas, default_sidecar, model_hash, route_probes
+        from app.atlas import AtlasCancelled, write_atomic, build_atlas, default_sidecar, model_hash, route_probes
         from app.probes import load_probes
 
         model = self._model
@@ -465,7 +465,7 @@ class EngineService:
             counts, tokens = route_probes(model.loaded, topics, progress, 0.0, 0.95)
             atlas = build_atlas(path, topics, counts, tokens, model_hash(path), "assets/probes")
             sidecar = default_sidecar(path)
-            _write_atomic(sidecar, atlas)
+            write_atomic(sidecar, atlas)
         except AtlasCancelled:
             self._emit(AtlasFailed(req.id, "the atlas was cancelled; nothing was written", cancelled=True))
             return

@@ -145,3 +145,13 @@ def test_cli_atlas(tmp_path, moe, probes, capsys):
     assert main(["atlas", str(moe), "--out", str(tmp_path / "a.json"), "--probes", str(probes)]) == 0
     out = capsys.readouterr().out
     assert "atlas of moe: 3 MoE layers, 12 experts, 3 topics" in out and f"wrote {tmp_path / 'a.json'}" in out
+
+
+def test_a_container_is_identified_by_its_manifest_hash(tmp_path, moe):
+    from app.atlas import model_hash
+    from app.convert import ConvertSettings, convert
+    from engine.formats.container import Container
+
+    out = convert(moe, tmp_path / "q4", ConvertSettings(bits=4), log=lambda m: None)
+    assert model_hash(out) == Container.open(out, verify=False).model_hash
+    assert model_hash(out) != model_hash(moe)
