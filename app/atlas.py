@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -203,19 +201,12 @@ def report_text(atlas: dict[str, Any]) -> str:
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1, ensure_ascii=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp made it private; an atlas is not
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write the atlas as JSON, atomically."""
+    from engine.atomic import atomic_file
+
+    with atomic_file(path) as handle:
+        json.dump(data, handle, indent=1, ensure_ascii=False)
+        handle.write("\n")
 
 
 def _report(progress: Progress | None, fraction: float, message: str) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -19,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import platformdirs
+
+from engine.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -177,17 +177,9 @@ class ConversationStore:
         path = self.path(conversation.id)
         if path in self.skipped and path.exists():
             raise ValueError(f"{path} could not be read ({self.skipped[path]}); it is kept as it is, not overwritten")
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".part", dir=self.folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(conversation.to_json(), f, ensure_ascii=False, indent=1)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, public=False) as f:      # conversations are private
+            json.dump(conversation.to_json(), f, ensure_ascii=False, indent=1)
+            f.write("\n")
         return path
 
     def delete(self, conversation_id: str) -> None:

@@ -16,9 +16,6 @@ all policies are scored on the second half.
 from __future__ import annotations
 
 import json
-import os
-import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -184,15 +181,10 @@ def save_trace(path: Path, model_hash: str, n_layers: int, n_experts: int, chats
     """Write a trace (per chat: the layer steps) as JSON, atomically."""
     data = {"format": TRACE_FORMAT, "version": 1, "model_hash": model_hash, "n_layers": n_layers,
             "n_experts": n_experts, "chats": [[[layer, list(ids)] for layer, ids in chat] for chat in chats]}
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from engine.atomic import atomic_file
+
+    with atomic_file(path) as f:
+        json.dump(data, f)
 
 
 def load_trace(path: Path) -> dict:

@@ -7,13 +7,13 @@ The counts choose which experts to pin and are the prior of the learned cache po
 from __future__ import annotations
 
 import os
-import tempfile
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
+from engine.atomic import atomic_file
 from engine.errors import ModelFormatError
 
 Key = tuple[int, int]                       # (layer, expert)
@@ -78,20 +78,12 @@ class UsageHistory:
     def save(self, path: str | os.PathLike) -> None:
         """Write the history to `path` atomically (a temp file in the same folder, fsync, rename)."""
         path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, format=np.array(FORMAT), version=np.array(VERSION),
-                         model_hash=np.array(self.model_hash),
-                         shape=np.array([self.n_layers, self.n_experts], np.int64),
-                         half_life_tokens=np.array(self.half_life_tokens),
-                         tokens=np.array(self.tokens, np.int64), counts=self.counts)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_file(path, "wb") as f:
+            np.savez(f, format=np.array(FORMAT), version=np.array(VERSION),
+                     model_hash=np.array(self.model_hash),
+                     shape=np.array([self.n_layers, self.n_experts], np.int64),
+                     half_life_tokens=np.array(self.half_life_tokens),
+                     tokens=np.array(self.tokens, np.int64), counts=self.counts)
         _fsync_dir(path.parent)
 
     @classmethod
