@@ -73,8 +73,6 @@ class ChatSession:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.events import DoneEvent, ErrorEvent, TokenEvent
-
     sampling = sampling_from_args(args)
     loaded = load(args.model, args=args)
     try:
@@ -84,6 +82,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace, loaded, sampling) -> int:
+    from engine.events import DoneEvent, ErrorEvent, TokenEvent
+
     session = ChatSession(loaded, sampling, args.max_tokens, context_length(loaded, args.ctx), args.system, tuple(args.stop))
     print(f"chatting with {loaded.name}; {HELP}", file=sys.stderr)
     while True:
