@@ -29,11 +29,12 @@ from engine.telemetry import PHASES, Telemetry
 from ui.inspector import (TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, Inspector,
                           resident_tiers, tiers_from_store)
 from ui.inspector.brain import BrainView
-from ui.inspector.common import fmt_ms, theme_for
+from ui.inspector import inspector as inspector_module
+from ui.inspector.common import PLOT_HZ, fmt_ms, nice_ceil, theme_for
 
 REPO = Path(__file__).resolve().parent.parent
 MS = 1_000_000  # ns
-GIB = 1 << 30
+GB, MB = 10**9, 10**6  # decimal, as `--max-memory` and the app count
 
 
 class FakeClock:
@@ -150,36 +151,119 @@ def cell_point(brain: BrainView, layer: int, expert: int) -> QPoint:
 
 # --- Overview and Time -----------------------------------------------------------------------------
 
-def test_overview_shows_rate_ttft_hit_rate_and_rss_against_the_budget(qtbot, inspector):
+def test_overview_shows_rate_ttft_hit_rate_and_occupancy_in_decimal_units(qtbot, inspector):
     gen = Generation()
-    gen.tel.set_gauge("rss", 1.5 * GIB)
     gen.tel.set_gauge("ttft", 0.25)
-    gen.tel.set_occupancy("pinned", GIB // 2)
-    gen.tel.set_occupancy("cached", GIB // 4)
+    gen.tel.set_gauge("kv_bytes", 12 * MB)
+    gen.tel.set_occupancy("pinned", GB // 2)
+    gen.tel.set_occupancy("cached", GB // 4)
+    gen.tel.set_occupancy("disk", 3 * GB)
     gen.decode(10, hits=(3, 1, 4))
-    inspector.set_model_info(4, 8, 2 * GIB)
+    inspector.set_model_info(4, 8, 2 * GB)
     inspector.set_snapshot(gen.tel.snapshot())
     redraw(qtbot, inspector)
 
-    v = inspector.overview.values
+    overview = inspector.overview
+    v = overview.values
     assert v["tok_per_s"].text() == "100.0 tok/s"  # 10 ms per token on the fake clock
     assert v["ttft"].text() == "250.0 ms"
     assert v["hit_rate"].text() == "50.0%"         # (3 pinned + 1 cached) of 8
-    assert v["rss"].text() == "1.50 GiB"
-    bar = inspector.overview.budget_bar
-    assert "1.50 GiB of the 2.00 GiB budget" in bar.format()
-    assert bar.value() == 750
-    x, y = inspector.overview.pinned_curve.getData()
-    assert y[-1] == pytest.approx(0.5)              # GiB
-    assert inspector.overview.cached_curve.getData()[1][-1] == pytest.approx(0.75)  # stacked on pinned
+    assert v["kv"].text() == "12.00 MB"
+    assert v["model"].text() == "—"                # no RSS reported
+    assert "budget 2.00 GB (model memory not reported)" in overview.budget_bar.format()
+    # the plots count in MB, plain numbers on a plain axis (no "x0.001" scale)
+    mem_axis = overview.memory_plot.getPlotItem().getAxis("left")
+    assert mem_axis.label.toPlainText().strip() == "MB in memory"
+    assert overview.pinned_curve.getData()[1][-1] == pytest.approx(500)
+    assert overview.cached_curve.getData()[1][-1] == pytest.approx(750)     # stacked on pinned
+    assert overview.budget_curve.getData()[1][-1] == pytest.approx(2000)
+    assert overview.disk_curve.getData()[1][-1] == pytest.approx(3000)
+    assert overview.memory_plot.getPlotItem().getViewBox().viewRange()[1] == [0, nice_ceil(2000 * 1.05)]
 
     # no budget from the main window: the "budget" gauge is used
     inspector.set_model_info(4, 8, None)
-    gen.tel.set_gauge("budget", 3 * GIB)
+    gen.tel.set_gauge("budget", 3 * GB)
     gen.decode(1)
     inspector.set_snapshot(gen.tel.snapshot())
     redraw(qtbot, inspector)
-    assert "of the 3.00 GiB budget" in bar.format()
+    assert "budget 3.00 GB" in overview.budget_bar.format()
+
+
+def test_overview_sets_model_memory_against_the_budget_and_shows_the_baseline_apart(qtbot, inspector):
+    gen = Generation()
+    gen.tel.set_gauge("rss_baseline", 400 * MB)    # the interpreter and libraries, before loading
+    gen.tel.set_gauge("rss", 1_900 * MB)
+    gen.decode(3)
+    inspector.set_model_info(4, 8, 2 * GB)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+
+    overview = inspector.overview
+    assert overview.values["model"].text() == "1.50 GB"         # 1.9 GB RSS - 0.4 GB baseline
+    assert overview.values["baseline"].text() == "400.00 MB"
+    bar = overview.budget_bar
+    assert bar.format() == "model memory 1.50 GB of the 2.00 GB budget (75.0%)"
+    assert bar.value() == 750
+    assert overview.model_curve.getData()[1][-1] == pytest.approx(1500)   # MB, against the budget line
+    assert overview.budget_curve.getData()[1][-1] == pytest.approx(2000)
+
+    # over the budget: the bar is full and the text says by how much
+    gen.tel.set_gauge("rss", 2_600 * MB)
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    assert bar.format() == "model memory 2.20 GB of the 2.00 GB budget (110.0%)"
+    assert bar.value() == 1000
+
+
+def test_figures_follow_every_snapshot_and_plots_at_most_plot_hz(qtbot, inspector, monkeypatch):
+    now = [1000.0]
+
+    class Clock:  # the inspector's time.monotonic, moved only by the test
+        @staticmethod
+        def monotonic() -> float:
+            return now[0]
+
+    monkeypatch.setattr(inspector_module, "time", Clock)
+    gen = Generation()
+    overview = inspector.overview
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)                        # the first snapshot is plotted at once
+    plotted = inspector.replots
+    assert len(overview.pinned_curve.getData()[0]) == 1
+
+    for i in range(8):                              # a burst faster than PLOT_HZ
+        gen.tel.set_occupancy("pinned", (i + 1) * 10 * MB)
+        gen.decode(1)
+        inspector.set_snapshot(gen.tel.snapshot())
+        redraw(qtbot, inspector)
+        assert overview.values["tokens"].text().startswith(f"{gen.t} decoded")  # figures: every snapshot
+        now[0] += 0.1 / PLOT_HZ
+    assert inspector.replots == plotted             # 0.8 plot intervals: the plots waited
+    assert len(overview.pinned_curve.getData()[0]) == 1
+    assert len(overview.history) == 9
+
+    now[0] += 0.3 / PLOT_HZ                         # their turn comes: drawn without a new snapshot
+    qtbot.waitUntil(lambda: inspector.replots == plotted + 1, timeout=3000)
+    x, y = overview.pinned_curve.getData()
+    assert len(x) == 9 and y[-1] == pytest.approx(80)   # MB, the latest sample
+    qtbot.wait(5 * Inspector.INTERVAL_MS)
+    assert inspector.replots == plotted + 1         # and nothing more while nothing changes
+
+
+def test_a_long_history_keeps_its_latest_samples_and_is_plotted_with_its_peaks():
+    from ui.inspector.overview import MODEL, PINNED, POINTS, T, History, envelope
+
+    history = History(size=9000)
+    for i in range(9100):                           # more than it keeps: the oldest go
+        history.append((i / 30, 5e8 + (7e9 if i == 4321 else 0), 0, 0, 1e9 if 3000 <= i < 3100 else np.nan, 2e9))
+    samples = history.samples()
+    assert len(history) == 9000 and samples[0, T] == pytest.approx(100 / 30) and samples[-1, T] == pytest.approx(9099 / 30)
+    plotted = envelope(samples, POINTS)             # a few hundred pixels wide: at most POINTS points
+    assert len(plotted) <= POINTS and plotted[-1, T] == samples[-1, T]
+    assert plotted[:, PINNED].max() == 7.5e9        # a one-sample spike survives
+    assert np.nanmax(plotted[:, MODEL]) == 1e9 and np.isnan(plotted[:, MODEL]).any()  # gaps stay gaps
 
 
 def test_time_draws_one_stacked_bar_per_record_and_the_averages(qtbot, inspector):
@@ -230,7 +314,7 @@ def test_brain_flashes_the_current_tokens_experts_and_names_a_hovered_cell(qtbot
     tiers = np.full((4, 8), TIER_DISK, np.int8)
     tiers[:, :2] = TIER_PINNED
     tiers[:, 2:5] = TIER_CACHED
-    inspector.set_model_info(4, 8, 2 * GIB)
+    inspector.set_model_info(4, 8, 2 * GB)
     inspector.set_tiers(tiers)
     inspector.set_atlas(tiny_atlas(4, 8, 3))
     inspector.tabs.setCurrentWidget(inspector.brain)

@@ -7,6 +7,10 @@ so numpy (Brain) and vispy (Atlas) can use them as well as Qt.
 pyqtgraph's global config is left alone: the Brain's ImageItem is built with
 `axisOrder="row-major"` (a per-item option), which has the effect of
 `pg.setConfigOptions(imageAxisOrder="row-major")` without changing other plots of the process.
+
+Software rendering is the budget: Qt's raster engine blends translucent lines and fills pixel by
+pixel, so grids and areas are drawn in opaque colours mixed with the background beforehand (a
+translucent grid alone cost ~10 ms a frame per plot).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from dataclasses import dataclass
 import pyqtgraph as pg
 from PySide6.QtGui import QColor, QPalette
 
+from engine.stream.budget import format_bytes
 from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN
 
 RGB = tuple[int, int, int]
 
-REDRAW_HZ = 30  # views redraw at most this often, whatever the token rate
+REDRAW_HZ = 30  # figures (numbers, the Brain) redraw at most this often, whatever the token rate
+PLOT_HZ = 5     # plots (curves, bars) redraw at most this often: they cost several ms a frame
 
 # Categorical topic colours, chosen to stay apart on light and dark backgrounds.
 _TOPICS: tuple[RGB, ...] = (
@@ -57,6 +63,10 @@ class Theme:
         """A QColor of rgb."""
         return QColor(rgb[0], rgb[1], rgb[2], alpha)
 
+    def over_background(self, rgb: RGB, opacity: float) -> QColor:
+        """The opaque colour rgb at `opacity` shows over the background (cheap to paint, unlike alpha)."""
+        return QColor(*(round(b + (c - b) * opacity) for c, b in zip(rgb, self.background)))
+
 
 def theme_for(palette: QPalette) -> Theme:
     """The theme of a palette: dark when its window colour is dark; background, text and lines from its roles."""
@@ -86,13 +96,50 @@ def theme_for(palette: QPalette) -> Theme:
     )
 
 
+def live_plot(item: pg.PlotItem, left: str, bottom: str | None = None, x_grid: bool = False) -> None:
+    """Set up a plot the views fill from a timer: labelled axes with plain numbers, a grid, no mouse.
+
+    The views set the ranges themselves (auto-range would settle only while painting, and then
+    paint again); the SI prefix is off so an axis says "MB", not "MB (x0.001)".
+    """
+    item.setMenuEnabled(False)
+    item.hideButtons()
+    item.setMouseEnabled(x=False, y=False)
+    item.disableAutoRange()
+    item.showGrid(x=x_grid, y=True)
+    for name, label in (("left", left), ("bottom", bottom), ("right", None), ("top", None)):
+        axis = item.getAxis(name)
+        axis.enableAutoSIPrefix(False)                 # hidden axes too: each would relabel itself per range
+        axis.setStyle(tickAlpha=255, maxTickLevel=1)  # opaque grid lines of the two coarser levels
+        axis.setZValue(-200)                           # ... under the data (the view box sits at -100)
+        if label is not None:
+            item.setLabel(name, label)
+
+
+_NICE = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+def nice_ceil(x: float) -> float:
+    """The least round number (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten) >= x; 1 for x <= 0.
+
+    Plots set their ranges to such numbers, so a range (and its axis, costly to redraw) changes
+    only when the data outgrows it, not with every sample.
+    """
+    if not x > 0 or not math.isfinite(x):
+        return 1.0
+    power = 10.0 ** math.floor(math.log10(x))
+    return next(m * power for m in _NICE if m * power >= x * (1 - 1e-12))
+
+
 def style_plot(plot: pg.PlotWidget | pg.GraphicsLayoutWidget, items: list[pg.PlotItem], theme: Theme) -> None:
-    """Give a plot widget and its plot items the theme's background, axis and text colours."""
+    """Give a plot widget and its plot items the theme's background, axis, grid and text colours."""
     plot.setBackground(theme.qcolor(theme.background))
     for item in items:
         for name in ("left", "bottom", "right", "top"):
             axis = item.getAxis(name)
             axis.setPen(theme.qcolor(theme.muted))
+            if axis.grid is not False:  # the ticks are grid lines: faint, and opaque
+                axis.setTickPen(pg.mkPen(theme.over_background(theme.foreground, 0.15)))
             axis.setTextPen(theme.qcolor(theme.foreground))
 
 
@@ -102,14 +149,10 @@ def swatch_css(rgb: RGB) -> str:
 
 
 def fmt_bytes(n: float | None) -> str:
-    """Bytes in binary units: '1.50 GiB'; '—' for unknown."""
+    """Bytes in the decimal units of `--max-memory` and the app: '1.50 GB'; '—' for unknown."""
     if n is None or not math.isfinite(n):
         return "—"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return "—"  # unreachable
+    return format_bytes(n)
 
 
 def fmt_ms(seconds: float | None) -> str:

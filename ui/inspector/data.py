@@ -122,3 +122,4 @@ class Frame:
     tiers: np.ndarray | None               # [L, E] int8
     atlas: AtlasData | None
     selected: tuple[int, int] | None       # (layer, expert) chosen in the Brain or the Atlas
+    plots: bool = True                     # redraw the plots too, not only the figures (at most PLOT_HZ)

@@ -2,7 +2,9 @@
 
 Setters only store what they are given; a QTimer (at most REDRAW_HZ, running while the widget is
 shown) builds one frozen `Frame` per tick when something changed and hands it to the tab in view,
-so the cost of the views is bounded by the screen rate, never by the token rate.
+so the cost of the views is bounded by the screen rate, never by the token rate. Figures follow
+every such frame; the plots (Overview curves, Time bars), which cost several ms to paint, only
+frames with `plots` set: at most PLOT_HZ, and one more once a change has waited its turn.
 
 Threads: `set_snapshot` and `set_tiers` store one reference and may be called from any thread
 (e.g. a telemetry subscriber on the engine thread); every other method is for the GUI thread.
@@ -11,6 +13,7 @@ Threads: `set_snapshot` and `set_tiers` store one reference and may be called fr
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 from PySide6.QtCore import QEvent, QTimer, Signal
@@ -19,7 +22,7 @@ from PySide6.QtWidgets import QTabWidget, QToolTip, QVBoxLayout, QWidget
 from engine.telemetry import Snapshot
 from ui.inspector.atlas import AtlasView
 from ui.inspector.brain import BrainView
-from ui.inspector.common import REDRAW_HZ, theme_for
+from ui.inspector.common import PLOT_HZ, REDRAW_HZ, theme_for
 from ui.inspector.data import AtlasData, Frame
 from ui.inspector.overview import OverviewView
 from ui.inspector.timeline import TimeView
@@ -52,18 +55,22 @@ class Inspector(QWidget):
         self._snapshot: Snapshot | None = None
         self._drawn: Snapshot | None = None   # the snapshot of the last redraw
         self._dirty = True                    # something besides the snapshot changed
+        self._replot = True                   # draw the plots at the next tick, whatever PLOT_HZ allows
+        self._plots_behind = False            # the plots miss a change the figures show
+        self._plotted_at = -math.inf          # time.monotonic() of the last plot redraw
         self._shape = (0, 0)
         self._budget: float | None = None
         self._tiers: np.ndarray | None = None
         self._atlas: AtlasData | None = None
         self._selected: tuple[int, int] | None = None
         self._closed = False
-        self.redraws = 0                      # timer ticks that handed a frame to the views (tests, diagnostics)
+        self.redraws = 0                      # timer ticks that drew a new state (tests, diagnostics)
+        self.replots = 0                      # timer ticks that redrew the plots as well
 
         self._timer = QTimer(self)
         self._timer.setInterval(self.INTERVAL_MS)
         self._timer.timeout.connect(self._tick)
-        self.tabs.currentChanged.connect(self._mark_dirty)
+        self.tabs.currentChanged.connect(self._redraw_all)
         self.brain.selected.connect(self._user_selected)
         self.atlas.selected.connect(self._user_selected)
         self.atlas.computeRequested.connect(self.atlasRequested)
@@ -80,7 +87,7 @@ class Inspector(QWidget):
         self._shape = (max(0, int(n_layers)), max(0, int(n_experts)))
         self._budget = float(budget_bytes) if budget_bytes else None
         self.atlas.set_has_experts(self._shape[1] > 0)
-        self._dirty = True
+        self._redraw_all()
 
     def set_tiers(self, tiers: np.ndarray | None) -> None:
         """Each expert's tier [L, E] int8 (see ui.inspector.data), copied; None: unknown (any thread)."""
@@ -124,7 +131,7 @@ class Inspector(QWidget):
         """Start redrawing when shown."""
         super().showEvent(event)
         if not self._closed:
-            self._dirty = True
+            self._redraw_all()
             self._timer.start()
 
     def hideEvent(self, event: QEvent) -> None:
@@ -143,19 +150,20 @@ class Inspector(QWidget):
             theme = theme_for(self.palette())
             for view in (self.overview, self.time, self.brain, self.atlas):
                 view.set_theme(theme)
-            self._dirty = True
+            self._redraw_all()
         super().changeEvent(event)
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _mark_dirty(self, *args: object) -> None:
-        self._dirty = True
+    def _redraw_all(self, *args: object) -> None:
+        """Figures and plots at the next tick (a tab shown, a new theme or budget)."""
+        self._dirty = self._replot = True
 
     def _user_selected(self, layer: int, expert: int) -> None:
         self.select_expert(layer, expert)
         self.expertSelected.emit(layer, expert)
 
-    def _frame(self) -> Frame:
+    def _frame(self, plots: bool) -> Frame:
         snap = self._snapshot
         shape = self._shape
         for grid in (snap.heat if snap is not None else None, self._tiers):
@@ -164,18 +172,28 @@ class Inspector(QWidget):
         budget = self._budget
         if budget is None and snap is not None and snap.gauges.get("budget"):
             budget = snap.gauges["budget"]
-        return Frame(snap, shape, budget, self._tiers, self._atlas, self._selected)
+        return Frame(snap, shape, budget, self._tiers, self._atlas, self._selected, plots)
 
     def _tick(self) -> None:
-        """Redraw the tab in view if a new snapshot arrived or anything else changed."""
+        """Redraw the tab in view if a new snapshot arrived or anything else changed; its plots when due."""
         snap = self._snapshot
         view = self.tabs.currentWidget()
-        if not self._dirty and snap is self._drawn and not (view is self.atlas and self.atlas.pending):
+        now = time.monotonic()
+        changed = self._dirty or snap is not self._drawn
+        self._plots_behind |= changed
+        due = self._replot or (self._plots_behind and now - self._plotted_at >= 1 / PLOT_HZ)
+        plots = due and snap is not None  # no snapshot, nothing to plot: the first one is plotted at once
+        if not changed and not plots and not (view is self.atlas and self.atlas.pending):
             return
         self._dirty = False
         self._drawn = snap
-        frame = self._frame()
+        frame = self._frame(plots)
         self.overview.record(frame)
         if view is not None:
             view.redraw(frame)
-        self.redraws += 1
+        if changed:
+            self.redraws += 1
+        if plots:
+            self._replot = self._plots_behind = False
+            self._plotted_at = now
+            self.replots += 1

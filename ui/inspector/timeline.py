@@ -2,21 +2,25 @@
 
 One bar per record of the snapshot's `recent` window (oldest left). A prefill chunk of n tokens
 is drawn at its time per token and marked with a triangle; the averages (the telemetry's own) are
-over decoded tokens only.
+over decoded tokens only. The table follows every frame; the bars (one BarGraphItem per phase, its
+arrays replaced) only frames with `plots` set, at most PLOT_HZ.
 """
 
 from __future__ import annotations
+
+from operator import attrgetter
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from engine.telemetry import PHASES
-from ui.inspector.common import Theme, fmt_ms, fmt_percent, style_plot, swatch_css
+from engine.telemetry import PHASES, TokenTimes
+from ui.inspector.common import Theme, fmt_ms, fmt_percent, live_plot, nice_ceil, style_plot, swatch_css
 from ui.inspector.data import Frame
 
 LABELS = {"attention": "attention", "dense": "dense matmuls", "experts": "expert matmuls",
           "io_wait": "I/O wait", "sampling": "sampling", "other": "other"}
+_FIELDS = attrgetter("n", *PHASES)  # a record's token count and seconds per phase
 
 
 class TimeView(QWidget):
@@ -26,10 +30,7 @@ class TimeView(QWidget):
         super().__init__(parent)
         self.plot = pg.PlotWidget()
         item = self.plot.getPlotItem()
-        item.setMenuEnabled(False)
-        item.setLabel("left", "ms per token")
-        item.setLabel("bottom", "recent records (oldest left)")
-        item.showGrid(y=True, alpha=0.15)
+        live_plot(item, "ms per token", "recent records (oldest left)")
         self.bars = {p: pg.BarGraphItem(x0=[], width=[], y0=[], height=[]) for p in PHASES}  # bottom to top
         for bar in self.bars.values():
             item.addItem(bar)
@@ -84,36 +85,41 @@ class TimeView(QWidget):
         return len(self.bars[PHASES[0]].opts["x0"])
 
     def redraw(self, frame: Frame) -> None:
-        """Draw the frame's recent records and averages."""
+        """Show the frame's averages, and its recent records as bars if the frame says plots."""
         snap = frame.snapshot
         if snap is None:
             return
-        recent = snap.recent
-        r = len(recent)
-        if r:
-            per_token = np.array([[getattr(rec, p) / max(rec.n, 1) for p in PHASES] for rec in recent]) * 1e3  # [R, 6] ms
-            bottoms = np.zeros((r, len(PHASES)))
-            np.cumsum(per_token[:, :-1], axis=1, out=bottoms[:, 1:])                                    # [R, 6]
+        avg = snap.averages
+        wall = avg.get("wall", 0.0) if snap.tokens else 0.0
+        for p in PHASES:
+            self.averages[p].setText(fmt_ms(avg.get(p, 0.0)) if snap.tokens else "—")
+            self.shares[p].setText(fmt_percent(avg.get(p, 0.0) / wall) if wall > 0 else "")
+        if wall > 0:
+            self.total.setText(f"mean {fmt_ms(wall)} per decoded token ({snap.tok_per_s:.1f} tok/s); "
+                               f"{len(snap.recent)} records shown, triangles mark prompt chunks")
         else:
-            per_token = bottoms = np.zeros((0, len(PHASES)))
+            self.total.setText("no decoded tokens yet")
+        if frame.plots:
+            self._plot(snap.recent, wall)
+
+    def _plot(self, recent: tuple[TokenTimes, ...], wall: float) -> None:
+        """Stacked bars of the records (seconds per phase), the mean line at `wall` s (0: none)."""
+        r = len(recent)
+        fields = np.array([_FIELDS(rec) for rec in recent], np.float64).reshape(r, 1 + len(PHASES))  # [R, 7]
+        per_token = fields[:, 1:] * (1e3 / np.maximum(fields[:, :1], 1))                                # [R, 6] ms
+        bottoms = np.zeros((r, len(PHASES)))
+        np.cumsum(per_token[:, :-1], axis=1, out=bottoms[:, 1:])                                        # [R, 6]
         x0 = np.arange(r, dtype=np.float64)
         width = np.full(r, 0.85 if r <= 60 else 1.0)  # gaps between many thin bars alias into stripes
         for j, p in enumerate(PHASES):
             self.bars[p].setOpts(x0=x0, width=width, y0=bottoms[:, j], height=per_token[:, j])
-        prefill = np.array([rec.prefill for rec in recent], bool)
-        tops = per_token.sum(axis=1) if r else np.zeros(0)
+        prefill = np.fromiter((rec.prefill for rec in recent), bool, r)
+        tops = per_token.sum(axis=1)                                                                    # [R]
         self.prefill_marks.setData(x=(x0 + width / 2)[prefill], y=tops[prefill])
-
-        avg = snap.averages
-        wall = avg.get("wall", 0.0)
-        for p in PHASES:
-            self.averages[p].setText(fmt_ms(avg.get(p, 0.0)) if snap.tokens else "—")
-            self.shares[p].setText(fmt_percent(avg.get(p, 0.0) / wall) if wall > 0 else "")
-        if snap.tokens and wall > 0:
-            self.total.setText(f"mean {fmt_ms(wall)} per decoded token ({snap.tok_per_s:.1f} tok/s); "
-                               f"{r} records shown, triangles mark prompt chunks")
+        self.mean_line.setVisible(wall > 0)
+        if wall > 0:
             self.mean_line.setPos(wall * 1e3)
-            self.mean_line.setVisible(True)
-        else:
-            self.total.setText("no decoded tokens yet")
-            self.mean_line.setVisible(False)
+        peak = max(float(tops.max(initial=0.0)), wall * 1e3)
+        # the height in round numbers, so the axis (costly to redraw) changes only when the bars outgrow it
+        self.plot.getPlotItem().getViewBox().setRange(xRange=(0, max(r, 1)), yRange=(0, nice_ceil(peak * 1.05)),
+                                                      padding=0)
