@@ -102,18 +102,3 @@ def test_activation_stats_energy_usage_and_roundtrip(tmp_path):
     assert again.tokens == 2 and again.rows == stats.rows
     assert np.array_equal(again.importance("a"), stats.importance("a"))
 
-
-def test_calibration_counts_every_token_at_the_output_head(tmp_path):
-    """The head reads every position in real generation: calibration must weigh it as a dense matrix (usage 1)."""
-    from engine.calibration import collect_stats
-    from engine.loader import open_checkpoint
-    from engine.models.transformer import Transformer
-    from tests.reference import build_checkpoint
-
-    folder = build_checkpoint(tmp_path, "llama", vocab_size=64, hidden_size=32, intermediate_size=64,
-                              num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
-    ckpt = open_checkpoint(folder)
-    stats = collect_stats(Transformer(ckpt.spec, ckpt.source), [list(range(1, 40)), list(range(5, 25))])
-    assert stats.tokens == 59
-    assert stats.usage("lm_head.weight") == 1.0
-    assert stats.usage("model.layers.1.mlp.down_proj.weight") == 1.0
