@@ -2,9 +2,11 @@
 
 Steps: open the source; when planning (a budget) or when calibration text is given, run the
 model in float32 over calibration text to measure what each matrix sees; measure every matrix's
-error at each width and let the planner fit the budget (or take one width for all); quantize and
-write tensor by tensor, each routed expert in one aligned extent. The calibration statistics and
-the plan are kept in OUT.partial, so an interrupted conversion resumes without redoing them.
+error in each storage format, put the errors in one unit (output KL, measured by quantizing
+groups of matrices: engine/sensitivity.py) and let the planner fit the budget (or take one width
+for all); quantize and write tensor by tensor, each routed expert in one aligned extent. The
+calibration tokens and statistics and the plan are kept in OUT.partial, so an interrupted
+conversion resumes without redoing them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -26,11 +28,16 @@ from engine.formats.container import ContainerWriter
 from engine.formats.gguf_model import GGUFModel
 from engine.loader import Checkpoint, open_checkpoint
 from engine.models.transformer import Transformer, expected_shapes
-from engine.planner import FLOAT_BITS, Plan, TensorPlan, allocate, forced_bits, group_for, measure_options
+from engine.planner import (FLOAT_BITS, GROUP_OPTIONS, Format, Plan, TensorPlan, allocate, forced_bits, formats_for,
+                            group_for, measure_options, scaled)
+from engine.sensitivity import PROBE_BITS, Resident, Sensitivity, measure_sensitivity
 from engine.spec import MoESpec
 
 Log = Callable[[str], None]
 _EXPERT = ".experts."
+# Above this many planned weights the sensitivity pass (one run of the layers from each matrix's own
+# on, over 256 calibration tokens) is skipped unless asked for: errors are then compared unscaled.
+SENSITIVITY_MAX_WEIGHTS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -39,15 +46,17 @@ class ConvertSettings:
 
     bits: int | None = None                 # one width for every planned matrix
     budget: int | None = None               # bytes for all weights: the planner fits them
-    group: int = 32
+    group: int = 32                         # with --bits: the group; with a budget: the smallest group offered
     keep: tuple[tuple[str, int], ...] = ()  # (glob, bits) forced widths
     calib: Path | None = None               # calibration text file (default: the model writes some)
     calib_tokens: int = 4096
+    sensitivity: bool | None = None         # measure errors in output KL: None = when the model is small enough
 
     def key(self) -> dict:
         """The settings as they bind a resumable conversion."""
         return {"bits": self.bits, "budget": self.budget, "group": self.group, "keep": [list(k) for k in self.keep],
-                "calib": _file_digest(self.calib) if self.calib else None, "calib_tokens": self.calib_tokens}
+                "calib": _file_digest(self.calib) if self.calib else None, "calib_tokens": self.calib_tokens,
+                "sensitivity": self.sensitivity}
 
 
 @dataclass
@@ -95,8 +104,13 @@ def _importance_name(name: str, ckpt: Checkpoint) -> str:
     return name
 
 
-def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats: ActivationStats | None, log: Log) -> Plan:
-    """One width per planned matrix: forced ones, then uniform --bits or the budget's allocation."""
+def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats: ActivationStats | None, log: Log,
+              sequences: Sequence[Sequence[int]] | None = None) -> Plan:
+    """One format per planned matrix: forced widths, then uniform --bits or the budget's allocation.
+
+    With calibration `sequences` (and settings.sensitivity not False) the errors are first
+    scaled into output KL by the sensitivity pass.
+    """
     from engine.quant import quantize, weighted_error
 
     other = sum(int(np.prod(s)) * 4 for s in mats.float32.values())
@@ -120,31 +134,79 @@ def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats
             tensors[name] = TensorPlan(name, shape, b, g, _bytes_at(shape, b, g), 0.0, usage_and_importance(name)[0])
         return Plan(tensors, None, other)
 
+    source = Resident(ckpt.source) if _wants_sensitivity(mats, settings, sequences, stats, log) else ckpt.source
+    groups = tuple(g for g in GROUP_OPTIONS if g >= settings.group)
     options, t0 = {}, time.perf_counter()
     for k, (name, shape) in enumerate(mats.planned.items()):
         usage, importance = usage_and_importance(name)
-        g = group_for(shape[1], settings.group)
-        if name in forced:
-            b = forced[name]
-            options[name] = [o for o in _options(ckpt, name, importance, usage, g, quantize, weighted_error, (b,)) if o.bits == b]
-        else:
-            options[name] = _options(ckpt, name, importance, usage, g, quantize, weighted_error)
+        b = forced.get(name)
+        formats = [] if b == FLOAT_BITS else _formats(shape[1], (b,) if b else None, groups, settings.group)
+        w = np.asarray(source.load(name), np.float32)
+        options[name] = [o for o in measure_options(w, importance, usage, formats, quantize, weighted_error)
+                         if b is None or o.bits == b]
         if (k + 1) % 50 == 0 or k + 1 == len(mats.planned):
             log(f"measured {k + 1}/{len(mats.planned)} matrices ({time.perf_counter() - t0:.0f} s)")
-    budget = settings.budget - other
-    chosen = allocate(options, budget)
+    sens = None
+    if isinstance(source, Resident):
+        sens = _sensitivity(ckpt, mats, source, sequences, usage_and_importance, log)
+        options = {n: scaled(o, sens.scales[n]) for n, o in options.items()}
+    chosen = allocate(options, settings.budget - other)
     tensors = {}
     for name, opt in chosen.items():
         shape = mats.planned[name]
-        tensors[name] = TensorPlan(name, shape, opt.bits, group_for(shape[1], settings.group), opt.nbytes, opt.error,
-                                   usage_and_importance(name)[0])
-    return Plan(tensors, settings.budget, other)
+        g = opt.group or group_for(shape[1], settings.group)
+        tensors[name] = TensorPlan(name, shape, opt.bits, g, opt.nbytes, opt.error, usage_and_importance(name)[0],
+                                   opt.asymmetric if opt.bits != FLOAT_BITS else None,
+                                   sens.scales[name] if sens else 1.0)
+    return Plan(tensors, settings.budget, other, sens.to_json() if sens else None)
 
 
-def _options(ckpt, name, importance, usage, group, quantize, weighted_error, bits=None):
-    w = ckpt.source.load(name)
-    kw = {} if bits is None else {"bits_options": tuple(b for b in bits if b != FLOAT_BITS)}
-    return measure_options(np.asarray(w, np.float32), importance, usage, group, quantize, weighted_error, **kw)
+def _formats(in_features: int, bits: tuple[int, ...] | None, groups: tuple[int, ...], group: int) -> list[Format]:
+    """The formats offered to a matrix: the groups asked for, or the largest group that divides its rows."""
+    kw = {} if bits is None else {"bits_options": bits}
+    if any(in_features % g == 0 for g in groups):
+        return formats_for(in_features, groups=groups, **kw)
+    return formats_for(in_features, groups=(group_for(in_features, group),), **kw)
+
+
+def _wants_sensitivity(mats: Matrices, settings: ConvertSettings, sequences, stats, log: Log) -> bool:
+    """Whether to run the sensitivity pass (and say why not when it is skipped)."""
+    if settings.sensitivity is False or sequences is None or stats is None:
+        return False
+    weights = sum(s[0] * s[1] for s in mats.planned.values())
+    if settings.sensitivity is None and weights > SENSITIVITY_MAX_WEIGHTS:
+        log(f"sensitivity pass skipped: {weights / 1e9:.1f} G weights is above {SENSITIVITY_MAX_WEIGHTS / 1e9:.0f} G "
+            "(it runs the model once per matrix); errors are compared unscaled, per matrix")
+        return False
+    return True
+
+
+def _sensitivity(ckpt: Checkpoint, mats: Matrices, source: Resident, sequences, usage_and_importance,
+                 log: Log) -> Sensitivity:
+    """Each planned matrix's output KL per unit of weighted error (engine/sensitivity.py)."""
+    from engine.quant import quantize
+
+    def probe(name: str) -> tuple[np.ndarray, float]:
+        # the better of the probe width's two forms (zero points or not), as the planner would store it: a form
+        # that fits a matrix badly (symmetric codes on a massive-activation channel) would misstate its scale
+        usage, importance = usage_and_importance(name)
+        w = source.load(name)
+        best = None
+        for asymmetric in (False, True):
+            dq = quantize(w, PROBE_BITS, group_for(w.shape[1], 64), importance=importance,
+                          asymmetric=asymmetric).dequantize()                                        # [out, in]
+            d2 = np.einsum("rc,rc->c", w - dq, w - dq, dtype=np.float64)                              # [in]
+            err = float((d2.sum() if importance is None else d2 @ importance.astype(np.float64)) * usage)
+            if best is None or err < best[1]:
+                best = (dq, err)
+        return best
+
+    t0 = time.perf_counter()
+    sens = measure_sensitivity(ckpt.spec, source, list(mats.planned), probe, sequences, log)
+    top = sorted(sens.groups, key=lambda g: -g.kl)[:4]
+    log(f"sensitivity: {time.perf_counter() - t0:.0f} s; largest KL at {PROBE_BITS} bits: "
+        + ", ".join(f"{g.label} {g.kl:.3f}" for g in top))
+    return sens
 
 
 def _bytes_at(shape: tuple[int, int], bits: int, group: int) -> int:
@@ -165,7 +227,7 @@ def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: Activation
     from engine.quant import quantize
 
     importance = stats.importance(_importance_name(name, ckpt)) if stats is not None else None
-    return quantize(w, tp.bits, tp.group, importance=importance), "quant"
+    return quantize(w, tp.bits, tp.group, importance=importance, asymmetric=tp.asymmetric), "quant"
 
 
 def _small_files(ckpt: Checkpoint, partial: Path) -> list[Path]:
@@ -194,19 +256,21 @@ def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -
     if writer.resumed:
         log(f"resuming: {writer.resumed} tensors/experts already written")
 
-    stats = None
-    stats_path = partial / "calibration.npz"
+    stats = seqs = None
+    stats_path, seqs_path = partial / "calibration.npz", partial / "calibration_tokens.json"
     if settings.budget is not None or settings.calib is not None:
-        if stats_path.is_file():
+        if stats_path.is_file() and seqs_path.is_file():
             stats = ActivationStats.load(str(stats_path))
+            seqs = json.loads(seqs_path.read_text())
         else:
-            stats = _calibrate(ckpt, settings, log)
+            stats, seqs = _calibrate(ckpt, settings, log)
+            seqs_path.write_text(json.dumps(seqs))
             stats.save(str(stats_path))
     plan_path = partial / "plan.json"
     if plan_path.is_file():
         plan = _plan_from_json(json.loads(plan_path.read_text()))
     else:
-        plan = make_plan(ckpt, mats, settings, stats, log)
+        plan = make_plan(ckpt, mats, settings, stats, log, seqs)
         plan_path.write_text(json.dumps(plan.to_json()))
     log(f"plan: {plan.bits_per_weight:.2f} bits per weight, {format_size(plan.total_bytes)} of weights")
 
@@ -236,20 +300,22 @@ def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -
         "plan": plan.to_json(),
         "calibration_tokens": stats.tokens if stats is not None else 0,
     }
-    for f in ("calibration.npz", "plan.json"):
+    for f in ("calibration.npz", "calibration_tokens.json", "plan.json"):
         (partial / f).unlink(missing_ok=True)
     return writer.finish(manifest, _small_files(ckpt, partial))
 
 
-def _calibrate(ckpt: Checkpoint, settings: ConvertSettings, log: Log) -> ActivationStats:
-    """Build the float32 model and measure activation statistics over calibration text."""
+def _calibrate(ckpt: Checkpoint, settings: ConvertSettings, log: Log) -> tuple[ActivationStats, list[list[int]]]:
+    """Build the float32 model and measure activation statistics over calibration text; and the tokens."""
     model = Transformer(ckpt.spec, ckpt.source)
     seqs = calibration_sequences(model, ckpt.tokenizer, ckpt.stop_ids, settings.calib, settings.calib_tokens, log)
+    seqs = [[int(t) for t in s] for s in seqs]
     log(f"calibrating on {sum(len(s) for s in seqs)} tokens ...")
-    return collect_stats(model, seqs)
+    return collect_stats(model, seqs), seqs
 
 
 def _plan_from_json(d: dict) -> Plan:
-    tensors = {n: TensorPlan(n, tuple(t["shape"]), t["bits"], t["group"], t["nbytes"], t["error"], t["usage"])
+    tensors = {n: TensorPlan(n, tuple(t["shape"]), t["bits"], t["group"], t["nbytes"], t["error"], t["usage"],
+                             t.get("asymmetric"), t.get("sensitivity", 1.0))
                for n, t in d["tensors"].items()}
-    return Plan(tensors, d["budget"], d["other_bytes"])
+    return Plan(tensors, d["budget"], d["other_bytes"], d.get("sensitivity"))

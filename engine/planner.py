@@ -6,13 +6,19 @@ importance-weighted error), and times the share of tokens that use the matrix (r
 used more often weigh more). Errors are measured, not guessed from names: each matrix is
 quantized at every candidate width (on a sample of its rows for speed), and widths are handed
 out by marginal error reduction per byte until the budget is spent.
+
+Each matrix is offered every storage format: width, group size (scales per 32, 64 or 128
+weights) and, at 4 bits and below, zero points; a format's bytes include its scales. Errors of
+different matrices are in different units (an error in the output head is in logits, one inside
+the network is amplified by the layers after it): `engine/sensitivity.py` measures a scale per
+matrix that turns its error into output KL, and `scaled` applies it before the allocation.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import heapq
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -20,17 +26,30 @@ import numpy as np
 from engine.errors import ColibriError
 
 BIT_OPTIONS = (2, 3, 4, 5, 6, 8)
+GROUP_OPTIONS = (32, 64, 128)
+ZERO_POINT_BITS = 4          # widths up to this one are offered with zero points too
 FLOAT_BITS = 32              # "keep this matrix in float32"
 SAMPLE_ROWS = 256            # rows measured per matrix and width (the error is scaled to all rows)
 
 
 @dataclass(frozen=True)
+class Format:
+    """A storage format for one matrix: width, weights per scale, stored zero points."""
+
+    bits: int
+    group: int
+    asymmetric: bool
+
+
+@dataclass(frozen=True)
 class Option:
-    """One way to store a matrix: its width, its bytes, the output error it causes."""
+    """One way to store a matrix: its format, its bytes, the output error it causes."""
 
     bits: int
     nbytes: int
     error: float
+    group: int = 0            # 0: not quantized (float32), or a test's bare option
+    asymmetric: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,8 +61,10 @@ class TensorPlan:
     bits: int                 # 2..8, or 32 for float32
     group: int
     nbytes: int
-    error: float
+    error: float              # planner units: output KL when calibrated, else weighted error
     usage: float              # share of tokens that reach it
+    asymmetric: bool | None = None  # zero points stored per group (None: the width's default)
+    sensitivity: float = 1.0  # KL per unit of weighted error (1: not calibrated)
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,7 @@ class Plan:
     tensors: dict[str, TensorPlan]
     budget: int | None        # bytes for the planned matrices (None: fixed widths)
     other_bytes: int          # tensors kept in float32 outside the plan (norms, routers ...)
+    sensitivity: dict | None = None  # the KL measurements that scaled the errors (Sensitivity.to_json)
 
     @property
     def planned_bytes(self) -> int:
@@ -72,13 +94,16 @@ class Plan:
 
     def to_json(self) -> dict:
         """The manifest form."""
-        return {
+        out = {
             "budget": self.budget,
             "other_bytes": self.other_bytes,
             "bits_per_weight": round(self.bits_per_weight, 4),
             "tensors": {n: {k: (list(v) if k == "shape" else v) for k, v in asdict(t).items() if k != "name"}
                         for n, t in sorted(self.tensors.items())},
         }
+        if self.sensitivity is not None:
+            out["sensitivity"] = self.sensitivity
+        return out
 
 
 def parse_keep_bits(specs: Iterable[str]) -> list[tuple[str, int]]:
@@ -123,27 +148,50 @@ def sample_rows(w: np.ndarray, n: int = SAMPLE_ROWS) -> np.ndarray:
     return np.ascontiguousarray(w[idx], dtype=np.float32)
 
 
+def formats_for(in_features: int, bits_options: Iterable[int] = BIT_OPTIONS,
+                groups: Iterable[int] = GROUP_OPTIONS) -> list[Format]:
+    """Every format a row of `in_features` weights can take: each width at each group that divides
+    the row, symmetric (except 2 bits, whose symmetric form wastes a level) and, up to
+    ZERO_POINT_BITS, with zero points."""
+    out = []
+    for bits in bits_options:
+        if bits == FLOAT_BITS:
+            continue
+        for g in groups:
+            if in_features % g:
+                continue
+            if bits != 2:
+                out.append(Format(bits, g, False))
+            if bits <= ZERO_POINT_BITS:
+                out.append(Format(bits, g, True))
+    if not out:
+        raise ColibriError(f"a row of {in_features} weights cannot be split in groups of 32, 64 or 128")
+    return out
+
+
 def measure_options(
     w: np.ndarray,
     importance: np.ndarray | None,
     usage: float,
-    group: int,
+    formats: Iterable[Format],
     quantize: Callable,
     weighted_error: Callable,
-    bits_options: Iterable[int] = BIT_OPTIONS,
 ) -> list[Option]:
-    """Bytes and usage-weighted output error of each width, measured on a sample of rows."""
+    """Bytes and usage-weighted output error of each format (and float32), measured on a sample of rows."""
     sample = sample_rows(w)
     scale = w.shape[0] / sample.shape[0]
     options = []
-    for bits in bits_options:
-        if bits == FLOAT_BITS:
-            continue  # always offered, below
-        q = quantize(sample, bits, group, importance=importance)
+    for f in formats:
+        q = quantize(sample, f.bits, f.group, importance=importance, asymmetric=f.asymmetric)
         err = weighted_error(sample, q, importance) * scale * usage
-        options.append(Option(bits, int(round(q.nbytes * scale)), float(err)))
+        options.append(Option(f.bits, int(round(q.nbytes * scale)), float(err), f.group, f.asymmetric))
     options.append(Option(FLOAT_BITS, w.shape[0] * w.shape[1] * 4, 0.0))
     return options
+
+
+def scaled(options: list[Option], factor: float) -> list[Option]:
+    """The options with their errors times `factor` (a matrix's measured sensitivity)."""
+    return [replace(o, error=o.error * factor) for o in options]
 
 
 def allocate(options: Mapping[str, list[Option]], budget: int) -> dict[str, Option]:

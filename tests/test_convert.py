@@ -108,17 +108,20 @@ def test_budget_plan_fits_and_beats_uniform_on_measured_error(tok_src, tmp_path)
     stats = collect_stats(Transformer(ckpt.spec, ckpt.source), [ckpt.tokenizer.encode(calib.read_text())[:1024]])
     planned: Plan = make_plan(ckpt, mats, ConvertSettings(budget=budget, group=32), stats, lambda m: None)
     uniform = make_plan(ckpt, mats, ConvertSettings(bits=4, group=64), stats, lambda m: None)
-    from engine.planner import measure_options
+    from engine.planner import Format, measure_options
     from engine.quant import quantize, weighted_error
 
     def error_of(p):
         total = 0.0
         for name, t in p.tensors.items():
+            if t.bits == 32:
+                continue  # float32: no error
             w = np.asarray(ckpt.source.load(name), np.float32)
-            imp = stats.importance("lm_head.weight" if name == "model.embed_tokens.weight" else name)
-            usage = stats.usage("lm_head.weight" if name == "model.embed_tokens.weight" else name)
-            opt = next(o for o in measure_options(w, imp, usage, t.group, quantize, weighted_error, (t.bits,))
-                       if o.bits == t.bits)
+            imp, usage = stats.importance(name), stats.usage(name)
+            if name == "model.embed_tokens.weight":  # untied: a token reads one row (as make_plan weighs it)
+                imp, usage = None, 1 / ckpt.spec.vocab_size
+            fmt = Format(t.bits, t.group, bool(t.asymmetric) if t.asymmetric is not None else t.bits == 2)
+            opt = measure_options(w, imp, usage, [fmt], quantize, weighted_error)[0]
             total += opt.error
         return total
 

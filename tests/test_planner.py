@@ -9,7 +9,7 @@ import pytest
 
 from engine.calibration import ActivationStats
 from engine.errors import ColibriError
-from engine.planner import Option, allocate, forced_bits, group_for, parse_keep_bits, _lower_hull
+from engine.planner import Option, allocate, forced_bits, formats_for, group_for, measure_options, parse_keep_bits, _lower_hull
 
 
 def _opts(*pairs):
@@ -86,6 +86,22 @@ def test_group_falls_back_to_a_divisor():
     assert group_for(96, 64) == 32
     with pytest.raises(ColibriError):
         group_for(100, 32)
+
+
+def test_formats_offer_groups_and_zero_points_priced_with_their_scales():
+    fmts = formats_for(576)                        # SmolLM2's hidden size: groups 32 and 64 divide it, 128 does not
+    assert {f.group for f in fmts} == {32, 64}
+    assert {(f.bits, f.asymmetric) for f in fmts} == {(2, True), (3, False), (3, True), (4, False), (4, True),
+                                                      (5, False), (6, False), (8, False)}
+    from engine.quant import quantize, weighted_error
+
+    w = np.random.default_rng(0).standard_normal((64, 576)).astype(np.float32)
+    opts = {(o.bits, o.group, o.asymmetric): o for o in measure_options(w, None, 1.0, fmts, quantize, weighted_error)}
+    weights = w.size
+    assert opts[(4, 64, False)].nbytes * 8 / weights == pytest.approx(4.25)   # 4 bits + an fp16 scale per 64
+    assert opts[(4, 64, True)].nbytes * 8 / weights == pytest.approx(4.5)     # + an fp16 zero point per 64
+    assert opts[(4, 32, False)].error < opts[(4, 64, False)].error            # smaller groups fit better
+    assert opts[(32, 0, False)].error == 0.0                                  # float32 is always offered
 
 
 def test_activation_stats_energy_usage_and_roundtrip(tmp_path):
