@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from reference import BASE, build_checkpoint
+from stream_support import greedy_logits
 
 from app.convert import ConvertSettings, convert
 from engine.errors import ColibriError, ModelFormatError
@@ -45,15 +46,7 @@ def f32(src, tmp_path_factory):
 
 
 def _run(loaded, steps: int = STEPS) -> tuple[np.ndarray, list[int]]:
-    """Prompt logits (all positions) and greedy continuation logits, with the tokens chosen."""
-    model = loaded.model
-    cache = KVCache(loaded.spec, len(PROMPT) + steps + 1)
-    logits = [model.forward(PROMPT, cache, all_logits=True)]
-    tokens = []
-    for _ in range(steps):
-        tokens.append(int(np.argmax(logits[-1][-1])))
-        logits.append(model.forward([tokens[-1]], cache))
-    return np.concatenate(logits), tokens
+    return greedy_logits(loaded, PROMPT, steps)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from reference import build_checkpoint
+from stream_support import greedy_logits
 
 from app.convert import ConvertSettings, convert
 from engine.errors import ColibriError, ModelFormatError
@@ -28,18 +29,7 @@ def container(tmp_path_factory):
 
 
 def _run(loaded, steps: int = 10, batch_prompt: bool = True) -> tuple[np.ndarray, list[int]]:
-    """Prompt logits (all positions) and greedy continuation logits, with the tokens chosen."""
-    model = loaded.model
-    cache = KVCache(loaded.spec, len(PROMPT) + steps + 1)
-    if batch_prompt:
-        logits = [model.forward(PROMPT, cache, all_logits=True)]
-    else:
-        logits = [model.forward([t], cache, all_logits=True) for t in PROMPT]
-    tokens = []
-    for _ in range(steps):
-        tokens.append(int(np.argmax(logits[-1][-1])))
-        logits.append(model.forward([tokens[-1]], cache))
-    return np.concatenate(logits), tokens
+    return greedy_logits(loaded, PROMPT, steps, batch_prompt)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from reference import build_checkpoint
+from stream_support import greedy_logits
 from test_parity import MLA
 
 from app.convert import ConvertSettings, convert
-from engine.kv import KVCache
 from engine.loader import StreamOptions, load_model
 from engine.stream.store import StoreSettings
 
@@ -37,13 +37,7 @@ COMBOS = [(0, "pread", "lru"), (1, "pread", "lfru"), (2, "pread", "learned"),
 
 
 def _greedy(loaded) -> tuple[np.ndarray, list[int]]:
-    cache = KVCache(loaded.spec, len(PROMPT) + STEPS + 1)
-    logits = [loaded.model.forward(PROMPT, cache, all_logits=True)]
-    tokens = []
-    for _ in range(STEPS):
-        tokens.append(int(np.argmax(logits[-1][-1])))
-        logits.append(loaded.model.forward([tokens[-1]], cache))
-    return np.concatenate(logits), tokens
+    return greedy_logits(loaded, PROMPT, STEPS)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -109,6 +109,7 @@ def _stream(args: argparse.Namespace) -> int:
                                   workload)
     from app.streaming import stream_options
     from engine.loader import open_checkpoint
+    from engine.stream.io import PAGE, round_up
 
     if args.chats < 1 or args.gen < 1:
         raise ColibriError("--chats and --gen must be at least 1")
@@ -120,7 +121,7 @@ def _stream(args: argparse.Namespace) -> int:
     base = stream_options(args, path, quiet=args.json)
     ckpt = open_checkpoint(path, verify=False)
     c = ckpt.source
-    slot = -(-max(x.length for x in c.extents.values()) // 4096) * 4096
+    slot = round_up(max(x.length for x in c.extents.values()), PAGE)
     prompts = workload(ckpt.tokenizer, args.chats, ckpt.spec.vocab_size)
     gb_s = disk_bandwidth(path, slot, args.io_threads)
     log(f"disk: {gb_s:.2f} GB/s cold reads of {slot / 1e6:.2f} MB on {args.io_threads} threads")

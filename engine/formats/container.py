@@ -421,13 +421,6 @@ class Container:
         e = self.entries[name]
         return tensor_from_span(e, self.maps[e.file][e.offset : e.offset + e.length])
 
-    def extent_entries(self, layer: int, expert: int) -> list[tuple[TensorEntry, int]]:
-        """The tensors inside one expert's extent, each with its offset from the extent's start."""
-        x = self.extents[(layer, expert)]
-        inside = [(e, e.offset - x.offset) for e in self.entries.values()
-                  if e.file == x.file and x.offset <= e.offset and e.offset + e.length <= x.offset + x.length]
-        return sorted(inside, key=lambda pair: pair[1])
-
 
 def tensor_from_span(e: TensorEntry, span: np.ndarray):
     """The tensor `e` describes over its bytes `span` (uint8): views for f32 and quantized, widened f16/bf16."""

@@ -14,7 +14,7 @@ from engine.formats.container import Container
 from engine.spec import MLASpec, ModelSpec, MoESpec
 
 from engine.generate import PREFILL_CHUNK
-from engine.stream.io import PAGE
+from engine.stream.io import PAGE, round_up
 
 
 def kv_bytes(spec: ModelSpec, ctx: int) -> int:
@@ -98,7 +98,7 @@ def plan_memory(container: Container, spec: ModelSpec, total: int, ctx: int, pre
         dense = [n for n, e in container.entries.items() if e.file not in expert_files]
         resident = _stored_bytes(container, dense)
         lengths = [x.length for x in container.extents.values()]
-        slot = -(-max(lengths) // PAGE) * PAGE
+        slot = round_up(max(lengths), PAGE)
         top_k = max(layer.ffn.top_k for layer in spec.layers if isinstance(layer.ffn, MoESpec))
         streamed = sum(lengths)
         cache_min = top_k * slot

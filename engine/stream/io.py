@@ -46,7 +46,8 @@ def _reader_thread(name: str) -> None:
         pass
 
 
-def _round_up(n: int, align: int) -> int:
+def round_up(n: int, align: int) -> int:
+    """n rounded up to a multiple of align."""
     return -(-n // align) * align
 
 
@@ -60,7 +61,7 @@ def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
         raise ValueError(f"aligned_empty: nbytes must be >= 0, got {nbytes}")
     if align <= 0 or align & (align - 1):
         raise ValueError(f"aligned_empty: align must be a positive power of two, got {align}")
-    n = _round_up(nbytes, align)
+    n = round_up(nbytes, align)
     # An anonymous map is page aligned (and zero-filled, committed lazily); over-allocate only
     # for alignments coarser than a page. The returned slice's .base keeps the map alive.
     extra = align if align > mmap.PAGESIZE else 0
@@ -180,7 +181,7 @@ class IOPool:
         dfd = f.direct  # read once: another reader may give up O_DIRECT on this file meanwhile
         got, direct = 0, False
         if length:
-            want = _round_up(length, PAGE)
+            want = round_up(length, PAGE)
             if dfd is not None and offset % PAGE == 0 and _address(dest) % PAGE == 0 and dest.size >= want:
                 try:
                     got, direct = _pread_all(dfd, dest, offset, want, direct=True), True
@@ -193,7 +194,7 @@ class IOPool:
                 got = _pread_all(f.buffered, dest, offset, length, direct=False)
                 if self._direct is not False and _FADV_DONTNEED is not None:
                     start = offset - offset % PAGE  # whole pages: the kernel skips partial ones
-                    os.posix_fadvise(f.buffered, start, _round_up(offset + got, PAGE) - start, _FADV_DONTNEED)
+                    os.posix_fadvise(f.buffered, start, round_up(offset + got, PAGE) - start, _FADV_DONTNEED)
         if got < length:
             size = os.fstat(f.buffered).st_size
             raise ModelFormatError(

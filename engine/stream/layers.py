@@ -32,7 +32,7 @@ import numpy as np
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container, TensorEntry, tensor_from_span
 from engine.spec import ModelSpec, MoESpec
-from engine.stream.io import PAGE, IOPool, aligned_empty
+from engine.stream.io import PAGE, IOPool, aligned_empty, round_up
 from engine.stream.store import IO_MODES
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource
@@ -79,10 +79,6 @@ class _LayerPlan:
         return (t for run in self.runs for t in run.tensors)
 
 
-def _round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
-
-
 def _plan_layer(container: Container, i: int) -> _LayerPlan:
     """Group layer i's tensors into runs (by file, in offset order) and lay the runs out in a slot."""
     prefix = f"model.layers.{i}."
@@ -108,7 +104,7 @@ def _plan_layer(container: Container, i: int) -> _LayerPlan:
         stop = max(e.offset + e.length for e in g)
         runs.append(_Run(g[0].file, str(Path(container.path) / g[0].file), start, stop - start, at,
                          tuple((e, at + e.offset - start) for e in g)))
-        at += _round_up(stop - start, PAGE)
+        at += round_up(stop - start, PAGE)
     widened = sum(e.length * 2 for e in entries if e.kind in ("f16", "bf16"))
     return _LayerPlan(tuple(runs), at, widened)
 
@@ -353,7 +349,7 @@ class LayerStore:
         slot.layer, slot.read, slot.built, slot.ahead = i, pending.future, None, ahead
         data = slot.data
         for run in plan.runs:
-            dest = data[run.at : run.at + _round_up(run.length, PAGE)]
+            dest = data[run.at : run.at + round_up(run.length, PAGE)]
             fut = self._pool.submit(run.path, run.offset, run.length, dest)
             fut.add_done_callback(lambda read, run=run: pending.run_done(run, data, read))
             self._bytes += run.length
@@ -396,7 +392,7 @@ class LayerStore:
         """Drop layer i's pages from this process (the page cache may keep them; RSS does not)."""
         for run in self._plans[i].runs:
             m = self.container.maps[run.file]
-            end = min(_round_up(run.offset + run.length, PAGE), len(m))
+            end = min(round_up(run.offset + run.length, PAGE), len(m))
             try:
                 m._mmap.madvise(mmap.MADV_DONTNEED, run.offset, end - run.offset)
             except (AttributeError, OSError, ValueError):

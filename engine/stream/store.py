@@ -34,7 +34,7 @@ from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container, tensor_from_span
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.history import Repinner, UsageHistory
-from engine.stream.io import PAGE, IOPool
+from engine.stream.io import PAGE, IOPool, round_up
 from engine.stream.policy import make_policy, wants_admission
 from engine.telemetry import NULL, Telemetry
 
@@ -117,12 +117,13 @@ class _Recipe:
     def __init__(self, container: Container, layer: int, expert: int, names: tuple[str, str, str]):
         x = container.extents[(layer, expert)]
         self.file, self.offset, self.length, self.crc32 = str(Path(container.path) / x.file), x.offset, x.length, x.crc32
-        inside = {e.name: (e, rel) for e, rel in container.extent_entries(layer, expert)}
-        missing = [n for n in names if n not in inside]
-        if missing:
-            raise ModelFormatError(f"{container.path}: expert {expert} of layer {layer} has no {missing[0]} in its extent; "
-                                   "convert the model again with `colibri convert`")
-        self.parts = [inside[n] for n in names]
+        self.parts = []
+        for n in names:
+            e = container.entries.get(n)
+            if e is None or e.file != x.file or not x.offset <= e.offset <= x.offset + x.length - e.length:
+                raise ModelFormatError(f"{container.path}: expert {expert} of layer {layer} has no {n} in its extent; "
+                                       "convert the model again with `colibri convert`")
+            self.parts.append((e, e.offset - x.offset))
 
     def build(self, data: np.ndarray, names: tuple[str, str, str]) -> ExpertWeights:
         """The expert over `data` (its extent's bytes)."""
@@ -150,7 +151,8 @@ class ExpertStore:
                     self.recipes[(i, e)] = _Recipe(container, i, e, names)
         if not self.recipes:
             raise ColibriError(f"{container.path}: the model has no routed experts to stream")
-        self.slot_bytes = _round_up(max(r.length for r in self.recipes.values()), PAGE)
+        self.total_bytes = sum(r.length for r in self.recipes.values())
+        self.slot_bytes = round_up(max(r.length for r in self.recipes.values()), PAGE)
         self.n_slots = settings.capacity // self.slot_bytes
         min_slots = max(layer.ffn.top_k for layer in spec.layers if isinstance(layer.ffn, MoESpec))
         if self.n_slots < min_slots:
@@ -282,7 +284,6 @@ class ExpertStore:
             if queue:                                    # slots ran short: consumed experts may now make room
                 protect.difference_update((layer, i) for i in group)
                 self._start(queue, protect, waiting)
-        self._publish()
 
     # --- lookahead ---
 
@@ -315,6 +316,7 @@ class ExpertStore:
     def end_token(self, n: int = 1) -> None:
         """Advance the usage history by n tokens and re-pin when the workload has moved."""
         self.tokens += n
+        self._publish()
         if self.history is None:
             return
         self.history.end_token(n)
@@ -580,7 +582,6 @@ class ExpertStore:
                     self.policy.insert(key, self.now)
                     self.policy.access(key, self.now)
             out[i] = self.built[key]
-        self._publish()
         return out
 
     def _trim_mapped(self) -> None:
@@ -599,7 +600,7 @@ class ExpertStore:
         r = self.recipes[key]
         m = self.maps[r.file]
         start = r.offset - r.offset % PAGE
-        end = _round_up(r.offset + r.length, PAGE)
+        end = round_up(r.offset + r.length, PAGE)
         try:
             m._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, len(m)) - start)
         except (AttributeError, OSError, ValueError):
@@ -618,7 +619,7 @@ class ExpertStore:
     def _occupancy(self) -> dict[str, int]:
         pinned = sum(self.recipes[k].length for k in self.built if k in self.pinned)
         cached = sum(self.recipes[k].length for k in self.built if k not in self.pinned)
-        disk = sum(r.length for r in self.recipes.values()) - pinned - cached
+        disk = self.total_bytes - pinned - cached
         return {"pinned": pinned, "cached": cached, "disk": disk}
 
     def _publish(self) -> None:
@@ -634,6 +635,3 @@ def _expert_names(layer: int, moe: MoESpec, expert: int) -> tuple[str, str, str]
     p = expert_prefix(layer, moe, expert)
     return tuple(f"{p}.{n}.weight" for n in moe.proj_names)
 
-
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
