@@ -1,114 +1,556 @@
-"""The KV cache of one sequence: per-layer key/value (or latent) arrays written at its positions.
+"""The paged KV cache: a pool of fixed-size blocks shared by sequences, a prefix index, retention.
 
-Contiguous and grown by doubling; the paged cache with prefix reuse comes later and will keep
-this interface: `positions(T)`, per-layer `write` + `view`, `commit(T)`, `truncate(n)`.
+- `KVPool` holds, for every layer, keys and values (or, for multi-head latent attention, the
+  compressed latent and the shared rotary key) in blocks of `block_size` positions. All layers of
+  one block sit together in an anonymous mapping reserved up front but committed only as blocks
+  are written; a block that is freed hands its pages back to the system.
+- A full block is indexed by a hash of its tokens and of everything before it. A sequence that
+  starts with the same tokens (a system prompt, earlier turns, the same document) takes those
+  blocks instead of computing them again. Blocks are reference counted; unused indexed blocks stay
+  cached and are evicted least recently used first when the pool needs room.
+- `KVCache` is one sequence: its block table, its tokens, its length. Attention reads the blocks
+  directly through the table (`engine.blocks.attention_kernel`).
+- Past `max_len`, a sequence fails (`overflow="error"`, the default), or evicts whole blocks:
+  the oldest (`"slide"`), or the block whose tokens drew the least attention so far while keeping
+  the first tokens (attention sinks) and the recent window (`"retain"`). Either way the positions
+  of the blocks after the evicted one move down (their rotary keys are rotated back), so positions
+  stay inside the context the model knows. Both change outputs and are only on when asked.
+- `kv_bits=8` stores rows as int8 with one float32 scale per row (per head for keys and values).
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
+import mmap
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
 import numpy as np
 
-from engine.errors import GenerationError
-from engine.spec import AttentionSpec, MLASpec, ModelSpec
+from engine.errors import ColibriError, GenerationError
+from engine.spec import AttentionSpec, MLASpec, ModelSpec, RopeSpec
+
+BLOCK_SIZE = 16           # positions per block: measured with `colibri bench --kv-block-size` (see README)
+OVERFLOW = ("error", "slide", "retain")
+SINK_TOKENS = 4           # retention: the first tokens always kept (attention sinks)
+PAGE = 4096
+_ALIGN = 64
 
 
-class _Grown:
-    """A [cap, ...] float32 array along axis `axis` that doubles when full."""
+class KVFullError(GenerationError):
+    """The pool has no free block and nothing cached to evict."""
 
-    def __init__(self, shape: tuple[int, ...], axis: int):
-        self.axis = axis
-        self.data = np.zeros(shape, np.float32)
 
-    def ensure(self, n: int, limit: int) -> None:
-        cap = self.data.shape[self.axis]
-        if n <= cap:
+@dataclass(frozen=True)
+class _Part:
+    """One array of a layer inside a block: its name, shape per block and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int = 0
+
+
+def _layer_parts(attn, block: int, bits: int) -> list[_Part]:
+    store = np.dtype(np.int8) if bits == 8 else np.dtype(np.float32)
+    f32 = np.dtype(np.float32)
+    if isinstance(attn, MLASpec):
+        return [_Part("k", (block, attn.kv_lora_rank), store), _Part("ks", (block,), f32),
+                _Part("v", (block, attn.qk_rope_dim), store), _Part("vs", (block,), f32)]
+    h, d = attn.n_kv_heads, attn.head_dim
+    return [_Part("k", (h, block, d), store), _Part("ks", (h, block), f32),
+            _Part("v", (h, block, d), store), _Part("vs", (h, block), f32)]
+
+
+def block_bytes(spec: ModelSpec, block_size: int = BLOCK_SIZE, bits: int = 32) -> int:
+    """Bytes one block of every layer takes (rounded up to whole pages)."""
+    total = 0
+    for layer in spec.layers:
+        for part in _layer_parts(layer.attn, block_size, bits):
+            total = -(-total // _ALIGN) * _ALIGN + int(np.prod(part.shape)) * part.dtype.itemsize
+    return -(-total // PAGE) * PAGE
+
+
+def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
+    """Blocks a sequence of `tokens` positions needs."""
+    return -(-int(tokens) // block_size)
+
+
+def check_kv_settings(block_size: int, bits: int, overflow: str) -> None:
+    """Refuse settings the cache cannot honour, naming the allowed values."""
+    if not isinstance(block_size, int) or not 1 <= block_size <= 1024 or block_size & (block_size - 1):
+        raise ColibriError(f"KV block size {block_size}: use a power of two from 1 to 1024 (default {BLOCK_SIZE})")
+    if bits not in (8, 32):
+        raise ColibriError(f"KV bits {bits}: use 32 (float32, exact) or 8 (int8, half the memory of 16-bit)")
+    if overflow not in OVERFLOW:
+        raise ColibriError(f"overflow {overflow!r}: use one of {', '.join(OVERFLOW)}")
+
+
+def _rotate_back(x: np.ndarray, rope: RopeSpec, delta: int) -> None:
+    """Rotate stored rotary features x [..., rows, >= rope.dim] in place by `delta` positions.
+
+    Stored keys are rotated already and laid out as halves (the rotary layout the kernels use), so
+    rotating again by delta moves them from position p to p + delta: R(delta) R(p) = R(p + delta).
+    """
+    d = rope.dim
+    angles = np.float32(delta) * rope.inv_freq()                 # [d/2]
+    c, s = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    a, b = x[..., : d // 2].copy(), x[..., d // 2 : d].copy()
+    x[..., : d // 2] = a * c - b * s
+    x[..., d // 2 : d] = b * c + a * s
+
+
+class KVPool:
+    """Blocks of KV for every layer of one model, shared by its sequences.
+
+    `n_blocks` bounds the pool; memory is committed only as blocks are written and returned when
+    they are freed. `prefix_cache` indexes full blocks by their prefix hash so that sequences share them.
+    """
+
+    def __init__(self, spec: ModelSpec, n_blocks: int, block_size: int = BLOCK_SIZE, bits: int = 32,
+                 prefix_cache: bool = True):
+        check_kv_settings(block_size, bits, "error")
+        if n_blocks < 1:
+            raise ColibriError(f"a KV pool of {n_blocks} blocks holds nothing; it needs at least one")
+        self.spec, self.block_size, self.bits, self.n_blocks = spec, block_size, bits, int(n_blocks)
+        self.prefix_cache = prefix_cache
+        self.rope = [layer.attn.rope for layer in spec.layers]
+        self.latent = [isinstance(layer.attn, MLASpec) for layer in spec.layers]
+        layouts, offset = [], 0
+        for layer in spec.layers:
+            parts = []
+            for part in _layer_parts(layer.attn, block_size, bits):
+                offset = -(-offset // _ALIGN) * _ALIGN
+                parts.append(_Part(part.name, part.shape, part.dtype, offset))
+                offset += int(np.prod(part.shape)) * part.dtype.itemsize
+            layouts.append(parts)
+        self.block_bytes = -(-offset // PAGE) * PAGE
+        self._map = mmap.mmap(-1, self.n_blocks * self.block_bytes,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+        self.layers: list[dict[str, np.ndarray]] = []
+        for parts in layouts:
+            arrays = {}
+            for part in parts:
+                inner = np.empty(part.shape, part.dtype).strides
+                arrays[part.name] = np.ndarray((self.n_blocks, *part.shape), part.dtype, buffer=self._map,
+                                               offset=part.offset, strides=(self.block_bytes, *inner))
+            self.layers.append(arrays)
+        self.ref = np.zeros(self.n_blocks, np.int32)
+        self.hashes: list[bytes | None] = [None] * self.n_blocks
+        self.index: dict[bytes, int] = {}
+        self.cached: OrderedDict[int, None] = OrderedDict()   # indexed blocks no sequence holds, oldest first
+        self.free = list(range(self.n_blocks - 1, -1, -1))
+        self.touched = np.zeros(self.n_blocks, bool)           # pages committed (written since last freed)
+        self.hits = self.lookups = 0
+
+    # --- allocation ---
+
+    def allocate(self) -> int:
+        """A block for one sequence (reference count 1); evicts the least recently used cached prefix if needed."""
+        if self.free:
+            b = self.free.pop()
+        elif self.cached:
+            b, _ = self.cached.popitem(last=False)
+            self._unindex(b)
+        else:
+            raise KVFullError(
+                f"the KV cache is full: all {self.n_blocks} blocks of {self.block_size} positions are in use; "
+                "raise --max-memory, lower --ctx, or run fewer requests at once")
+        self.ref[b] = 1
+        self.touched[b] = True
+        return b
+
+    def retain(self, b: int) -> None:
+        """One more holder of block b."""
+        if self.ref[b] == 0:
+            self.cached.pop(b, None)
+        self.ref[b] += 1
+
+    def release(self, b: int) -> None:
+        """One holder fewer; an unheld block stays cached when indexed, else is freed (its pages returned)."""
+        self.ref[b] -= 1
+        if self.ref[b] > 0:
             return
-        new_cap = min(max(n, 2 * cap, 64), max(limit, n))
-        shape = list(self.data.shape)
-        shape[self.axis] = new_cap
-        grown = np.zeros(shape, np.float32)
-        idx = [slice(None)] * self.data.ndim
-        idx[self.axis] = slice(0, cap)
-        grown[tuple(idx)] = self.data
-        self.data = grown
+        if self.hashes[b] is not None:
+            self.cached[b] = None
+        else:
+            self._free(b)
 
+    def _free(self, b: int) -> None:
+        self.free.append(b)
+        if self.touched[b]:
+            self.touched[b] = False
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, b * self.block_bytes, self.block_bytes)
+            except (AttributeError, OSError):   # pragma: no cover - no madvise: the pages stay until reused
+                pass
 
-class HeadsKV:
-    """Keys [Hkv, S, D] and values [Hkv, S, Dv] of one GQA layer."""
+    def _unindex(self, b: int) -> None:
+        h = self.hashes[b]
+        if h is not None:
+            self.hashes[b] = None
+            if self.index.get(h) == b:
+                del self.index[h]
 
-    def __init__(self, spec: AttentionSpec, limit: int):
-        self.limit = limit
-        self._k = _Grown((spec.n_kv_heads, 0, spec.head_dim), axis=1)
-        self._v = _Grown((spec.n_kv_heads, 0, spec.head_dim), axis=1)
+    def copy(self, src: int) -> int:
+        """A private copy of block src (copy on write)."""
+        dst = self.allocate()
+        for arrays in self.layers:
+            for a in arrays.values():
+                a[dst] = a[src]
+        return dst
 
-    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store k, v [T, Hkv, D] at positions start.. and return the whole buffers [Hkv, capacity, D]
-        (positions past start + T hold nothing meaningful: readers stop at their query's position)."""
-        end = start + k.shape[0]
-        self._k.ensure(end, self.limit)
-        self._v.ensure(end, self.limit)
-        self._k.data[:, start:end] = k.transpose(1, 0, 2)
-        self._v.data[:, start:end] = v.transpose(1, 0, 2)
-        return self._k.data, self._v.data
+    def drop_cached(self) -> None:
+        """Forget every cached prefix (their blocks are freed)."""
+        while self.cached:
+            b, _ = self.cached.popitem(last=False)
+            self._unindex(b)
+            self._free(b)
+
+    # --- the prefix index ---
+
+    def lookup(self, digest: bytes) -> int | None:
+        """The block indexed under digest, if any."""
+        self.lookups += 1
+        b = self.index.get(digest)
+        if b is not None:
+            self.hits += 1
+        return b
+
+    def publish(self, b: int, digest: bytes) -> None:
+        """Index a full block under its prefix hash (a block already indexed under it wins)."""
+        if not self.prefix_cache or self.hashes[b] is not None or digest in self.index:
+            return
+        self.hashes[b] = digest
+        self.index[digest] = b
+
+    def unpublish(self, b: int) -> None:
+        """Take block b out of the index (its contents are about to change)."""
+        self._unindex(b)
+
+    # --- figures ---
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
+        return int(np.count_nonzero(self.ref))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held."""
-        return self._k.data.nbytes + self._v.data.nbytes
-
-
-class LatentKV:
-    """The compressed latent [S, R] and shared rotary key [S, dr] of one MLA layer."""
-
-    def __init__(self, spec: MLASpec, limit: int):
-        self.limit = limit
-        self._c = _Grown((0, spec.kv_lora_rank), axis=0)
-        self._r = _Grown((0, spec.qk_rope_dim), axis=0)
-
-    def write(self, start: int, latent: np.ndarray, k_rot: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store latent [T, R] and k_rot [T, dr] at positions start.. and return all so far."""
-        end = start + latent.shape[0]
-        self._c.ensure(end, self.limit)
-        self._r.ensure(end, self.limit)
-        self._c.data[start:end] = latent
-        self._r.data[start:end] = k_rot
-        return self._c.data[:end], self._r.data[:end]
+        """Bytes of blocks in use or cached (what the pool holds in memory)."""
+        return (self.n_blocks - len(self.free)) * self.block_bytes
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return self._c.data.nbytes + self._r.data.nbytes
+    def capacity_bytes(self) -> int:
+        """Bytes the pool may grow to."""
+        return self.n_blocks * self.block_bytes
+
+    def close(self) -> None:
+        """Release the mapping (no sequence may use the pool afterwards)."""
+        self.layers = []
+        try:
+            self._map.close()
+        except BufferError:   # pragma: no cover - a view is still alive; the mapping goes with it
+            pass
+
+
+def prefix_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of a block: its tokens and the hash of everything before it."""
+    return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
+
+ROOT = b"colibri-kv-1"
+
+
+def choose_victim(scores: np.ndarray, n_blocks: int, block_size: int, sink_tokens: int, recent_tokens: int) -> int | None:
+    """The block to evict under retention: among the full blocks after the sinks and before the
+    recent window, the one whose tokens drew the least attention on average; None if none qualifies.
+
+    `scores` [n_blocks * block_size] holds each held position's mean attention received so far.
+    """
+    first = blocks_for(sink_tokens, block_size)
+    last = n_blocks - 1 - blocks_for(recent_tokens, block_size)     # the last block is never full-and-old
+    if last < first:
+        return None
+    per_block = scores[: n_blocks * block_size].reshape(n_blocks, block_size)[first : last + 1].mean(axis=1)
+    return first + int(np.argmin(per_block))
+
+
+class LayerKV:
+    """One layer's view of a sequence: where attention writes its keys and reads them back."""
+
+    def __init__(self, seq: "KVCache", j: int):
+        self.seq, self.j = seq, j
+
+    def write(self, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store rows k [T, Hkv, D], v [T, Hkv, Dv] (or latent [T, R], rotary key [T, dr]) at positions start.."""
+        seq, arrays, bs = self.seq, self.seq.pool.layers[self.j], self.seq.pool.block_size
+        table = seq.table
+        latent = seq.pool.latent[self.j]
+        t = 0
+        n = k.shape[0]
+        while t < n:
+            s = start + t
+            b, o = table[s // bs], s % bs
+            m = min(bs - o, n - t)
+            for name, x in (("k", k[t : t + m]), ("v", v[t : t + m])):
+                store, scales = arrays[name], arrays[name + "s"]
+                if latent:
+                    rows, scale = _encode(x, store.dtype)                       # [m, R], [m]
+                    store[b, o : o + m] = rows
+                    scales[b, o : o + m] = scale
+                else:
+                    rows, scale = _encode(x.transpose(1, 0, 2), store.dtype)    # [Hkv, m, D], [Hkv, m]
+                    store[b, :, o : o + m] = rows
+                    scales[b, :, o : o + m] = scale
+            t += m
+
+    def attend(self, q: np.ndarray, positions: np.ndarray, scale: float, window: int | None) -> np.ndarray:
+        """Attention of q [T, H, D] over this sequence's keys up to each query's position -> [T, H, Dv]."""
+        from engine.blocks.attention_kernel import attend_paged
+
+        a, seq = self.seq.pool.layers[self.j], self.seq
+        res = attend_paged(q, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(), positions, scale, window, seq.tracking)
+        if seq.tracking:
+            res, weights = res
+            seq.observe(weights)
+        return res
+
+    def attend_latent(self, q_nope: np.ndarray, q_rot: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
+                      positions: np.ndarray, scale: float) -> np.ndarray:
+        """Latent attention of q [T, H, dn + dr] over this sequence's latents -> [T, H, dv]."""
+        from engine.blocks.attention_kernel import attend_latent
+
+        a, seq = self.seq.pool.layers[self.j], self.seq
+        res = attend_latent(q_nope, q_rot, w_uk, w_uv, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(),
+                            positions, scale, seq.tracking)
+        if seq.tracking:
+            res, weights = res
+            seq.observe(weights)
+        return res
+
+
+def _encode(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of x [..., D] as stored: float32 with scale 1, or int8 with scale absmax / 127 per row."""
+    if dtype == np.float32:
+        return x, np.float32(1.0)
+    amax = np.abs(x).max(axis=-1)
+    scale = (amax / np.float32(127.0)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    return np.clip(np.rint(x / safe[..., None]), -127, 127).astype(np.int8), scale
 
 
 class KVCache:
-    """The cache of one sequence across all layers, with the number of positions filled."""
+    """The KV cache of one sequence: a block table into a pool, the tokens it holds, its length.
 
-    def __init__(self, spec: ModelSpec, max_len: int | None = None):
+    Without a pool it makes its own, private, sized for `max_len` (every caller that needs one cache).
+    The interface the model uses: `prepare(ids)` (positions of the next tokens, blocks allocated),
+    per-layer `write` + `attend` through `layers[j]`, `commit(T)`; `truncate(n)` forgets the tail.
+    """
+
+    def __init__(self, spec: ModelSpec, max_len: int | None = None, *, pool: KVPool | None = None,
+                 overflow: str = "error", sink_tokens: int = SINK_TOKENS, recent_tokens: int | None = None):
         self.max_len = int(max_len or spec.max_position)
-        self.layers = [
-            LatentKV(layer.attn, self.max_len) if isinstance(layer.attn, MLASpec) else HeadsKV(layer.attn, self.max_len)
-            for layer in spec.layers
-        ]
+        if pool is None:
+            pool = KVPool(spec, blocks_for(self.max_len) + 1, prefix_cache=False)
+        check_kv_settings(pool.block_size, pool.bits, overflow)
+        self.pool, self.spec, self.overflow = pool, spec, overflow
+        self.sink_tokens = sink_tokens
+        self.recent_tokens = recent_tokens if recent_tokens is not None else self.max_len // 4
+        self.table: list[int] = []
+        self.tokens: list[int] = []
         self.length = 0
+        self._table_np: np.ndarray | None = None
+        self._digests: list[bytes] = []         # prefix hash of each full block still matching its prefix
+        self.layers = [LayerKV(self, j) for j in range(len(spec.layers))]
+        self.tracking = overflow == "retain"
+        self.heat = np.zeros(0, np.float64)     # attention received per position (retention)
+        self.born = np.zeros(0, np.int64)       # the step each position was written at
+        self.steps = 0
+        self.evicted = 0                        # positions evicted past the context limit
+
+    # --- the model's interface ---
 
     def positions(self, n: int) -> np.ndarray:
-        """Positions of the next n tokens; refuses to pass the context length."""
+        """Positions of the next n tokens (the token ids are not recorded: use `prepare` when they are known)."""
+        return self.prepare([-1] * n)
+
+    def prepare(self, ids: Sequence[int]) -> np.ndarray:
+        """Room for the next tokens (blocks allocated, overflow handled); their positions."""
+        n = len(ids)
         if self.length + n > self.max_len:
-            raise GenerationError(
-                f"the sequence would reach {self.length + n} tokens but the context holds {self.max_len}; "
-                "use a shorter prompt, fewer --max-tokens or a larger --ctx"
-            )
+            self._overflow(n)
+        bs = self.pool.block_size
+        while len(self.table) * bs < self.length + n:
+            self.table.append(self.pool.allocate())
+            self._table_np = None
+        last = self.length // bs
+        if self.length % bs and self._shared(last):   # writing into a shared block: copy it first
+            self._privatize(last)
+        del self.tokens[self.length :]
+        self.tokens.extend(int(t) for t in ids)
+        if self.tracking:
+            self._grow_scores(self.length + n)
+            self.born[self.length : self.length + n] = self.steps
         return np.arange(self.length, self.length + n, dtype=np.int64)
 
     def commit(self, n: int) -> None:
-        """Mark n more positions as filled (after every layer wrote them)."""
+        """Mark n more positions as filled (after every layer wrote them); index blocks that became full."""
         self.length += n
+        self.steps += n
+        bs = self.pool.block_size
+        while len(self._digests) < self.length // bs:
+            i = len(self._digests)
+            parent = self._digests[-1] if self._digests else ROOT
+            block = self.tokens[i * bs : (i + 1) * bs]
+            fresh = parent and not self.evicted and min(block) >= 0   # contents a fresh run would compute
+            digest = prefix_digest(parent, block) if fresh else b""
+            self._digests.append(digest)
+            if digest:
+                self.pool.publish(self.table[i], digest)
+
+    def table_array(self) -> np.ndarray:
+        """The block table as an int32 array (cached until the table changes)."""
+        if self._table_np is None:
+            self._table_np = np.asarray(self.table, np.int32)
+        return self._table_np
 
     def truncate(self, n: int) -> None:
-        """Forget every position from n on (the data stays allocated and is overwritten)."""
-        self.length = min(self.length, n)
+        """Forget every position from n on; blocks past it go back to the pool."""
+        n = max(0, min(self.length, int(n)))
+        bs = self.pool.block_size
+        keep = blocks_for(n, bs)
+        for b in self.table[keep:]:
+            self.pool.release(b)
+        if len(self.table) > keep:
+            del self.table[keep:]
+            self._table_np = None
+        self.length = n
+        del self.tokens[n:]
+        del self._digests[n // bs :]
+
+    def release(self) -> None:
+        """Give every block back (the sequence ended or was cancelled); the cache is empty afterwards."""
+        self.truncate(0)
+
+    close = release
+
+    def adopt(self, prompt: Sequence[int]) -> int:
+        """Reuse what is already computed for a prompt: the tokens this sequence holds in common with it,
+        then full blocks of the prompt found in the pool's prefix index. Returns how many of the
+        prompt's tokens are held (always fewer than all, so the last one runs and gives logits)."""
+        prompt = list(prompt)
+        limit = len(prompt) - 1
+        same = 0
+        for a, b in zip(self.tokens[: min(self.length, limit)], prompt):
+            if a != b:
+                break
+            same += 1
+        self.truncate(same)
+        bs = self.pool.block_size
+        if not self.pool.prefix_cache or self.length % bs or self.evicted:
+            return self.length
+        while self.length + bs <= limit:
+            i = self.length // bs
+            parent = self._digests[-1] if self._digests else ROOT
+            digest = prefix_digest(parent, prompt[self.length : self.length + bs])
+            b = self.pool.lookup(digest)
+            if b is None:
+                break
+            self.pool.retain(b)
+            self.table.append(b)
+            self._table_np = None
+            self.tokens.extend(prompt[self.length : self.length + bs])
+            self._digests.append(digest)
+            self.length += bs
+            if self.tracking:
+                self._grow_scores(self.length)
+            assert i + 1 == len(self.table)
+        return self.length
+
+    # --- retention past max_len ---
+
+    def observe(self, weights: np.ndarray) -> None:
+        """Add attention weights [rows, S] (one layer's queries) to the positions' heavy-hitter scores."""
+        self.heat[: weights.shape[1]] += weights.sum(axis=0, dtype=np.float64)
+
+    def _grow_scores(self, n: int) -> None:
+        if self.heat.size < n:
+            size = max(n, 2 * self.heat.size, 64)
+            self.heat = np.concatenate([self.heat, np.zeros(size - self.heat.size)])
+            self.born = np.concatenate([self.born, np.zeros(size - self.born.size, np.int64)])
+
+    def mean_attention(self) -> np.ndarray:
+        """Each held position's attention received per step it has been visible (retention's score)."""
+        n = self.length
+        age = np.maximum(self.steps - self.born[:n], 1)
+        return self.heat[:n] / age
+
+    def _overflow(self, n: int) -> None:
+        bs = self.pool.block_size
+        if self.overflow == "error" or n > self.max_len - bs:
+            raise GenerationError(
+                f"the sequence would reach {self.length + n} tokens but the context holds {self.max_len}; "
+                "use a shorter prompt, fewer --max-tokens, a larger --ctx, or --overflow retain|slide")
+        while self.length + n > self.max_len:
+            full = self.length // bs
+            if self.overflow == "slide":
+                victim = 0 if full else None
+            else:
+                victim = choose_victim(self.mean_attention(), full, bs, self.sink_tokens, self.recent_tokens) \
+                    if full else None
+                if victim is None and full:
+                    victim = min(blocks_for(self.sink_tokens, bs), full - 1)
+            if victim is None:
+                raise GenerationError(f"the context of {self.max_len} tokens has no full block left to evict; "
+                                      "raise --ctx")
+            self._evict(victim)
+
+    def _evict(self, i: int) -> None:
+        """Drop block i of the table; later positions move down one block (keys rotated back)."""
+        bs, pool = self.pool.block_size, self.pool
+        for k in range(i + 1, len(self.table)):
+            if self._shared(k):
+                self._privatize(k)
+            pool.unpublish(self.table[k])
+            b = self.table[k]
+            for j, arrays in enumerate(pool.layers):
+                key, scale = (arrays["v"], arrays["vs"]) if pool.latent[j] else (arrays["k"], arrays["ks"])
+                rows = key[b].astype(np.float32) * scale[b][..., None]
+                _rotate_back(rows, pool.rope[j], -bs)
+                stored, s = _encode(rows, key.dtype)
+                key[b] = stored
+                scale[b] = s
+        pool.release(self.table.pop(i))
+        self._table_np = None
+        lo, hi = i * bs, (i + 1) * bs
+        del self.tokens[lo:hi]
+        del self._digests[i:]
+        if self.tracking:
+            n = self.heat.size
+            self.heat = np.concatenate([self.heat[:lo], self.heat[hi:], np.zeros(bs)])[:n]
+            self.born = np.concatenate([self.born[:lo], self.born[hi:], np.zeros(bs, np.int64)])[:n]
+        self.length -= bs
+        self.evicted += bs
+
+    def _shared(self, i: int) -> bool:
+        b = self.table[i]
+        return self.pool.ref[b] > 1 or self.pool.hashes[b] is not None
+
+    def _privatize(self, i: int) -> None:
+        b = self.table[i]
+        if self.pool.ref[b] > 1:
+            self.table[i] = self.pool.copy(b)
+            self.pool.release(b)
+            self._table_np = None
+        else:
+            self.pool.unpublish(b)
+
+    # --- figures ---
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all layers."""
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes of the blocks this sequence holds."""
+        return len(self.table) * self.pool.block_bytes

@@ -177,7 +177,7 @@ def forward_from(model: Transformer, x: np.ndarray, start: int, keep: list[np.nd
         if keep is not None:
             keep.append(x)
         layer = model.layers[i]
-        x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i])
+        x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, [(slice(None), cache.layers[i])])
         h = rms_norm(x, layer.post_norm, eps)
         x = x + (layer.ffn(h, model.experts)[0] if isinstance(layer.ffn, MoE) else layer.ffn(h))
     if keep is not None:

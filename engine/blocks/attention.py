@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-from engine.blocks.attention_kernel import attend_causal
 from engine.blocks.linear import Probe, linear, linear_many
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
-from engine.kv import HeadsKV
+from engine.kv import LayerKV
 from engine.spec import AttentionSpec
 from engine.weights import Weights
 
@@ -33,6 +33,9 @@ def attention_shapes(spec: AttentionSpec, prefix: str, hidden: int) -> dict[str,
     elif spec.qk_norm == "full":
         shapes |= {f"{prefix}.q_norm.weight": (q_out,), f"{prefix}.k_norm.weight": (kv_out,)}
     return shapes
+
+
+Segments = Sequence[tuple[slice, LayerKV]]   # rows of the batch and the cache of the sequence they belong to
 
 
 def causal_mask(q_pos: np.ndarray, k_len: int, window: int | None) -> np.ndarray:
@@ -100,8 +103,10 @@ class Attention:
             w.get(f"{prefix}.q_norm.weight"), w.get(f"{prefix}.k_norm.weight"),
         )
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: HeadsKV, probe: Probe | None = None) -> np.ndarray:
-        """x [T, hidden] at `positions` -> [T, hidden]; writes this block's keys/values to `cache`."""
+    def __call__(self, x: np.ndarray, positions: np.ndarray, segments: Segments, probe: Probe | None = None) -> np.ndarray:
+        """x [T, hidden] at `positions` -> [T, hidden]. The rows may belong to several sequences
+        (`segments`: rows and cache of each); each writes its keys/values to its own cache and
+        attends over it, while the projections run once for all rows."""
         s, t = self.spec, x.shape[0]
         if probe is not None:
             for proj in ("q_proj", "k_proj", "v_proj"):
@@ -121,8 +126,12 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.rms_eps), rms_norm(k, self.k_norm, self.rms_eps)
         cos, sin = self.rotary.tables(positions)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        keys, values = cache.write(int(positions[0]), k, v)      # [Hkv, capacity, D]
-        out = attend_causal(q, keys, values, positions, s.scale, s.sliding_window).reshape(t, -1)  # [T, H*D]
+        out = np.empty((t, s.n_heads, s.head_dim), np.float32)
+        for rows, cache in segments:
+            pos = positions[rows]
+            cache.write(int(pos[0]), k[rows], v[rows])
+            out[rows] = cache.attend(q[rows], pos, s.scale, s.sliding_window)
+        out = out.reshape(t, -1)                                 # [T, H*D]
         if probe is not None:
             probe(f"{self.prefix}.o_proj.weight", out)
         out = linear(out, self.wo)

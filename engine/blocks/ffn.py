@@ -13,7 +13,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from engine.blocks.linear import Probe, is_quantized, linear, linear_many
+from engine.blocks.linear import Probe, is_quantized, linear, linear_many, rowwise
 from engine.blocks.norm import activation
 from engine.quant import expert_outputs, weighted_sum
 from engine.telemetry import NULL, Telemetry
@@ -164,7 +164,7 @@ class MoE:
         with telemetry.phase("dense"):
             if probe is not None:
                 probe(f"{self.prefix}.gate.weight", x)
-            ids, weights = route(self.spec, x @ self.router.T, self.correction_bias)   # [T, K] each
+            ids, weights = route(self.spec, rowwise(x, self.router), self.correction_bias)   # [T, K] each
         k = ids.shape[1]
         flat = ids.reshape(-1)                                                         # [T*K] slot s = t*K + k
         needed = np.unique(ids)
@@ -180,7 +180,7 @@ class MoE:
                 if self.shared_gate is not None:
                     if probe is not None:
                         probe(f"{self.prefix}.shared_expert_gate.weight", x)
-                    shared = shared * (1.0 / (1.0 + np.exp(-(x @ self.shared_gate.T))))
+                    shared = shared * (1.0 / (1.0 + np.exp(-rowwise(x, self.shared_gate))))
                 out += shared
         return out, Routing(self.layer, ids, weights)
 

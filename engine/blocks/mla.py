@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.blocks.attention import causal_mask, softmax_rows
+from engine.blocks.attention import Segments
 from engine.blocks.linear import Probe, linear
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
-from engine.kv import LatentKV
 from engine.spec import MLASpec
 from engine.weights import Weights
 
@@ -79,8 +78,9 @@ class LatentAttention:
             w.get(f"{prefix}.q_a_proj.bias"), w.get(f"{prefix}.kv_a_proj_with_mqa.bias"), w.get(f"{prefix}.o_proj.bias"),
         )
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cache: LatentKV, probe: Probe | None = None) -> np.ndarray:
-        """x [T, hidden] at `positions` -> [T, hidden]; writes the latent to `cache`."""
+    def __call__(self, x: np.ndarray, positions: np.ndarray, segments: Segments, probe: Probe | None = None) -> np.ndarray:
+        """x [T, hidden] at `positions` -> [T, hidden]; rows of several sequences as in `Attention`,
+        each writing its latents to its own cache."""
         s, t, p = self.spec, x.shape[0], self.prefix
         if self.wq is not None:
             if probe is not None:
@@ -107,16 +107,12 @@ class LatentAttention:
         cos, sin = self.rotary.tables(positions)
         k_rot = self.rotary.apply(ckv[:, None, s.kv_lora_rank :], cos, sin)[:, 0]  # [T, dr]
         q_rot = self.rotary.apply(q[..., s.qk_nope_dim :], cos, sin)    # [T, H, dr]
-        lat_all, rot_all = cache.write(int(positions[0]), latent, k_rot)  # [S, R], [S, dr]
-
-        q_lat = np.matmul(q[..., : s.qk_nope_dim].transpose(1, 0, 2), self.w_uk)  # [H, T, R]
-        scores = q_lat @ lat_all.T                                      # [H, T, S]
-        scores += np.matmul(q_rot.transpose(1, 0, 2), rot_all.T)        # [H, T, S]
-        scores *= np.float32(s.scale)
-        scores += causal_mask(positions, lat_all.shape[0], None)
-        probs = softmax_rows(scores)
-        ctx = probs @ lat_all                                           # [H, T, R]
-        out = np.matmul(ctx, self.w_uv.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(t, -1)  # [T, H*dv]
+        out = np.empty((t, s.n_heads, s.v_head_dim), np.float32)
+        for rows, cache in segments:
+            pos = positions[rows]
+            cache.write(int(pos[0]), latent[rows], k_rot[rows])
+            out[rows] = cache.attend_latent(q[rows, :, : s.qk_nope_dim], q_rot[rows], self.w_uk, self.w_uv, pos, s.scale)
+        out = out.reshape(t, -1)                                        # [T, H*dv]
         if probe is not None:
             probe(f"{p}.o_proj.weight", out)
         out = linear(out, self.wo)

@@ -183,13 +183,36 @@ class Transformer:
         Appends each MoE layer's routing to `routing` when a list is given; calls `probe` with the
         input of every weight matrix (by tensor name) when given.
         """
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if ids.size == 0:
-            raise GenerationError("no tokens to run: the prompt is empty")
-        if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
-            bad = int(ids[(ids < 0) | (ids >= self.spec.vocab_size)][0])
-            raise GenerationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
-        positions = cache.positions(ids.size)
+        return self.forward_batch([(tokens, cache)], all_logits=all_logits, routing=routing, probe=probe)[0]
+
+    def forward_batch(
+        self,
+        items: Sequence[tuple[Sequence[int] | np.ndarray, KVCache]],
+        *,
+        all_logits: bool = False,
+        routing: list[Routing] | None = None,
+        probe: Probe | None = None,
+    ) -> list[np.ndarray]:
+        """Run several sequences' next tokens in one pass: each item is (tokens [T_i], its cache).
+
+        The projections and experts run once for all rows (each distinct expert of a layer read once),
+        attention per sequence on its own cache; every row is computed as it would be alone. Returns
+        each sequence's logits ([T_i, V], or [1, V] for its last token).
+        """
+        ids_list = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens, _ in items]
+        for ids in ids_list:
+            if ids.size == 0:
+                raise GenerationError("no tokens to run: the prompt is empty")
+            if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+                bad = int(ids[(ids < 0) | (ids >= self.spec.vocab_size)][0])
+                raise GenerationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        caches = [cache for _, cache in items]
+        if len({id(c) for c in caches}) != len(caches):
+            raise GenerationError("a sequence appears twice in one batch")
+        pos_list = [cache.prepare(ids) for ids, cache in zip(ids_list, caches)]
+        ids, positions = np.concatenate(ids_list), np.concatenate(pos_list)
+        bounds = np.cumsum([0] + [i.size for i in ids_list])
+        rows = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         eps, tel = self.spec.rms_eps, self.telemetry
         ahead = self.prefetch_depth if hasattr(self.experts, "prefetch") else 0
         with tel.phase("dense"):
@@ -199,8 +222,9 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             if layer is None:
                 layer = self.layer_source.layer(i)
+            segments = [(r, cache.layers[i]) for r, cache in zip(rows, caches)]
             with tel.phase("attention"):
-                x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, cache.layers[i], probe)
+                x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, segments, probe)
             h = rms_norm(x, layer.post_norm, eps)
             if isinstance(layer.ffn, MoE):
                 y, r = layer.ffn(h, self.experts, probe, tel)
@@ -213,18 +237,21 @@ class Transformer:
             x = x + y
             if ahead and i + ahead < len(self.layers):
                 self._predict(i + ahead, x)
-        cache.commit(ids.size)
+        for ids_i, cache in zip(ids_list, caches):
+            cache.commit(ids_i.size)
         if not all_logits:
-            x = x[-1:]
+            x = x[bounds[1:] - 1]
         x = rms_norm(x, self.norm, eps)
         if probe is not None:
             probe("lm_head.weight", x)
         with tel.phase("dense"):
-            logits = linear(x, self.lm_head)                              # [T or 1, V]
+            logits = linear(x, self.lm_head)                              # [T or batch, V]
         if self.streamed:
             self.experts.end_token(ids.size)
-        tel.end_token(ids.size, prefill=ids.size > 1)
-        return logits
+        tel.end_token(ids.size, prefill=ids.size > len(items))
+        if all_logits:
+            return [logits[r] for r in rows]
+        return [logits[k : k + 1] for k in range(len(items))]
 
     def _predict(self, j: int, x: np.ndarray) -> None:
         """Start reading the experts layer j's router would choose for the hidden state x [T, hidden]."""
