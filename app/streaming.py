@@ -33,6 +33,40 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--resident-layers", type=int, default=None, metavar="N",
                    help="dense models: layers held in memory (default: as many as the budget allows)")
     g.add_argument("--no-history", action="store_true", help="neither read nor update the usage history")
+    add_kv_arguments(parser)
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    """--kv-block-size, --kv-bits, --overflow."""
+    from engine.kv import BLOCK_SIZE, OVERFLOW
+
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--kv-block-size", type=int, default=BLOCK_SIZE, metavar="N",
+                   help=f"positions per KV block, a power of two (default {BLOCK_SIZE})")
+    g.add_argument("--kv-bits", type=int, choices=(32, 8), default=32,
+                   help="32 keeps keys and values exact (default); 8 stores int8 rows, a quarter of the memory, "
+                        "with a small error")
+    g.add_argument("--overflow", choices=OVERFLOW, default="error",
+                   help="past --ctx: stop with an error (default), slide (drop the oldest blocks) or retain (keep "
+                        "the first tokens, the recent window and the most attended blocks); both change outputs")
+
+
+def kv_pool(spec, args: argparse.Namespace | None, ctx: int, sequences: int = 1, prefix_cache: bool = True):
+    """A KV pool from the flags holding `sequences` contexts of `ctx` tokens (plus one spare block each)."""
+    from engine.kv import BLOCK_SIZE, KVPool, blocks_for, check_kv_settings
+
+    block = getattr(args, "kv_block_size", BLOCK_SIZE)
+    bits = getattr(args, "kv_bits", 32)
+    check_kv_settings(block, bits, getattr(args, "overflow", "error"))
+    return KVPool(spec, sequences * (blocks_for(ctx, block) + 1), block, bits, prefix_cache=prefix_cache)
+
+
+def kv_cache(spec, args: argparse.Namespace | None, ctx: int, pool=None):
+    """One sequence's cache from the flags (its own pool unless one is given)."""
+    from engine.kv import KVCache
+
+    pool = pool if pool is not None else kv_pool(spec, args, ctx, prefix_cache=False)
+    return KVCache(spec, ctx, pool=pool, overflow=getattr(args, "overflow", "error"))
 
 
 def stream_options(args: argparse.Namespace, path: Path, quiet: bool = False):

@@ -74,10 +74,15 @@ class Scheduler:
 
     # --- requests ---
 
-    def submit(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Sequence:
-        """Queue a request; it joins the batch at the next step with room."""
+    def submit(self, request: GenerationRequest, cancel: threading.Event | None = None,
+               cache: KVCache | None = None) -> Sequence:
+        """Queue a request; it joins the batch at the next step with room. `cache` (on this
+        scheduler's pool) carries a sequence's own retention settings or earlier turns."""
         self._ids += 1
-        cache = KVCache(self.model.spec, self.max_len, pool=self.pool, overflow=self.overflow)
+        if cache is None:
+            cache = KVCache(self.model.spec, self.max_len, pool=self.pool, overflow=self.overflow)
+        elif cache.pool is not self.pool:
+            raise GenerationError("the cache belongs to another KV pool than the scheduler's")
         stops = request.stop_ids if request.stop_ids is not None else self.stop_ids
         seq = Sequence(self._ids, request, cache, cancel, stops, t0=time.perf_counter())
         try:
@@ -86,9 +91,9 @@ class Scheduler:
                 raise GenerationError(f"max_tokens is {request.max_tokens}; it must be at least 1")
             if not request.prompt:
                 raise GenerationError("no tokens to run: the prompt is empty")
-            if len(request.prompt) >= self.max_len and self.overflow == "error":
+            if len(request.prompt) >= cache.max_len and cache.overflow == "error":
                 raise GenerationError(f"the prompt has {len(request.prompt)} tokens but the context holds "
-                                      f"{self.max_len}; shorten the prompt or raise --ctx")
+                                      f"{cache.max_len}; shorten the prompt, raise --ctx or use --overflow")
         except ColibriError as exc:
             self._fail(seq, str(exc))
             return seq
@@ -195,7 +200,7 @@ class Scheduler:
         seq.events.append(TokenEvent(len(seq.tokens) - 1, token, delta))
         if hit:
             self._finish(seq, "stop", hit=True)
-        elif len(seq.tokens) >= req.max_tokens or (self.overflow == "error" and seq.cache.length + 1 >= self.max_len):
+        elif len(seq.tokens) >= req.max_tokens or (seq.cache.overflow == "error" and seq.cache.length + 1 >= seq.cache.max_len):
             self._finish(seq, "length")
         else:
             seq.pending = token

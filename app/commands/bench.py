@@ -38,6 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--replay", type=Path, metavar="FILE", help="only replay a recorded trace (no model run)")
     g.add_argument("--mmap-gen", type=int, default=8, metavar="N",
                    help="decode steps per chat of the page-fault baseline run (default 8; 0 skips it)")
+    parser.add_argument("--kv", metavar="PARTS", default=None,
+                        help="measure the KV cache instead: any of prefix,batch,blocks,int8,retention (comma-separated) "
+                             "or all: TTFT with a cached 800-token system prompt, 1-8 chats batched, attention per "
+                             "block size, int8 KV error, recall past the context with --overflow retain vs slide")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -74,6 +78,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.model is None:
         raise ColibriError("give MODEL (or --replay FILE)")
+    if args.kv is not None:
+        return _kv(args)
     if args.max_memory is not None:
         return _stream(args)
     _check(args)
@@ -94,6 +100,33 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
     else:
         print(format_table(result))
+    return 0
+
+
+KV_PARTS = ("prefix", "batch", "blocks", "int8", "retention")
+
+
+def _kv(args: argparse.Namespace) -> int:
+    """The KV cache bench (app.kv_bench)."""
+    from app.bench import thread_limits
+    from app.kv_bench import run_kv_bench
+    from app.probes import heldout_text
+
+    parts = set(KV_PARTS) if args.kv == "all" else {p.strip() for p in args.kv.split(",") if p.strip()}
+    unknown = parts - set(KV_PARTS)
+    if unknown or not parts:
+        raise ColibriError(f"--kv {args.kv}: use all or any of {','.join(KV_PARTS)}")
+    loaded = load(args.model, quiet=args.json, args=args)
+    log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
+    try:
+        with thread_limits(args.threads):
+            report = run_kv_bench(loaded, parts, heldout_text(), log=log)
+    finally:
+        loaded.close()
+    if args.json:
+        import dataclasses
+
+        print(json.dumps(dataclasses.asdict(report)))
     return 0
 
 

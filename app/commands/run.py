@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
-from app.streaming import add_memory_arguments
+from app.streaming import add_memory_arguments, kv_cache
 from engine.errors import ColibriError
 
 
@@ -107,7 +107,7 @@ def _answer(args: argparse.Namespace, loaded, sampling) -> int:
         prompt=tuple(ids), max_tokens=args.max_tokens, sampling=sampling,
         stop=tuple(args.stop), prompt_logits=args.logits_out is not None,
     )
-    cache = KVCache(loaded.spec, context_length(loaded, args.ctx))
+    cache = kv_cache(loaded.spec, args, context_length(loaded, args.ctx))
     done = None
     for event in stream_generate(loaded.model, loaded.tokenizer, request, stop_ids=loaded.stop_ids, cache=cache):
         if isinstance(event, ErrorEvent):
