@@ -368,8 +368,8 @@ class EngineService:
     # --- generation ---
 
     def _generate(self, req: GenerateRequest, cancel: threading.Event) -> None:
-        from engine.generate import GenerationRequest, stream_generate
-        from engine.kv import KVCache
+        from engine.generate import GenerationRequest
+        from engine.scheduler import Scheduler
 
         model = self._model
         if cancel.is_set():
@@ -385,25 +385,33 @@ class EngineService:
             self._emit(Generation(req.id, ErrorEvent(_message(exc))))
             return
         request = GenerationRequest(prompt=prompt, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop)
-        cache = KVCache(loaded.spec, model.info.settings.context_length)
+        pool = model.kv_pool()
+        sched = Scheduler(loaded.model, pool, max_len=model.info.settings.context_length, tokenizer=loaded.tokenizer,
+                          stop_ids=loaded.stop_ids)
+        seq = sched.submit(request, cancel)
         tel.begin()
         t0, first = time.perf_counter(), True
         try:
-            for event in stream_generate(loaded.model, loaded.tokenizer, request, stop_ids=loaded.stop_ids,
-                                         cache=cache, cancel=cancel):
-                if first and isinstance(event, TokenEvent):
-                    first = False
-                    tel.set_gauge("ttft", time.perf_counter() - t0)
-                elif isinstance(event, DoneEvent) and event.stats.generated_tokens:
-                    tel.set_gauge("ttft", event.stats.ttft_s)
-                self._emit(Generation(req.id, event))
+            while True:
+                if sched.busy:
+                    sched.step()
+                for event in seq.drain():
+                    if first and isinstance(event, TokenEvent):
+                        first = False
+                        tel.set_gauge("ttft", time.perf_counter() - t0)
+                    elif isinstance(event, DoneEvent) and event.stats.generated_tokens:
+                        tel.set_gauge("ttft", event.stats.ttft_s)
+                    self._emit(Generation(req.id, event))
+                if seq.done:
+                    break
                 # between two tokens: the only moment settings may change under a running generation
                 if self._pending is not None:
                     self._apply_pending()
-                tel.set_gauge("kv_bytes", cache.nbytes)
+                tel.set_gauge("kv_bytes", pool.nbytes)
                 model.gauge_rss()
                 time.sleep(0)   # numba kernels hold the GIL: hand it to the UI thread once per token
         finally:
+            tel.set_gauge("kv_bytes", pool.nbytes)
             tel.flush()
 
     @staticmethod

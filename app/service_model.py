@@ -42,6 +42,17 @@ class Engaged:
     container: Any = None               # the Container its store streams from
     rss_at: float = 0.0                 # when the rss gauge was last read
     base_tiers: np.ndarray | None = None  # [L, E] int8 tiers before any expert is read (built on first use)
+    pool: Any = None                    # engine.kv.KVPool for the context length in force (made on first use)
+
+    def kv_pool(self):
+        """The KV pool: one context's blocks, shared by requests; full blocks stay indexed so that the next
+        turn of a chat (or any prompt with the same beginning) starts from them."""
+        from engine.kv import KVPool, blocks_for
+
+        ctx = self.info.settings.context_length
+        if self.pool is None or self.pool.n_blocks != blocks_for(ctx) + 1:
+            self.pool = KVPool(self.loaded.spec, blocks_for(ctx) + 1)
+        return self.pool
 
     @classmethod
     def open(cls, loaded, telemetry: Telemetry, settings: EngineSettings) -> Engaged:

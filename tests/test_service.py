@@ -179,6 +179,22 @@ def test_chat_messages_stream_tokens_that_add_up_to_the_answer(service, hf):
     assert direct[-1].tokens == done.tokens
 
 
+def test_the_next_turn_of_a_chat_starts_from_its_cached_prefix(service, container):
+    _load(service, container)
+    _, first = _generate(service, messages=MESSAGES, max_tokens=8)
+    pool = service._model.pool
+    hits = pool.hits
+    follow = MESSAGES + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    _, again = _generate(service, messages=follow, max_tokens=8)
+    assert pool.hits > hits                                    # earlier turns' blocks were taken, not recomputed
+    loaded = load_model(container)
+    prompt = loaded.tokenizer.encode_chat(list(follow), add_generation_prompt=True)
+    direct = list(stream_generate(loaded.model, loaded.tokenizer, GenerationRequest(tuple(prompt), 8),
+                                  stop_ids=loaded.stop_ids, cache=KVCache(loaded.spec, 2048)))
+    assert direct[-1].tokens == again.tokens                   # and the answer is the one computed afresh
+    assert pool.used_blocks == 0                               # nothing held between requests but cached prefixes
+
+
 def test_token_ids_generate_too_and_errors_end_the_request(service, hf):
     i = service.generate([5, 6, 7], max_tokens=4)
     assert "no model" in service.events.done(i).message
