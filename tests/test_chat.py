@@ -33,6 +33,7 @@ def test_turns_build_a_history_and_reset_forgets_it(session):
     assert "Paris" in first and isinstance(done, DoneEvent)
     second, _ = _answer(session, "And of Germany?")  # only answerable with the first turn in context
     assert "Berlin" in second
+    assert session.reused >= 16                     # the first turn's blocks were reused, not recomputed
     assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
     assert session.messages[1]["content"] == first
     session.reset()

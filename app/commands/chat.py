@@ -12,7 +12,7 @@ import sys
 import threading
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
-from app.streaming import add_memory_arguments
+from app.streaming import add_memory_arguments, kv_pool
 from engine.errors import ColibriError
 
 HELP = "commands: /reset forgets the conversation, /exit leaves; Ctrl-C stops an answer"
@@ -36,11 +36,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 class ChatSession:
     """The conversation and one answer at a time; knows nothing of the terminal."""
 
-    def __init__(self, loaded, sampling, max_tokens: int, ctx: int, system: str | None, stop: tuple[str, ...] = ()):
+    def __init__(self, loaded, sampling, max_tokens: int, ctx: int, system: str | None, stop: tuple[str, ...] = (),
+                 pool=None, overflow: str = "error"):
         if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
             raise ColibriError(f"{loaded.name} has no chat template; use `colibri run --prompt` instead")
+        from engine.kv import KVPool, blocks_for
+
         self.loaded, self.sampling, self.max_tokens, self.ctx, self.stop = loaded, sampling, max_tokens, ctx, stop
         self.system = system
+        # full blocks of every turn stay indexed in the pool: the next turn computes only what is new
+        self.pool = pool if pool is not None else KVPool(loaded.spec, blocks_for(ctx) + 1)
+        self.overflow = overflow
+        self.reused = 0                     # prompt tokens of the last turn taken from the cache
         self.messages: list[dict] = []
         self.reset()
 
@@ -51,21 +58,30 @@ class ChatSession:
     def answer(self, text: str, cancel: threading.Event):
         """Add a user turn and stream the answer's events; the answer joins the history when done."""
         from engine.events import DoneEvent
-        from engine.generate import GenerationRequest, stream_generate
+        from engine.generate import GenerationRequest
         from engine.kv import KVCache
+        from engine.scheduler import Scheduler
 
         self.messages.append({"role": "user", "content": text})
         ids = self.loaded.tokenizer.encode_chat(self.messages, add_generation_prompt=True)
         request = GenerationRequest(prompt=tuple(ids), max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop)
-        cache = KVCache(self.loaded.spec, self.ctx)
+        sched = Scheduler(self.loaded.model, self.pool, max_len=self.ctx, tokenizer=self.loaded.tokenizer,
+                          stop_ids=self.loaded.stop_ids)
+        seq = sched.submit(request, cancel, KVCache(self.loaded.spec, self.ctx, pool=self.pool, overflow=self.overflow))
         done = None
         try:
-            for event in stream_generate(self.loaded.model, self.loaded.tokenizer, request,
-                                         stop_ids=self.loaded.stop_ids, cache=cache, cancel=cancel):
-                if isinstance(event, DoneEvent):
-                    done = event
-                yield event
+            while True:
+                for event in seq.drain():
+                    if isinstance(event, DoneEvent):
+                        done = event
+                    yield event
+                if seq.done:
+                    break
+                sched.step()
+                self.reused = seq.reused
         finally:
+            if not seq.done:
+                seq.cache.release()          # abandoned mid-answer: its blocks go back
             if done is not None:
                 self.messages.append({"role": "assistant", "content": done.text})
             else:
@@ -84,7 +100,9 @@ def _run(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace, loaded, sampling) -> int:
     from engine.events import DoneEvent, ErrorEvent, TokenEvent
 
-    session = ChatSession(loaded, sampling, args.max_tokens, context_length(loaded, args.ctx), args.system, tuple(args.stop))
+    ctx = context_length(loaded, args.ctx)
+    session = ChatSession(loaded, sampling, args.max_tokens, ctx, args.system, tuple(args.stop),
+                          pool=kv_pool(loaded.spec, args, ctx), overflow=args.overflow)
     print(f"chatting with {loaded.name}; {HELP}", file=sys.stderr)
     while True:
         try:
