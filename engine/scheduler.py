@@ -40,6 +40,7 @@ class Sequence:
     stop_ids: frozenset[int]
     events: deque = field(default_factory=deque)
     done: bool = False
+    keep: bool = False         # the caller owns the cache: it is not released at the end
     reused: int = 0            # prompt tokens taken from the prefix cache
     prefilled: int = 0         # prompt tokens in the cache
     pending: int | None = None  # the sampled token the next step feeds
@@ -75,16 +76,17 @@ class Scheduler:
     # --- requests ---
 
     def submit(self, request: GenerationRequest, cancel: threading.Event | None = None,
-               cache: KVCache | None = None) -> Sequence:
+               cache: KVCache | None = None, keep: bool = False) -> Sequence:
         """Queue a request; it joins the batch at the next step with room. `cache` (on this
-        scheduler's pool) carries a sequence's own retention settings or earlier turns."""
+        scheduler's pool) carries a sequence's own retention settings or earlier turns; with `keep`
+        it still holds the prompt and answer afterwards (a chat's next turn, a saved session)."""
         self._ids += 1
         if cache is None:
             cache = KVCache(self.model.spec, self.max_len, pool=self.pool, overflow=self.overflow)
         elif cache.pool is not self.pool:
             raise GenerationError("the cache belongs to another KV pool than the scheduler's")
         stops = request.stop_ids if request.stop_ids is not None else self.stop_ids
-        seq = Sequence(self._ids, request, cache, cancel, stops, t0=time.perf_counter())
+        seq = Sequence(self._ids, request, cache, cancel, stops, keep=keep, t0=time.perf_counter())
         try:
             request.sampling.validate()
             if request.max_tokens < 1:
@@ -224,6 +226,7 @@ class Scheduler:
     def _leave(self, seq: Sequence) -> None:
         seq.done = True
         seq.pending = None
-        seq.cache.release()
+        if not seq.keep:
+            seq.cache.release()
         if seq in self.running:
             self.running.remove(seq)

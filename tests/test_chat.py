@@ -73,3 +73,27 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_chat(smollm2_gguf):
     proc.stdin.flush()
     assert proc.wait(timeout=60) == 0  # the chat was still there to take /exit
     assert "[stopped]" in proc.stderr.read()
+
+
+def _chat(model, session, lines: str):
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "chat", str(model), "--max-tokens", "24", "--session",
+                           str(session)], input=lines, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_a_saved_session_resumes_byte_identically(smollm2_gguf, tmp_path):
+    turns = "My name is Ada and I keep bees.\n", "What do I keep, and what is my name?\n"
+    whole = _chat(smollm2_gguf, tmp_path / "one.session", turns[0] + turns[1] + "/exit\n")
+    first = _chat(smollm2_gguf, tmp_path / "two.session", turns[0] + "/exit\n")
+    size = (tmp_path / "two.session").stat().st_size
+    again = _chat(smollm2_gguf, tmp_path / "two.session", turns[1] + "/exit\n")      # a new process
+    assert "(resumed 1 turn from" in again.stderr
+    answers = lambda out: out.replace("> ", "")  # noqa: E731 - the input prompts differ, not the answers
+    assert answers(first.stdout + again.stdout) == answers(whole.stdout)           # the same bytes
+    assert (tmp_path / "two.session").stat().st_size > size
+    other = tmp_path / "other.session"
+    (tmp_path / "two.session").rename(other)
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "chat", str(smollm2_gguf), "--session", str(other),
+                           "--kv-bits", "8"], input="/exit\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "KV bits 32 in the file, 8 here" in proc.stderr

@@ -10,6 +10,7 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
 from app.streaming import add_memory_arguments, kv_pool
@@ -28,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_argument(parser, required=False)
     parser.add_argument("--system", metavar="TEXT", help="a system message for the conversation")
+    parser.add_argument("--session", type=Path, metavar="FILE",
+                        help="keep the conversation and its KV cache in FILE: resumed from it when it exists, "
+                             "saved after every turn (only what is new is appended)")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.1)
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
@@ -40,13 +44,14 @@ class ChatSession:
                  pool=None, overflow: str = "error"):
         if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
             raise ColibriError(f"{loaded.name} has no chat template; use `colibri run --prompt` instead")
-        from engine.kv import KVPool, blocks_for
+        from engine.kv import KVCache, KVPool, blocks_for
 
         self.loaded, self.sampling, self.max_tokens, self.ctx, self.stop = loaded, sampling, max_tokens, ctx, stop
         self.system = system
         # full blocks of every turn stay indexed in the pool: the next turn computes only what is new
         self.pool = pool if pool is not None else KVPool(loaded.spec, blocks_for(ctx) + 1)
         self.overflow = overflow
+        self.cache = KVCache(loaded.spec, ctx, pool=self.pool, overflow=overflow)   # the conversation so far
         self.reused = 0                     # prompt tokens of the last turn taken from the cache
         self.messages: list[dict] = []
         self.reset()
@@ -55,11 +60,32 @@ class ChatSession:
         """Forget the conversation (the system message stays)."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
+    # --- saved sessions ---
+
+    def session_file(self, path):
+        """The session file at path, bound to this model and these KV settings."""
+        from app.atlas import model_hash
+        from engine.session import KVSettings, SessionFile
+
+        return SessionFile(path, model_hash(self.loaded.path), KVSettings.of(self.cache))
+
+    def save(self, sessions) -> None:
+        """Write the conversation and its KV cache (only what is new since the last save)."""
+        from engine.session import SessionState
+
+        sessions.save(self.cache, SessionState(sampling=self.sampling, extra={"messages": self.messages}))
+
+    def restore(self, sessions) -> int:
+        """Continue a saved conversation: its messages and KV cache; returns the turns restored."""
+        self.cache.release()
+        self.cache, state = sessions.load(self.pool)
+        self.messages = list(state.extra.get("messages", []))
+        return sum(m["role"] == "user" for m in self.messages)
+
     def answer(self, text: str, cancel: threading.Event):
         """Add a user turn and stream the answer's events; the answer joins the history when done."""
         from engine.events import DoneEvent
         from engine.generate import GenerationRequest
-        from engine.kv import KVCache
         from engine.scheduler import Scheduler
 
         self.messages.append({"role": "user", "content": text})
@@ -67,7 +93,7 @@ class ChatSession:
         request = GenerationRequest(prompt=tuple(ids), max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop)
         sched = Scheduler(self.loaded.model, self.pool, max_len=self.ctx, tokenizer=self.loaded.tokenizer,
                           stop_ids=self.loaded.stop_ids)
-        seq = sched.submit(request, cancel, KVCache(self.loaded.spec, self.ctx, pool=self.pool, overflow=self.overflow))
+        seq = sched.submit(request, cancel, self.cache, keep=True)
         done = None
         try:
             while True:
@@ -80,8 +106,6 @@ class ChatSession:
                 sched.step()
                 self.reused = seq.reused
         finally:
-            if not seq.done:
-                seq.cache.release()          # abandoned mid-answer: its blocks go back
             if done is not None:
                 self.messages.append({"role": "assistant", "content": done.text})
             else:
@@ -103,6 +127,10 @@ def _chat(args: argparse.Namespace, loaded, sampling) -> int:
     ctx = context_length(loaded, args.ctx)
     session = ChatSession(loaded, sampling, args.max_tokens, ctx, args.system, tuple(args.stop),
                           pool=kv_pool(loaded.spec, args, ctx), overflow=args.overflow)
+    sessions = session.session_file(args.session) if args.session is not None else None
+    if sessions is not None and args.session.exists():
+        turns = session.restore(sessions)
+        print(f"(resumed {turns} turn{'s' if turns != 1 else ''} from {args.session})", file=sys.stderr)
     print(f"chatting with {loaded.name}; {HELP}", file=sys.stderr)
     while True:
         try:
@@ -120,6 +148,8 @@ def _chat(args: argparse.Namespace, loaded, sampling) -> int:
             return 0
         if text == "/reset":
             session.reset()
+            if sessions is not None:
+                session.save(sessions)
             print("(conversation forgotten)", file=sys.stderr)
             continue
         if text.startswith("/"):
@@ -147,3 +177,5 @@ def _chat(args: argparse.Namespace, loaded, sampling) -> int:
                               file=sys.stderr)
         finally:
             signal.signal(signal.SIGINT, previous)
+        if sessions is not None:
+            session.save(sessions)           # after every turn: a restart continues from here
