@@ -40,6 +40,7 @@ class KVReport:
     int8_top1: float | None = None
     int8_bytes_ratio: float | None = None
     retention: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (found, trials)
+    retention_ppl: dict[str, float] = field(default_factory=dict)        # mode -> perplexity past the context
 
     @property
     def ttft_ideal_s(self) -> float:
@@ -62,6 +63,8 @@ class KVReport:
                        f"{self.int8_bytes_ratio * 100:.0f}% of the float32 bytes")
         for mode, (found, trials) in self.retention.items():
             out.append(f"retention     {mode:6s}: the early fact recalled in {found}/{trials} long documents")
+        for mode, ppl in self.retention_ppl.items():
+            out.append(f"retention     {mode:6s}: perplexity {ppl:.2f} on text four times the context")
         return out
 
 
@@ -206,6 +209,29 @@ def retention(loaded, report: KVReport, ctx: int = 512, doc_tokens: int = 1400, 
         log(report.lines()[-1])
 
 
+def retention_perplexity(loaded, report: KVReport, text: str, ctx: int = 256, chunk: int = 32,
+                         log: Log = print) -> None:
+    """Perplexity of held-out text read `chunk` tokens at a time through a context of `ctx` tokens,
+    with each overflow mode, against the whole text in context (StreamingLLM's measure)."""
+    ids = loaded.tokenizer.encode(text)[: 4 * ctx]
+    for mode in ("full", "retain", "slide"):
+        size = len(ids) + 1 if mode == "full" else ctx
+        cache = KVCache(loaded.spec, size, pool=KVPool(loaded.spec, blocks_for(size) + 2),
+                        overflow="error" if mode == "full" else mode, sink_tokens=16, recent_tokens=ctx // 4)
+        nll, n = 0.0, 0
+        for start in range(0, len(ids) - 1, chunk):
+            piece = ids[start : start + chunk]
+            logits = loaded.model.forward(piece, cache, all_logits=True).astype(np.float64)
+            targets = ids[start + 1 : start + 1 + len(piece)]
+            rows = logits[: len(targets)]
+            rows = rows - rows.max(axis=1, keepdims=True)
+            logp = rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
+            nll -= float(logp[np.arange(len(targets)), targets].sum())
+            n += len(targets)
+        report.retention_ppl[mode] = float(np.exp(nll / n))
+        log(report.lines()[-1])
+
+
 def run_kv_bench(loaded: Any, parts: set[str], heldout: str, log: Log = print) -> KVReport:
     """The parts asked for (prefix, batch, blocks, int8, retention) on a loaded model."""
     report = KVReport()
@@ -218,5 +244,6 @@ def run_kv_bench(loaded: Any, parts: set[str], heldout: str, log: Log = print) -
     if "int8" in parts:
         int8_error(loaded, report, heldout, log=log)
     if "retention" in parts and loaded.tokenizer is not None and loaded.tokenizer.has_chat_template:
+        retention_perplexity(loaded, report, heldout, log=log)
         retention(loaded, report, log=log)
     return report
