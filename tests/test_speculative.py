@@ -310,3 +310,19 @@ def test_controller_without_adaptation_always_drafts():
     c = SpeculationController(SpeculativeSettings(adaptive=False))
     _feed(c, 50, 4, 0, draft_s=0.1, plain_s=0.01)
     assert c.on and c.draft_steps == 50 and c.as_dict()["acceptance"] == 0.0
+
+
+def test_colibri_run_speculative_prints_the_plain_answer_and_the_counters(target, capsys):
+    import json
+
+    from app.cli import main
+
+    args = ["run", str(target.path), "--tokens", ",".join(map(str, [5, 6, 7, 5, 6, 7, 5, 6])), "--max-tokens", "12",
+            "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--speculative", "--draft", "3"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["tokens"] == plain["tokens"] and fast["speculative"]["steps"] >= 1
+    assert main(args + ["--draft-model", str(target.path)]) != 0
+    assert "--draft-model needs --speculative" in capsys.readouterr().err

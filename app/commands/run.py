@@ -34,6 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--logits-out", type=Path, metavar="FILE.npy", help="save the prompt's logits, float32 [prompt_len, vocab]")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.0)
+    g = parser.add_argument_group("speculative decoding (the same output, faster when text repeats)")
+    g.add_argument("--speculative", action="store_true",
+                   help="draft tokens from n-grams of the context and verify them in one pass; switches itself "
+                        "off when it does not pay")
+    g.add_argument("--draft", type=int, default=4, metavar="K", help="tokens drafted per step (default 4)")
+    g.add_argument("--draft-model", metavar="MODEL",
+                   help="also draft with a small model sharing the tokenizer (e.g. smollm2-135m for smollm2-moe)")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -108,8 +115,28 @@ def _answer(args: argparse.Namespace, loaded, sampling) -> int:
         stop=tuple(args.stop), prompt_logits=args.logits_out is not None,
     )
     cache = kv_cache(loaded.spec, args, context_length(loaded, args.ctx))
+    controller = None
+    if args.speculative:
+        import dataclasses
+
+        from engine.speculative import SpeculationController, SpeculativeSettings
+
+        draft_model = None
+        if args.draft_model is not None:
+            draft = load(args.draft_model, quiet=True)
+            if draft.spec.vocab_size != loaded.spec.vocab_size:
+                raise ColibriError(f"--draft-model {args.draft_model}: its vocabulary has {draft.spec.vocab_size} "
+                                   f"tokens, {loaded.name}'s {loaded.spec.vocab_size}; use a model of the same family")
+            draft_model = draft.model
+        settings = SpeculativeSettings(max_draft=args.draft, draft_model=draft_model)
+        settings.validate()
+        request = dataclasses.replace(request, speculative=settings)
+        controller = SpeculationController(settings)
+    elif args.draft_model is not None:
+        raise ColibriError("--draft-model needs --speculative")
     done = None
-    for event in stream_generate(loaded.model, loaded.tokenizer, request, stop_ids=loaded.stop_ids, cache=cache):
+    for event in stream_generate(loaded.model, loaded.tokenizer, request, stop_ids=loaded.stop_ids, cache=cache,
+                                 speculation=controller):
         if isinstance(event, ErrorEvent):
             raise ColibriError(event.message)
         if isinstance(event, PromptLogitsEvent):
@@ -127,6 +154,7 @@ def _answer(args: argparse.Namespace, loaded, sampling) -> int:
             "prompt_tokens": len(ids),
             "finish_reason": done.finish_reason,
             "stats": done.stats.as_dict(),
+            **({"speculative": controller.as_dict()} if controller is not None else {}),
         }, ensure_ascii=False))
     else:
         sys.stdout.write(done.tail + "\n")
@@ -136,4 +164,8 @@ def _answer(args: argparse.Namespace, loaded, sampling) -> int:
             f"{s.decode_tok_s:.1f} tok/s, first token after {s.ttft_s:.2f} s, {done.finish_reason}]",
             file=sys.stderr,
         )
+        if controller is not None:
+            c = controller
+            print(f"[speculative: {c.accepted} of {c.drafted} drafted tokens accepted in {c.draft_steps} steps, "
+                  f"drafting {'on' if c.on else 'off'} at the end]", file=sys.stderr)
     return 0
