@@ -20,7 +20,7 @@ import numpy as np
 
 from app.bench import random_prompt
 from engine.generate import GenerationRequest
-from engine.kv import KVCache, KVPool, blocks_for
+from engine.kv import BLOCK_SIZE, KVCache, KVPool, blocks_for
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -78,7 +78,7 @@ def _ttft(loaded, pool: KVPool, prompt: list[int], ctx: int) -> float:
 
 
 def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50, trials: int = 3,
-                block: int = 16, log: Log = print) -> None:
+                block: int = BLOCK_SIZE, log: Log = print) -> None:
     """TTFT of question after system prompt: computed afresh each time against with the system prompt cached."""
     ctx = system + question + 8
     sys_ids = random_prompt(loaded, system, seed=1)

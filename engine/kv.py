@@ -32,11 +32,11 @@ import numpy as np
 from engine.errors import ColibriError, GenerationError
 from engine.spec import AttentionSpec, MLASpec, ModelSpec, RopeSpec
 
-BLOCK_SIZE = 16           # positions per block: measured with `colibri bench --kv-block-size` (see README)
+BLOCK_SIZE = 32           # positions per block: decode attention at 2048 positions is flat from 16 to 128 and
+                          # 1.8x slower at 8 (`colibri bench --kv blocks`); 32 keeps prefix sharing fine-grained
 OVERFLOW = ("error", "slide", "retain")
 SINK_TOKENS = 4           # retention: the first tokens always kept (attention sinks)
 PAGE = 4096
-_ALIGN = 64
 
 
 class KVFullError(GenerationError):
@@ -50,7 +50,6 @@ class _Part:
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    offset: int = 0
 
 
 def _layer_parts(attn, block: int, bits: int) -> list[_Part]:
@@ -65,12 +64,9 @@ def _layer_parts(attn, block: int, bits: int) -> list[_Part]:
 
 
 def block_bytes(spec: ModelSpec, block_size: int = BLOCK_SIZE, bits: int = 32) -> int:
-    """Bytes one block of every layer takes (rounded up to whole pages)."""
-    total = 0
-    for layer in spec.layers:
-        for part in _layer_parts(layer.attn, block_size, bits):
-            total = -(-total // _ALIGN) * _ALIGN + int(np.prod(part.shape)) * part.dtype.itemsize
-    return -(-total // PAGE) * PAGE
+    """Bytes one block of every layer takes."""
+    return sum(int(np.prod(part.shape)) * part.dtype.itemsize
+               for layer in spec.layers for part in _layer_parts(layer.attn, block_size, bits))
 
 
 def blocks_for(tokens: int, block_size: int = BLOCK_SIZE) -> int:
@@ -118,25 +114,20 @@ class KVPool:
         self.prefix_cache = prefix_cache
         self.rope = [layer.attn.rope for layer in spec.layers]
         self.latent = [isinstance(layer.attn, MLASpec) for layer in spec.layers]
-        layouts, offset = [], 0
-        for layer in spec.layers:
-            parts = []
-            for part in _layer_parts(layer.attn, block_size, bits):
-                offset = -(-offset // _ALIGN) * _ALIGN
-                parts.append(_Part(part.name, part.shape, part.dtype, offset))
-                offset += int(np.prod(part.shape)) * part.dtype.itemsize
-            layouts.append(parts)
-        self.block_bytes = -(-offset // PAGE) * PAGE
-        self._map = mmap.mmap(-1, self.n_blocks * self.block_bytes,
-                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+        # one anonymous mapping per layer and array, reserved for every block and committed as blocks are
+        # written: each array is C-contiguous [n_blocks, ...], so the kernels' inner loops run at unit stride
+        self._maps: list[mmap.mmap] = []
         self.layers: list[dict[str, np.ndarray]] = []
-        for parts in layouts:
+        for layer in spec.layers:
             arrays = {}
-            for part in parts:
-                inner = np.empty(part.shape, part.dtype).strides
-                arrays[part.name] = np.ndarray((self.n_blocks, *part.shape), part.dtype, buffer=self._map,
-                                               offset=part.offset, strides=(self.block_bytes, *inner))
+            for part in _layer_parts(layer.attn, block_size, bits):
+                size = self.n_blocks * int(np.prod(part.shape)) * part.dtype.itemsize
+                m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+                self._maps.append(m)
+                arrays[part.name] = np.frombuffer(m, part.dtype, count=size // part.dtype.itemsize).reshape(
+                    (self.n_blocks, *part.shape))
             self.layers.append(arrays)
+        self.block_bytes = block_bytes(spec, block_size, bits)
         self.ref = np.zeros(self.n_blocks, np.int32)
         self.hashes: list[bytes | None] = [None] * self.n_blocks
         self.index: dict[bytes, int] = {}
@@ -182,10 +173,14 @@ class KVPool:
         self.free.append(b)
         if self.touched[b]:
             self.touched[b] = False
-            try:
-                self._map.madvise(mmap.MADV_DONTNEED, b * self.block_bytes, self.block_bytes)
-            except (AttributeError, OSError):   # pragma: no cover - no madvise: the pages stay until reused
-                pass
+            for array, m in zip((a for layer in self.layers for a in layer.values()), self._maps):
+                row = array[0].nbytes
+                lo, hi = -(-b * row // PAGE) * PAGE, (b + 1) * row // PAGE * PAGE   # whole pages inside the block
+                if hi > lo:
+                    try:
+                        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                    except (AttributeError, OSError):   # pragma: no cover - no madvise: pages stay until reused
+                        return
 
     def _unindex(self, b: int) -> None:
         h = self.hashes[b]
@@ -248,12 +243,13 @@ class KVPool:
         return self.n_blocks * self.block_bytes
 
     def close(self) -> None:
-        """Release the mapping (no sequence may use the pool afterwards)."""
+        """Release the mappings (no sequence may use the pool afterwards)."""
         self.layers = []
-        try:
-            self._map.close()
-        except BufferError:   # pragma: no cover - a view is still alive; the mapping goes with it
-            pass
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:   # pragma: no cover - a view is still alive; the mapping goes with it
+                pass
 
 
 def prefix_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
