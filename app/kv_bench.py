@@ -3,7 +3,8 @@
 - prefix reuse: time to first token of 50-token questions after an 800-token system prompt, with
   the prompt's blocks cached against computed afresh, and against the ideal (the ratio of tokens
   prefilled);
-- batching: throughput of 1, 2, 4, 8 chats decoding together against the same chats one after another;
+- batching: throughput (prompt and answer) of 1, 2, 4, 8 chats together against the same chats one
+  after another;
 - block size: the attention kernel's decode and prefill time at a long context for each block size;
 - int8 KV: its error against float32 on held-out text (KL divergence and top-1 agreement);
 - retention: a fact stated early in a document longer than the context, asked about at the end,
@@ -100,6 +101,11 @@ def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50,
 def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, gen: int = 32, log: Log = print) -> None:
     """Decode throughput of n chats together against one after another (greedy, distinct prompts)."""
     ctx = prompt + gen + 8
+    warm = Scheduler(loaded.model, KVPool(loaded.spec, 2 * (blocks_for(ctx) + 2), prefix_cache=False), max_len=ctx,
+                     max_batch=2)
+    for seed in (98, 99):                   # compile every kernel shape and fill caches before timing
+        warm.submit(GenerationRequest(prompt=tuple(random_prompt(loaded, prompt, seed=seed)), max_tokens=4))
+    warm.run()
     for n in counts:
         prompts = [random_prompt(loaded, prompt, seed=100 + i) for i in range(n)]
         rates = []
