@@ -24,6 +24,7 @@ COMMANDS: list[str] = [
     "moefy",
     "atlas",
     "gui",
+    "serve",
 ]
 
 

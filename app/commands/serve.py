@@ -1,0 +1,97 @@
+"""`colibri serve MODEL`: the model behind an OpenAI-compatible HTTP API (see app.server)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+from app.commands._common import add_model_argument, context_length, load
+from app.streaming import add_memory_arguments
+from engine.errors import ColibriError
+
+DEFAULT_SERVE_CTX = 4096
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `serve` command."""
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL on /v1/chat/completions, /v1/completions and /v1/models (streamed or not), with "
+        "/health, /metrics (Prometheus) and /v1/telemetry (server-sent events). Concurrent requests decode "
+        "together; past --max-queue waiting requests the answer is 429. Binds to loopback unless told otherwise.",
+    )
+    add_model_argument(parser, required=False)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health")
+    parser.add_argument("--max-queue", type=int, default=16, metavar="N",
+                        help="requests that may wait for room in the batch before 429 (default 16)")
+    parser.add_argument("--max-batch", type=int, default=4, metavar="N", help="requests decoded together (default 4)")
+    parser.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                        help="allow browser pages from ORIGIN (repeatable; default: no CORS)")
+    parser.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
+                        help="largest request body accepted (default 4 MiB)")
+    parser.add_argument("--ctx", type=int, default=None, metavar="N",
+                        help=f"context per request in tokens (default {DEFAULT_SERVE_CTX} or the model's, if less)")
+    add_memory_arguments(parser)
+    parser.set_defaults(func=_run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        raise ColibriError(f"--port {args.port}: use 1 to 65535")
+    if args.max_batch < 1 or args.max_queue < 0:
+        raise ColibriError(f"--max-batch {args.max_batch} / --max-queue {args.max_queue}: the batch needs at least 1 "
+                           "request, the queue 0 or more")
+    if args.max_body < 1024:
+        raise ColibriError(f"--max-body {args.max_body}: allow at least 1024 bytes")
+    if args.api_key is not None and len(args.api_key) < 8:
+        raise ColibriError("--api-key is shorter than 8 characters: use a longer, random key")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.server import create_app
+    from app.server_engine import ServerEngine
+    from app.service_model import n_experts
+    from app.streaming import kv_pool
+    from engine.telemetry import Telemetry
+
+    _check(args)
+    if not is_loopback(args.host):
+        print(f"warning: serving on {args.host} reaches beyond this machine"
+              + ("" if args.api_key else "; anyone who can reach it may use it (set --api-key)"), file=sys.stderr)
+    if args.ctx is None:
+        args.ctx = DEFAULT_SERVE_CTX
+    from app.pull import resolve_model
+    from app.service_model import peek_spec
+
+    spec = peek_spec(resolve_model(args.model))
+    telemetry = Telemetry(spec.n_layers, n_experts(spec))
+    loaded = load(args.model, args=args, telemetry=telemetry)
+    try:
+        ctx = min(context_length(loaded, args.ctx), loaded.spec.max_position)
+        engine = ServerEngine(loaded, ctx=ctx, max_batch=args.max_batch, max_queue=args.max_queue,
+                              pool=kv_pool(loaded.spec, args, ctx, sequences=args.max_batch), telemetry=telemetry)
+        app = create_app(engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin), max_body=args.max_body)
+        print(f"serving {engine.name} on http://{args.host}:{args.port}/v1 (context {ctx}, batch {args.max_batch})",
+              file=sys.stderr)
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        finally:
+            engine.close()
+    finally:
+        loaded.close()
+    return 0
