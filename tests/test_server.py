@@ -246,3 +246,12 @@ def test_fuzzed_bodies_never_get_a_500(server, path, body):
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert "message" in r.json()["error"]
+
+
+def test_a_short_soak_completes_every_request_and_leaks_no_block(model):
+    from app.soak import soak
+
+    report = soak(model, clients=4, seconds=8, max_requests=40, ctx=CTX, max_batch=2, max_queue=2, log=lambda m: None)
+    assert report.ok, report.failures
+    assert report.completed + report.cancelled_by_client + report.refused_429 + report.client_errors_4xx >= 8
+    assert report.completed >= 4 and report.kv_blocks_held_at_end == 0
