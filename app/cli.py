@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 
+from app import settings
 from engine import __version__
 from engine.errors import ColibriError
 
@@ -25,6 +26,7 @@ COMMANDS: list[str] = [
     "atlas",
     "gui",
     "serve",
+    "config",
 ]
 
 
@@ -36,9 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         "whose memory cannot hold them.",
     )
     parser.add_argument("--version", action="version", version=f"colibri {__version__}")
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     for name in COMMANDS:
         importlib.import_module(f"app.commands.{name}").register(subparsers)
+    for command in settings.command_parsers(parser).values():
+        settings.add_settings_arguments(command)    # --config, --profile, --threads on run, chat, serve, gui
     return parser
 
 
@@ -54,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
+        if args.command in settings.SETTINGS_COMMANDS:
+            settings.configure(parser, args, argv, args.command)   # files, COLIBRI_* and profile under the flags
         return int(func(args) or 0)
     except ColibriError as exc:
         print(f"colibri: error: {exc}", file=sys.stderr)

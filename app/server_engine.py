@@ -119,6 +119,9 @@ class ServerEngine:
     # --- the engine thread ---
 
     def _loop(self) -> None:
+        from app.settings import use_process_threads
+
+        use_process_threads()          # numba's thread count is per thread: take the one --threads chose
         sched = self.scheduler
         while True:
             with self._lock:

@@ -226,6 +226,9 @@ class EngineService:
             log.exception("engine service listener failed on %s", type(event).__name__)
 
     def _loop(self) -> None:
+        from app.settings import use_process_threads
+
+        use_process_threads()          # numba's thread count is per thread: take the one --threads chose
         try:
             while True:
                 req = self._queue.get()

@@ -89,7 +89,8 @@ def stream_options(args: argparse.Namespace, path: Path, quiet: bool = False):
     container: Container = ckpt.source
     if getattr(args, "ctx", None) is None:
         args.ctx = min(ckpt.spec.max_position, DEFAULT_STREAM_CTX)
-    plan = plan_memory(container, ckpt.spec, total, args.ctx, args.prefetch_depth, args.resident_layers)
+    plan = plan_memory(container, ckpt.spec, total, args.ctx, args.prefetch_depth, args.resident_layers,
+                       getattr(args, "kv_bits", 32))
     if not quiet:
         from app.budget import process_rss
         from app.sizes import format_size

@@ -206,22 +206,21 @@ def test_a_client_that_leaves_cancels_and_frees_its_blocks(server):
     assert engine.counters.cancelled > cancelled and engine.pool.used_blocks == 0
 
 
-def test_a_full_queue_answers_429_with_retry_after(server):
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 150}
-    results = []
-
-    def ask():
-        results.append(_post(server, "/v1/chat/completions", body))
-
-    threads = [threading.Thread(target=ask) for _ in range(7)]     # batch 2 + queue 2 < 7
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    codes = sorted(r.status_code for r in results)
-    assert 200 in codes and 429 in codes and set(codes) <= {200, 429}
-    refused = next(r for r in results if r.status_code == 429)
-    assert refused.headers["retry-after"] == "2" and "retry shortly" in refused.json()["error"]["message"]
+def test_a_full_queue_answers_429_with_retry_after(model):
+    engine = ServerEngine(model, ctx=CTX, max_batch=1, max_queue=0)       # one running, none waiting
+    live = Live(create_app(engine))
+    try:
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)                                   # the first request is in the batch now
+            refused = httpx.post(live.url + "/v1/chat/completions", json={**body, "stream": False})
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
+        assert "retry shortly" in refused.json()["error"]["message"]
+        assert engine.counters.rejected == 1
+    finally:
+        live.stop()
+        engine.close()
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),

@@ -17,15 +17,17 @@ from engine.generate import PREFILL_CHUNK
 from engine.stream.io import PAGE, round_up
 
 
-def kv_bytes(spec: ModelSpec, ctx: int) -> int:
-    """KV cache bytes for `ctx` tokens (float32; MLA caches its compressed latent)."""
+def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:
+    """KV cache bytes for `ctx` tokens as engine.kv stores them: float32 or int8 rows, each with a
+    float32 scale (MLA caches its compressed latent and rotary key)."""
+    size = 4 if bits == 32 else 1
     per_token = 0
     for layer in spec.layers:
         a = layer.attn
         if isinstance(a, MLASpec):
-            per_token += (a.kv_lora_rank + a.qk_rope_dim) * 4
+            per_token += (a.kv_lora_rank + a.qk_rope_dim) * size + 8
         else:
-            per_token += 2 * a.n_kv_heads * a.head_dim * 4
+            per_token += 2 * a.n_kv_heads * (a.head_dim * size + 4)
     return per_token * ctx
 
 
@@ -88,11 +90,11 @@ def _stored_bytes(container: Container, names) -> int:
 
 
 def plan_memory(container: Container, spec: ModelSpec, total: int, ctx: int, prefetch_depth: int = 1,
-                resident_layers: int | None = None) -> MemoryPlan:
+                resident_layers: int | None = None, kv_bits: int = 32) -> MemoryPlan:
     """Divide `total` bytes for this container; ColibriError with the minimum when it cannot run."""
     if ctx < 1 or ctx > spec.max_position:
         raise ColibriError(f"--ctx {ctx}: the model supports 1 to {spec.max_position} tokens")
-    kv, work = kv_bytes(spec, ctx), working_bytes(spec, ctx)
+    kv, work = kv_bytes(spec, ctx, kv_bits), working_bytes(spec, ctx)
     expert_files = {x.file for x in container.extents.values()}
     if any(isinstance(layer.ffn, MoESpec) for layer in spec.layers):
         dense = [n for n, e in container.entries.items() if e.file not in expert_files]
