@@ -19,6 +19,7 @@ COMMANDS: list[str] = [
     "convert",
     "plan",
     "info",
+    "doctor",
     "eval",
     "synth",
     "bench",

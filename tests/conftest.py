@@ -14,6 +14,7 @@ CACHE = REPO / ".cache"
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never need the hub; a pull fails fast instead of trying
 os.environ.setdefault("NUMBA_CACHE_DIR", str(CACHE / "numba"))
 os.environ.setdefault("XDG_CACHE_HOME", str(CACHE / "xdg"))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")     # idle OpenMP threads sleep (as `make test` sets)
 os.environ["XDG_CONFIG_HOME"] = str(CACHE / "xdg-config")   # no user colibri.toml changes a test
 for _key in [k for k in os.environ if k.startswith("COLIBRI_")]:
     del os.environ[_key]                                     # nor a COLIBRI_* setting of the shell
