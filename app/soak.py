@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=1024)
     args = parser.parse_args(argv)
     from app.commands._common import load
+    from app.runtime import prepare_process
+
+    prepare_process()          # as `colibri` does: idle OpenMP threads must not spin against the engine's
 
     loaded = load(args.model)
     try:
