@@ -227,7 +227,8 @@ def allowed(action: argparse.Action) -> str:
     if action.choices is not None:
         one = "one of " + ", ".join(str(c) for c in action.choices)
     else:
-        one = _TYPE_NAMES.get(action.type or str, f"a {getattr(action.type, '__name__', 'value')}")
+        one = _TYPE_NAMES.get(action.type or str) or getattr(action.type, "description", None) \
+            or f"a {getattr(action.type, '__name__', 'value')}"
     return f"a list of {one.removeprefix('a ')} (or one)" if _is_list(action) else one
 
 

@@ -17,10 +17,24 @@ from engine.errors import ColibriError
 DEFAULT_STREAM_CTX = 4096   # context assumed for the KV budget when --ctx is not given
 
 
+def size_text(text: str) -> str:
+    """An argparse type for sizes: checked now (so a settings file's bad value names its key), kept as text."""
+    from app.sizes import parse_size
+
+    try:
+        parse_size(text, "--max-memory")
+    except ColibriError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+size_text.description = "a size such as 9GB, 512MB or 1.5 (gigabytes)"   # how app.settings names it
+
+
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """--max-memory, --io, --io-threads, --prefetch-depth, --cache-policy, --resident-layers."""
     g = parser.add_argument_group("memory and streaming")
-    g.add_argument("--max-memory", metavar="SIZE",
+    g.add_argument("--max-memory", metavar="SIZE", type=size_text,
                    help="memory for the model (weights, expert cache, KV cache, buffers), e.g. 9GB or 512MB (a bare "
                         "number is GB); what does not fit streams from disk (needs a container: `colibri convert`)")
     g.add_argument("--io", choices=("pread", "mmap"), default="pread",

@@ -466,6 +466,26 @@ class KVCache:
             assert i + 1 == len(self.table)
         return self.length
 
+    # --- saved sessions (engine.session) ---
+
+    @property
+    def digests(self) -> tuple[bytes, ...]:
+        """Each full block's prefix hash (b"" for a block that no longer matches a fresh run)."""
+        return tuple(self._digests)
+
+    def restore(self, table: list[int], tokens: list[int], length: int, digests: list[bytes], heat: np.ndarray,
+                born: np.ndarray, steps: int, evicted: int) -> None:
+        """Take over blocks filled from a saved session (already allocated in this pool): the table,
+        tokens and length, the prefix hashes (republished, so prefix reuse finds them) and the
+        retention state."""
+        self.table, self.tokens, self.length = list(table), list(tokens), int(length)
+        self._digests, self._table_np = list(digests), None
+        for b, digest in zip(self.table, self._digests):
+            if digest:
+                self.pool.publish(b, digest)
+        self.heat, self.born = np.array(heat, np.float64), np.array(born, np.int64)
+        self.steps, self.evicted = int(steps), int(evicted)
+
     # --- retention past max_len ---
 
     def observe(self, weights: np.ndarray) -> None:

@@ -381,12 +381,8 @@ class SessionFile:
         if len(tokens) != length or len(cache.table) * bs < length or len(blocks) != length // bs:
             raise SessionError(f"session file {self.path}: its last save holds {len(tokens)} tokens for a length of "
                                f"{length}; the file is damaged, start a new session")
-        cache.tokens, cache.length, cache._digests, cache._table_np = tokens, length, digests, None
-        for b, digest in zip(cache.table, digests):
-            if digest:
-                pool.publish(b, digest)
-        cache.heat, cache.born = arrays[0].copy(), arrays[1].copy()
-        cache.steps, cache.evicted = int(meta["steps"]), int(meta["evicted"])
+        cache.restore(cache.table, tokens, length, digests, arrays[0], arrays[1], int(meta["steps"]),
+                      int(meta["evicted"]))
         return saved
 
 
@@ -487,7 +483,8 @@ def _last_rows(pool: KVPool, b: int) -> bytes:
 
 def _digest_of(cache: KVCache, i: int) -> bytes:
     """Block i's prefix digest (b"" once the sequence evicted: its blocks no longer match a fresh run)."""
-    return cache._digests[i] if i < len(cache._digests) else b""
+    digests = cache.digests
+    return digests[i] if i < len(digests) else b""
 
 
 def _chain(blocks: Sequence[_Saved]) -> bytes:

@@ -260,3 +260,13 @@ def test_zero_threads_is_refused_by_flag_and_by_file(tmp_path: Path, capsys: pyt
     config = write(tmp_path / "c.toml", "threads = 0\n")
     code, _, err = run_cli(capsys, "chat", "--config", str(config))
     assert code == 2 and "threads = 0: expected a whole number >= 1" in err
+
+
+def test_a_bad_size_in_a_file_names_the_file_key_and_the_form(tmp_path, capsys):
+    from app.cli import main
+
+    config = tmp_path / "bad.toml"
+    config.write_text('max_memory = "lots"\n')
+    assert main(["run", "whatever", "--prompt", "hi", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{config}: max_memory = 'lots': expected a size such as 9GB" in err
