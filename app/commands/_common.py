@@ -91,4 +91,6 @@ def context_length(loaded, ctx: int | None) -> int:
         return limit
     if ctx < 1:
         raise ColibriError(f"--ctx {ctx}: the context must hold at least one token")
+    if ctx > limit:
+        raise ColibriError(f"--ctx {ctx}: {loaded.name} knows positions up to {limit}; use --ctx {limit} or less")
     return ctx

@@ -73,8 +73,6 @@ def _run(args: argparse.Namespace) -> int:
     if not is_loopback(args.host):
         print(f"warning: serving on {args.host} reaches beyond this machine"
               + ("" if args.api_key else "; anyone who can reach it may use it (set --api-key)"), file=sys.stderr)
-    if args.ctx is None:
-        args.ctx = DEFAULT_SERVE_CTX
     from app.pull import resolve_model
     from app.service_model import peek_spec
 
@@ -82,7 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     telemetry = Telemetry(spec.n_layers, n_experts(spec))
     loaded = load(args.model, args=args, telemetry=telemetry)
     try:
-        ctx = min(context_length(loaded, args.ctx), loaded.spec.max_position)
+        ctx = min(DEFAULT_SERVE_CTX, loaded.spec.max_position) if args.ctx is None else context_length(loaded, args.ctx)
         engine = ServerEngine(loaded, ctx=ctx, max_batch=args.max_batch, max_queue=args.max_queue,
                               pool=kv_pool(loaded.spec, args, ctx, sequences=args.max_batch), telemetry=telemetry)
         app = create_app(engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin), max_body=args.max_body)
