@@ -15,13 +15,14 @@ PYTEST_ARGS ?=
 DEBIAN_PACKAGES := libgl1 libegl1 libgl1-mesa-dri libfontconfig1 libfreetype6 libglib2.0-0 libdbus-1-3 \
 	libx11-6 libxkbcommon0 xvfb xauth libx11-xcb1 libxkbcommon-x11-0 libxcb-cursor0 libxcb-icccm4 \
 	libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-render0 libxcb-shape0 \
-	libxcb-shm0 libxcb-sync1 libxcb-util1 libxcb-xfixes0 libxcb-xkb1
+	libxcb-shm0 libxcb-sync1 libxcb-util1 libxcb-xfixes0 libxcb-xkb1 \
+	desktop-file-utils
 
 # Re-install only when pyproject.toml changes: one stamp per set of dependencies.
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: help run test system-deps venv clean
+.PHONY: help run test system-deps venv clean package
 
 help: ## list the targets
 	@echo "Colibri: make TARGET"
@@ -39,6 +40,9 @@ run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-
 test: system-deps $(TEST_STAMP) ## set up with the test extra (torch, transformers) and run pytest
 	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE \
 		$(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+package: system-deps $(RUNTIME_STAMP) ## build the desktop app into dist/colibri (PyInstaller); packaging/install.sh installs it
+	packaging/build.sh
 
 venv: $(RUNTIME_STAMP) ## create .venv with the runtime dependencies only
 

@@ -24,7 +24,9 @@ from ui.bridge import Bridge
 from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
+from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_default
 from ui.models import ModelActions
+from ui.selftest import SelfTest, SelfTestRun
 from ui.theme import app_icon, apply_theme
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class MainWindow(QMainWindow):
         self.load_options = load_options
         self.info: ModelInfo | None = None
         self.error_dialog: QMessageBox | None = None    # the last error shown (tests look at it)
+        self.first_run: FirstRunDialog | None = None     # the "no model yet" choices, while shown
         self._load_request: int | None = None
         self._atlas_request: int | None = None
         self._closed = False
@@ -121,6 +124,9 @@ class MainWindow(QMainWindow):
         file.addAction(self.models.open_folder)
         file.addAction(self.models.open_gguf)
         file.addMenu(self.models.recent_menu)
+        get_model = QAction("Get a model…", self)
+        get_model.triggered.connect(lambda: self.show_first_run())
+        file.addAction(get_model)
         file.addSeparator()
         file.addAction(self.models.convert)
         file.addSeparator()
@@ -188,6 +194,19 @@ class MainWindow(QMainWindow):
         self.load_bar.show()
         self.load_cancel.show()
         return self._load_request
+
+    def show_first_run(self, models_dir: Path | None = None, bundle: Path | None = None) -> FirstRunDialog:
+        """Offer the demo model, a folder or GGUF, or a pull by name (non-blocking); the choice opens."""
+        if self.first_run is not None:
+            self.first_run.reject()
+            self.first_run.deleteLater()
+        dlg = self.first_run = FirstRunDialog(models_dir, bundle if bundle is not None else bundled_models_dir(),
+                                              self)
+        dlg.openRequested.connect(self.open_model)
+        dlg.openFolderRequested.connect(self.models.open_folder.trigger)
+        dlg.openGgufRequested.connect(self.models.open_gguf.trigger)
+        dlg.open()
+        return dlg
 
     def cancel_load(self) -> None:
         """Stop the load in progress."""
@@ -348,6 +367,8 @@ class MainWindow(QMainWindow):
         self.controls.close_views()
         self.inspector.close_views()
         self.models.shutdown()
+        if self.first_run is not None:
+            self.first_run.cancel_job()
         self.bridge.close()
 
     def closeEvent(self, event: QCloseEvent) -> None:
@@ -360,24 +381,40 @@ class MainWindow(QMainWindow):
                           "memory cannot hold them, streaming experts from disk.")
 
 
-def run(model: str | None, options: LoadOptions = LoadOptions()) -> int:
-    """Open the app (loading MODEL, else the most recent model) and run it until the window closes."""
+def startup_model(model: str | None, window: MainWindow) -> str | None:
+    """What to open at start: MODEL, else the most recent model, else the demo model once prepared."""
+    if model:
+        return model
+    recent = next(iter(window.models.recent.paths()), None)
+    if recent:
+        return recent
+    demo = prepared_default()
+    return str(demo) if demo is not None else None
+
+
+def run(model: str | None, options: LoadOptions = LoadOptions(), self_test: SelfTest | None = None) -> int:
+    """Open the app (loading MODEL, else the most recent model, else offering the first-run choices) and run it
+    until the window closes; with self_test, load, answer once, print the report and quit."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = QApplication.instance() or QApplication(sys.argv[:1])
     configure(app)
     window = MainWindow(load_options=options)
     window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     window.show()
-    target = model or next(iter(window.models.recent.paths()), None)
+    check = SelfTestRun(window, self_test) if self_test is not None else None
+    target = startup_model(model, window)
     if target:
         window.open_model(target)
+    elif check is None:
+        window.show_first_run()
     # Ctrl-C in the terminal closes the window: Python sees the signal when the timer wakes it
     signal.signal(signal.SIGINT, lambda *_: window.close())
     wake = QTimer()
     wake.timeout.connect(lambda: None)
     wake.start(250)
     try:
-        return app.exec()
+        code = app.exec()
+        return check.exit_code if check is not None else code
     finally:
         wake.stop()
         signal.signal(signal.SIGINT, signal.SIG_DFL)

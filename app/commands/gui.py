@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="context length in tokens (default: 4096 or the model's limit)")
     parser.add_argument("--check-display", action="store_true",
                         help="only check that a display is available (exit 0) or say why not (exit 3)")
+    # the packaged app's check: load MODEL, answer PROMPT, print timings as JSON, quit (exit 0 when it answered)
+    parser.add_argument("--self-test", metavar="PROMPT", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--self-test-tokens", type=int, default=8, metavar="N", help=argparse.SUPPRESS)
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -70,16 +73,23 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if problem:
         raise ColibriError(problem)
+    if args.self_test is not None and not args.model:
+        raise ColibriError("--self-test needs a MODEL to open")
     options = load_options(args)
     try:
         from ui.app import run
+        from ui.selftest import SelfTest
     except ImportError as exc:  # the GUI's packages are runtime dependencies, but a broken install says so
         raise ColibriError(f"the desktop app cannot start ({exc}); reinstall Colibri: pip install -e .") from None
-    return run(args.model, options)
+    check = SelfTest(args.self_test, args.self_test_tokens) if args.self_test is not None else None
+    return run(args.model, options, self_test=check)
 
 
 def main() -> int:
     """The `colibri-gui` program: `colibri gui` with the same arguments."""
+    from app.runtime import prepare_process
+
+    prepare_process()   # before anything imports numba (cli_main does it again, harmlessly)
     from app.cli import main as cli_main
 
     return cli_main(["gui", *sys.argv[1:]])

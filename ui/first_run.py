@@ -1,0 +1,290 @@
+"""First run: with no model to open, offer the demo model, a folder or GGUF of one's own, or a pull by name.
+
+The demo is the derived MoE (`colibri pull smollm2-moe`: SmolLM2-135M upcycled into 8 experts,
+a few minutes once). The packaged app ships the SmolLM2 GGUF it is derived from in its
+`models/` folder, copied into the user's models folder first, so no network is needed. A pull
+runs app.pull.pull on a worker thread behind a progress dialog; Cancel raises from the pull's
+log callback at its next message (the preparation logs every tenth), and the worker is always
+joined before the dialog goes away. Half-made models are cleaned by the next pull.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtWidgets import (
+    QDialog, QHBoxLayout, QLabel, QLineEdit, QProgressDialog, QPushButton, QVBoxLayout, QWidget,
+)
+
+from app import pull as pulls
+from engine.errors import ColibriError
+
+_PERCENT = re.compile(r"(\d+)% ")
+
+
+def bundled_models_dir() -> Path | None:
+    """The packaged app's `models/` folder (models shipped with it), or None when not running from a bundle."""
+    bundle = getattr(sys, "_MEIPASS", None)
+    if not getattr(sys, "frozen", False) or bundle is None:
+        return None
+    folder = Path(bundle) / "models"
+    return folder if folder.is_dir() else None
+
+
+def prepared_default(models_dir: Path | None = None) -> Path | None:
+    """The demo model's folder if it has been prepared, else None."""
+    try:
+        return pulls.resolve_model(pulls.DEFAULT_MODEL, models_dir)
+    except ColibriError:
+        return None
+
+
+def seed_from_bundle(bundle: Path | None, models_dir: Path, log=lambda m: None) -> bool:
+    """Copy the GGUFs shipped in bundle/<alias>/ into the models folder where missing; True if one was copied."""
+    copied = False
+    for name in pulls.ALIASES:
+        src = bundle / name / Path(pulls.ALIASES[name].member).name if bundle else None
+        dest = models_dir / name / Path(pulls.ALIASES[name].member).name
+        if src is None or not src.is_file() or dest.is_file():
+            continue
+        log(f"copying {src.name} ({src.stat().st_size / 1e6:.0f} MB) from the app into {dest.parent}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(f".{dest.name}.part")   # a killed copy leaves only a name the pull cleans up
+        shutil.copyfile(src, part)
+        part.replace(dest)
+        copied = True
+    return copied
+
+
+class PullCancelled(Exception):
+    """Raised from the log callback to stop a pull."""
+
+
+@dataclass(frozen=True)
+class PullStep:
+    """A pull's progress message; percent is None while it cannot tell."""
+
+    message: str
+    percent: int | None
+
+
+@dataclass(frozen=True)
+class PullEnded:
+    """How a pull ended: the model's path, or a message (and whether it was cancelled)."""
+
+    path: str | None
+    message: str = ""
+    cancelled: bool = False
+
+
+class PullJob(QObject):
+    """app.pull.pull(NAME) on a worker thread (after seeding from the bundle), reporting through queued signals."""
+
+    progress = Signal(object)       # PullStep
+    finished = Signal(str)          # the model's path
+    failed = Signal(str, bool)      # message, cancelled
+
+    _relay = Signal(object)
+
+    def __init__(self, name: str, models_dir: Path | None = None, bundle: Path | None = None,
+                 parent: QObject | None = None):
+        super().__init__(parent)
+        self.name, self.models_dir, self.bundle = name, models_dir, bundle
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._relay.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
+
+    def start(self) -> None:
+        """Start pulling."""
+        self._thread = threading.Thread(target=self._run, name="colibri-pull", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Ask the pull to stop at its next message."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether cancel() was called."""
+        return self._cancel.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Join the worker; True when it has ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    @property
+    def running(self) -> bool:
+        """Whether the worker is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        def log(message: str) -> None:
+            if self._cancel.is_set():
+                raise PullCancelled()
+            m = _PERCENT.search(message)
+            self._relay.emit(PullStep(message.strip(), int(m[1]) if m else None))
+
+        try:
+            from app.paths import models_dir
+
+            root = self.models_dir or models_dir()
+            if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
+                seed_from_bundle(self.bundle, root, log)
+            path = pulls.pull(self.name, root, log=log)
+        except PullCancelled:
+            self._relay.emit(PullEnded(None, "cancelled; asking again starts over where it can", True))
+        except ColibriError as exc:
+            self._relay.emit(PullEnded(None, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - reported in the dialog, never a dead worker
+            self._relay.emit(PullEnded(None, f"{type(exc).__name__}: {exc}"))
+        else:
+            self._relay.emit(PullEnded(str(path)))
+
+    def _deliver(self, item: object) -> None:
+        if isinstance(item, PullStep):
+            self.progress.emit(item)
+        elif item.path is not None:
+            self.finished.emit(item.path)
+        else:
+            self.failed.emit(item.message, item.cancelled)
+
+
+class FirstRunDialog(QDialog):
+    """No model yet: prepare the demo, open a folder or GGUF, or pull a model by name."""
+
+    openRequested = Signal(str)     # a model to open (prepared, pulled or chosen)
+    openFolderRequested = Signal()
+    openGgufRequested = Signal()
+
+    def __init__(self, models_dir: Path | None = None, bundle: Path | None = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("firstRun")
+        self.setWindowTitle("Welcome to Colibri")
+        self.models_dir, self.bundle = models_dir, bundle
+        self.job: PullJob | None = None
+        self.progress_dialog: QProgressDialog | None = None
+        shipped = " (shipped with the app: no download)" if bundle is not None else " (downloads about 100 MB)"
+        intro = QLabel("<b>No model yet.</b> Colibri needs a language model to chat with.")
+        self.demo_button = QPushButton("Prepare the demo model")
+        self.demo_button.setDefault(True)
+        demo_note = QLabel(f"SmolLM2-135M turned into an 8-expert Mixture-of-Experts, once, in about two "
+                           f"minutes{shipped}.")
+        self.folder_button = QPushButton("Open a model folder…")
+        self.gguf_button = QPushButton("Open a GGUF file…")
+        self.name_edit = QLineEdit()
+        self.name_edit.setPlaceholderText("a Hugging Face repo (org/name) or smollm2-135m")
+        self.pull_button = QPushButton("Pull")
+        self.error = QLabel()
+        self.error.setObjectName("firstRunError")
+        self.close_button = QPushButton("Not now")
+        for label in (demo_note, self.error):
+            label.setWordWrap(True)
+        opens, pull_row, bottom = QHBoxLayout(), QHBoxLayout(), QHBoxLayout()
+        opens.addWidget(self.folder_button)
+        opens.addWidget(self.gguf_button)
+        pull_row.addWidget(self.name_edit, 1)
+        pull_row.addWidget(self.pull_button)
+        bottom.addStretch(1)
+        bottom.addWidget(self.close_button)
+        layout = QVBoxLayout(self)
+        for item in (intro, self.demo_button, demo_note, QLabel("Or a model of your own:"), opens,
+                     QLabel("Or pull one by name:"), pull_row, self.error, bottom):
+            (layout.addLayout if isinstance(item, QHBoxLayout) else layout.addWidget)(item)
+        self.demo_button.clicked.connect(lambda: self.start_pull(pulls.DEFAULT_MODEL))
+        self.pull_button.clicked.connect(lambda: self.start_pull(self.name_edit.text().strip()))
+        self.name_edit.returnPressed.connect(lambda: self.start_pull(self.name_edit.text().strip()))
+        self.folder_button.clicked.connect(lambda: self._choose(self.openFolderRequested))
+        self.gguf_button.clicked.connect(lambda: self._choose(self.openGgufRequested))
+        self.close_button.clicked.connect(self.reject)
+        self.resize(520, self.sizeHint().height())
+
+    def start_pull(self, name: str) -> PullJob | None:
+        """Pull (or prepare) model NAME behind a cancellable progress dialog; the dialog closes once it opens."""
+        if not name:
+            self.error.setText("type a model name first")
+            return None
+        if self.job is not None and self.job.running:
+            return self.job
+        self.error.clear()
+        self.job = PullJob(name, self.models_dir, self.bundle, self)
+        dlg = QProgressDialog(f"Getting {name}…", "Cancel", 0, 0, self)
+        dlg.setObjectName("firstRunProgress")
+        dlg.setWindowTitle("Preparing the model")
+        dlg.setWindowModality(Qt.WindowModality.WindowModal)
+        dlg.setMinimumDuration(0)
+        dlg.setAutoClose(False)
+        dlg.setAutoReset(False)
+        dlg.canceled.connect(self._cancel)
+        self.progress_dialog = dlg
+        self.job.progress.connect(self._step)
+        self.job.finished.connect(self._done)
+        self.job.failed.connect(self._failed)
+        self._set_busy(True)
+        self.job.start()
+        dlg.show()
+        return self.job
+
+    def cancel_job(self) -> None:
+        """Cancel a running pull and wait for its worker."""
+        if self.job is not None:
+            self.job.cancel()
+            self.job.wait()
+
+    def reject(self) -> None:
+        self.cancel_job()
+        self._close_progress()
+        super().reject()
+
+    def _choose(self, signal) -> None:
+        self.accept()
+        signal.emit()
+
+    def _cancel(self) -> None:
+        if self.job is not None and self.job.running:
+            self.job.cancel()
+            if self.progress_dialog is not None:
+                self.progress_dialog.setLabelText("Cancelling at the next step…")
+                self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
+
+    def _step(self, step: PullStep) -> None:
+        dlg = self.progress_dialog
+        if dlg is None or (self.job is not None and self.job.cancelled):
+            return
+        if step.percent is not None:
+            dlg.setRange(0, 100)
+            dlg.setValue(step.percent)
+        dlg.setLabelText(step.message)
+
+    def _close_progress(self) -> None:
+        if self.progress_dialog is not None:
+            self.progress_dialog.close()
+            self.progress_dialog.deleteLater()
+            self.progress_dialog = None
+
+    def _end(self) -> None:
+        if self.job is not None:
+            self.job.wait()
+        self._close_progress()
+        self._set_busy(False)
+
+    def _done(self, path: str) -> None:
+        self._end()
+        self.accept()
+        self.openRequested.emit(path)
+
+    def _failed(self, message: str, cancelled: bool) -> None:
+        self._end()
+        self.error.setText(("Cancelled: " if cancelled else "It did not work: ") + message)
+
+    def _set_busy(self, busy: bool) -> None:
+        for w in (self.demo_button, self.pull_button, self.folder_button, self.gguf_button, self.name_edit):
+            w.setEnabled(not busy)
