@@ -1,9 +1,9 @@
 """The paged KV cache: a pool of fixed-size blocks shared by sequences, a prefix index, retention.
 
 - `KVPool` holds, for every layer, keys and values (or, for multi-head latent attention, the
-  compressed latent and the shared rotary key) in blocks of `block_size` positions. All layers of
-  one block sit together in an anonymous mapping reserved up front but committed only as blocks
-  are written; a block that is freed hands its pages back to the system.
+  compressed latent and the shared rotary key) in blocks of `block_size` positions. Each layer's
+  arrays are C-contiguous [n_blocks, ...] anonymous mappings, reserved up front but committed only
+  as blocks are written; a block that is freed hands its pages back to the system.
 - A full block is indexed by a hash of its tokens and of everything before it. A sequence that
   starts with the same tokens (a system prompt, earlier turns, the same document) takes those
   blocks instead of computing them again. Blocks are reference counted; unused indexed blocks stay
