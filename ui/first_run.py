@@ -13,8 +13,6 @@ from __future__ import annotations
 import re
 import shutil
 import sys
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal
@@ -24,6 +22,7 @@ from PySide6.QtWidgets import (
 
 from app import pull as pulls
 from engine.errors import ColibriError
+from ui.models import BackgroundJob, JobStep
 
 _PERCENT = re.compile(r"(\d+)% ")
 
@@ -62,100 +61,28 @@ def seed_from_bundle(bundle: Path | None, models_dir: Path, log=lambda m: None) 
     return copied
 
 
-class PullCancelled(Exception):
-    """Raised from the log callback to stop a pull."""
+class PullJob(BackgroundJob):
+    """app.pull.pull(NAME) on a worker thread, after seeding the models folder from the bundle."""
 
-
-@dataclass(frozen=True)
-class PullStep:
-    """A pull's progress message; percent is None while it cannot tell."""
-
-    message: str
-    percent: int | None
-
-
-@dataclass(frozen=True)
-class PullEnded:
-    """How a pull ended: the model's path, or a message (and whether it was cancelled)."""
-
-    path: str | None
-    message: str = ""
-    cancelled: bool = False
-
-
-class PullJob(QObject):
-    """app.pull.pull(NAME) on a worker thread (after seeding from the bundle), reporting through queued signals."""
-
-    progress = Signal(object)       # PullStep
-    finished = Signal(str)          # the model's path
-    failed = Signal(str, bool)      # message, cancelled
-
-    _relay = Signal(object)
+    thread_name = "colibri-pull"
+    cancelled_message = "cancelled; asking again starts over where it can"
 
     def __init__(self, name: str, models_dir: Path | None = None, bundle: Path | None = None,
                  parent: QObject | None = None):
         super().__init__(parent)
         self.name, self.models_dir, self.bundle = name, models_dir, bundle
-        self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._relay.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
 
-    def start(self) -> None:
-        """Start pulling."""
-        self._thread = threading.Thread(target=self._run, name="colibri-pull", daemon=True)
-        self._thread.start()
+    def _percent(self, message: str) -> int | None:
+        m = _PERCENT.search(message)
+        return int(m[1]) if m else None
 
-    def cancel(self) -> None:
-        """Ask the pull to stop at its next message."""
-        self._cancel.set()
+    def _work(self, log) -> Path:
+        from app.paths import models_dir
 
-    @property
-    def cancelled(self) -> bool:
-        """Whether cancel() was called."""
-        return self._cancel.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Join the worker; True when it has ended."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
-
-    @property
-    def running(self) -> bool:
-        """Whether the worker is alive."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def _run(self) -> None:
-        def log(message: str) -> None:
-            if self._cancel.is_set():
-                raise PullCancelled()
-            m = _PERCENT.search(message)
-            self._relay.emit(PullStep(message.strip(), int(m[1]) if m else None))
-
-        try:
-            from app.paths import models_dir
-
-            root = self.models_dir or models_dir()
-            if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
-                seed_from_bundle(self.bundle, root, log)
-            path = pulls.pull(self.name, root, log=log)
-        except PullCancelled:
-            self._relay.emit(PullEnded(None, "cancelled; asking again starts over where it can", True))
-        except ColibriError as exc:
-            self._relay.emit(PullEnded(None, str(exc)))
-        except Exception as exc:  # noqa: BLE001 - reported in the dialog, never a dead worker
-            self._relay.emit(PullEnded(None, f"{type(exc).__name__}: {exc}"))
-        else:
-            self._relay.emit(PullEnded(str(path)))
-
-    def _deliver(self, item: object) -> None:
-        if isinstance(item, PullStep):
-            self.progress.emit(item)
-        elif item.path is not None:
-            self.finished.emit(item.path)
-        else:
-            self.failed.emit(item.message, item.cancelled)
+        root = self.models_dir or models_dir()
+        if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
+            seed_from_bundle(self.bundle, root, log)
+        return pulls.pull(self.name, root, log=log)
 
 
 class FirstRunDialog(QDialog):
@@ -255,7 +182,7 @@ class FirstRunDialog(QDialog):
                 self.progress_dialog.setLabelText("Cancelling at the next step…")
                 self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
 
-    def _step(self, step: PullStep) -> None:
+    def _step(self, step: JobStep) -> None:
         dlg = self.progress_dialog
         if dlg is None or (self.job is not None and self.job.cancelled):
             return

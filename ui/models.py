@@ -46,42 +46,61 @@ class RecentModels:
         self.settings.setValue(RECENT_KEY, items[:MAX_RECENT])
 
 
-class ConvertCancelled(Exception):
-    """Raised from the log callback to stop a conversion."""
+class JobCancelled(Exception):
+    """Raised from a job's log callback to stop it at its next message."""
 
 
 @dataclass(frozen=True)
-class ConvertStep:
-    """A conversion's progress message; percent is None while it cannot tell."""
+class JobStep:
+    """A job's progress message; percent is None while it cannot tell."""
 
     message: str
     percent: int | None
 
 
-class ConvertJob(QObject):
-    """app.convert.convert on a worker thread, reporting through queued signals."""
+@dataclass(frozen=True)
+class JobEnded:
+    """How a job ended: the model's path, or a message (and whether it was cancelled)."""
 
-    progress = Signal(object)       # ConvertStep
-    finished = Signal(str)          # the container's path
+    path: str | None
+    message: str = ""
+    cancelled: bool = False
+
+
+class BackgroundJob(QObject):
+    """A long app-layer call (convert, pull) on a worker thread, reporting through queued signals.
+
+    Subclasses give `_work(log)`, which returns the model's path and calls `log` with each message;
+    Cancel raises JobCancelled from `log` at the next message. The worker is joined with `wait`.
+    """
+
+    progress = Signal(object)       # JobStep
+    finished = Signal(str)          # the model's path
     failed = Signal(str, bool)      # message, cancelled
 
     _relay = Signal(object)
+    thread_name = "colibri-job"
+    cancelled_message = "cancelled"
 
-    def __init__(self, src: Path, out: Path, settings: ConvertSettings, parent: QObject | None = None):
+    def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
-        self.src, self.out, self.settings = Path(src), Path(out), settings
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
         self._relay.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
 
     def start(self) -> None:
-        """Start converting."""
-        self._thread = threading.Thread(target=self._run, name="colibri-convert", daemon=True)
+        """Start the work."""
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
     def cancel(self) -> None:
-        """Ask the conversion to stop at its next message."""
+        """Ask the work to stop at its next message."""
         self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether cancel() was called."""
+        return self._cancel.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Join the worker; True when it has ended."""
@@ -95,31 +114,55 @@ class ConvertJob(QObject):
         """Whether the worker is alive."""
         return self._thread is not None and self._thread.is_alive()
 
+    def _work(self, log) -> Path:
+        raise NotImplementedError
+
+    def _percent(self, message: str) -> int | None:
+        """The progress a message tells, if any."""
+        return None
+
     def _run(self) -> None:
         def log(message: str) -> None:
             if self._cancel.is_set():
-                raise ConvertCancelled()
-            m = _WRITTEN.search(message)
-            self._relay.emit(ConvertStep(message, int(100 * int(m[1]) / max(1, int(m[2]))) if m else None))
+                raise JobCancelled()
+            self._relay.emit(JobStep(message.strip(), self._percent(message)))
 
         try:
-            out = convert(self.src, self.out, self.settings, log=log)
-        except ConvertCancelled:
-            self._relay.emit(("failed", "the conversion was cancelled; running it again resumes it", True))
+            path = self._work(log)
+        except JobCancelled:
+            self._relay.emit(JobEnded(None, self.cancelled_message, True))
         except ColibriError as exc:
-            self._relay.emit(("failed", str(exc), False))
+            self._relay.emit(JobEnded(None, str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported in the dialog, never a dead worker
-            self._relay.emit(("failed", f"{type(exc).__name__}: {exc}", False))
+            self._relay.emit(JobEnded(None, f"{type(exc).__name__}: {exc}"))
         else:
-            self._relay.emit(("finished", str(out)))
+            self._relay.emit(JobEnded(str(path)))
 
     def _deliver(self, item: object) -> None:
-        if isinstance(item, ConvertStep):
+        if isinstance(item, JobStep):
             self.progress.emit(item)
-        elif item[0] == "finished":
-            self.finished.emit(item[1])
+        elif item.path is not None:
+            self.finished.emit(item.path)
         else:
-            self.failed.emit(item[1], item[2])
+            self.failed.emit(item.message, item.cancelled)
+
+
+class ConvertJob(BackgroundJob):
+    """app.convert.convert on a worker thread."""
+
+    thread_name = "colibri-convert"
+    cancelled_message = "the conversion was cancelled; running it again resumes it"
+
+    def __init__(self, src: Path, out: Path, settings: ConvertSettings, parent: QObject | None = None):
+        super().__init__(parent)
+        self.src, self.out, self.settings = Path(src), Path(out), settings
+
+    def _percent(self, message: str) -> int | None:
+        m = _WRITTEN.search(message)
+        return int(100 * int(m[1]) / max(1, int(m[2]))) if m else None
+
+    def _work(self, log) -> Path:
+        return convert(self.src, self.out, self.settings, log=log)
 
 
 class ConvertDialog(QDialog):
@@ -225,7 +268,7 @@ class ConvertDialog(QDialog):
                 self.progress_dialog.setLabelText("Cancelling at the next tensor…")
                 self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
 
-    def _step(self, step: ConvertStep) -> None:
+    def _step(self, step: JobStep) -> None:
         dlg = self.progress_dialog
         if dlg is None:
             return
