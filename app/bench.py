@@ -86,7 +86,7 @@ def thread_limits(threads: int) -> Iterator[None]:
 _sum_kernel = None
 
 
-def _kernel():
+def reduction_kernel():
     """The numba reduction, compiled (or read from numba's cache) on first use, not at import."""
     global _sum_kernel
     if _sum_kernel is None:
@@ -110,7 +110,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5, threads: 
     if threads is not None:
         with thread_limits(threads):
             return measure_bandwidth(nbytes, repeats)
-    kernel = _kernel()
+    kernel = reduction_kernel()
     data = np.ones(nbytes // 4, np.float32)   # [N]; writing it maps every page before timing
     kernel(data[:1024])                       # compile outside the timing
     best = float("inf")

@@ -385,27 +385,6 @@ def check_cpu(info: CpuInfo | None = None, cpu_name: str | None = None) -> Check
     return Check("CPU", value, "ok")
 
 
-_parallel_probe = None
-
-
-def _probe_kernel():
-    """A tiny parallel numba function (compiled or read from numba's cache on first use)."""
-    global _parallel_probe
-    if _parallel_probe is None:
-        import numpy as np
-        from numba import njit, prange
-
-        @njit(parallel=True, cache=True)
-        def count(a):  # pragma: no cover - compiled
-            total = np.float64(0.0)
-            for i in prange(a.size):
-                total += a[i]
-            return total
-
-        _parallel_probe = count
-    return _parallel_probe
-
-
 def check_numba() -> Check:
     """The threading layer numba was asked for and the one it really started, after one parallel run."""
     import numba
@@ -413,7 +392,9 @@ def check_numba() -> Check:
 
     asked = numba.config.THREADING_LAYER
     try:
-        _probe_kernel()(np.ones(1024))
+        from app.bench import reduction_kernel   # any parallel kernel starts the threading layer
+
+        reduction_kernel()(np.ones(1024, np.float32))
     except Exception as exc:   # e.g. NUMBA_THREADING_LAYER names a layer that cannot load
         return Check("numba threads", f"asked for {asked!r}; a parallel kernel failed: {exc}".splitlines()[0], "fail",
                      "unset NUMBA_THREADING_LAYER, or install what it needs (OpenMP: `apt install libgomp1`; "
