@@ -54,7 +54,7 @@ def prefill(
     return np.concatenate(outs) if all_logits else outs[-1][-1]
 
 
-class _Seen:
+class Seen:
     """Prompt then generated ids in one int array grown by doubling (the processors' history)."""
 
     def __init__(self, prompt: Sequence[int]):
@@ -111,7 +111,7 @@ def generate_step(
     sampler = make_sampler(sampling)
     processors = make_logits_processors(sampling)
     logits = first_logits if first_logits is not None else prefill(model, prompt, cache)
-    seen = _Seen(prompt)
+    seen = Seen(prompt)
     tel = model.telemetry
 
     def choose(row: np.ndarray) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.errors import ColibriError, GenerationError
 from engine.events import DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, TokenEvent
-from engine.generate import PREFILL_CHUNK, GenerationRequest, StopStrings
+from engine.generate import PREFILL_CHUNK, GenerationRequest, Seen, StopStrings
 from engine.kv import KVCache, KVPool
 from engine.models.transformer import Transformer
 from engine.sampling import History, apply_processors, make_logits_processors, make_sampler
@@ -101,6 +101,7 @@ class Scheduler:
             return seq
         seq.sampler = make_sampler(request.sampling)
         seq.processors = make_logits_processors(request.sampling)
+        seq.seen = Seen(request.prompt)     # prompt then sampled ids: what the processors read
         seq.decoder = self.tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens) \
             if self.tokenizer is not None else None
         seq.matcher = StopStrings(request.stop)
@@ -181,13 +182,13 @@ class Scheduler:
     def _sample(self, seq: Sequence, logits: np.ndarray) -> None:
         req = seq.request
         if seq.processors:
-            seen = list(req.prompt) + seq.tokens + ([seq.pending] if seq.pending is not None else [])
-            logits = apply_processors(logits, History(np.asarray(seen, np.int64), len(req.prompt)), seq.processors)
+            logits = apply_processors(logits, History(seq.seen.view(), seq.seen.n_prompt), seq.processors)
         try:
             token = seq.sampler(logits)
         except ColibriError as exc:
             self._fail(seq, str(exc))
             return
+        seq.seen.append(token)
         now = time.perf_counter()
         if seq.sampled == 0:
             seq.t_first = now

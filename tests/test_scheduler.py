@@ -42,7 +42,8 @@ def _events(seq) -> list:
     return list(seq.drain())
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9, seed=3)])
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9, seed=3),
+                                      SamplingParams(temperature=0.0, frequency_penalty=1.5, repetition_penalty=1.2)])
 def test_batched_equals_sequential(tiny, sampling):
     want = [_alone(tiny, p, sampling).tokens for p in PROMPTS]
     sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=64, prefill_chunk=8)
