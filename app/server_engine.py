@@ -73,7 +73,6 @@ class ServerEngine:
         self.started = time.time()
         self._inbox: list[Ticket] = []
         self._live: dict[int, Ticket] = {}        # scheduler sequence id -> ticket
-        self._seqs: dict[int, Any] = {}
         self._lock = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="colibri-serve-engine", daemon=True)
@@ -133,7 +132,6 @@ class ServerEngine:
             for ticket in new:
                 seq = sched.submit(ticket.request, ticket.stop)
                 self._live[seq.id] = ticket
-                self._seqs[seq.id] = seq
                 self._deliver(seq)
             if not sched.busy:
                 continue
@@ -159,7 +157,6 @@ class ServerEngine:
             ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, event)
         if seq.done:
             self._live.pop(seq.id, None)
-            self._seqs.pop(seq.id, None)
 
     def _count(self, event: Event, seq) -> None:
         c = self.counters

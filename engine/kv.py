@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from engine.blocks.attention_kernel import attend_latent, attend_paged
 from engine.errors import ColibriError, GenerationError
 from engine.spec import AttentionSpec, MLASpec, ModelSpec, RopeSpec
 
@@ -305,8 +306,6 @@ class LayerKV:
 
     def attend(self, q: np.ndarray, positions: np.ndarray, scale: float, window: int | None) -> np.ndarray:
         """Attention of q [T, H, D] over this sequence's keys up to each query's position -> [T, H, Dv]."""
-        from engine.blocks.attention_kernel import attend_paged
-
         a, seq = self.seq.pool.layers[self.j], self.seq
         res = attend_paged(q, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(), positions, scale, window, seq.tracking)
         if seq.tracking:
@@ -317,8 +316,6 @@ class LayerKV:
     def attend_latent(self, q_nope: np.ndarray, q_rot: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
                       positions: np.ndarray, scale: float) -> np.ndarray:
         """Latent attention of q [T, H, dn + dr] over this sequence's latents -> [T, H, dv]."""
-        from engine.blocks.attention_kernel import attend_latent
-
         a, seq = self.seq.pool.layers[self.j], self.seq
         res = attend_latent(q_nope, q_rot, w_uk, w_uv, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(),
                             positions, scale, seq.tracking)
@@ -449,7 +446,6 @@ class KVCache:
         if not self.pool.prefix_cache or self.length % bs or self.evicted:
             return self.length
         while self.length + bs <= limit:
-            i = self.length // bs
             parent = self._digests[-1] if self._digests else ROOT
             digest = prefix_digest(parent, prompt[self.length : self.length + bs])
             b = self.pool.lookup(digest)
@@ -463,7 +459,6 @@ class KVCache:
             self.length += bs
             if self.tracking:
                 self._grow_scores(self.length)
-            assert i + 1 == len(self.table)
         return self.length
 
     # --- saved sessions (engine.session) ---
