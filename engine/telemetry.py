@@ -63,6 +63,11 @@ class TokenTimes:
         """Plain values for JSON."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
+    @classmethod
+    def from_dict(cls, d: Mapping) -> TokenTimes:
+        """The inverse of to_dict; KeyError names a missing field."""
+        return cls(int(d["n"]), bool(d["prefill"]), *(float(d[name]) for name in ("wall", *PHASES)))
+
 
 @dataclass(frozen=True, eq=False)
 class Snapshot:
@@ -106,6 +111,39 @@ class Snapshot:
             "heat": np.round(self.heat.astype(np.float64), 4).tolist(),
             "current": [[layer, list(ids)] for layer, ids in self.current],
         }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Snapshot:
+        """The inverse of `to_dict` (a snapshot sent over the wire); ValueError naming what is missing or malformed."""
+        try:
+            heat = np.array(d["heat"], np.float32)
+            if heat.ndim != 2:  # [] is a model without experts; anything else must be a grid
+                if heat.size:
+                    raise ValueError(f"heat must be a [layers, experts] grid, got shape {heat.shape}")
+                heat = heat.reshape(0, 0)
+            heat.flags.writeable = False
+            return cls(
+                seq=int(d["seq"]),
+                tokens=int(d["tokens"]),
+                prefill_tokens=int(d["prefill_tokens"]),
+                recent=tuple(TokenTimes.from_dict(r) for r in d["recent"]),
+                averages=MappingProxyType({str(k): float(v) for k, v in d["averages"].items()}),
+                tok_per_s=float(d["tok_per_s"]),
+                hits=MappingProxyType({str(k): int(v) for k, v in d["hits"].items()}),
+                hit_rate=float(d["hit_rate"]),
+                bytes_read=int(d["bytes_read"]),
+                prefetch_issued=int(d["prefetch_issued"]),
+                prefetch_used=int(d["prefetch_used"]),
+                prefetch_wasted=int(d["prefetch_wasted"]),
+                occupancy=MappingProxyType({str(k): int(v) for k, v in d["occupancy"].items()}),
+                gauges=MappingProxyType({str(k): float(v) for k, v in d["gauges"].items()}),
+                heat=heat,
+                current=tuple((int(layer), tuple(int(e) for e in ids)) for layer, ids in d["current"]),
+            )
+        except KeyError as exc:
+            raise ValueError(f"a telemetry snapshot needs the field {exc.args[0]!r}") from None
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(f"a telemetry snapshot has a malformed field: {exc}") from None
 
 
 class Subscription:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 import threading
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -404,6 +405,56 @@ def test_to_dict_is_json_with_rounded_heat(clock):
     assert d["recent"][0]["wall"] == pytest.approx(0.01) and d["tokens"] == 2
     assert len(tel.snapshot().to_dict(recent=1)["recent"]) == 1
     assert tel.snapshot().to_dict(recent=0)["recent"] == []
+
+
+def test_from_dict_inverts_to_dict_through_json(clock):
+    tel = Telemetry(n_layers=2, n_experts=3, heat_half_life=4.0, clock=clock)
+    tel.begin()
+    with tel.phase("attention"):
+        clock.advance(2)
+    tel.route(0, np.array([[0, 2], [1, 2]], np.int32))
+    tel.end_token(n=2, prefill=True)
+    for i in range(3):
+        with tel.phase("experts"):
+            clock.advance(1 + i)
+            with tel.phase("io_wait"):
+                clock.advance(0.5)
+        tel.route(0, [i, 2])
+        tel.route(1, [1, -1])
+        tel.hit("disk")
+        tel.hit("cached", 2)
+        tel.bytes_read(4096)
+        tel.prefetch(issued=2, used=1, wasted=1)
+        tel.set_occupancy("cached", 1 << 20)
+        tel.set_gauge("budget", 123456789.0)
+        tel.end_token()
+    snap = tel.snapshot()
+    back = Snapshot.from_dict(json.loads(json.dumps(snap.to_dict())))
+    for name in Snapshot.__dataclass_fields__:
+        if name != "heat":
+            want, got = getattr(snap, name), getattr(back, name)
+            assert (dict(got) if isinstance(got, MappingProxyType) else got) == (
+                dict(want) if isinstance(want, MappingProxyType) else want), name
+    assert back.recent[0] == snap.recent[0] and back.recent[0].prefill and back.recent[0].n == 2
+    assert back.current == ((0, (2, 2)), (1, (1,)))
+    assert back.heat.dtype == np.float32 and back.heat.shape == (2, 3) and not back.heat.flags.writeable
+    np.testing.assert_allclose(back.heat, snap.heat, atol=1e-4)     # to_dict rounds heat to 4 decimals
+    assert isinstance(back.hits, MappingProxyType) and isinstance(back.gauges, MappingProxyType)
+    assert back.to_dict() == json.loads(json.dumps(snap.to_dict()))  # and it goes back out unchanged
+    # the last `recent` records only, and a model without experts
+    assert Snapshot.from_dict(snap.to_dict(recent=2)).recent == snap.recent[-2:]
+    empty = Snapshot.from_dict(json.loads(json.dumps(Telemetry().snapshot().to_dict())))
+    assert empty.heat.shape == (0, 0) and empty.recent == () and empty.tokens == 0
+
+
+def test_from_dict_names_what_is_missing_or_malformed(clock):
+    d = Telemetry(n_layers=1, n_experts=2, clock=clock).snapshot().to_dict()
+    with pytest.raises(ValueError, match="'gauges'"):
+        Snapshot.from_dict({k: v for k, v in d.items() if k != "gauges"})
+    with pytest.raises(ValueError, match="heat"):
+        Snapshot.from_dict({**d, "heat": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="malformed"):
+        Snapshot.from_dict({**d, "hits": [1, 2]})
 
 
 def test_reset_forgets_counts_and_heat_but_keeps_states(clock):
