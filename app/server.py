@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.server_engine import QueueFull, ServerEngine, Ticket
+from app.server_engine import QueueFull, Served, Ticket
+from app.service import EngineService
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
-from engine.generate import GenerationRequest
 from engine.sampling import SamplingParams
 
 MAX_BODY = 4 << 20          # bytes of a request body (4 MiB)
@@ -157,12 +157,14 @@ class BodyLimit:
         return await self.app(scope, limited, send)
 
 
-def create_app(engine: ServerEngine, *, api_key: str | None = None, cors_origins: tuple[str, ...] = (),
+def create_app(service: EngineService, *, api_key: str | None = None, cors_origins: tuple[str, ...] = (),
                max_body: int = MAX_BODY) -> FastAPI:
-    """The FastAPI application serving `engine`."""
+    """The FastAPI application serving the model loaded in `service` (the engine service the desktop app
+    also drives; it batches the requests)."""
     app = FastAPI(title="Colibri", version="1", docs_url=None, redoc_url=None)
-    app.state.engine = engine
-    loaded = engine.loaded
+    engine = Served(service)
+    app.state.served = engine
+    tokenizer = service.tokenizer
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -205,21 +207,31 @@ def create_app(engine: ServerEngine, *, api_key: str | None = None, cors_origins
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": engine.name, "running": engine.running, "queued": engine.queue_depth}
+        return {"status": "ok", "model": engine.name, "running": service.batch, "queued": service.queue_depth}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": int(engine.started),
-                                            "owned_by": "colibri"}]}
+                                            "owned_by": "colibri", "colibri": model_description(engine.info)}]}
+
+    @app.get("/v1/atlas")
+    async def atlas():
+        from app.service_model import read_atlas
+
+        found = read_atlas(engine.info.path)
+        if found is None:
+            raise ApiError(404, f"{engine.name} has no atlas yet; compute it where the server runs: "
+                                f"`colibri atlas {engine.info.path}`", code="not_found")
+        return found
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         _check_model(body.model)
-        if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
+        if tokenizer is None or not tokenizer.has_chat_template:
             raise ApiError(400, f"{engine.name} has no chat template; use /v1/completions", "messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = loaded.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            prompt = tokenizer.encode_chat(messages, add_generation_prompt=True)
         except ColibriError as exc:
             raise ApiError(400, str(exc), "messages") from None
         return await _generate(body, prompt, request, chat=True)
@@ -233,15 +245,15 @@ def create_app(engine: ServerEngine, *, api_key: str | None = None, cors_origins
                 raise ApiError(400, "only one prompt per request is supported (n=1)", "prompt")
             p = p[0]
         if isinstance(p, str):
-            if loaded.tokenizer is None:
+            if tokenizer is None:
                 raise ApiError(400, f"{engine.name} has no tokenizer: send the prompt as token ids", "prompt")
-            prompt = loaded.tokenizer.encode(p)
+            prompt = tokenizer.encode(p)
         else:
             prompt = list(p)
-            bad = [t for t in prompt if not 0 <= t < loaded.spec.vocab_size]
+            vocab = engine.info.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
-                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
-                                    f"(0..{loaded.spec.vocab_size - 1})", "prompt")
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
         return await _generate(body, prompt, request, chat=False)
 
     @app.get("/metrics")
@@ -249,35 +261,49 @@ def create_app(engine: ServerEngine, *, api_key: str | None = None, cors_origins
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/telemetry")
-    async def telemetry(request: Request, interval: float = 0.5, recent: int = 32):
-        tel = engine.telemetry
-        if tel is None:
-            raise ApiError(404, "this server runs without telemetry", code="not_found")
+    async def telemetry(request: Request, interval: float = 0.5, recent: int = 32, tiers: bool = False):
+        if service.snapshot() is None:
+            raise ApiError(404, "no model is loaded, so there is no telemetry", code="not_found")
         interval = min(max(interval, 0.05), 10.0)
         recent = min(max(recent, 0), 512)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue(maxsize=4)
+        grid: list = [None]         # the latest expert tiers (they come with each snapshot, just before it)
 
-        def push(snap) -> None:
+        def push(snap) -> None:     # engine thread
             def put():
                 if queue.full():
                     queue.get_nowait()
                 queue.put_nowait(snap)
-            loop.call_soon_threadsafe(put)
+            try:
+                loop.call_soon_threadsafe(put)
+            except RuntimeError:     # the event loop is closed
+                pass
+
+        def payload(snap) -> dict:
+            out = snap.to_dict(recent)
+            if tiers:
+                now = grid[0] if grid[0] is not None else service.tiers()
+                out["tiers"] = now.tolist() if now is not None else None
+            return out
 
         async def stream():
-            sub = tel.subscribe(push, min_interval=interval)
+            subs = [service.subscribe_tiers(lambda g: grid.__setitem__(0, g), interval)] if tiers else []
+            subs.append(service.subscribe(push, interval))
             try:
-                yield _sse(tel.snapshot().to_dict(recent))
+                first = service.snapshot()
+                if first is not None:
+                    yield _sse(payload(first))
                 while not await request.is_disconnected():
                     try:
                         snap = await asyncio.wait_for(queue.get(), timeout=max(interval, 1.0))
                     except asyncio.TimeoutError:
                         yield ": keep-alive\n\n"
                         continue
-                    yield _sse(snap.to_dict(recent))
+                    yield _sse(payload(snap))
             finally:
-                sub.close()
+                for sub in subs:
+                    sub.close()
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -308,9 +334,9 @@ def create_app(engine: ServerEngine, *, api_key: str | None = None, cors_origins
             sampling.validate()
         except ColibriError as exc:
             raise ApiError(400, str(exc)) from None
-        req = GenerationRequest(prompt=tuple(prompt), max_tokens=limit or room, sampling=sampling, stop=stops)
         try:
-            ticket = engine.submit(req, asyncio.get_running_loop())
+            ticket = engine.submit(list(prompt), max_tokens=limit or room, sampling=sampling, stop=stops,
+                                   loop=asyncio.get_running_loop())
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER)}) from None
@@ -401,11 +427,21 @@ def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def prometheus(engine: ServerEngine) -> str:
+def model_description(info) -> dict:
+    """The served model as /v1/models describes it under "colibri" (what a remote desktop app shows)."""
+    s = info.settings
+    return {"name": info.name, "architecture": info.architecture, "n_layers": info.n_layers,
+            "n_experts": info.n_experts, "top_k": info.top_k, "chat": info.chat, "max_context": info.max_context,
+            "streaming": info.streaming, "budget_range": list(info.budget_range) if info.budget_range else None,
+            "settings": {"memory_budget": s.memory_budget, "prefetch_depth": s.prefetch_depth,
+                         "io_threads": s.io_threads, "context_length": s.context_length}}
+
+
+def prometheus(engine: Served) -> str:
     """The /metrics text: counters of the server, figures of the engine's telemetry and memory."""
     from app.service_model import rss
 
-    c = engine.counters
+    c, service = engine.counters, engine.service
     lines = []
 
     def metric(name: str, kind: str, help_text: str, value: float) -> None:
@@ -417,12 +453,13 @@ def prometheus(engine: ServerEngine) -> str:
     metric("request_errors_total", "counter", "Requests that ended with an error.", c.errors)
     metric("prompt_tokens_total", "counter", "Prompt tokens processed.", c.prompt_tokens)
     metric("generated_tokens_total", "counter", "Tokens generated.", c.generated_tokens)
-    metric("queue_depth", "gauge", "Requests waiting for room in the batch.", engine.queue_depth)
-    metric("running", "gauge", "Requests in the batch.", engine.running)
-    metric("kv_bytes", "gauge", "Bytes of KV blocks in use or cached.", engine.pool.nbytes)
-    metric("kv_blocks_used", "gauge", "KV blocks held by running requests.", engine.pool.used_blocks)
-    if engine.telemetry is not None:
-        snap = engine.telemetry.snapshot()
+    metric("queue_depth", "gauge", "Requests waiting for room in the batch.", service.queue_depth)
+    metric("running", "gauge", "Requests in the batch.", service.batch)
+    kv_bytes, kv_blocks = service.kv_usage()
+    metric("kv_bytes", "gauge", "Bytes of KV blocks in use or cached.", kv_bytes)
+    metric("kv_blocks_used", "gauge", "KV blocks held by running requests.", kv_blocks)
+    snap = service.snapshot()
+    if snap is not None:
         metric("tokens_per_second", "gauge", "Decode speed over the recent tokens.", round(snap.tok_per_s, 3))
         metric("expert_hit_rate", "gauge", "Share of routed experts found in memory.", round(snap.hit_rate, 4))
         metric("bytes_read_total", "counter", "Bytes of streamed weights read from disk.", snap.bytes_read)

@@ -32,6 +32,10 @@ class LoadOptions:
     cache_policy: str = "learned"
     resident_layers: int | None = None  # dense containers: layers held (None: as many as the budget allows)
     history: bool = True                # read and update the usage history that teaches the pins
+    max_batch: int = 4                  # generations decoded together (more wait their turn)
+    kv_bits: int = 32                   # 32: exact keys and values; 8: int8 rows, a quarter of the memory
+    kv_block_size: int | None = None    # tokens per KV block (None: engine.kv.BLOCK_SIZE)
+    overflow: str = "error"             # past the context: "error", "slide" or "retain" (see engine.kv)
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ class ModelInfo:
     budget_range: tuple[int, int] | None        # (least, all experts held) bytes, when the budget can change
     fixed: Mapping[str, str]                    # setting name -> why it cannot change for this model
     settings: EngineSettings
+    vocab_size: int = 0                         # token ids run from 0 to vocab_size - 1
 
 
 @dataclass(frozen=True)

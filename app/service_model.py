@@ -42,23 +42,38 @@ class Engaged:
     container: Any = None               # the Container its store streams from
     rss_at: float = 0.0                 # when the rss gauge was last read
     base_tiers: np.ndarray | None = None  # [L, E] int8 tiers before any expert is read (built on first use)
+    options: Any = None                 # app.service_messages.LoadOptions it was opened with
     pool: Any = None                    # engine.kv.KVPool for the context length in force (made on first use)
+    scheduler: Any = None               # engine.scheduler.Scheduler on that pool
 
-    def kv_pool(self):
-        """The KV pool: one context's blocks, shared by requests; full blocks stay indexed so that the next
-        turn of a chat (or any prompt with the same beginning) starts from them."""
-        from engine.kv import KVPool, blocks_for
+    def batcher(self):
+        """The scheduler that runs this model's generations together, on a KV pool of `max_batch` contexts
+        (blocks are committed only when written). Full blocks stay indexed, so the next turn of a chat (or
+        any prompt with the same beginning) starts from them. Remade for a new context length only while
+        idle: a running generation keeps the cache it started with."""
+        from engine.kv import BLOCK_SIZE, KVPool, blocks_for, check_kv_settings
+        from engine.scheduler import Scheduler
 
-        ctx = self.info.settings.context_length
-        if self.pool is None or self.pool.n_blocks != blocks_for(ctx) + 1:
-            self.pool = KVPool(self.loaded.spec, blocks_for(ctx) + 1)
-        return self.pool
+        ctx, o = self.info.settings.context_length, self.options
+        if self.scheduler is not None and (self.scheduler.busy or self.scheduler.max_len == ctx):
+            return self.scheduler
+        block = o.kv_block_size or BLOCK_SIZE
+        check_kv_settings(block, o.kv_bits, o.overflow)
+        self.scheduler = self.pool = None   # the old mappings go before the new ones are made
+        self.pool = KVPool(self.loaded.spec, o.max_batch * (blocks_for(ctx, block) + 1), block, o.kv_bits)
+        loaded = self.loaded
+        self.scheduler = Scheduler(loaded.model, self.pool, max_len=ctx, tokenizer=loaded.tokenizer,
+                                   stop_ids=loaded.stop_ids, max_batch=o.max_batch, overflow=o.overflow)
+        return self.scheduler
 
     @classmethod
-    def open(cls, loaded, telemetry: Telemetry, settings: EngineSettings) -> Engaged:
+    def open(cls, loaded, telemetry: Telemetry, settings: EngineSettings, options=None) -> Engaged:
         """Describe a freshly loaded model."""
+        from app.service_messages import LoadOptions
+
         container = loaded.store.container if loaded.store is not None else None   # the one its store reads
-        return cls(loaded, telemetry, model_info(loaded, container, settings), container)
+        return cls(loaded, telemetry, model_info(loaded, container, settings), container,
+                   options=options if options is not None else LoadOptions())
 
     # --- live settings ---
 
@@ -224,7 +239,7 @@ def model_info(loaded, container, settings: EngineSettings) -> ModelInfo:
         fixed.update(memory_budget=why, prefetch_depth=why, io_threads=why)
     info = ModelInfo(Path(loaded.path), loaded.name, spec.architecture, spec.n_layers, n_experts(spec), top_k(spec),
                      bool(loaded.tokenizer is not None and loaded.tokenizer.has_chat_template), spec.max_position,
-                     streaming, None, MappingProxyType(fixed), settings)
+                     streaming, None, MappingProxyType(fixed), settings, spec.vocab_size)
     return replace(info, budget_range=budget_range(loaded, container, info))
 
 

@@ -51,19 +51,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def soak(loaded, *, clients: int = 8, seconds: float = 600.0, max_requests: int = 100000, ctx: int = 1024,
+def soak(model: str, *, clients: int = 8, seconds: float = 600.0, max_requests: int = 100000, ctx: int = 1024,
          max_batch: int = 4, max_queue: int = 8, log=print) -> SoakReport:
-    """Run the soak against a server for `loaded` started here; returns the report."""
+    """Run the soak against a server of `model` (a path or pulled name) started here; returns the report."""
     import httpx
     import uvicorn
 
     from app.server import create_app
-    from app.server_engine import ServerEngine
+    from app.service import EngineService, LoadOptions
     from app.service_model import rss
 
-    engine = ServerEngine(loaded, ctx=ctx, max_batch=max_batch, max_queue=max_queue)
+    service = EngineService(max_queue=max_queue)
+    try:
+        service.load_and_wait(model, LoadOptions(context_length=ctx, max_batch=max_batch))
+        app = create_app(service)
+    except BaseException:
+        service.close()
+        raise
+    engine = app.state.served
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -137,11 +144,10 @@ def soak(loaded, *, clients: int = 8, seconds: float = 600.0, max_requests: int 
             next_log += 30
         time.sleep(1.0)
     deadline = time.monotonic() + 30
-    while (engine.running or engine.queue_depth or engine.pool.used_blocks) and time.monotonic() < deadline:
+    while (service.batch or service.queue_depth or service.kv_usage()[1]) and time.monotonic() < deadline:
         time.sleep(0.1)                      # cancelled streams end at the engine's next step
     report.seconds = time.monotonic() - t0
-    report.kv_blocks_held_at_end = engine.pool.used_blocks
-    report.kv_bytes_at_end = engine.pool.nbytes
+    report.kv_bytes_at_end, report.kv_blocks_held_at_end = service.kv_usage()
     report.tokens = engine.counters.generated_tokens
     if samples:
         minute = [m for s, m in samples if s <= 60] or [samples[0][1]]
@@ -151,7 +157,7 @@ def soak(loaded, *, clients: int = 8, seconds: float = 600.0, max_requests: int 
         report.rss_peak_mb = round(max(m for _, m in samples), 1)
     server.should_exit = True
     thread.join(timeout=10)
-    engine.close()
+    service.close()
     return report
 
 
@@ -173,17 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-requests", type=int, default=100000)
     parser.add_argument("--ctx", type=int, default=1024)
     args = parser.parse_args(argv)
-    from app.commands._common import load
     from app.runtime import prepare_process
 
     prepare_process()          # as `colibri` does: idle OpenMP threads must not spin against the engine's
-
-    loaded = load(args.model)
-    try:
-        report = soak(loaded, clients=args.clients, seconds=args.minutes * 60, max_requests=args.max_requests,
-                      ctx=args.ctx, log=lambda m: print(m, file=sys.stderr, flush=True))
-    finally:
-        loaded.close()
+    report = soak(args.model, clients=args.clients, seconds=args.minutes * 60, max_requests=args.max_requests,
+                  ctx=args.ctx, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({**asdict(report), "ok": report.ok}, indent=1))
     return 0 if report.ok else 1
 

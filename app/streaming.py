@@ -1,4 +1,4 @@
-"""The memory and streaming flags that `run`, `chat`, `bench` (and later `serve` and `gui`) share.
+"""The memory and streaming flags that `run`, `chat`, `bench`, `serve` and `gui` share.
 
 `--max-memory` turns streaming on: the budget is divided (engine.stream.budget) into resident
 weights, KV cache, working buffers and the memory for streamed weights, and the model loads with
@@ -63,6 +63,25 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overflow", choices=OVERFLOW, default="error",
                    help="past --ctx: stop with an error (default), slide (drop the oldest blocks) or retain (keep "
                         "the first tokens, the recent window and the most attended blocks); both change outputs")
+
+
+def load_options(args: argparse.Namespace, max_batch: int | None = None):
+    """The engine service's LoadOptions from the memory and KV flags (app.service)."""
+    from app.service_messages import LoadOptions
+    from app.sizes import parse_size
+    from engine.kv import check_kv_settings
+
+    if args.prefetch_depth < 0:
+        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) or more")
+    if getattr(args, "ctx", None) is not None and args.ctx < 1:
+        raise ColibriError(f"--ctx {args.ctx}: the context must hold at least one token")
+    check_kv_settings(args.kv_block_size, args.kv_bits, args.overflow)
+    return LoadOptions(
+        max_memory=parse_size(args.max_memory, "--max-memory") if args.max_memory else None,
+        context_length=getattr(args, "ctx", None), prefetch_depth=args.prefetch_depth, io=args.io,
+        io_threads=args.io_threads, cache_policy=args.cache_policy, resident_layers=args.resident_layers,
+        history=not args.no_history, kv_bits=args.kv_bits, kv_block_size=args.kv_block_size, overflow=args.overflow,
+        **({} if max_batch is None else {"max_batch": max_batch}))
 
 
 def kv_pool(spec, args: argparse.Namespace | None, ctx: int, sequences: int = 1, prefix_cache: bool = True):

@@ -220,6 +220,15 @@ class Scheduler:
         seq.events.append(DoneEvent(reason, tuple(seq.tokens), "".join(seq.text), stats, tail))
         self._leave(seq)
 
+    def abort(self, message: str) -> list[Sequence]:
+        """End every waiting and running request with an ErrorEvent (a fault of the engine, not of one
+        request); their blocks go back to the pool. Returns the sequences ended."""
+        ended = [*self.running, *self.waiting]
+        self.waiting.clear()
+        for seq in ended:
+            self._fail(seq, message)
+        return ended
+
     def _fail(self, seq: Sequence, message: str) -> None:
         seq.events.append(ErrorEvent(message))
         self._leave(seq)

@@ -20,12 +20,11 @@ from tiny_chat import tiny_moe
 
 from app.convert import ConvertSettings, convert
 from app.server import create_app
-from app.server_engine import ServerEngine
+from app.service import EngineService, LoadOptions
 from engine.generate import GenerationRequest, stream_generate
 from engine.kv import KVCache
 from engine.loader import load_model
 from engine.sampling import SamplingParams
-from engine.telemetry import Telemetry
 
 KEY = "test-key-0123456789"
 CTX = 256
@@ -53,21 +52,33 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def container(tmp_path_factory):
     src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return load_model(convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None))
+    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
 
 
 @pytest.fixture(scope="module")
-def server(model):
-    tel = Telemetry(model.spec.n_layers, 8)
-    model.model.telemetry = tel
-    engine = ServerEngine(model, ctx=CTX, max_batch=2, max_queue=2, telemetry=tel)
-    live = Live(create_app(engine, api_key=KEY, max_body=64 * 1024))
-    live.engine = engine
+def model(container):
+    """The same model loaded directly, for the answers the server must give."""
+    return load_model(container)
+
+
+def _serve(container, max_batch, max_queue, **app_kw) -> Live:
+    """A live server on the engine service (the one the desktop app drives), streaming the container's experts."""
+    service = EngineService(max_queue=max_queue)
+    service.load_and_wait(container, LoadOptions(context_length=CTX, max_batch=max_batch))
+    app = create_app(service, **app_kw)
+    live = Live(app)
+    live.service, live.served = service, app.state.served
+    return live
+
+
+@pytest.fixture(scope="module")
+def server(container):
+    live = _serve(container, 2, 2, api_key=KEY, max_body=64 * 1024)
     yield live
     live.stop()
-    engine.close()
+    live.service.close()
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +148,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(model, cli
         t.join()
     for i in range(3):
         assert out[i].choices[0].message.content == _direct(model, prompts[i], 16).text
-    assert server.engine.pool.used_blocks == 0
+    assert server.service.kv_usage()[1] == 0
 
 
 def _post(server, path, body, key=KEY, raw=False):
@@ -188,12 +199,32 @@ def test_metrics_and_telemetry_stream(server, client):
                       timeout=30) as r:
         line = next(line for line in r.iter_lines() if line.startswith("data: "))
     snap = json.loads(line[6:])
-    assert {"tokens", "tok_per_s", "heat", "occupancy", "hits"} <= set(snap)
+    assert {"tokens", "tok_per_s", "heat", "occupancy", "hits"} <= set(snap) and "tiers" not in snap
+    assert snap["tokens"] >= 4 and np.asarray(snap["heat"]).shape == (3, 8)
+
+
+def test_what_a_remote_desktop_app_reads(server, client, model):
+    auth = {"authorization": f"Bearer {KEY}"}
+    info = httpx.get(server.url + "/v1/models", headers=auth).json()["data"][0]["colibri"]
+    assert (info["name"], info["n_layers"], info["n_experts"], info["chat"]) == ("tiny", 3, 8, True)
+    assert info["streaming"] == "experts" and info["settings"]["context_length"] == CTX
+    least, every = info["budget_range"]
+    assert 0 < least < every and info["settings"]["memory_budget"] <= every
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+    with httpx.stream("GET", server.url + "/v1/telemetry?interval=0.1&recent=2&tiers=1", headers=auth,
+                      timeout=30) as r:
+        line = next(line for line in r.iter_lines() if line.startswith("data: "))
+    snap = json.loads(line[6:])
+    tiers = np.asarray(snap["tiers"])
+    assert tiers.shape == (3, 8) and set(np.unique(tiers)) <= {0, 1, 2}    # on disk, cached or pinned
+    assert (tiers > 0).any() and len(snap["recent"]) <= 2                 # what the last answer read is held
+    r = httpx.get(server.url + "/v1/atlas", headers=auth)
+    assert r.status_code == 404 and "colibri atlas" in r.json()["error"]["message"]
 
 
 def test_a_client_that_leaves_cancels_and_frees_its_blocks(server):
-    engine = server.engine
-    cancelled = engine.counters.cancelled
+    counters = server.served.counters
+    cancelled = counters.cancelled
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
                       headers={"authorization": f"Bearer {KEY}"}, timeout=30) as r:
@@ -201,14 +232,13 @@ def test_a_client_that_leaves_cancels_and_frees_its_blocks(server):
         for _ in range(4):
             next(lines)
     deadline = time.monotonic() + 20
-    while (engine.counters.cancelled == cancelled or engine.pool.used_blocks) and time.monotonic() < deadline:
+    while (counters.cancelled == cancelled or server.service.kv_usage()[1]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine.counters.cancelled > cancelled and engine.pool.used_blocks == 0
+    assert counters.cancelled > cancelled and server.service.kv_usage()[1] == 0
 
 
-def test_a_full_queue_answers_429_with_retry_after(model):
-    engine = ServerEngine(model, ctx=CTX, max_batch=1, max_queue=0)       # one running, none waiting
-    live = Live(create_app(engine))
+def test_a_full_queue_answers_429_with_retry_after(container):
+    live = _serve(container, 1, 0)       # one running, none waiting
     try:
         body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True}
         with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
@@ -217,10 +247,10 @@ def test_a_full_queue_answers_429_with_retry_after(model):
             refused = httpx.post(live.url + "/v1/chat/completions", json={**body, "stream": False})
         assert refused.status_code == 429 and refused.headers["retry-after"] == "2"
         assert "retry shortly" in refused.json()["error"]["message"]
-        assert engine.counters.rejected == 1
+        assert live.served.counters.rejected == 1
     finally:
         live.stop()
-        engine.close()
+        live.service.close()
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
@@ -247,10 +277,10 @@ def test_fuzzed_bodies_never_get_a_500(server, path, body):
         assert "message" in r.json()["error"]
 
 
-def test_a_short_soak_completes_every_request_and_leaks_no_block(model):
+def test_a_short_soak_completes_every_request_and_leaks_no_block(container):
     from app.soak import soak
 
-    report = soak(model, clients=4, seconds=8, max_requests=40, ctx=CTX, max_batch=2, max_queue=2, log=lambda m: None)
+    report = soak(str(container), clients=4, seconds=8, max_requests=40, ctx=CTX, max_batch=2, max_queue=2, log=lambda m: None)
     assert report.ok, report.failures
     assert report.completed + report.cancelled_by_client + report.refused_429 + report.client_errors_4xx >= 8
     assert report.completed >= 4 and report.kv_blocks_held_at_end == 0

@@ -219,7 +219,7 @@ def test_stop_takes_effect_within_one_token(service, hf):
 
 
 def test_cancel_all_drops_queued_requests(service, hf):
-    _load(service, hf)
+    _load(service, hf, LoadOptions(max_batch=1))        # the second waits for room in the batch
     service.events.hooks.append(
         lambda e: isinstance(e, Generation) and isinstance(e.event, TokenEvent) and e.event.index == 1
         and service.cancel())
@@ -228,6 +228,62 @@ def test_cancel_all_drops_queued_requests(service, hf):
     assert service.events.done(first).finish_reason == "cancelled"
     second_done = service.events.done(second)
     assert second_done.finish_reason == "cancelled" and second_done.tokens == ()
+
+
+def _direct(path, prompt, n):
+    loaded = load_model(path)
+    out = list(stream_generate(loaded.model, loaded.tokenizer, GenerationRequest(tuple(prompt), n),
+                               stop_ids=loaded.stop_ids, cache=KVCache(loaded.spec, 2048)))
+    return out[-1].tokens
+
+
+def test_generations_run_together_and_each_gets_the_answer_it_gets_alone(service, container):
+    info = _load(service, container, LoadOptions(max_batch=3)).info
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    overlap = []
+
+    def watch(e):   # on the engine thread: how many generations were under way at each token
+        if isinstance(e, Generation) and isinstance(e.event, TokenEvent):
+            overlap.append(service.batch)
+
+    service.events.hooks.append(watch)
+    ids = [service.generate(p, max_tokens=12) for p in prompts]
+    answers = [service.events.done(i) for i in ids]
+    assert max(overlap) == 3                         # all three decoded in the same steps
+    for prompt, done in zip(prompts, answers):
+        assert done.tokens == _direct(info.path, prompt, 12)
+    assert service.kv_usage()[1] == 0 and service.queue_depth == 0
+
+
+def test_past_max_queue_waiting_generations_are_refused(container):
+    from app.service import QueueFull
+
+    events = Events()
+    with EngineService(events, max_queue=1) as svc:
+        svc.events = events
+        _load(svc, container, LoadOptions(max_batch=1))
+        running = svc.generate([5, 6, 7], max_tokens=400)
+        waiting = svc.generate([5, 6, 7], max_tokens=4)
+        with pytest.raises(QueueFull, match="--max-queue 1"):
+            svc.generate([5, 6, 7], max_tokens=4)
+        assert svc.queue_depth >= 1
+        svc.cancel(running)
+        assert svc.events.done(waiting).finish_reason == "length"
+        assert svc.generate([5, 6], max_tokens=2)    # room again
+        svc.cancel()
+
+
+def test_requests_take_effect_in_the_order_they_were_made(service, hf, container):
+    _load(service, hf)
+    before = service.generate([5, 6, 7], max_tokens=40)
+    load = service.load(container)
+    after = service.generate([5, 6, 7], max_tokens=6)
+    last = service.events.done(after)
+    order = [(type(e).__name__, e.request) for e in service.events.items
+             if isinstance(e, ModelLoaded) or (isinstance(e, Generation) and isinstance(e.event, DoneEvent))]
+    assert order[-3:] == [("Generation", before), ("ModelLoaded", load), ("Generation", after)]
+    assert service.events.done(before).finish_reason == "length"  # the load waited for it to end, uncancelled
+    assert last.tokens == _direct(container, [5, 6, 7], 6)         # and the next one ran on the new model
 
 
 def test_a_failing_listener_does_not_stop_the_engine(hf):

@@ -6,11 +6,9 @@ import argparse
 import ipaddress
 import sys
 
-from app.commands._common import add_model_argument, context_length, load
+from app.commands._common import add_model_argument
 from app.streaming import add_memory_arguments
 from engine.errors import ColibriError
-
-DEFAULT_SERVE_CTX = 4096
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
                         help="largest request body accepted (default 4 MiB)")
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
-                        help=f"context per request in tokens (default {DEFAULT_SERVE_CTX} or the model's, if less)")
+                        help="context per request in tokens (default 4096 or the model's, if less)")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -64,32 +62,23 @@ def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.server import create_app
-    from app.server_engine import ServerEngine
-    from app.service_model import n_experts
-    from app.streaming import kv_pool
-    from engine.telemetry import Telemetry
+    from app.service import EngineService
+    from app.streaming import load_options
 
     _check(args)
     if not is_loopback(args.host):
         print(f"warning: serving on {args.host} reaches beyond this machine"
               + ("" if args.api_key else "; anyone who can reach it may use it (set --api-key)"), file=sys.stderr)
-    from app.pull import resolve_model
-    from app.service_model import peek_spec
-
-    spec = peek_spec(resolve_model(args.model))
-    telemetry = Telemetry(spec.n_layers, n_experts(spec))
-    loaded = load(args.model, args=args, telemetry=telemetry)
-    try:
-        ctx = min(DEFAULT_SERVE_CTX, loaded.spec.max_position) if args.ctx is None else context_length(loaded, args.ctx)
-        engine = ServerEngine(loaded, ctx=ctx, max_batch=args.max_batch, max_queue=args.max_queue,
-                              pool=kv_pool(loaded.spec, args, ctx, sequences=args.max_batch), telemetry=telemetry)
-        app = create_app(engine, api_key=args.api_key, cors_origins=tuple(args.cors_origin), max_body=args.max_body)
-        print(f"serving {engine.name} on http://{args.host}:{args.port}/v1 (context {ctx}, batch {args.max_batch})",
-              file=sys.stderr)
-        try:
-            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-        finally:
-            engine.close()
-    finally:
-        loaded.close()
+    options = load_options(args, max_batch=args.max_batch)    # no --ctx: 4096 or the model's limit, if less
+    # the engine service the desktop app drives too: one engine thread, requests batched by its scheduler
+    with EngineService(max_queue=args.max_queue, name="colibri-serve-engine") as service:
+        print(f"loading {args.model} ...", file=sys.stderr)
+        info = service.load_and_wait(args.model, options)
+        app = create_app(service, api_key=args.api_key, cors_origins=tuple(args.cors_origin), max_body=args.max_body)
+        s = info.settings
+        memory = f", budget {s.memory_budget / 2**30:.2f} GiB, streaming {info.streaming}" if s.memory_budget else ""
+        print(f"serving {info.name} on http://{args.host}:{args.port}/v1 (context {s.context_length}, "
+              f"batch {args.max_batch}{memory})", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
