@@ -209,12 +209,19 @@ class ReplayRow:
     lfru: float
     learned: float
     belady: float
+    half_life: float = 0.0          # tokens: the learned policy's, learned on the first half
 
 
-def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float = 0.25) -> list[ReplayRow]:
-    """Hit rates on the second half of the chats; the learned policy's prior is the first half's usage."""
-    from engine.stream.policy import belady, make_policy, simulate, wants_admission
+def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float | None = None) -> list[ReplayRow]:
+    """Hit rates on the second half of the chats. The learned policy learns from the first half only, as the
+    store does from earlier sessions: its prior (usage counts), its pins, and its half-life (the one that
+    served the first half best, `tune_half_life`)."""
+    from engine.stream.policy import (
+        DEFAULT_HALF_LIFE_TOKENS, belady, make_policy, simulate, tune_half_life, wants_admission,
+    )
+    from engine.stream.store import StoreSettings
 
+    pin_fraction = StoreSettings(0).pin_fraction if pin_fraction is None else pin_fraction
     chats = trace["chats"]
     if len(chats) < 2:
         raise ColibriError("a trace needs at least two chats to replay (one teaches, one is scored)")
@@ -224,9 +231,9 @@ def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float = 0.25) 
     for chat in chats[:half]:
         for layer, ids in chat:
             prior[layer, list(ids)] += 1
+    teach = [step for chat in chats[:half] for step in chat]
     test = [step for chat in chats[half:] for step in chat]
     total = n_layers * n_experts
-    half_life = 16 * n_layers
     per_token = max(sum(len(ids) for _, ids in chat[-n_layers:]) for chat in chats)   # a decode token's experts
     rows = []
     for f in fractions:
@@ -234,28 +241,32 @@ def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float = 0.25) 
         n_pin = int(cap * pin_fraction)
         order = np.argsort(-prior, axis=None, kind="stable")[:n_pin]
         pinned = frozenset((int(i // n_experts), int(i % n_experts)) for i in order if prior.flat[i] > 0)
+        admission = wants_admission(cap, per_token)
         rate = lambda r: r.hit_rate  # noqa: E731
+        tokens = tune_half_life(teach, cap, n_layers, prior, pinned, admission)
         # pins are read from disk once too (at start): their first use counts as a miss, as every policy's does
-        learned = simulate(test, cap, make_policy("learned", prior, half_life=half_life,
-                                                  admission=wants_admission(cap, per_token)), pinned)
+        learned = simulate(test, cap, make_policy("learned", prior, half_life=tokens * n_layers, admission=admission),
+                           pinned)
         first_uses = len(pinned & {(layer, i) for layer, ids in test for i in ids})
         rows.append(ReplayRow(
             f, cap,
             rate(simulate(test, cap, make_policy("lru"))),
-            rate(simulate(test, cap, make_policy("lfru", half_life=half_life,
-                                                 admission=wants_admission(cap, per_token)))),
+            rate(simulate(test, cap, make_policy("lfru", half_life=DEFAULT_HALF_LIFE_TOKENS * n_layers,
+                                                 admission=admission))),
             (learned.hits - first_uses) / learned.accesses if learned.accesses else 0.0,
             rate(belady(test, cap)),
+            tokens,
         ))
     return rows
 
 
 def format_replay(rows: list[ReplayRow]) -> str:
     """The replay table."""
-    lines = ["cache          LRU    LFRU   learned  Belady   learned/Belady"]
+    lines = ["cache          LRU    LFRU   learned  Belady   learned/Belady  learned half-life"]
     for r in rows:
         lines.append(f"{r.fraction * 100:4.0f}% {r.capacity:6d}  {r.lru * 100:5.1f}%  {r.lfru * 100:5.1f}%  "
-                     f"{r.learned * 100:6.1f}%  {r.belady * 100:5.1f}%   {r.learned / r.belady * 100 if r.belady else 0:5.1f}%")
+                     f"{r.learned * 100:6.1f}%  {r.belady * 100:5.1f}%   {r.learned / r.belady * 100 if r.belady else 0:5.1f}%"
+                     f"          {r.half_life:g} tokens")
     return "\n".join(lines)
 
 

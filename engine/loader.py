@@ -55,6 +55,8 @@ class LoadedModel:
             return
         try:
             if store.history is not None and self.history_path is not None:
+                if hasattr(store, "learn_policy"):
+                    store.learn_policy()        # the cache's half-life that served this session best
                 store.history.save(self.history_path)
         finally:
             store.close()

@@ -66,6 +66,21 @@ def test_save_load_roundtrip_is_exact(tmp_path):
     assert np.array_equal(UsageHistory.load(path, "abc123", 3, 8).counts, h.counts)
 
 
+def test_the_learned_half_life_is_kept_and_older_files_load_without_it(tmp_path):
+    h = _history()
+    path = tmp_path / "usage.npz"
+    h.save(path)
+    assert UsageHistory.load(path, "abc123", 3, 8).policy_half_life is None
+    h.policy_half_life = 2.0
+    h.save(path)
+    assert UsageHistory.load(path, "abc123", 3, 8).policy_half_life == 2.0
+    with np.load(path) as z:                                 # a file written before the field existed
+        fields = {k: z[k] for k in z.files if k != "policy_half_life_tokens"}
+    np.savez(path, **fields)
+    old = UsageHistory.load(path, "abc123", 3, 8)
+    assert old.policy_half_life is None and np.array_equal(old.counts, h.counts)
+
+
 def test_another_model_is_refused_by_name(tmp_path):
     path = tmp_path / "usage.npz"
     _history().save(path)

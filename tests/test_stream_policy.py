@@ -9,7 +9,9 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from engine.stream.policy import (LFRU, LRU, Learned, SimResult, belady, make_policy, simulate)
+from engine.stream.policy import (
+    HALF_LIFE_CHOICES, LFRU, LRU, Learned, SimResult, belady, make_policy, simulate, tune_half_life,
+)
 
 
 def routing_trace(n_layers: int, n_experts: int, top_k: int, n_tokens: int, *, skew: float = 1.0,
@@ -243,3 +245,21 @@ def test_admission_keeps_the_best_keys_when_a_step_outnumbers_the_cache():
     assert simulate(trace, 8, LRU()).hits == 0
     kept = simulate(trace, 8, LFRU(admission=True))
     assert kept.hits >= 8 * 45
+
+
+def test_the_learned_half_life_follows_the_workload():
+    # a drifting topic rewards a short memory, a stationary one a long memory; tuning finds which
+    drifting, prior = routing_trace(4, 32, 2, 600, skew=0.3, drift=3.0, persistence=0.9, seed=3)
+    stationary, _ = routing_trace(4, 32, 2, 600, skew=1.0, seed=3)
+    capacity = 4 * 32 // 4
+    short = tune_half_life(drifting, capacity, 4, prior)
+    long = tune_half_life(stationary, capacity, 4, prior)
+    assert short in HALF_LIFE_CHOICES and long in HALF_LIFE_CHOICES and short < long
+
+    def hits(trace, tokens):
+        return simulate(trace, capacity, Learned(prior, half_life=tokens * 4)).hits
+
+    assert all(hits(drifting, short) >= hits(drifting, h) for h in HALF_LIFE_CHOICES)   # it is the best choice
+    assert hits(stationary, long) > hits(stationary, short)
+    with pytest.raises(ValueError, match="at least one"):
+        tune_half_life(drifting, capacity, 4, prior, choices=())

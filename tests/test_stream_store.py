@@ -14,6 +14,7 @@ from app.convert import ConvertSettings, convert
 from engine.errors import ColibriError, ModelFormatError
 from engine.kv import KVCache
 from engine.loader import StreamOptions, load_model
+from engine.stream.history import UsageHistory
 from engine.stream.store import StoreSettings
 from engine.telemetry import Telemetry
 
@@ -134,6 +135,27 @@ def test_history_pins_experts_on_the_next_start(container, resident, tmp_path):
         again.close()
     assert tokens == resident[1] and np.array_equal(logits, resident[0])
     assert stats.hits["pinned"] > 0
+
+
+def test_a_session_teaches_the_next_its_cache_half_life(container, resident, tmp_path):
+    from engine.stream.policy import DEFAULT_HALF_LIFE_TOKENS, HALF_LIFE_CHOICES
+    from engine.stream.store import MIN_LEARN_TOKENS
+
+    path = tmp_path / "usage.npz"
+    first = _stream(container, 8, policy="learned", history_path=path)
+    assert first.store.half_life_tokens == DEFAULT_HALF_LIFE_TOKENS
+    _run(first, steps=MIN_LEARN_TOKENS + 4)
+    learned = first.store.learn_policy()
+    first.close()                                           # learns again and saves it with the counts
+    assert learned in HALF_LIFE_CHOICES
+    again = _stream(container, 8, policy="learned", history_path=path)
+    try:
+        assert again.store.half_life_tokens == learned == UsageHistory.load(
+            path, again.store.container.model_hash, LAYERS, N_EXPERTS).policy_half_life
+        logits, tokens = _run(again)
+    finally:
+        again.close()
+    assert tokens == resident[1] and np.array_equal(logits, resident[0])   # a learned policy never changes the answer
 
 
 def test_too_small_a_cache_says_the_minimum(container):

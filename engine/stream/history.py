@@ -39,6 +39,7 @@ class UsageHistory:
         # is one float update per token; counts = _raw / _inc.
         self._raw = np.zeros((n_layers, n_experts), np.float64)  # [L, E]
         self._since = 0.0                                    # tokens since _raw was last folded
+        self.policy_half_life: float | None = None           # tokens; learned by the store (None: the default)
 
     @property
     def _inc(self) -> float:
@@ -83,7 +84,9 @@ class UsageHistory:
                      model_hash=np.array(self.model_hash),
                      shape=np.array([self.n_layers, self.n_experts], np.int64),
                      half_life_tokens=np.array(self.half_life_tokens),
-                     tokens=np.array(self.tokens, np.int64), counts=self.counts)
+                     tokens=np.array(self.tokens, np.int64), counts=self.counts,
+                     policy_half_life_tokens=np.array(np.nan if self.policy_half_life is None
+                                                      else self.policy_half_life))
         _fsync_dir(path.parent)
 
     @classmethod
@@ -109,6 +112,7 @@ class UsageHistory:
             shape = tuple(int(n) for n in fields["shape"])
             half_life, tokens = float(fields["half_life_tokens"]), int(fields["tokens"])
             counts = np.asarray(fields["counts"], np.float64)
+            learned = float(fields.get("policy_half_life_tokens", np.nan))   # absent from older files
         except (KeyError, ValueError, TypeError) as e:
             raise ModelFormatError(f"usage history {path} is missing a field ({e}): {fix}") from e
         if saved_hash != model_hash:
@@ -122,6 +126,7 @@ class UsageHistory:
         history = cls(n_layers, n_experts, model_hash, half_life)
         history.tokens = tokens
         history._raw = counts.copy()
+        history.policy_half_life = learned if np.isfinite(learned) and learned > 0 else None
         return history
 
     @classmethod

@@ -19,13 +19,15 @@ import numpy as np
 Key = tuple[int, int]                      # (layer, expert)
 Trace = Sequence[tuple[int, Sequence[int]]]  # [(layer, distinct expert ids of one step)]
 
-# Measured on the synthetic routing traces of tests/test_stream_policy.py (Zipf popularity per
-# layer, with and without a drifting topic; 24-60 layers, 25% capacity). Stationary traces want a
-# long memory (best at >= 64 tokens), drifting ones a short one (best at 8-16 tokens); 16 tokens
-# is within 0.031 of the best on every trace, and keeping counts across evictions beats
-# forgetting them by 0.01-0.08 there. 512 steps = 16 tokens of a 32-layer model: pass
-# 16 * n_layers.
-LFRU_HALF_LIFE = 512.0                     # steps (layer steps, not tokens)
+# The half-life of a use, in tokens (the policies count layer steps: pass tokens * n_layers).
+# Synthetic Zipf traces (tests/test_stream_policy.py) want a long memory when stationary (>= 64
+# tokens) and a short one when the topic drifts (8-16); recorded chat traces of mixtral-1.7b want
+# 1-4 tokens (at 10% of the experts: 0.91 of Belady at 1 token, 0.74 at 16). No single value fits
+# every workload, so the store learns it: `tune_half_life` replays the session's recent steps at
+# each of HALF_LIFE_CHOICES and the usage history keeps the winner for the next start.
+DEFAULT_HALF_LIFE_TOKENS = 4.0
+HALF_LIFE_CHOICES = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+LFRU_HALF_LIFE = 512.0                     # steps: the policies' default when the caller names none
 # The hottest key by history counts 1 + 8 per use: +0.017..0.030 hit rate over LFRU on stationary
 # traces, +-0.005 on drifting ones, and a prior of the wrong experts costs under 0.01.
 LEARNED_PRIOR_WEIGHT = 2.0
@@ -234,6 +236,23 @@ def make_policy(name: str, prior: Mapping[Key, float] | np.ndarray | None = None
             raise ValueError("the learned policy needs a prior (usage history counts [layers, experts])")
         return Learned(prior, half_life, admission=True if admission is None else admission)
     raise ValueError(f"unknown cache policy {name!r}: use one of {', '.join(POLICIES)}")
+
+
+def tune_half_life(trace: Trace, capacity: int, n_layers: int, prior: Mapping[Key, float] | np.ndarray | None = None,
+                   pinned: AbstractSet[Key] = frozenset(), admission: bool = False,
+                   choices: Sequence[float] = HALF_LIFE_CHOICES) -> float:
+    """The half-life in tokens, among `choices`, whose policy (learned with `prior`, else LFRU) hits most
+    often replaying `trace` at `capacity` with `pinned` held; ties go to the one nearest the default."""
+    if not choices:
+        raise ValueError("tune_half_life needs at least one half-life to try")
+
+    def hits(tokens: float) -> int:
+        steps = tokens * n_layers
+        policy = (make_policy("learned", prior, half_life=steps, admission=admission) if prior is not None
+                  else make_policy("lfru", half_life=steps, admission=admission))
+        return simulate(trace, capacity, policy, pinned).hits
+
+    return max(choices, key=lambda h: (hits(h), -abs(np.log2(h / DEFAULT_HALF_LIFE_TOKENS))))
 
 
 @dataclass(frozen=True)
