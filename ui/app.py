@@ -2,7 +2,10 @@
 controls on the left, the inspector on the right), its layout saved between runs.
 
 The window talks to the engine only through its `Bridge` (which owns the `EngineService`):
-requests go out through the service, events and snapshots come back as queued signals.
+requests go out through the service, events and snapshots come back as queued signals. With a
+`RemoteService` (`colibri gui --remote URL`) the same window chats with a Colibri server on another
+machine and its inspector watches that server; what only makes sense here (opening or converting
+a model, the memory sliders, computing an atlas) is disabled, saying why.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
-    QApplication, QDockWidget, QLabel, QMainWindow, QMessageBox, QProgressBar, QPushButton, QWidget,
+    QApplication, QDockWidget, QLabel, QMainWindow, QMenu, QMessageBox, QProgressBar, QPushButton, QWidget,
 )
 
 from app.conversations import ConversationStore
+from app.remote import ConnectionChanged, Endpoint, RemoteService
 from app.service import LoadFailed, LoadOptions, ModelInfo, ModelLoaded, SettingsApplied
-from ui.bridge import Bridge
+from ui.bridge import Bridge, ServiceFactory
 from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
@@ -74,7 +78,7 @@ class MainWindow(QMainWindow):
     """Chat, conversations, controls and the inspector around one engine service."""
 
     def __init__(self, settings: QSettings | None = None, conversations: ConversationStore | None = None,
-                 load_options: LoadOptions = LoadOptions()):
+                 load_options: LoadOptions = LoadOptions(), service: ServiceFactory | None = None):
         super().__init__()
         self.setObjectName("mainWindow")
         self.setWindowTitle(APP_NAME)
@@ -87,9 +91,11 @@ class MainWindow(QMainWindow):
         self.first_run: FirstRunDialog | None = None     # the "no model yet" choices, while shown
         self._load_request: int | None = None
         self._atlas_request: int | None = None
+        self._connection_lost = False                    # a remote telemetry stream dropped since the last connect
         self._closed = False
 
-        self.bridge = Bridge(self)
+        self.bridge = Bridge(self, service)
+        self.remote: RemoteService | None = self.bridge.remote   # a server on another machine, or None (local)
         self.chat = ChatPanel(self.bridge, self.store)
         self.conversations = ConversationList()
         self.controls = ControlsPanel()
@@ -103,6 +109,8 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._build_status()
         self._wire()
+        if self.remote is not None:
+            self._remote_mode()
         self._refresh_conversations()
         self.chat.set_model(None)
         self._restore_layout()
@@ -124,7 +132,7 @@ class MainWindow(QMainWindow):
         file.addAction(self.models.open_folder)
         file.addAction(self.models.open_gguf)
         file.addMenu(self.models.recent_menu)
-        get_model = QAction("Get a model…", self)
+        self.get_model = get_model = QAction("Get a model…", self)
         get_model.triggered.connect(lambda: self.show_first_run())
         file.addAction(get_model)
         file.addSeparator()
@@ -153,8 +161,12 @@ class MainWindow(QMainWindow):
         self.load_bar.setTextVisible(True)
         self.load_cancel = QPushButton("Cancel")
         self.load_cancel.clicked.connect(self.cancel_load)
+        self.connection_label = QLabel()        # a remote server's telemetry stream: connected, or lost and why
+        self.connection_label.setObjectName("connectionLabel")
+        self.connection_label.hide()
         bar = self.statusBar()
         bar.addWidget(self.model_label, 1)
+        bar.addPermanentWidget(self.connection_label)
         bar.addPermanentWidget(self.load_bar)
         bar.addPermanentWidget(self.load_cancel)
         self.load_bar.hide()
@@ -171,6 +183,7 @@ class MainWindow(QMainWindow):
         b.atlasProgress.connect(self._on_atlas_progress)
         b.atlasReady.connect(self._on_atlas_ready)
         b.atlasFailed.connect(self._on_atlas_failed)
+        b.connection.connect(self._on_connection)
         self.controls.changeRequested.connect(b.service.update_settings)
         self.inspector.atlasRequested.connect(self.compute_atlas)
         self.inspector.atlasCancelRequested.connect(self._cancel_atlas)
@@ -181,22 +194,69 @@ class MainWindow(QMainWindow):
         self.conversations.newRequested.connect(self._new_conversation)
         self.conversations.deleteRequested.connect(self._delete_conversation)
 
+    def _remote_mode(self) -> None:
+        """Disable what only makes sense for a model on this machine, each saying why."""
+        url = self.remote.url
+        why = f"the model is served by {url}; open, pull or convert models on that machine"
+        for action in (self.models.open_folder, self.models.open_gguf, self.models.convert, self.get_model,
+                       self.models.recent_menu.menuAction()):
+            action.setEnabled(False)
+            action.setToolTip(why)
+            action.setStatusTip(why)
+        for menu in self.findChildren(QMenu):
+            menu.setToolTipsVisible(True)
+        self.connection_label.show()
+        self.connection_label.setText(f"Connecting to {url}…")
+        self._remote_atlas_offer()
+
+    def _remote_atlas_offer(self) -> None:
+        """A remote model's atlas comes from the server: no button to compute one here."""
+        atlas = getattr(self.inspector, "atlas", None)
+        button = getattr(atlas, "compute_button", None)
+        if self.remote is None or button is None:
+            return
+        button.setEnabled(False)
+        button.setToolTip(f"the atlas of a served model is computed where it runs: `colibri atlas MODEL` on the "
+                          f"machine of {self.remote.url}, then reconnect")
+
+    def _on_connection(self, event: ConnectionChanged) -> None:
+        """The remote telemetry stream was lost or regained: say so; once back, read again what the server serves
+        (it may have restarted with another model), unless an answer is being written."""
+        label = self.connection_label
+        label.setToolTip(event.message)
+        if event.connected:
+            label.setText(f"● live: {event.url}")
+            label.setStyleSheet("")
+            back = self.info is None or self._connection_lost
+            if back and self._load_request is None and not self.chat.generating:
+                self._connection_lost = False
+                self.open_model(event.url)
+        else:
+            self._connection_lost = True
+            label.setText(f"⚠ {event.message}")
+            label.setStyleSheet("color: palette(bright-text);")
+            log.warning("%s", event.message)
+
     # --- models ---
 
     def open_model(self, path: str, options: LoadOptions | None = None) -> int:
-        """Load a model (folder, .gguf, container or pulled name) through the service."""
+        """Load a model (folder, .gguf, container or pulled name) through the service (remote: connect)."""
         self.chat.stop()
         self._load_request = self.bridge.service.load(path, options or self.load_options)
         self.chat.set_model(None)
         self.controls.set_model(None)
-        self.model_label.setText(f"Loading {Path(path).name}…")
+        self.model_label.setText(f"Connecting to {self.remote.url}…" if self.remote is not None
+                                 else f"Loading {Path(path).name}…")
         self.load_bar.setValue(0)
         self.load_bar.show()
         self.load_cancel.show()
         return self._load_request
 
-    def show_first_run(self, models_dir: Path | None = None, bundle: Path | None = None) -> FirstRunDialog:
-        """Offer the demo model, a folder or GGUF, or a pull by name (non-blocking); the choice opens."""
+    def show_first_run(self, models_dir: Path | None = None, bundle: Path | None = None) -> FirstRunDialog | None:
+        """Offer the demo model, a folder or GGUF, or a pull by name (non-blocking); the choice opens.
+        None for a remote window: the server chooses the model."""
+        if self.remote is not None:
+            return None
         if self.first_run is not None:
             self.first_run.reject()
             self.first_run.deleteLater()
@@ -242,9 +302,15 @@ class MainWindow(QMainWindow):
             self.inspector.set_atlas(dict(event.atlas) if event.atlas is not None else None)
         except ValueError as exc:
             log.warning("the atlas of %s is not shown: %s", info.name, exc)
-        self.models.add_recent(info.path)
         how = {"experts": "experts stream from disk", "layers": "layers stream from disk"}.get(info.streaming,
                                                                                                "held in memory")
+        if self.remote is not None:
+            self._remote_atlas_offer()
+            self.model_label.setText(f"{info.name} · {info.architecture} · {how} · served by {self.remote.url}")
+            log.info("connected to %s serving %s (%s, %s)", self.remote.url, info.name, info.architecture, how)
+            self.setWindowTitle(f"{info.name} @ {self.remote.endpoint.host} — {APP_NAME}")
+            return
+        self.models.add_recent(info.path)
         self.model_label.setText(f"{info.name} · {info.architecture} · {how}")
         log.info("loaded %s (%s, %s)", info.path, info.architecture, how)
         self.setWindowTitle(f"{info.name} — {APP_NAME}")
@@ -257,9 +323,14 @@ class MainWindow(QMainWindow):
         self.chat.set_model(None)
         self.controls.set_model(None)
         self.inspector.set_model_info(0, 0, None)
+        self._remote_atlas_offer()
         self.setWindowTitle(APP_NAME)
         if event.cancelled:
             self.model_label.setText("Loading cancelled")
+        elif self.remote is not None:
+            log.warning("no connection: %s", event.message)
+            self.model_label.setText(f"Not connected to {self.remote.url} (retrying in the background)")
+            self.show_error("The server cannot be reached", event.message)
         else:
             log.warning("the model did not load: %s", event.message)
             self.model_label.setText("No model (the last one failed to load)")
@@ -276,6 +347,7 @@ class MainWindow(QMainWindow):
             self.info = applied.info
             s = applied.info.settings
             self.inspector.set_model_info(applied.info.n_layers, applied.info.n_experts, s.memory_budget)
+            self._remote_atlas_offer()
 
     def _on_atlas_progress(self, request: int, fraction: float, message: str) -> None:
         if request == self._atlas_request:
@@ -392,17 +464,26 @@ def startup_model(model: str | None, window: MainWindow) -> str | None:
     return str(demo) if demo is not None else None
 
 
-def run(model: str | None, options: LoadOptions = LoadOptions(), self_test: SelfTest | None = None) -> int:
+def remote_service(url: str, api_key: str | None = None) -> ServiceFactory:
+    """The factory of a window on the Colibri server at url (ColibriError now for an address that cannot be one)."""
+    Endpoint.parse(url)
+    return lambda on_event: RemoteService(url, api_key, on_event=on_event)
+
+
+def run(model: str | None, options: LoadOptions = LoadOptions(), self_test: SelfTest | None = None,
+        remote: str | None = None, api_key: str | None = None) -> int:
     """Open the app (loading MODEL, else the most recent model, else offering the first-run choices) and run it
-    until the window closes; with self_test, load, answer once, print the report and quit."""
+    until the window closes; with remote, on the Colibri server at that URL instead of a model here; with
+    self_test, load (or connect), answer once, print the report and quit."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    service = remote_service(remote, api_key) if remote else None
     app = QApplication.instance() or QApplication(sys.argv[:1])
     configure(app)
-    window = MainWindow(load_options=options)
+    window = MainWindow(load_options=options, service=service)
     window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     window.show()
     check = SelfTestRun(window, self_test) if self_test is not None else None
-    target = startup_model(model, window)
+    target = window.remote.url if window.remote is not None else startup_model(model, window)
     if target:
         window.open_model(target)
     elif check is None:

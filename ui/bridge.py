@@ -2,18 +2,26 @@
 (delivered on the engine thread) become queued signals handled on the main thread.
 
 The bridge owns the service: views send requests through `bridge.service` and never touch the
-engine. Snapshots arrive at most SNAPSHOT_HZ times a second; views store them and redraw on their
-own timers, so a fast model never makes the UI paint once per token.
+engine. The service is a local `EngineService` unless a factory makes another with the same
+interface (`app.remote.RemoteService`: a Colibri server on another machine). Snapshots arrive at
+most SNAPSHOT_HZ times a second; views store them and redraw on their own timers, so a fast model
+never makes the UI paint once per token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from PySide6.QtCore import QObject, Qt, Signal
 
+from app.remote import ConnectionChanged, RemoteService
 from app.service import (
     AtlasFailed, AtlasProgress, AtlasReady, EngineService, Generation, LoadFailed, LoadProgress, ModelLoaded,
     ModelUnloaded, ServiceEvent, SettingsApplied,
 )
+
+ServiceFactory = Callable[[Callable[[ServiceEvent], None]], Any]   # on_event -> EngineService or RemoteService
 
 SNAPSHOT_HZ = 30    # at most this many telemetry snapshots a second reach the views
 
@@ -32,17 +40,19 @@ class Bridge(QObject):
     atlasFailed = Signal(object)                # app.service.AtlasFailed
     snapshot = Signal(object)                   # engine.telemetry.Snapshot
     tiers = Signal(object)                      # int8 [layers, experts] (app.service TIER_* codes) or None
+    connection = Signal(object)                 # app.remote.ConnectionChanged (a remote service's telemetry stream)
 
     _event = Signal(object)                     # emitted on the engine thread, received on the main thread
     _snapshot = Signal(object)
     _tiers = Signal(object)
 
-    def __init__(self, parent: QObject | None = None):
+    def __init__(self, parent: QObject | None = None, service: ServiceFactory | None = None):
         super().__init__(parent)
         self._event.connect(self._dispatch, Qt.ConnectionType.QueuedConnection)
         self._snapshot.connect(self._deliver_snapshot, Qt.ConnectionType.QueuedConnection)
         self._tiers.connect(self._deliver_tiers, Qt.ConnectionType.QueuedConnection)
-        self.service = EngineService(on_event=self._event.emit)
+        make = service if service is not None else (lambda on_event: EngineService(on_event=on_event))
+        self.service = make(self._event.emit)
         self._subscriptions = (self.service.subscribe(self._snapshot.emit, 1.0 / SNAPSHOT_HZ),
                                self.service.subscribe_tiers(self._tiers.emit, 1.0 / SNAPSHOT_HZ))
         self._closed = False
@@ -60,6 +70,11 @@ class Bridge(QObject):
     def closed(self) -> bool:
         """Whether close() ran."""
         return self._closed
+
+    @property
+    def remote(self) -> RemoteService | None:
+        """The remote service when the app watches a server on another machine, else None."""
+        return self.service if isinstance(self.service, RemoteService) else None
 
     def _deliver_snapshot(self, snap: object) -> None:
         if not self._closed:
@@ -91,3 +106,5 @@ class Bridge(QObject):
             self.atlasReady.emit(event)
         elif isinstance(event, AtlasFailed):
             self.atlasFailed.emit(event)
+        elif isinstance(event, ConnectionChanged):
+            self.connection.emit(event)

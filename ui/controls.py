@@ -127,7 +127,7 @@ class ControlsPanel(QWidget):
         s, fixed = self.info.settings, self.info.fixed
         budget = self.budget_at(self.budget.slider.value()) if self._budget_enabled() else None
         depth = self.prefetch.slider.value() if "prefetch_depth" not in fixed else None
-        ctx = self._contexts[self.context.slider.value()]
+        ctx = self._contexts[self.context.slider.value()] if "context_length" not in fixed else s.context_length
         io = self.io_threads.slider.value() if "io_threads" not in fixed else None
         if budget is not None and self.budget.slider.value() == self.position_of(s.memory_budget):
             budget = None   # the slider's step rounds: the position of the budget in force asks for nothing
@@ -197,7 +197,8 @@ class ControlsPanel(QWidget):
                 self._contexts = sorted(set(self._contexts) | {s.context_length})
             self.context.slider.setRange(0, len(self._contexts) - 1)
             self.context.slider.setValue(self._contexts.index(s.context_length))
-            self.context.set_enabled(True, "applies to the next answer's KV cache")
+            self.context.set_enabled("context_length" not in fixed,
+                                     fixed.get("context_length", "applies to the next answer's KV cache"))
             self.context.show(self.context.slider.value())
             self.io_threads.slider.setValue(s.io_threads)
             self.io_threads.set_enabled("io_threads" not in fixed, fixed.get("io_threads", ""))
@@ -205,7 +206,10 @@ class ControlsPanel(QWidget):
         finally:
             for setting in self.settings():
                 setting.slider.blockSignals(False)
-        if info.streaming == "experts":
+        if all(name in fixed for name in ("memory_budget", "prefetch_depth", "io_threads", "context_length")):
+            reasons = set(fixed.values())
+            self.note.setText(f"Every setting is {reasons.pop()}." if len(reasons) == 1 else "No setting can change.")
+        elif info.streaming == "experts":
             self.note.setText("Experts stream from disk: a smaller budget keeps fewer in memory (more reads, "
                               "more I/O wait).")
         elif info.streaming == "layers":

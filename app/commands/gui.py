@@ -1,4 +1,5 @@
-"""`colibri gui [MODEL]` (also the `colibri-gui` program): the desktop app, chat and live inspector.
+"""`colibri gui [MODEL]` (also the `colibri-gui` program): the desktop app, chat and live inspector;
+`colibri gui --remote URL [--api-key KEY]`: the same app on a Colibri server on another machine.
 
 The only module of `app` that imports `ui`, and only once the display has been checked: without
 one, it says why and what to run instead.
@@ -22,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="open the desktop app (chat and live inspector)",
         description="The desktop app: chat with streaming answers and watch the engine at work (expert heat, "
         "memory tiers, I/O). MODEL opens at start; the memory flags set how it loads (the sliders change the "
-        "budget, read-ahead and context while it runs).",
+        "budget, read-ahead and context while it runs). With --remote URL the app chats with a `colibri serve` "
+        "on another machine and its inspector watches that server live (its settings are set where it runs).",
     )
     add_model_argument(parser, required=False)
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
@@ -32,6 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # the packaged app's check: load MODEL, answer PROMPT, print timings as JSON, quit (exit 0 when it answered)
     parser.add_argument("--self-test", metavar="PROMPT", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--self-test-tokens", type=int, default=8, metavar="N", help=argparse.SUPPRESS)
+    parser.add_argument("--remote", metavar="URL", default=None,
+                        help="connect to a Colibri server (`colibri serve`) at URL, e.g. http://192.168.1.20:8080, "
+                        "instead of opening a model here")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="with --remote: the key the server was started with (`colibri serve --api-key KEY`)")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -73,8 +80,15 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if problem:
         raise ColibriError(problem)
-    if args.self_test is not None and not args.model:
-        raise ColibriError("--self-test needs a MODEL to open")
+    if args.remote and args.model:
+        raise ColibriError(f"give either a MODEL to open here ({args.model}) or --remote URL, not both: the server "
+                           "at URL chooses its model")
+    if args.self_test is not None and not (args.model or args.remote):
+        raise ColibriError("--self-test needs a MODEL to open (or --remote URL)")
+    if args.remote:
+        from app.remote import Endpoint
+
+        Endpoint.parse(args.remote)     # a malformed address is refused before any window opens
     options = load_options(args)
     try:
         from ui.app import run
@@ -82,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the GUI's packages are runtime dependencies, but a broken install says so
         raise ColibriError(f"the desktop app cannot start ({exc}); reinstall Colibri: pip install -e .") from None
     check = SelfTest(args.self_test, args.self_test_tokens) if args.self_test is not None else None
-    return run(args.model, options, self_test=check)
+    return run(args.model, options, self_test=check, remote=args.remote, api_key=args.api_key)
 
 
 def main() -> int:
