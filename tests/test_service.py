@@ -18,6 +18,7 @@ from app.service import (
     TIER_CACHED, TIER_DISK, TIER_PINNED, TIER_RESIDENT, AtlasReady, EngineService, Generation, LoadFailed,
     LoadOptions, LoadProgress, ModelLoaded, SettingsApplied, SettingsChange,
 )
+from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generate import GenerationRequest, stream_generate
 from engine.kv import KVCache
@@ -403,3 +404,25 @@ def test_close_ends_the_thread_and_refuses_more_requests(hf):
         svc.load(hf)
     time.sleep(0.1)
     assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+
+
+@pytest.mark.parametrize("command", ["gui", "serve"])
+def test_the_memory_and_kv_flags_reach_the_service(command):
+    from app.cli import build_parser
+    from app.streaming import load_options
+
+    args = build_parser().parse_args([command, "m", "--max-memory", "512MB", "--kv-bits", "8", "--overflow",
+                                      "retain", "--kv-block-size", "16", "--prefetch-depth", "2", "--ctx", "300"])
+    options = load_options(args, max_batch=3)
+    assert (options.max_memory, options.kv_bits, options.overflow, options.kv_block_size) == (512 * 10**6, 8, "retain", 16)
+    assert (options.prefetch_depth, options.context_length, options.max_batch) == (2, 300, 3)
+    bad = build_parser().parse_args([command, "m", "--kv-block-size", "12"])
+    with pytest.raises(ColibriError, match="block"):
+        load_options(bad)
+
+
+def test_a_kv_setting_of_the_load_shapes_the_pool_and_keeps_the_answer(service, container):
+    info = _load(service, container, LoadOptions(kv_bits=32, kv_block_size=8, max_batch=2)).info
+    tokens, done = _generate(service, prompt=[5, 6, 7, 8, 9], max_tokens=6)
+    pool = service._model.pool
+    assert (pool.block_size, pool.bits) == (8, 32) and done.tokens == _direct(info.path, [5, 6, 7, 8, 9], 6)

@@ -12,7 +12,7 @@ import os
 import sys
 
 from app.commands._common import add_model_argument
-from app.streaming import add_memory_arguments
+from app.streaming import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
 
@@ -53,22 +53,6 @@ def display_problem(env: dict[str, str] | None = None, platform: str | None = No
         return None
     return ("no display: neither DISPLAY nor WAYLAND_DISPLAY is set, so no window can open; chat in the terminal "
             "with `colibri chat`, or run the app under a virtual display: `xvfb-run colibri gui`")
-
-
-def load_options(args: argparse.Namespace):
-    """The service's LoadOptions from the memory flags."""
-    from app.service import LoadOptions
-    from app.sizes import parse_size
-
-    if args.prefetch_depth < 0:
-        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) or more")
-    if args.ctx is not None and args.ctx < 1:
-        raise ColibriError(f"--ctx {args.ctx}: the context must hold at least one token")
-    return LoadOptions(
-        max_memory=parse_size(args.max_memory, "--max-memory") if args.max_memory else None,
-        context_length=args.ctx, prefetch_depth=args.prefetch_depth, io=args.io, io_threads=args.io_threads,
-        cache_policy=args.cache_policy, resident_layers=args.resident_layers, history=not args.no_history,
-    )
 
 
 def _run(args: argparse.Namespace) -> int:
