@@ -101,9 +101,9 @@ class RemoteSubscription:
             self._closed = True
         self._service._unsubscribe(self)
 
-    def _deliver(self, value: Any, now: float, force: bool) -> None:
+    def _deliver(self, value: Any, now: float) -> None:
         with self._lock:
-            if self._closed or (not force and now - self._last < self.min_interval):
+            if self._closed or now - self._last < self.min_interval:
                 return
             self._last = now
             try:
@@ -142,7 +142,6 @@ class RemoteService:
         self._snapshot: Snapshot | None = None
         self._records: deque = deque(maxlen=RECORDS_KEPT)   # TokenTimes kept across events, oldest first
         self._last_total: int | None = None     # tokens + prefill tokens of the last event of this stream
-        self._tiers: np.ndarray | None = None
         self._connected: bool | None = None     # the telemetry stream's state as last reported
         self._info: ModelInfo | None = None
         self._closed = False
@@ -503,7 +502,7 @@ class RemoteService:
                     with self._lock:
                         if self._closed or self._wanted() != params:
                             break       # subscribers changed before the socket was there to shut
-                    self._telemetry_event(event.data, tiers)
+                    self._telemetry_event(event.data)
                     if failures or self._connected is not True:
                         failures = 0
                         self._set_connected(True, f"connected to {self.url}")
@@ -534,7 +533,7 @@ class RemoteService:
         (log.info if connected else log.warning)("%s", message)
         self._emit(ConnectionChanged(self.url, connected, message))
 
-    def _telemetry_event(self, data: str, tiers: bool) -> None:
+    def _telemetry_event(self, data: str) -> None:
         """One event of the stream: keep the records, deliver the snapshot and the tiers to the subscribers."""
         payload = json.loads(data)
         self.events_received += 1
@@ -547,12 +546,12 @@ class RemoteService:
                 grid = None
             else:
                 grid.flags.writeable = False
-        self._snapshot, self._tiers = snap, grid
+        self._snapshot = snap
         now = time.monotonic()
         with self._lock:
             subs = tuple(self._subs)
         for sub in subs:
-            sub._deliver(grid if sub.tiers else snap, now, force=False)
+            sub._deliver(grid if sub.tiers else snap, now)
 
     def _keep_records(self, snap: Snapshot) -> Snapshot:
         """snap with `recent` grown from the records kept: each event adds the records made since the last one."""
