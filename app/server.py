@@ -53,6 +53,7 @@ class _Body(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)     # an extension (as in vLLM): the desktop app's
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: "StreamOptions | None" = None
@@ -329,7 +330,8 @@ def create_app(service: EngineService, *, api_key: str | None = None, cors_origi
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty)
         try:
             sampling.validate()
         except ColibriError as exc:

@@ -134,6 +134,13 @@ def test_completions_with_stop_seed_and_penalties(model, client):
     assert len("".join(c.choices[0].text for c in streamed)) >= 1
 
 
+def test_the_repetition_penalty_of_the_desktop_app_is_honoured(model, client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                                       extra_body={"repetition_penalty": 1.3})
+    want = _direct(model, MESSAGES, 12, SamplingParams(repetition_penalty=1.3))
+    assert r.choices[0].message.content == want.text != _direct(model, MESSAGES, 12).text
+
+
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(model, client, server):
     prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(3)]
     out = [None] * 3

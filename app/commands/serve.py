@@ -79,6 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         memory = f", budget {s.memory_budget / 2**30:.2f} GiB, streaming {info.streaming}" if s.memory_budget else ""
         print(f"serving {info.name} on http://{args.host}:{args.port}/v1 (context {s.context_length}, "
               f"batch {args.max_batch}{memory})", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        # a remote app holds /v1/telemetry open for ever: on Ctrl-C, stop waiting for it after 2 s
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
     return 0
 
