@@ -109,10 +109,13 @@ class Checkpoint:
         return frozenset(stop)
 
 
-def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool = True) -> Checkpoint:
+def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool = True,
+                    quantized: bool = False) -> Checkpoint:
     """Open a Hugging Face folder, a Colibri container or a GGUF file, checking what can be checked.
 
     verify_experts=False leaves a container's expert extents unread (a streaming store checks each on its first read).
+    quantized=True loads a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrices as QuantizedTensors (to run them), else
+    every tensor reads as float32 (to convert or analyse them).
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -120,7 +123,7 @@ def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool 
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelFormatError(f"{path}: not a .gguf file; pass a GGUF file or a Hugging Face model folder")
-        source: TensorSource = GGUFModel(path)
+        source: TensorSource = GGUFModel(path, quantized=quantized)
         config, gen, where = source.config, {}, f"{path} (GGUF metadata)"
         tokenizer = Tokenizer.from_gguf_metadata(source.meta, str(path)) if "tokenizer.ggml.tokens" in source.meta else None
     else:
@@ -144,7 +147,7 @@ def load_model(path: str | Path, progress: Progress | None = None, stream: Strea
     (a container is needed: its experts lie in aligned extents, one read each).
     """
     _report(progress, 0.0, f"reading {Path(path).name}")
-    ckpt = open_checkpoint(path, verify_experts=stream is None, verify=stream is None)
+    ckpt = open_checkpoint(path, verify_experts=stream is None, verify=stream is None, quantized=True)
     store, layers, history_path = None, None, None
     if stream is not None:
         # what is held is checked now; streamed experts or layers when the store first reads them, so that

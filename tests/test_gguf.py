@@ -113,5 +113,23 @@ def test_expert_tensors_are_views_of_one_stack(tmp_path):
     path, _, back = _convert(tmp_path, "mixtral", "llama", {"": Q.Q8_0}, num_local_experts=4, num_experts_per_tok=2)
     loaded = load_model(path)
     experts = loaded.model.experts.experts(0, [0, 3])
-    assert experts[0].gate.base is not None and experts[0].gate.base is experts[3].gate.base
-    assert np.array_equal(experts[3].down, back["model.layers.0.block_sparse_moe.experts.3.w2.weight"])
+    stack = experts[0].gate.a.base
+    while stack.base is not None:
+        stack = stack.base
+    assert np.shares_memory(experts[3].gate.a, stack)    # each expert a view of the repacked stack
+    assert np.array_equal(experts[3].down.dequantize(), back["model.layers.0.block_sparse_moe.experts.3.w2.weight"])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_1, Q.Q5_0, Q.Q4_1, Q.Q4_0])
+def test_block_formats_load_quantized_with_the_same_values(tmp_path, qtype):
+    """Colibri runs these formats as they are: the model holds QuantizedTensors equal to gguf's dequantization."""
+    from engine.quant import QuantizedTensor
+
+    path, _, back = _convert(tmp_path, "llama", "llama", {"": qtype})
+    model = load_model(path).model
+    layer = model.layers[0]
+    for w, name in ((layer.attn.wq, "self_attn.q_proj"), (layer.attn.wk, "self_attn.k_proj"),
+                    (layer.ffn.weights.down, "mlp.down_proj")):
+        assert isinstance(w, QuantizedTensor)
+        assert np.array_equal(w.dequantize(), back[f"model.layers.0.{name}.weight"])   # q, k un-permuted too
+    assert isinstance(layer.input_norm, np.ndarray) and layer.input_norm.dtype == np.float32

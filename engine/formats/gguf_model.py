@@ -1,8 +1,11 @@
 """GGUF files as models: metadata -> a config.json-style dict, tensors -> Hugging Face names.
 
-Weights are dequantized to float32 with the `gguf` package (every type it can dequantize).
-llama.cpp stores the Q and K projections of Llama-architecture models permuted for its
-interleaved RoPE; that permutation is undone here so the shared blocks see Hugging Face layout.
+Weights are dequantized to float32 with the `gguf` package (every type it can dequantize), or,
+when the model runs them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become
+`QuantizedTensor`s holding the same values: those block formats are Colibri's 4-, 5- and 8-bit
+group-32 formats with the bytes rearranged (no rounding), so decode reads 4.5-8.5 bits per weight
+instead of 32. llama.cpp stores the Q and K projections of Llama-architecture models permuted
+for its interleaved RoPE; that permutation is undone here so the shared blocks see Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.formats.gguf_meta import gguf_metadata, open_gguf
+from engine.quant.layout import BLOCK
+from engine.quant.tensor import QuantizedTensor
 
 # GGUF architecture -> (Hugging Face architecture, its MoE variant when the file has experts)
 _ARCHITECTURES = {
@@ -112,6 +117,45 @@ def gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, An
     return cfg
 
 
+_Q = gguf.GGMLQuantizationType
+# block formats that are Colibri formats: type -> (bits, asymmetric, bytes of d [, m], bytes of the high-bit word)
+_NATIVE = {_Q.Q4_0: (4, False, 0), _Q.Q4_1: (4, True, 0), _Q.Q5_0: (5, False, 4), _Q.Q5_1: (5, True, 4),
+           _Q.Q8_0: (8, False, 0)}
+
+
+def native_blocks(raw: np.ndarray, qtype: "gguf.GGMLQuantizationType", rows: int, cols: int) -> QuantizedTensor:
+    """GGUF blocks of a [rows, cols] matrix (raw bytes) as a QuantizedTensor of the same values.
+
+    ggml's block is d (fp16) [, m (fp16)] [, qh (uint32: bit j = high bit of weight j)], then the codes:
+    16 bytes of nibbles (byte j: weight j low, weight 16 + j high; Colibri's nibble plane) or 32
+    signed bytes. Q4_0 and Q5_0 store u with w = d * (u - 2**(bits-1)): Colibri's symmetric format;
+    Q8_0 stores signed q = u - 128; Q4_1 and Q5_1 store w = d * u + m: the asymmetric format.
+    """
+    bits, asym, high = _NATIVE[qtype]
+    nb = cols // BLOCK
+    blocks = np.asarray(raw, np.uint8).reshape(rows, nb, -1)                      # [rows, nb, block bytes]
+    head = 4 if asym else 2
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.uint16).reshape(rows, nb)
+    mins = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16).reshape(rows, nb) if asym \
+        else np.zeros((rows, 0), np.uint16)
+    codes = blocks[..., head + high:]
+    if bits == 8:
+        a = (codes ^ np.uint8(0x80)).reshape(rows, nb * 32)                      # signed q -> u = q + 128
+    else:
+        a = np.ascontiguousarray(codes).reshape(rows, nb * 16)
+    b = np.ascontiguousarray(blocks[..., head:head + high]).reshape(rows, nb * high) if high \
+        else np.zeros((rows, 0), np.uint8)
+    return QuantizedTensor((rows, cols), bits, BLOCK, asym, np.ascontiguousarray(a), b, scales, mins)
+
+
+def _rows(q: QuantizedTensor, rows) -> QuantizedTensor:
+    """Some rows of a quantized matrix (a slice gives views, an index array copies)."""
+    n = q.a[rows].shape[0]
+    return QuantizedTensor((n, q.shape[1]), q.bits, q.group, q.asymmetric, np.ascontiguousarray(q.a[rows]),
+                           np.ascontiguousarray(q.b[rows]), np.ascontiguousarray(q.scales[rows]),
+                           np.ascontiguousarray(q.mins[rows]))
+
+
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation: per head, (pairs, 2) rows back to (2, half) order."""
     rows = w.shape[0]
@@ -119,14 +163,19 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 class GGUFModel:
-    """A GGUF file's metadata, config and tensors (by Hugging Face name, as float32)."""
+    """A GGUF file's metadata, config and tensors (by Hugging Face name, as float32).
 
-    def __init__(self, path: str | Path):
+    With `quantized`, matrices stored in a block format Colibri runs as is (Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0) load as QuantizedTensors of the same values; routers and vectors stay float32.
+    """
+
+    def __init__(self, path: str | Path, quantized: bool = False):
         self.path = str(path)
+        self.quantized = quantized
         self.reader = open_gguf(path)
         self.meta = gguf_metadata(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
-        self._cache: dict[str, np.ndarray] = {}
+        self._cache: dict[str, np.ndarray | QuantizedTensor] = {}
         self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path)
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1 scaling, written as per-frequency factors
             factors = self._dequantized("rope_freqs.weight", keep=False).reshape(-1)
@@ -187,9 +236,35 @@ class GGUFModel:
             self._cache[gname] = data
         return self._cache[gname]
 
-    def load(self, name: str) -> np.ndarray:
-        """A tensor as float32, dequantized, in Hugging Face layout."""
+    def _native(self, name: str, gname: str) -> bool:
+        """Whether `name` loads as a QuantizedTensor: a matrix a model multiplies by, in a native block format."""
+        t = self._tensors[gname]
+        return (self.quantized and t.tensor_type in _NATIVE and len(t.shape) >= 2
+                and not name.endswith((".gate.weight", "shared_expert_gate.weight")))   # routers stay float32
+
+    def _quantized(self, gname: str, keep: bool) -> QuantizedTensor:
+        """The GGUF tensor as one QuantizedTensor [rows, in] (an expert stack's rows laid end to end)."""
+        if gname not in self._cache:
+            t = self._tensors[gname]
+            shape = [int(d) for d in t.shape]                                    # ggml order: [in, out, ...]
+            q = native_blocks(t.data, t.tensor_type, int(np.prod(shape[1:])), shape[0])
+            if not keep:
+                return q
+            self._cache[gname] = q
+        return self._cache[gname]
+
+    def load(self, name: str) -> np.ndarray | QuantizedTensor:
+        """A tensor in Hugging Face layout: float32, dequantized, or (see `quantized`) a QuantizedTensor."""
         gname, expert = self._names[name]
+        if self._native(name, gname):
+            q = self._quantized(gname, keep=expert is not None)
+            if expert is not None:
+                rows = self.shape(name)[0]
+                return _rows(q, slice(expert * rows, (expert + 1) * rows))
+            if self._arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+                heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
+                q = _rows(q, unpermute_qk(np.arange(q.shape[0]), heads))
+            return q
         data = self._dequantized(gname, keep=expert is not None)
         if expert is not None:
             return data[expert]
