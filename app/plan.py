@@ -12,19 +12,16 @@ footprint); the rest goes to the weights. Two ways to a layout:
 Either way the verdict comes first: it fits, it fits with experts streaming, or it does not fit
 and `BudgetTooSmall` says the least budget that would do.
 
-Predicted decode speed comes from measured bandwidths: RAM for resident bytes, disk (read as
-streamed experts are: O_DIRECT where allowed, several threads) for the expert bytes that miss the
-cache (routing assumed uniform; a learned pinned set does better).
-Predicted prompt speed comes from the measured speed of the engine's quantized matmul on a
-prompt chunk (prompts are compute-bound: a chunk reads each weight once for all its tokens) plus
-the expert bytes a chunk must read from disk.
+Predicted speeds come from app.speed_model: a time per token with a term for each cost (fixed
+per-token and per-layer work, attention growing with the context, the quantized kernels on the
+weights a token reads, expert reads from disk overlapping the layers), each constant measured on
+this machine when the plan is made; the output names what was measured and what was assumed.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,9 +31,10 @@ import numpy as np
 from app.budget import BudgetSplit, split_budget
 from app.convert import ConvertSettings, Matrices, _bytes_at, classify, make_plan
 from app.sizes import format_size
+from app.speed_model import Rates, Speeds, Work, describe_speeds, plan_work, predict_speeds
+from app.speed_probe import measure_rates  # noqa: F401  the measurer `colibri plan` uses (tests replace it here)
 from engine.calibration import ActivationStats
 from engine.errors import ColibriError
-from engine.generate import PREFILL_CHUNK
 from engine.loader import Checkpoint
 from engine.planner import BIT_OPTIONS, FLOAT_BITS, GROUP_OPTIONS, Plan, TensorPlan, forced_bits, group_for
 from engine.spec import ModelSpec, MoESpec
@@ -61,16 +59,6 @@ def flag_size(n: int) -> str:
 
 
 @dataclass(frozen=True)
-class Machine:
-    """The measured speeds the predictions rest on."""
-
-    ram_gbs: float          # RAM read bandwidth
-    disk_gbs: float         # cold reads from the model's disk, as experts stream
-    dense_macs_s: float     # multiply-adds per second of a 4-bit matmul on a PREFILL_CHUNK-token batch
-    expert_macs_s: float    # the same on the batch one routed expert gets from a chunk
-
-
-@dataclass(frozen=True)
 class Layout:
     """A plan and where its routed experts live."""
 
@@ -79,6 +67,7 @@ class Layout:
     n_experts: int            # experts per MoE layer, summed over layers
     top_k: int                # experts a token picks, summed over layers
     cache_share: float        # share of routed expert bytes held in RAM (1 when all resident)
+    routing_measured: bool = False  # experts' usage measured on calibration text (else routing is taken as uniform)
 
 
 @dataclass(frozen=True)
@@ -90,29 +79,18 @@ class Prediction:
     resident_bytes: int          # weights kept in RAM (dense + cached experts)
     streamed_bytes: int          # expert bytes left on disk
     expert_cache_share: float    # share of routed experts that fit in RAM (1 when all resident)
-    bytes_per_token: int         # weight bytes one decoded token reads
-    disk_bytes_per_token: float  # of which, expected to come from disk
-    machine: Machine
-    dense_macs: int              # multiply-adds per token outside routed experts
-    expert_macs: int             # multiply-adds per token in the routed experts it picks
-    prompt_disk_bytes_per_token: float  # expert bytes a prompt chunk reads from disk, per token
     kv_int8_bytes: int           # the KV cache for the context with `--kv-bits 8`
+    speeds: Speeds               # predicted prompt and decode speed, with what they rest on
 
     @property
     def tok_s(self) -> float:
-        """Predicted decode tokens per second."""
-        ram = (self.bytes_per_token - self.disk_bytes_per_token) / (self.machine.ram_gbs * 1e9)
-        disk = self.disk_bytes_per_token / (self.machine.disk_gbs * 1e9) if self.disk_bytes_per_token else 0.0
-        return 1.0 / (ram + disk) if ram + disk > 0 else 0.0
+        """Predicted decode tokens per second after a one-chunk prompt."""
+        return self.speeds.decode_tok_s
 
     @property
     def prompt_tok_s(self) -> float:
-        """Predicted prompt tokens per second (long prompts, in PREFILL_CHUNK-token chunks)."""
-        m = self.machine
-        seconds = self.dense_macs / m.dense_macs_s + (self.expert_macs / m.expert_macs_s if self.expert_macs else 0.0)
-        if self.prompt_disk_bytes_per_token:
-            seconds += self.prompt_disk_bytes_per_token / (m.disk_gbs * 1e9)
-        return 1.0 / seconds if seconds > 0 else 0.0
+        """Predicted prompt tokens per second for a one-chunk prompt."""
+        return self.speeds.prompt_tok_s
 
     @property
     def verdict(self) -> str:
@@ -121,51 +99,6 @@ class Prediction:
             return f"fits with {format_size(self.streamed_bytes)} of experts streaming from disk"
         return (f"fits in memory: {format_size(self.resident_bytes)} of weights resident, "
                 f"{format_size(self.split.weights - self.resident_bytes)} to spare")
-
-
-# ---- measuring the machine ---------------------------------------------------------------------
-
-
-def measure_disk_bandwidth(folder: Path, nbytes: int = 256 << 20) -> float:
-    """Cold read speed (GB/s) of a scratch file in `folder`, read the way streamed experts are."""
-    from app.doctor import measure_disk_read
-
-    return measure_disk_read(folder, nbytes)
-
-
-def measure_matmul_rate(tokens: int, size: int = 1024, bits: int = 4, seconds: float = 0.2) -> float:
-    """Multiply-adds per second of the engine's `bits`-bit matmul of a [size, size] matrix on `tokens` rows."""
-    from engine.quant import quantize
-
-    rng = np.random.default_rng(0)
-    w = quantize(rng.standard_normal((size, size), dtype=np.float32), bits, 32)
-    x = rng.standard_normal((tokens, size), dtype=np.float32)     # [T, size]
-    w.matmul(x)                                                   # compile (or load) the kernels first
-    best, t_end = float("inf"), time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        w.matmul(x)
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > t_end:
-            return size * size * tokens / best
-
-
-def expert_batch(spec: ModelSpec) -> int:
-    """Tokens one routed expert gets, on average, from a prompt chunk (uniform routing)."""
-    moe = [layer.ffn for layer in spec.layers if isinstance(layer.ffn, MoESpec)]
-    if not moe:
-        return PREFILL_CHUNK
-    return max(1, round(PREFILL_CHUNK * sum(f.top_k for f in moe) / sum(f.n_experts for f in moe)))
-
-
-def measure_machine(folder: Path, spec: ModelSpec) -> Machine:
-    """RAM and disk bandwidth now, and the matmul rates of this model's prompt batches."""
-    from app.bench import measure_bandwidth
-
-    dense = measure_matmul_rate(PREFILL_CHUNK)
-    batch = expert_batch(spec)
-    return Machine(measure_bandwidth(), measure_disk_bandwidth(folder), dense,
-                   dense if batch == PREFILL_CHUNK else measure_matmul_rate(batch))
 
 
 # ---- layouts ------------------------------------------------------------------------------------
@@ -321,7 +254,7 @@ def calibrated_layout(ckpt: Checkpoint, split: BudgetSplit, stats: ActivationSta
     try:
         plan = make_plan(ckpt, mats, ConvertSettings(budget=split.weights, group=settings.group, keep=settings.keep),
                          stats, log)
-        return Layout(plan, experts, n_experts, top_k, 1.0)
+        return Layout(plan, experts, n_experts, top_k, 1.0, True)
     except ColibriError:
         if not experts:
             raise
@@ -342,29 +275,19 @@ def calibrated_layout(ckpt: Checkpoint, split: BudgetSplit, stats: ActivationSta
     plan = Plan(tensors, split.weights, other)
     expert_total = sum(tensors[n].nbytes for n in experts)
     room = split.weights - plan_dense.total_bytes
-    return Layout(plan, experts, n_experts, top_k, max(0.0, min(1.0, room / expert_total)))
+    return Layout(plan, experts, n_experts, top_k, max(0.0, min(1.0, room / expert_total)), True)
 
 
-def predict(spec: ModelSpec, split: BudgetSplit, layout: Layout, machine: Machine) -> Prediction:
-    """Memory and speed of a layout on this machine."""
+def predict(spec: ModelSpec, split: BudgetSplit, layout: Layout, rates_for: Callable[[Work], Rates]) -> Prediction:
+    """Memory and speed of a layout; `rates_for(work)` measures this machine for what the layout computes."""
     plan = layout.plan
     share = layout.cache_share
     expert_bytes = sum(plan.tensors[n].nbytes for n in layout.experts)
     dense_bytes = plan.total_bytes - expert_bytes
-    per_expert = expert_bytes / layout.n_experts if layout.n_experts else 0.0
-    pick = layout.top_k / layout.n_experts if layout.n_experts else 0.0   # share of experts a token uses
-    embed = plan.tensors.get("model.embed_tokens.weight")
-    looked_up = embed is not None and not spec.tie_embeddings            # untied: a token reads one row
-    embed_bytes = embed.nbytes if looked_up else 0
-    per_token = int(dense_bytes - embed_bytes + layout.top_k * per_expert)
-    disk = layout.top_k * per_expert * (1.0 - share)
-    macs = {n: t.shape[0] * t.shape[1] for n, t in plan.tensors.items()}
-    dense_macs = sum(m for n, m in macs.items() if n not in layout.experts) - (macs[embed.name] if looked_up else 0)
-    expert_macs = int(pick * sum(macs[n] for n in layout.experts))
-    touched = 1.0 - (1.0 - pick) ** PREFILL_CHUNK                        # share of experts a chunk reads
-    prompt_disk = expert_bytes * (1.0 - share) * touched / PREFILL_CHUNK
+    work = plan_work(spec, plan, layout.experts, share, layout.routing_measured)
+    speeds = predict_speeds(work, rates_for(work), split.ctx)
     return Prediction(plan, split, int(dense_bytes + share * expert_bytes), int(expert_bytes * (1 - share)), share,
-                      per_token, disk, machine, dense_macs, expert_macs, prompt_disk, kv_bytes(spec, split.ctx, 8))
+                      kv_bytes(spec, split.ctx, 8), speeds)
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -372,7 +295,6 @@ def predict(spec: ModelSpec, split: BudgetSplit, layout: Layout, machine: Machin
 
 def describe(p: Prediction) -> str:
     """The plan as the user reads it: the verdict first."""
-    m = p.machine
     lines = [p.verdict, f"memory: {p.split.describe()}",
              f"KV cache for {p.split.ctx} tokens: {format_size(p.split.kv)} in float32; `--kv-bits 8` at run time "
              f"takes about a quarter of that, {format_size(p.kv_int8_bytes)}"]
@@ -389,17 +311,7 @@ def describe(p: Prediction) -> str:
                "routed experts)" if p.streamed_bytes else "; nothing streams")
     lines.append(f"average {p.plan.bits_per_weight:.2f} bits per weight; resident {format_size(p.resident_bytes)}"
                  + streams)
-    prompt = [f"{p.dense_macs / 1e6:.1f} M multiply-adds per token at {m.dense_macs_s / 1e9:.1f} G/s"]
-    if p.expert_macs:
-        prompt.append(f"{p.expert_macs / 1e6:.1f} M in experts at {m.expert_macs_s / 1e9:.1f} G/s")
-    if p.prompt_disk_bytes_per_token:
-        prompt.append(f"{format_size(p.prompt_disk_bytes_per_token)} from disk")
-    lines.append(f"predicted prompt {p.prompt_tok_s:.1f} tok/s: {', '.join(prompt)} ({PREFILL_CHUNK}-token chunks, "
-                 "matmul speed measured now)")
-    decode = [f"{format_size(p.bytes_per_token)} of weights per token at {m.ram_gbs:.1f} GB/s RAM"]
-    if p.disk_bytes_per_token:
-        decode.append(f"{format_size(p.disk_bytes_per_token)} from disk at {m.disk_gbs:.2f} GB/s")
-    lines.append(f"predicted decode {p.tok_s:.1f} tok/s: {', '.join(decode)}")
+    lines.extend(describe_speeds(p.speeds))
     return "\n".join(lines)
 
 

@@ -4,19 +4,25 @@ from config.json alone (a local file, or a hub name whose config is fetched) and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from app import plan
-from app.plan import BudgetTooSmall, Machine, flag_size
+from app.plan import BudgetTooSmall, flag_size
+from app.speed_model import Rates
 from app.sizes import format_size, parse_size
 from engine.errors import ColibriError
 from engine.stream.budget import kv_bytes
 
 BASELINE = 100 * 10**6
-MACHINE = Machine(ram_gbs=20.0, disk_gbs=1.0, dense_macs_s=40e9, expert_macs_s=20e9)
+# Fixed constants instead of measuring (app.speed_probe, tested in test_speed_model.py): no call measured,
+# so every kernel call costs its weights at decode_wps.
+RATES = Rates(threads=2, chunk=256, token_s=1e-4, layer_s=2e-4, chunk_s=1e-3, chunk_layer_s=1e-3, key_s=1e-7,
+              pair_s=1e-7, call_s={}, decode_wps={4: 10e9}, prompt_wps={4: 40e9}, expert_wps={4: 20e9}, ram_gbs=20.0,
+              disk_gbs=1.0, seconds=0.0)
 # A Mixtral-shaped config (hub layout, transformers 5 RoPE keys): experts are 90% of its weights.
 MIXTRAL = {
     "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512,
@@ -37,8 +43,8 @@ def config(tmp_path: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def quick_machine(monkeypatch, tmp_path: Path):
-    """Fixed speeds and interpreter footprint: the verdicts are then exact, and no GB of RAM is swept."""
-    monkeypatch.setattr(plan, "measure_machine", lambda folder, spec: MACHINE)
+    """Fixed speeds and interpreter footprint: the verdicts are then exact, and nothing is measured."""
+    monkeypatch.setattr(plan, "measure_rates", lambda work, ctx, threads, folder: RATES)
     monkeypatch.setattr("app.budget.process_rss", lambda: BASELINE)
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
 
@@ -72,6 +78,8 @@ def test_config_only_plan_that_fits(config: Path, capsys) -> None:
     assert f"`--kv-bits 8` at run time takes about a quarter of that, {format_size(kv_bytes(spec, 512, 8))}" in out
     assert "nothing streams" in out
     assert "predicted prompt" in out and "predicted decode" in out
+    assert "measured now" in out and "assumed: " in out                # the prediction says what it rests on
+    assert "from disk" not in out
     assert "layers.*.experts.w1" in out and "4.50 (    4)" in out      # 4-bit, group 32: 4.5 bits with scales
 
 
@@ -82,7 +90,8 @@ def test_config_only_plan_that_streams(config: Path, capsys) -> None:
     assert code == 0
     streamed = experts - (budget - other - dense)
     assert out.splitlines()[0] == f"fits with {format_size(streamed)} of experts streaming from disk"
-    assert "from disk at 1.00 GB/s" in out                             # decode reads the missed experts
+    assert "of experts from disk (hit rate 50%)" in out                # half the experts held, routing uniform
+    assert "disk 1.00 GB/s cold reads" in out and "routing uniform" in out
 
 
 def test_config_only_plan_that_does_not_fit_says_what_would(config: Path, capsys) -> None:
@@ -105,15 +114,39 @@ def test_streaming_slows_prompt_and_decode(config: Path) -> None:
     other, dense, experts = _totals(config, 256)
     full = plan.split_for(ckpt.spec, other + dense + experts, 256, BASELINE)
     tight = plan.split_for(ckpt.spec, other + dense + experts // 4, 256, BASELINE)
-    resident = plan.predict(ckpt.spec, full, plan.config_layout(ckpt, full, 4, 4), MACHINE)
-    streamed = plan.predict(ckpt.spec, tight, plan.config_layout(ckpt, tight, 4, 4), MACHINE)
+    slow_disk = dataclasses.replace(RATES, disk_gbs=0.01)          # reads outlast the compute they overlap
+    resident = plan.predict(ckpt.spec, full, plan.config_layout(ckpt, full, 4, 4), lambda work: slow_disk)
+    streamed = plan.predict(ckpt.spec, tight, plan.config_layout(ckpt, tight, 4, 4), lambda work: slow_disk)
     assert resident.streamed_bytes == 0 and streamed.streamed_bytes > 0
     assert streamed.tok_s < resident.tok_s and streamed.prompt_tok_s < resident.prompt_tok_s
+    hidden = plan.predict(ckpt.spec, tight, plan.config_layout(ckpt, tight, 4, 4), lambda work: RATES)
+    assert streamed.tok_s < hidden.tok_s <= resident.tok_s             # a fast disk hides behind the layers
     every_expert = sum(t.shape[0] * t.shape[1] for n, t in resident.plan.tensors.items() if ".experts." in n)
-    assert resident.expert_macs == every_expert // 4                 # a token runs top_k = 2 of 8 experts
+    assert resident.speeds.work.experts[4] == pytest.approx(every_expert / 4)   # a token runs top_k = 2 of 8 experts
     with pytest.raises(BudgetTooSmall) as err:
         plan.config_layout(ckpt, plan.split_for(ckpt.spec, BASELINE, 256, BASELINE), 4, 4)
     assert err.value.minimum > BASELINE
+
+
+def test_speeds_are_measured_for_the_planned_work(config: Path, monkeypatch, capsys) -> None:
+    seen = []
+
+    def measure(work, ctx, threads, folder):
+        seen.append((work, ctx, threads, folder))
+        return RATES
+
+    monkeypatch.setattr(plan, "measure_rates", measure)
+    code, out = _run(["--config-only", str(config), "--max-memory", "1GB", "--ctx", "512", "--threads", "1"], capsys)
+    assert code == 0
+    work, ctx, threads, folder = seen[0]
+    assert (ctx, threads, folder) == (512, 1, plan_models_dir())
+    assert work.spec.n_layers == 4 and not work.streams
+
+
+def plan_models_dir() -> Path:
+    from app.paths import models_dir
+
+    return models_dir()
 
 
 def test_hub_name_plans_from_its_fetched_config(config: Path, monkeypatch, capsys) -> None:

@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--calib-tokens", type=int, default=2048, metavar="N")
     parser.add_argument("--stream-bits", type=int, choices=BITS, default=4,
                         help="width of routed experts that stream from disk when the model does not fit (default 4)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="compute threads the speeds are predicted (and measured) for (default: the physical "
+                        "cores, as `colibri run` uses)")
     g = parser.add_argument_group("planning from config.json alone")
     g.add_argument("--config-only", type=Path, metavar="PATH",
                    help="plan from this config.json (or a folder holding one): no weights, no calibration")
@@ -84,10 +87,32 @@ def _source(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     return None, fetch_config(args.model)
 
 
+def _threads(args: argparse.Namespace) -> int:
+    """--threads, or the physical cores capped at what numba started with (what `colibri run` uses)."""
+    import numba
+
+    from app.bench import check_threads
+    from app.settings import physical_cores
+
+    if args.threads is None:
+        return min(physical_cores(), numba.config.NUMBA_NUM_THREADS)
+    check_threads(args.threads)
+    return args.threads
+
+
+def _measurer(args: argparse.Namespace, folder: Path):
+    """The function that measures this machine for a planned Work (app.plan.measure_rates, with these flags)."""
+    from app import plan
+
+    threads = _threads(args)
+    _log(f"measuring this machine's speeds ({threads} thread{'s' if threads != 1 else ''}) ...")
+    return lambda work: plan.measure_rates(work, args.ctx, threads, folder)
+
+
 def _plan_from_config(args: argparse.Namespace, config: Path, baseline: int) -> Prediction:
     """Fixed widths from config.json alone; speeds measured now, the disk's in the models folder."""
     from app.paths import models_dir
-    from app.plan import config_checkpoint, config_layout, measure_machine, predict, split_for
+    from app.plan import config_checkpoint, config_layout, predict, split_for
     from app.sizes import parse_size
 
     ckpt = config_checkpoint(config)
@@ -95,14 +120,14 @@ def _plan_from_config(args: argparse.Namespace, config: Path, baseline: int) -> 
     layout = config_layout(ckpt, split, args.bits, args.stream_bits, args.group_size)
     _log(f"planned from {ckpt.path / 'config.json'} alone: dense matrices at {args.bits} bits, routed experts at "
          f"{args.stream_bits} bits, no calibration")
-    return predict(ckpt.spec, split, layout, measure_machine(models_dir(), ckpt.spec))
+    return predict(ckpt.spec, split, layout, _measurer(args, models_dir()))
 
 
 def _plan_calibrated(args: argparse.Namespace, path: Path, baseline: int) -> Prediction:
     """Widths from each matrix's error measured on calibration text; the disk measured where the model lies."""
     from app.calibrate import calibration_sequences
     from app.convert import ConvertSettings
-    from app.plan import calibrated_floor, calibrated_layout, measure_machine, predict, split_for
+    from app.plan import calibrated_floor, calibrated_layout, predict, split_for
     from app.sizes import parse_size
     from engine.calibration import collect_stats
     from engine.loader import open_checkpoint
@@ -117,4 +142,4 @@ def _plan_calibrated(args: argparse.Namespace, path: Path, baseline: int) -> Pre
     stats = collect_stats(model, seqs)
     del model
     layout = calibrated_layout(ckpt, split, stats, settings, args.stream_bits, _log)
-    return predict(ckpt.spec, split, layout, measure_machine(path if path.is_dir() else path.parent, ckpt.spec))
+    return predict(ckpt.spec, split, layout, _measurer(args, path if path.is_dir() else path.parent))
