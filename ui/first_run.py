@@ -1,11 +1,12 @@
 """First run: with no model to open, offer the demo model, a folder or GGUF of one's own, or a pull by name.
 
 The demo is the derived MoE (`colibri pull smollm2-moe`: SmolLM2-135M upcycled into 8 experts,
-a few minutes once). The packaged app ships the SmolLM2 GGUF it is derived from in its
-`models/` folder, copied into the user's models folder first, so no network is needed. A pull
-runs app.pull.pull on a worker thread behind a progress dialog; Cancel raises from the pull's
-log callback at its next message (the preparation logs every tenth), and the worker is always
-joined before the dialog goes away. Half-made models are cleaned by the next pull.
+then converted into a 4-bit container whose experts stream; a few minutes once). The packaged app
+ships the SmolLM2 GGUF it is derived from in its `models/` folder, copied into the user's models
+folder first, so no network is needed. A pull runs app.pull.pull on a worker thread behind a
+progress dialog; Cancel raises from the pull's log callback at its next message (the upcycling
+logs every tenth, the conversion every 64 tensors), and the worker is always joined before the
+dialog goes away. Half-made models are cleaned, or resumed, by the next pull.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ class FirstRunDialog(QDialog):
         intro = QLabel("<b>No model yet.</b> Colibri needs a language model to chat with.")
         self.demo_button = QPushButton("Prepare the demo model")
         self.demo_button.setDefault(True)
-        demo_note = QLabel(f"SmolLM2-135M turned into an 8-expert Mixture-of-Experts, once, in about two "
-                           f"minutes{shipped}.")
+        demo_note = QLabel(f"SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose "
+                           f"experts stream from disk; once, in about three minutes{shipped}.")
         self.folder_button = QPushButton("Open a model folder…")
         self.gguf_button = QPushButton("Open a GGUF file…")
         self.name_edit = QLineEdit()
