@@ -12,8 +12,11 @@ Decode (up to OTF_MAX_TOKENS tokens) dequantizes on the fly, 4 rows at a time (4
 accumulators hide the FMA latency); prefill dequantizes 4 rows into a float32 scratch tile once
 and runs a 4 x 4 (rows x tokens) register tile over the tokens. Both give the same bits (tested).
 
-The loops over packed codes are compiled once per bit width (`literally(bits)`), so no format
-test is left inside them: LLVM does not reliably hoist such a test out of loops this large.
+The loops over packed codes are compiled once per bit width (`literally(bits)`), and the decode
+loops also once per kind (symmetric or not, `literally(asym)`), so no format test is left inside
+them: LLVM does not reliably hoist such a test out of loops this large (measured: a symmetric
+test left in decode's group loop cost a quarter of its speed). Decode of 4-bit widens each
+block's 16 code bytes once for both halves: the table lookup reads only an index's low 4 bits.
 Kernels take flat (1-D) arrays and explicit sizes; token i of a call reads x row xrows[i] and
 writes out row orows[i], so that the fused experts run any subset of a batch without gathering.
 
@@ -30,7 +33,8 @@ from numba import literally, njit, prange
 from engine.quant.layout import BLOCK
 from engine.quant.simd import (
     HAS_AVX512, U64, address_as_voidptr, f16_to_f32, fma32, prefetch, stack_block, vcodes2, vcodes3, vcodes4, vcodes5, vcodes6,
-    vcodes8, vfma, vhalves, viota, vload, vlookup, vlookup16, vmul, vsplat, vstore, vsum, vtofloat, vzero,
+    vcodes8, vfma, vhalves, viota, vload, vlookup, vlookup16, vlookup16n, vmul, vsplat, vsrl4, vstore, vsum, vtofloat,
+    vzero,
 )
 
 F32 = np.float32
@@ -81,9 +85,18 @@ def _uses_table(bits):
 
 
 @njit
-def _tables(bits, d, m):
-    """(values of codes 0-15, values of codes 16-31) of a group with scale d and offset m (lanes)."""
+def _tables(bits, asym, d, m):
+    """(values of codes 0-15, values of codes 16-31) of a group with scale d and offset m (lanes).
+
+    Symmetric: (u - 2**(bits-1)) * d, one multiply; it is exact, so it equals fma(u, d, m) bit for bit.
+    """
     iota = viota()
+    if not asym:
+        neg = F32(-(1 << (bits - 1)))
+        low = vmul(vfma(iota, vsplat(F32(1.0)), vsplat(neg)), d)
+        if bits == 5:
+            return low, vmul(iota, d)
+        return low, low
     low = vfma(iota, d, m)
     if bits == 5:
         return low, vfma(vfma(iota, vsplat(F32(1.0)), vsplat(F32(16.0))), d, m)
@@ -99,6 +112,19 @@ def _dq(bits, a, b, r, blk, nb, half, d, m, low, high):
     if _uses_table(bits):
         return vlookup(low, high, codes) if bits == 5 else vlookup16(low, codes)
     return vfma(vtofloat(codes), d, m)
+
+
+@njit
+def _block(bits, a, b, r, blk, nb, d, m, low, high, xa, xb, acc):
+    """acc plus the 32 weights of row r, block blk, times xa (weights 0-15) and xb (16-31), one fma per lane each."""
+    if bits == 4 and _uses_table(bits):
+        # one load and widening of the 16 code bytes serves both halves: the lookup reads an index's low
+        # 4 bits, so a widened byte indexes its low nibble as it is and, shifted, its high nibble
+        c = vcodes8(a, (U64(r) * U64(nb) + U64(blk)) * U64(16), a, U64(0), 0)
+        acc = vfma(vlookup16n(low, c), xa, acc)
+        return vfma(vlookup16n(low, vsrl4(c)), xb, acc)
+    acc = vfma(_dq(bits, a, b, r, blk, nb, 0, d, m, low, high), xa, acc)
+    return vfma(_dq(bits, a, b, r, blk, nb, 1, d, m, low, high), xb, acc)
 
 
 @njit
@@ -137,7 +163,7 @@ def _dequant_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, dst):
             ds, ms = _scale(bits, asym, sc, mn, U64(r0 + i) * U64(ng) + U64(g))
             d = vsplat(ds)
             m = vsplat(ms)
-            low, high = _tables(bits, d, m)
+            low, high = _tables(bits, asym, d, m)
             for blk in range(g * bpg, (g + 1) * bpg):
                 o = base + U64(blk * BLOCK)
                 vstore(dst, o, _dq(bits, a, b, r0 + i, blk, nb, 0, d, m, low, high))
@@ -152,7 +178,16 @@ def otf_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1
 
     Four rows at a time (four independent accumulators hide the fma latency).
     """
-    if bits == 4:  # a constant width: _otf_rows is compiled once per width
+    if asym:  # a constant width and kind: _otf_rows is compiled once per (width, symmetric or not)
+        _otf_width(True, bits, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    else:
+        _otf_width(False, bits, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+
+
+@njit(boundscheck=False)
+def _otf_width(asym, bits, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+    literally(asym)
+    if bits == 4:
         _otf_rows(4, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     elif bits == 8:
         _otf_rows(8, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
@@ -176,6 +211,7 @@ def _splats(bits, asym, sc, mn, r, g, ng):
 @njit(boundscheck=False)
 def _otf_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
     literally(bits)
+    literally(asym)
     nb = K // BLOCK
     ng = K // group
     bpg = group // BLOCK
@@ -213,10 +249,10 @@ def _otf_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i
                         m2 = vsplat(buf[U64(80 + q)])
                         d3 = vsplat(buf[U64(96 + q)])
                         m3 = vsplat(buf[U64(112 + q)])
-                        lo0, hi0 = _tables(bits, d0, m0)
-                        lo1, hi1 = _tables(bits, d1, m1)
-                        lo2, hi2 = _tables(bits, d2, m2)
-                        lo3, hi3 = _tables(bits, d3, m3)
+                        lo0, hi0 = _tables(bits, asym, d0, m0)
+                        lo1, hi1 = _tables(bits, asym, d1, m1)
+                        lo2, hi2 = _tables(bits, asym, d2, m2)
+                        lo3, hi3 = _tables(bits, asym, d3, m3)
                         for blk in range(g * bpg, (g + 1) * bpg):
                             # the next 4 rows' codes are contiguous: fetch a block's share of them ahead
                             # (the hardware prefetcher alone left decode stalling on RAM: 1.5-2x slower)
@@ -228,14 +264,10 @@ def _otf_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i
                                 prefetch(b, U64(r + 4) * U64(nb * bb) + U64(blk * 4 * bb))
                             xa = vload(x, xo + U64(blk * BLOCK))
                             xb = vload(x, xo + U64(blk * BLOCK + 16))
-                            a0 = vfma(_dq(bits, a, b, r, blk, nb, 0, d0, m0, lo0, hi0), xa, a0)
-                            a0 = vfma(_dq(bits, a, b, r, blk, nb, 1, d0, m0, lo0, hi0), xb, a0)
-                            a1 = vfma(_dq(bits, a, b, r + 1, blk, nb, 0, d1, m1, lo1, hi1), xa, a1)
-                            a1 = vfma(_dq(bits, a, b, r + 1, blk, nb, 1, d1, m1, lo1, hi1), xb, a1)
-                            a2 = vfma(_dq(bits, a, b, r + 2, blk, nb, 0, d2, m2, lo2, hi2), xa, a2)
-                            a2 = vfma(_dq(bits, a, b, r + 2, blk, nb, 1, d2, m2, lo2, hi2), xb, a2)
-                            a3 = vfma(_dq(bits, a, b, r + 3, blk, nb, 0, d3, m3, lo3, hi3), xa, a3)
-                            a3 = vfma(_dq(bits, a, b, r + 3, blk, nb, 1, d3, m3, lo3, hi3), xb, a3)
+                            a0 = _block(bits, a, b, r, blk, nb, d0, m0, lo0, hi0, xa, xb, a0)
+                            a1 = _block(bits, a, b, r + 1, blk, nb, d1, m1, lo1, hi1, xa, xb, a1)
+                            a2 = _block(bits, a, b, r + 2, blk, nb, d2, m2, lo2, hi2, xa, xb, a2)
+                            a3 = _block(bits, a, b, r + 3, blk, nb, d3, m3, lo3, hi3, xa, xb, a3)
                 out[o] = vsum(a0)
                 out[o + U64(1)] = vsum(a1)
                 out[o + U64(2)] = vsum(a2)
@@ -245,12 +277,11 @@ def _otf_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i
                     a0 = vzero()
                     for g in range(ng):
                         d0, m0 = _splats(bits, asym, sc, mn, r + j, g, ng)
-                        lo0, hi0 = _tables(bits, d0, m0)
+                        lo0, hi0 = _tables(bits, asym, d0, m0)
                         for blk in range(g * bpg, (g + 1) * bpg):
                             xa = vload(x, xo + U64(blk * BLOCK))
                             xb = vload(x, xo + U64(blk * BLOCK + 16))
-                            a0 = vfma(_dq(bits, a, b, r + j, blk, nb, 0, d0, m0, lo0, hi0), xa, a0)
-                            a0 = vfma(_dq(bits, a, b, r + j, blk, nb, 1, d0, m0, lo0, hi0), xb, a0)
+                            a0 = _block(bits, a, b, r + j, blk, nb, d0, m0, lo0, hi0, xa, xb, a0)
                     out[o + U64(j)] = vsum(a0)
         r += 4
 

@@ -368,6 +368,33 @@ def vlookup16(typingctx, table, idx):
 
 
 @intrinsic
+def vlookup16n(typingctx, table, idx):
+    """Lane j = table[idx[j] & 15] from a 16-entry table, for any idx: vpermps reads only an index's
+    low 4 bits, so a byte widened to a lane serves as the index of its low nibble as it is."""
+    def codegen(context, builder, sig, args):
+        tab, ix = args
+        if HAS_AVX512:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_VF, [_VF, _VI]), "llvm.x86.avx512.permvar.sf.512")
+            return builder.call(fn, [tab, ix])
+        ix = builder.and_(ix, _splat_i32(builder, ir.Constant(_I32, LANES - 1)))
+        out = ir.Constant(_VF, ir.Undefined)
+        for j in range(LANES):
+            v = builder.extract_element(tab, builder.extract_element(ix, ir.Constant(_I32, j)))
+            out = builder.insert_element(out, v, ir.Constant(_I32, j))
+        return out
+    return f32x16(f32x16, i32x16), codegen
+
+
+@intrinsic
+def vsrl4(typingctx, v):
+    """Integer lanes shifted right by 4 bits (the high nibble of a widened byte)."""
+    def codegen(context, builder, sig, args):
+        return builder.lshr(args[0], _splat_i32(builder, ir.Constant(_I32, 4)))
+    return i32x16(i32x16), codegen
+
+
+@intrinsic
 def stack_block(typingctx):
     """Pointer to 128 float32 on the calling function's stack (wrap with numba.carray; never let it escape)."""
     def codegen(context, builder, sig, args):
