@@ -24,7 +24,7 @@ from app.calibrate import calibration_sequences
 from app.sizes import format_size
 from engine.calibration import ActivationStats, collect_stats
 from engine.errors import ColibriError
-from engine.formats.container import ContainerWriter
+from engine.formats.container import ContainerWriter, is_container
 from engine.formats.gguf_model import GGUFModel
 from engine.loader import Checkpoint, open_checkpoint
 from engine.models.transformer import Transformer, expected_shapes
@@ -249,6 +249,9 @@ def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -
     """Convert SRC into the container OUT; resumes an interrupted conversion of the same settings."""
     if settings.bits is None and settings.budget is None:
         raise ColibriError("give --bits B (one width for all) or --budget SIZE (the planner fits the model)")
+    if Path(src).is_dir() and is_container(src):
+        raise ColibriError(f"{src} is already a Colibri container; convert the model it was made from (for the "
+                           "default MoE: `colibri convert smollm2-moe-bf16 OUT ...`)")
     ckpt = open_checkpoint(src)
     mats = classify(ckpt)
     writer = ContainerWriter(out, {"source": _source_key(Path(src)), "settings": settings.key()})

@@ -64,6 +64,7 @@ class Derived:
     folder: str  # its folder in the models folder
     experts: int | None = None  # moefy: experts per layer
     bits: int | None = None  # convert: one width for every weight matrix
+    settings: str = ""  # a colibri.toml written into FOLDER (the model's own defaults; flags still win)
 
     def __post_init__(self) -> None:
         if (self.experts is None) == (self.bits is None):
@@ -75,7 +76,11 @@ DERIVED: dict[str, Derived] = {
     # stored as bf16: loads whole (widened to float32, about 2.8 GB)
     "smollm2-moe-bf16": Derived(source="smollm2-135m", folder="smollm2-135m-moe-e8", experts=8),
     # the same at 4 bits (group 32, 4.5 bits per weight, about 390 MB) in a container: its experts stream
-    "smollm2-moe": Derived(source="smollm2-moe-bf16", folder="smollm2-135m-moe-e8-q4", bits=4),
+    "smollm2-moe": Derived(source="smollm2-moe-bf16", folder="smollm2-135m-moe-e8-q4", bits=4, settings=(
+        "# Written by `colibri pull smollm2-moe`. The whole model takes about 720 MB; this budget holds about\n"
+        "# half of its experts, so that the app shows them streaming from disk (the least it runs in is about\n"
+        "# 363 MB at a 4096-token context). Pass --max-memory, or delete this file, to choose.\n"
+        'max_memory = "540MB"\n')),
 }
 DEFAULT_MODEL = "smollm2-moe"
 
@@ -181,6 +186,7 @@ def _pull_derived(name: str, root: Path, log: Log) -> Path:
     """The derived model NAME, made from its source (pulled or made first if needed) when missing."""
     found = _pulled_derived(name, root)
     if found is not None:
+        _write_settings(DERIVED[name], found)   # a model prepared before it had settings gets them
         log(f"{name} is already prepared")
         return found
     derived = DERIVED[name]
@@ -244,8 +250,18 @@ def _convert(name: str, derived: Derived, source: Path, root: Path, log: Log) ->
         log(f"  {name}: {partial.name} was left by another conversion: starting over")
         shutil.rmtree(partial)
         convert(source, out, settings, log=convert_log)
+    _write_settings(derived, out)
     log(f"{name} is ready: {out} ({_folder_size(out) / 1e6:.0f} MB)")
     return out
+
+
+def _write_settings(derived: Derived, folder: Path) -> None:
+    """The derived model's colibri.toml, unless the folder has one (a file the user edited stays)."""
+    if derived.settings and not (folder / "colibri.toml").exists():
+        from engine.atomic import atomic_file
+
+        with atomic_file(folder / "colibri.toml") as f:
+            f.write(derived.settings)
 
 
 def _folder_size(folder: Path) -> int:

@@ -188,3 +188,12 @@ def test_corrupt_container_is_refused_by_the_loader(src, tmp_path):
     (out / "dense.bin").write_bytes(bytes(blob))
     with pytest.raises(ModelFormatError, match="checksum mismatch"):
         load_model(out)
+
+
+def test_a_container_is_not_converted_again(src, tmp_path):
+    from engine.errors import ColibriError
+
+    out = convert(src, tmp_path / "q", ConvertSettings(bits=4), log=lambda m: None)
+    with pytest.raises(ColibriError, match="already a Colibri container; convert the model it was made from"):
+        convert(out, tmp_path / "again", ConvertSettings(bits=8), log=lambda m: None)
+    assert not (tmp_path / "again").exists()

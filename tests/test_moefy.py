@@ -194,7 +194,9 @@ def test_calibration_file(tmp_path, dense, probes):
     assert report["calibration"]["tokens"] == n - -(-n // 512)  # every char but position 0 of each 512-token passage
 
 
-def test_default_model_is_the_derived_moe_prepared_once(tmp_path, monkeypatch):
+def test_the_upcycled_model_is_prepared_once(tmp_path, monkeypatch):
+    """`smollm2-moe-bf16` is moefy of the pulled SmolLM2, made once (the default model, its 4-bit container, is
+    made from it: tests/test_pull.py)."""
     models = tmp_path / "models"
     source = models / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     source.parent.mkdir(parents=True)
@@ -209,15 +211,15 @@ def test_default_model_is_the_derived_moe_prepared_once(tmp_path, monkeypatch):
         return {"perplexity": {"heldout_text": {"change": 0.001}}}
 
     monkeypatch.setattr("app.moefy.moefy", fake_moefy)
-    with pytest.raises(ColibriError, match="run `colibri pull smollm2-moe` first"):
-        pull_mod.resolve_model("smollm2-moe", models_dir=models)
+    with pytest.raises(ColibriError, match="run `colibri pull smollm2-moe-bf16` first"):
+        pull_mod.resolve_model("smollm2-moe-bf16", models_dir=models)
     lines: list[str] = []
-    path = pull_mod.pull(pull_mod.DEFAULT_MODEL, models_dir=models, log=lines.append)
+    path = pull_mod.pull("smollm2-moe-bf16", models_dir=models, log=lines.append)
     assert path == models / "smollm2-135m-moe-e8"
     assert calls == [(source, path, 8)]
     assert any("50% halfway" in line for line in lines) and "is ready" in lines[-1]
-    assert pull_mod.resolve_model(None, models_dir=models) == path
-    assert pull_mod.resolve_model("smollm2-moe", models_dir=models) == path
+    assert pull_mod.resolve_model("smollm2-moe-bf16", models_dir=models) == path
+    assert pull_mod.pull("smollm2-moe-bf16", models_dir=models, log=lines.append) == path
     assert len(calls) == 1, "prepared once, then reused"
 
 

@@ -345,6 +345,15 @@ def test_the_default_model_is_pulled_as_a_streaming_container_once(tmp_path: Pat
     finally:
         streamed.close()
     assert got[1] == want[1] and np.array_equal(got[0], want[0])
+    # its own settings hold about half of the experts, so that the app opened on it shows them streaming
+    from app.cli import build_parser
+    from app.settings import configure
+
+    monkeypatch.setenv("COLIBRI_MODELS_DIR", str(models))
+    args = build_parser().parse_args(["gui", "smollm2-moe"])
+    configure(build_parser(), args, ["gui", "smollm2-moe"], "gui")
+    assert args.max_memory == "540MB"
+    monkeypatch.delenv("COLIBRI_MODELS_DIR")
     # made once
     monkeypatch.setattr("app.convert.convert", None)
     lines.clear()

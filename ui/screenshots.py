@@ -26,22 +26,15 @@ QUESTION = "Write a short Python function that checks whether a word is a palind
 
 
 def pick_model(arg: str | None) -> Path:
-    """The model to show: the argument, else the derived MoE as a streaming container, else the SmolLM2 GGUF."""
+    """The model to show: the argument, else the derived MoE (a streaming container), else the SmolLM2 GGUF."""
     from app.pull import resolve_model
 
     if arg:
         return resolve_model(arg)
     try:
-        moe = resolve_model("smollm2-moe")
+        return resolve_model("smollm2-moe")
     except Exception:  # noqa: BLE001 - not pulled: fall back to the small dense model
         return resolve_model("smollm2-135m")
-    container = CACHE / "smollm2-moe-q4"
-    if not (container / "manifest.json").is_file():
-        from app.convert import ConvertSettings, convert
-
-        print(f"converting {moe} to {container} (once) ...", file=sys.stderr)
-        convert(moe, container, ConvertSettings(bits=4), log=lambda m: print(f"  {m}", file=sys.stderr))
-    return container
 
 
 def main(argv: list[str] | None = None) -> int:
