@@ -3,7 +3,7 @@
 - Fixed costs and attention: the engine's own forward pass (engine.models.transformer) on tiny
   models of the planned model's structure: its layer kinds, attention kind, head width, expert
   count, top_k and widths, with hidden width 64, feed-forward and experts 64 wide and random
-  weights. One-head models of 1 and 3 layers per kind, decoding a token and reading a prompt
+  weights. One-head models of 1 and 5 layers per kind, decoding a token and reading a prompt
   chunk, give the per-token and per-layer costs (the tiny kernel calls' own time, measured as
   below, taken out); a one-layer model with all heads at 8 and at 1024 keys gives the cost per key,
   its keys and values read cold (in turn over caches larger together than the last-level cache,
@@ -41,6 +41,7 @@ from engine.stream.budget import kv_bytes
 TINY_HIDDEN = 64           # the tiny models' widths (their own kernel time is taken out)
 TINY_FFN = 64
 TINY_VOCAB = 256
+MANY = 5                   # layers per kind of the deeper tiny model (the shallow one has 1)
 LONG_CONTEXT = 2048        # keys of the long-context attention probe (fewer when the model holds fewer)
 SET_MAX = 64 << 20         # working set of the decode probes: one token's weight bytes, within these bounds
 SET_MIN = 4 << 20
@@ -292,18 +293,18 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_wps: float, code
     """token_s, layer_s, key_s, chunk_s, chunk_layer_s, pair_s from the engine's forward pass on tiny models."""
     spec = work.spec
     one, kinds, mats = tiny_model(spec, 1, work, codes)
-    three, _, _ = tiny_model(spec, 3, work, codes)
+    many, _, _ = tiny_model(spec, MANY, work, codes)
     heads, _, _ = tiny_model(spec, 1, work, codes, heads=True)
     ids = [int(i) for i in np.random.default_rng(6).integers(0, TINY_VOCAB, chunk)]
     probe = min(16, chunk)                                        # queries of the prompt-attention probe
-    batches, per_batch = 5, 4
+    batches, per_batch = 7, 4
     reps = batches * per_batch
-    caches = {"d1": [_filled_cache(one, 8, reps + 2)], "d3": [_filled_cache(three, 8, reps + 2)],
+    caches = {"d1": [_filled_cache(one, 8, reps + 2)], "dn": [_filled_cache(many, 8, reps + 2)],
               "a0": [_filled_cache(heads, 8, reps + 2)]}
     # the long context in turns over caches larger together than the last-level cache (see the header)
     kv = kv_bytes(heads.spec, long_ctx)
     caches["al"] = [_filled_cache(heads, long_ctx, reps + 2) for _ in range(max(1, min(32, -(-SET_MAX // kv))))]
-    models = {"d1": one, "d3": three, "a0": heads, "al": heads}
+    models = {"d1": one, "dn": many, "a0": heads, "al": heads}
     turn: Counter = Counter()
 
     def step(k: str) -> None:
@@ -313,7 +314,8 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_wps: float, code
     for k in caches:
         step(k)                                                   # compile (or load) the kernels first
     m = _interleaved({k: (lambda k=k: step(k)) for k in caches}, batches, per_batch)
-    chunks = {"p1": (one, _filled_cache(one, 0, chunk), 0, ids), "p3": (three, _filled_cache(three, 0, chunk), 0, ids),
+    chunks = {"p1": (one, _filled_cache(one, 0, chunk), 0, ids), "pn": (many, _filled_cache(many, 0, chunk), 0, ids),
+              "pl": (one, _filled_cache(one, long_ctx, chunk), long_ctx, ids),
               "q0": (heads, _filled_cache(heads, 0, probe), 0, ids[:probe]),
               "ql": (heads, _filled_cache(heads, long_ctx, probe), long_ctx, ids[:probe])}
 
@@ -323,17 +325,17 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_wps: float, code
         model.forward(tokens, cache)
 
     chunk_run("p1")
-    m |= _interleaved({k: (lambda k=k: chunk_run(k)) for k in chunks}, 3, 1)
+    m |= _interleaved({k: (lambda k=k: chunk_run(k)) for k in chunks}, 5, 1)
     key_s = max(0.0, (m["al"] - m["a0"]) / (kinds * (long_ctx - 8)))
     pair_s = max(0.0, (m["ql"] - m["q0"]) / (kinds * probe * long_ctx))
-    # what the one-head models spend on one head's attention and on their own tiny kernels
-    head_share = 1.0 / max(1, spec.layers[0].attn.n_heads)
+    # what the one-head models spend on their one head's attention and on their own tiny kernels
+    one_head_pair = max(0.0, (m["pl"] - m["p1"]) / (kinds * chunk * long_ctx))
     layer_kernels, head_kernel = _tiny_kernels(one, work, mats, codes)
     tiny_weights = sum(s[0] * s[1] for n, (s, _) in mats.items() if n.startswith("model.layers.")) / one.spec.n_layers
-    own_decode = (8 + reps / 2) * key_s * head_share + layer_kernels
-    own_chunk = _pairs(0, chunk) * pair_s * head_share + chunk * tiny_weights / prompt_wps
-    layer_s = max(0.0, (m["d3"] - m["d1"]) / (2 * kinds) - own_decode)
-    chunk_layer_s = max(0.0, (m["p3"] - m["p1"]) / (2 * kinds) - own_chunk)
+    own_decode = (8 + reps / 2) * one_head_pair + layer_kernels
+    own_chunk = _pairs(0, chunk) * one_head_pair + chunk * tiny_weights / prompt_wps
+    layer_s = max(0.0, (m["dn"] - m["d1"]) / ((MANY - 1) * kinds) - own_decode)
+    chunk_layer_s = max(0.0, (m["pn"] - m["p1"]) / ((MANY - 1) * kinds) - own_chunk)
     return {"token_s": max(0.0, m["d1"] - kinds * (layer_s + own_decode) - head_kernel), "layer_s": layer_s,
             "key_s": key_s, "chunk_s": max(0.0, m["p1"] - kinds * (chunk_layer_s + own_chunk)),
             "chunk_layer_s": chunk_layer_s, "pair_s": pair_s}
