@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -120,60 +118,6 @@ def test_prefetch_predicts_and_is_counted(container):
     assert snap.prefetch_used == stats.prefetch_used
     assert snap.bytes_read == stats.bytes_read
     assert snap.hits["disk"] == stats.hits["disk"]
-
-
-def _step(store, layer, ids):
-    got = {}
-    for group in store.groups(layer, ids):
-        got.update(group)
-    return got
-
-
-def test_a_guess_worth_no_cache_place_is_read_ahead_into_a_lookahead_slot(container):
-    loaded = _stream(container, 16, policy="lfru")         # 14 cache slots, 2 lookahead slots
-    store = loaded.store
-    try:
-        assert len(store.lookahead) == 2 and not store.scratch
-        for _ in range(3):                                   # the cache fills with experts used often
-            for layer in (0, 1):
-                for i in range(0, 7, 2):
-                    _step(store, layer, [i, i + 1] if i + 1 < 7 else [i])
-        assert len(store.built) == 14 and not store.free
-        cached = set(store.built)
-        store.prefetch(2, [5, 7])                            # unused so far: worth less than any cached expert
-        assert {(2, 5), (2, 7)} <= store.transient and not store.lookahead
-        assert {store.where[(2, 5)], store.where[(2, 7)]} == store.lookahead_slots
-        disk = store.hits["disk"]
-        got = _step(store, 2, [5, 6])                        # one guess right, one wrong
-        assert set(got) == {5, 6} and store.hits["disk"] == disk + 2
-        assert store.pf_used == 1 and store.pf_wasted >= 1
-        for fut in list(store.loading.values()):
-            fut.result()
-        store.prefetch(0, [])                                # settles the wrong guess's read
-        assert sorted(store.lookahead) == sorted(store.lookahead_slots) and not store.transient
-        assert (2, 5) not in store.built and (2, 7) not in store.built
-        assert set(store.built) - cached <= {(2, 6)}         # the cache kept what it valued
-        # a guess still loading when its step passes it by, then needed by the next step of that layer
-        gate, read = threading.Event(), store._read
-
-        def slow(key, r, dest):                              # (2, 4)'s read ends only when the gate opens
-            done = read(key, r, dest)
-            if key != (2, 4):
-                return done
-            held = cf.Future()
-            threading.Thread(target=lambda: (gate.wait(30), done.result(), held.set_result(None)),
-                             daemon=True).start()
-            return held
-
-        store._read = slow
-        store.prefetch(2, [4])
-        _step(store, 2, [6])
-        assert (2, 4) in store.orphans
-        gate.set()
-        assert set(_step(store, 2, [4, 6])) == {4, 6} and not store.orphans
-        assert sorted(store.lookahead) == sorted(store.lookahead_slots) and not store.transient
-    finally:
-        loaded.close()
 
 
 def test_history_pins_experts_on_the_next_start(container, resident, tmp_path):

@@ -210,10 +210,7 @@ class ExpertStore:
             self.io = IOPool(settings.io_threads, settings.direct)
             self.free = list(range(self.n_slots - 1, -1, -1))
         self.scratch: list[int] = []                   # slots for experts read through, not kept (admission)
-        self.lookahead: list[int] = []                 # slots for guesses read ahead that earn no cache place
-        self.lookahead_slots: frozenset[int] = frozenset()
-        self.transient: set[Key] = set()               # in a scratch or lookahead slot: dropped once computed
-        self.orphans: set[Key] = set()                 # guesses still loading that their step did not use
+        self.transient: set[Key] = set()
         self._layout_scratch()
         if history is not None and history.tokens > 0 and self.repinner.capacity > 0:
             self._pin(history.pinned(self.repinner.capacity))
@@ -247,7 +244,6 @@ class ExpertStore:
             yield self._mmap_step(layer, ids)
             self._trim_mapped()                          # the step's experts are computed: back within capacity
             return
-        self._drop_guesses(layer, ids)
         step = [(layer, i) for i in ids]
         protect = set(step)
         ready: dict[int, ExpertWeights] = {}
@@ -256,8 +252,7 @@ class ExpertStore:
         tel = self.telemetry
         for key in step:
             if key in self.built:
-                # a guess read ahead into a lookahead slot was still a miss: it came from disk, early
-                tier = "pinned" if key in self.pinned else "disk" if key in self.transient else "cached"
+                tier = "pinned" if key in self.pinned else "cached"
                 self.hits[tier] += 1
                 tel.hit(tier)
                 ready[key[1]] = self.built[key]
@@ -267,7 +262,6 @@ class ExpertStore:
                 self.hits["disk"] += 1
                 tel.hit("disk")
                 waiting[self.loading[key]] = key
-                self.orphans.discard(key)                # a guess for an earlier step of this layer: used now
             else:
                 self.hits["disk"] += 1
                 tel.hit("disk")
@@ -279,7 +273,6 @@ class ExpertStore:
         self._start(queue, protect, waiting)
         if ready:
             yield ready
-            self._release(layer, ready)                  # guesses read ahead, computed: their slots return
             protect.difference_update((layer, i) for i in ready)   # computed: their slots may be reused
         while waiting or queue:
             if not waiting:
@@ -313,7 +306,6 @@ class ExpertStore:
         self.predicted[layer] = set(ids)
         if self.settings.io == "mmap":
             return
-        self._settle_orphans()
         queue = [(layer, i) for i in ids if (layer, i) not in self.where]
         protect = {(layer, i) for i in ids}
         before = len(self.loading)
@@ -367,11 +359,6 @@ class ExpertStore:
         for fut in list(self.loading.values()):          # reads in flight finish first: their slots may go
             cf.wait([fut])
         self._settle()
-        for key in [k for k in self.transient if k in self.built]:   # guesses read ahead: dropped, re-laid below
-            self.transient.discard(key)
-            self.prefetched.discard(key)
-            self.built.pop(key)
-            self._give_back(self.where.pop(key))
         if slots < self.n_slots:
             for key in [k for k, slot in self.where.items() if slot >= slots]:
                 if key in self.pinned:
@@ -387,8 +374,8 @@ class ExpertStore:
         else:
             self.free.extend(range(slots - 1, self.n_slots - 1, -1))
         self.n_slots = slots
-        self.free.extend(f for f in self.scratch + self.lookahead if f < slots)   # re-laid below
-        self.scratch, self.lookahead, self.lookahead_slots = [], [], frozenset()
+        self.free.extend(f for f in self.scratch if f < slots)   # re-laid below
+        self.scratch = []
         self._layout_scratch()
         self.repinner = Repinner(int(slots * self.settings.pin_fraction), every_tokens=self.settings.repin_every)
         self._publish()
@@ -503,26 +490,19 @@ class ExpertStore:
             fut.result()
         except BaseException:
             slot = self.where.pop(key)
-            self.orphans.discard(key)
             if key in self.transient:
                 self.transient.discard(key)
-                self._give_back(slot)
+                self.scratch.append(slot)
             else:
                 self.free.append(slot)
             self.prefetched.discard(key)
             raise
         self.verified.add(key)
-        if key in self.orphans:                          # a wrong guess: nothing waits for it
-            self.orphans.discard(key)
-            self.transient.discard(key)
-            self._give_back(self.where.pop(key))
-            return
         slot = self.where[key]
         data = self.arena[slot * self.slot_bytes : slot * self.slot_bytes + self.recipes[key].length]
         self.built[key] = self.recipes[key].build(data, self.names[key])
         if key in self.transient:
-            if key not in self.prefetched:              # a guess's use is counted by its step, if it comes
-                self.policy.access(key, self.now)       # counted, not kept
+            self.policy.access(key, self.now)           # counted, not kept
         elif key not in self.pinned:
             self.policy.insert(key, self.now)
             self.policy.access(key, self.now)
@@ -546,13 +526,11 @@ class ExpertStore:
         through = key is not None and key not in self.pinned and (
             victim is None or (admit is not None and not admit(key, victim)))
         score = getattr(self.policy, "score", None)
-        if prefetch and (victim is None or through or (score is not None and score(key) <= score(victim))):
-            # a guess never pushes out an expert worth more than it (measured: it halved decode); it is read
-            # into a lookahead slot instead, while this layer computes, and dropped once its step is done
-            return self._lookahead_slot(key)
+        if prefetch and victim is not None and score is not None and score(key) <= score(victim):
+            return None        # a guess never pushes out an expert worth more than it (measured: it halved decode)
         if through:
-            if not self.scratch:
-                return None if victim is None else self._take(victim)
+            if prefetch or not self.scratch:
+                return None if (prefetch or victim is None) else self._take(victim)
             self.transient.add(key)
             return self.scratch.pop()
         return None if victim is None else self._take(victim)
@@ -568,63 +546,22 @@ class ExpertStore:
             if key in self.transient:
                 self.transient.discard(key)
                 self.built.pop(key, None)
-                self._give_back(self.where.pop(key))
-
-    def _give_back(self, slot: int) -> None:
-        """A transient expert's slot returns to its pool (lookahead or scratch)."""
-        (self.lookahead if slot in self.lookahead_slots else self.scratch).append(slot)
-
-    def _lookahead_slot(self, key: Key) -> int | None:
-        """A lookahead slot for a guess that earns no cache place (None when all are busy)."""
-        if not self.lookahead:
-            return None
-        self.transient.add(key)
-        return self.lookahead.pop()
-
-    def _drop_guesses(self, layer: int, ids: list[int]) -> None:
-        """This layer's step has come: guesses read ahead for it into lookahead slots that it does not use
-        were wasted; their slots return (at once, or when their read ends)."""
-        needed = set(ids)
-        for key in [k for k in self.transient if k[0] == layer and k[1] not in needed and k in self.prefetched]:
-            self.prefetched.discard(key)
-            self.pf_wasted += 1
-            self.telemetry.prefetch(wasted=1)
-            if key in self.loading:
-                self.orphans.add(key)
-            else:
-                self.transient.discard(key)
-                self.built.pop(key, None)
-                self._give_back(self.where.pop(key))
-
-    def _settle_orphans(self) -> None:
-        """Finish the wrong guesses whose reads have ended, so that their lookahead slots return."""
-        for key in [k for k in self.orphans if self.loading[k].done()]:
-            try:
-                self._finish(key, self.loading[key])
-            except ColibriError:
-                pass
+                self.scratch.append(self.where.pop(key))
 
     def _layout_scratch(self) -> None:
-        """Reserve the last slots for read-through when the policy admits by value (a quarter, at most top_k),
-        and before them lookahead slots when it values experts (an eighth, at most top_k): a guess read ahead
-        that is worth less than every cached expert goes there instead of being skipped."""
-        if self.settings.io == "mmap":
+        """Reserve the last slots for read-through when the policy admits by value (a quarter, at most top_k)."""
+        if self.settings.io == "mmap" or not getattr(self.policy, "admission", False):
             return
         top_k = max(layer.ffn.top_k for layer in self.spec.layers if isinstance(layer.ffn, MoESpec))
-        n = min(top_k, self.n_slots // 4) if getattr(self.policy, "admission", False) else 0
-        n_ahead = min(top_k, self.n_slots // 8) if hasattr(self.policy, "score") else 0
-        if n + n_ahead == 0:
-            return
-        want = set(range(self.n_slots - n - n_ahead, self.n_slots))
+        n = min(top_k, self.n_slots // 4)
+        want = set(range(self.n_slots - n, self.n_slots))
         for key in [k for k, slot in self.where.items() if slot in want]:
             self.pinned.discard(key)
             if key in self.built:
                 self.policy.insert(key, self.now)
                 self._evict(key)
         self.free = [f for f in self.free if f not in want]
-        self.scratch = list(range(self.n_slots - 1, self.n_slots - n - 1, -1))
-        self.lookahead = list(range(self.n_slots - n - 1, self.n_slots - n - n_ahead - 1, -1))
-        self.lookahead_slots = frozenset(self.lookahead)
+        self.scratch = sorted(want, reverse=True)
 
     def _settle(self) -> None:
         """Finish reads that completed in the background (prefetches), so their slots are accounted."""
