@@ -58,21 +58,22 @@ class Call:
 Matrices = Mapping[str, tuple[tuple[int, int], int]]   # quantized matrix name -> (shape, bits)
 
 
-def decode_calls(spec: ModelSpec, mats: Matrices) -> tuple[dict[Call, float], Call | None]:
-    """The kernel calls one decoded token makes inside the layers ({call: calls per token}) and the head's.
+def decode_calls(spec: ModelSpec, mats: Matrices) -> tuple[list[tuple[Call, ...]], Call | None]:
+    """The kernel calls one decoded token makes in each layer, in order, and the head's call.
 
     `mats` maps each quantized matrix to (shape, bits). Follows the engine's blocks: q/k/v in one call
     and o_proj in another (MLA: one call per matrix); gate and up in one call, down in another; a MoE
     layer's top_k routed experts in two fused calls (gate and up of all, then down of all).
     """
-    calls: Counter = Counter()
-
-    def add(names: list[str]) -> None:
-        present = [n for n in names if n in mats and mats[n][1] != FLOAT_BITS]
-        if present:
-            calls[Call(tuple(tuple(mats[n][0]) for n in present), tuple(mats[n][1] for n in present))] += 1
-
+    layers = []
     for i, layer in enumerate(spec.layers):
+        calls: list[Call] = []
+
+        def add(names: list[str]) -> None:
+            present = [n for n in names if n in mats and mats[n][1] != FLOAT_BITS]
+            if present:
+                calls.append(Call(tuple(tuple(mats[n][0]) for n in present), tuple(mats[n][1] for n in present)))
+
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
         if isinstance(layer.attn, MLASpec):
@@ -85,18 +86,19 @@ def decode_calls(spec: ModelSpec, mats: Matrices) -> tuple[dict[Call, float], Ca
         if isinstance(f, MLPSpec):
             add([f"{p}.{f.prefix}.gate_proj.weight", f"{p}.{f.prefix}.up_proj.weight"])
             add([f"{p}.{f.prefix}.down_proj.weight"])
-            continue
-        gate, up, down = (f"{p}.{f.prefix}.experts.0.{n}.weight" for n in f.proj_names)
-        add([gate, up] * f.top_k)
-        add([down] * f.top_k)
-        if f.shared_ffn:
-            s = f"{p}.{f.prefix}.{f.shared_prefix}"
-            add([f"{s}.gate_proj.weight", f"{s}.up_proj.weight"])
-            add([f"{s}.down_proj.weight"])
+        else:
+            gate, up, down = (f"{p}.{f.prefix}.experts.0.{n}.weight" for n in f.proj_names)
+            add([gate, up] * f.top_k)
+            add([down] * f.top_k)
+            if f.shared_ffn:
+                s = f"{p}.{f.prefix}.{f.shared_prefix}"
+                add([f"{s}.gate_proj.weight", f"{s}.up_proj.weight"])
+                add([f"{s}.down_proj.weight"])
+        layers.append(tuple(calls))
     head = EMBED if spec.tie_embeddings else HEAD
     if head not in mats or mats[head][1] == FLOAT_BITS:
-        return dict(calls), None
-    return dict(calls), Call((tuple(mats[head][0]),), (mats[head][1],))
+        return layers, None
+    return layers, Call((tuple(mats[head][0]),), (mats[head][1],))
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,7 +106,7 @@ class Work:
     """What one token of the planned model multiplies and reads, from its shapes and widths."""
 
     spec: ModelSpec
-    calls: dict[Call, float]       # kernel calls a decoded token makes inside the layers, and how many
+    layer_calls: tuple[tuple[Call, ...], ...]   # the kernel calls a decoded token makes in each layer
     head_call: Call | None         # the output head's call (outside the layers)
     dense: dict[int, int]          # bits -> weights a token multiplies outside routed experts and the head
     head: dict[int, int]           # bits -> weights of the output head (a prompt chunk runs it on one token)
@@ -117,6 +119,11 @@ class Work:
     cold_usage: np.ndarray         # [n] share of tokens routed to each expert left on disk
     cold_bytes: np.ndarray         # [n] its bytes
     routing: str                   # "uniform" or "measured on calibration text"
+
+    @property
+    def calls(self) -> dict[Call, int]:
+        """Each distinct kernel call inside the layers, and how many a decoded token makes."""
+        return dict(Counter(c for layer in self.layer_calls for c in layer))
 
     @property
     def streams(self) -> bool:
@@ -210,9 +217,9 @@ def plan_work(spec: ModelSpec, plan: Plan, experts: frozenset[str], cache_share:
     held = np.cumsum(bytes_a[order]) <= cache_share * bytes_a.sum() + 0.5
     cold = order[~held] if cache_share < 1.0 else order[:0]
     mats = {n: (t.shape, t.bits) for n, t in plan.tensors.items()}
-    calls, head_call = decode_calls(spec, mats)
+    layer_calls, head_call = decode_calls(spec, mats)
     token_bytes = int(sum(w * bytes_per_weight(b, fmts) for b, w in (dense + head + expert_w).items()) + float_bytes)
-    return Work(spec, calls, head_call, dict(dense), dict(head), dict(expert_w), int(float_bytes), fmts,
+    return Work(spec, tuple(layer_calls), head_call, dict(dense), dict(head), dict(expert_w), int(float_bytes), fmts,
                 dense_in.most_common(1)[0][0] if dense_in else spec.hidden_size,
                 expert_shapes.most_common(1)[0][0] if expert_shapes else None, token_bytes,
                 usage_a[cold], bytes_a[cold], "measured on calibration text" if measured_routing else "uniform")
@@ -308,7 +315,7 @@ def chunk_step(work: Work, rates: Rates, start: int, tokens: int) -> StepTime:
     """A prompt chunk of `tokens` tokens after `start` tokens of context."""
     n = work.spec.n_layers
     attention = rates.pair_s * _window_keys(work.spec, start, tokens)
-    head = sum(w / _rate(rates.decode_wps, b) for b, w in work.head.items())       # the last token's logits only
+    head = call_seconds(work.head_call, rates) if work.head_call is not None else 0.0   # the last token's logits
     inner = (tokens * (sum(w / _rate(rates.prompt_wps, b) for b, w in work.dense.items())
                        + sum(w / _rate(rates.expert_wps, b) for b, w in work.experts.items()))
              + work.float_bytes / (rates.ram_gbs * 1e9))
