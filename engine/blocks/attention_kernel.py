@@ -1,10 +1,11 @@
 """Causal attention over the paged KV cache in numba, one (token, head) at a time: the same
 operations whatever the batch (`engine.blocks.attention.attend` is the plain numpy reference).
 
-Each output row is computed from its own query and the keys up to its position by the same
-compiled loop (scores, running max, exponentials, weighted sum of values), so it is bitwise the
-same whether the token came in a prefill of 500 or decoded alone: the engine's tenet that batch
-size and cache state never change the answer.
+Each output row is computed from its own query and the keys up to its position by one function
+(`attend_row`: scores, running max, exponentials, weighted sum of values) whose sums run in a
+fixed order (16-lane fused multiply-adds, no fastmath), so it is bitwise the same whether the
+token came in a prefill of 500, decoded alone or in the fused decode step: the engine's tenet
+that batch size and cache state never change the answer.
 
 The paged kernels read keys and values where the KV cache keeps them, in fixed-size blocks found
 through the sequence's block table (no gather copy per step). Each stored row carries a scale
@@ -22,61 +23,83 @@ import math
 import numpy as np
 from numba import njit, prange
 
-
-# Reassociation lets the compiler vectorize the dot products; the summation order it picks is fixed
-# in the compiled loop, the same for every row, so rows stay independent of the batch. Infinities
-# keep their meaning (the running max starts at -inf).
-_FAST = {"reassoc", "contract", "nsz", "arcp"}
+from engine.quant.simd import U64, fma32, vfma, vload, vloadf, vsplat, vstore, vsum, vzero
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
-def _attend_paged(q, kb, ks, vb, vs, table, bsize, positions, window, scale, keep, scores, out):  # pragma: no cover
-    t_count, n_heads, d = q.shape
-    n_kv = kb.shape[1]
-    dv = vb.shape[3]
-    group = n_heads // n_kv
-    width = scores.shape[1]
+@njit(boundscheck=False)
+def _kdot(q, qo, k, ko, d):
+    """sum_j q[qo + j] * k[ko + j] over 16 lanes (fma, fixed tree), the tail past a multiple of 16 one fma each."""
+    acc = vzero()
+    d16 = d // 16
+    for j in range(d16):
+        acc = vfma(vload(q, qo + U64(16 * j)), vloadf(k, ko + U64(16 * j)), acc)
+    y = vsum(acc)
+    for j in range(d16 * 16, d):
+        y = fma32(q[qo + U64(j)], np.float32(k[ko + U64(j)]), y)
+    return y
+
+
+@njit(boundscheck=False)
+def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, scale, scores, so, keep, width,
+               out, oo):
+    """One query q[qo:qo+d] of kv head `kv` over positions lo .. p of a paged cache -> out[oo:oo+dv].
+
+    kb, vb are the cache's flat [NB, Hkv, B, D] key and value arrays (float32 or int8), ks, vs the flat
+    [NB, Hkv, B] row scales; scores[so:so+width] is scratch, left holding the normalised weights
+    (zeros outside lo .. p) when `keep`. Every sum runs in a fixed order (no fastmath): the same bits
+    in any batch and in the fused decode step.
+    """
+    best = -np.inf
+    for s in range(lo, p + 1):
+        row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
+        sc = _kdot(q, qo, kb, row * U64(d), d) * ks[row] * scale
+        scores[so + U64(s)] = sc
+        if sc > best:
+            best = sc
+    total = np.float32(0.0)
+    for s in range(lo, p + 1):
+        e = np.float32(math.exp(scores[so + U64(s)] - best))
+        scores[so + U64(s)] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for j in range(dv):
+        out[oo + U64(j)] = np.float32(0.0)
+    d16 = dv // 16
+    for s in range(lo, p + 1):
+        row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
+        w = scores[so + U64(s)] * inv
+        if keep:
+            scores[so + U64(s)] = w
+        w = w * vs[row]
+        ww = vsplat(w)
+        vo = row * U64(dv)
+        for j in range(d16):
+            o = oo + U64(16 * j)
+            vstore(out, o, vfma(ww, vloadf(vb, vo + U64(16 * j)), vload(out, o)))
+        for j in range(d16 * 16, dv):
+            out[oo + U64(j)] = fma32(w, np.float32(vb[vo + U64(j)]), out[oo + U64(j)])
+    if keep:
+        for s in range(0, lo):
+            scores[so + U64(s)] = np.float32(0.0)
+        for s in range(p + 1, width):
+            scores[so + U64(s)] = np.float32(0.0)
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _attend_paged(q, kb, ks, vb, vs, table, bsize, heads_kv, d, dv, positions, window, scale, keep, scores, out,
+                  n_heads):  # pragma: no cover - compiled
+    t_count = positions.shape[0]
+    group = n_heads // heads_kv
+    width = scores.shape[0] // (t_count * n_heads)
     for i in prange(t_count * n_heads):
         t = i // n_heads
         h = i % n_heads
-        kv = h // group
         p = positions[t]
         lo = 0
         if window > 0 and p - window + 1 > 0:
             lo = p - window + 1
-        best = -np.inf
-        for s in range(lo, p + 1):
-            b = table[s // bsize]
-            o = s % bsize
-            acc = np.float32(0.0)
-            for j in range(d):
-                acc += q[t, h, j] * np.float32(kb[b, kv, o, j])
-            sc = acc * ks[b, kv, o] * scale
-            scores[i, s] = sc
-            if sc > best:
-                best = sc
-        total = np.float32(0.0)
-        for s in range(lo, p + 1):
-            e = np.float32(math.exp(scores[i, s] - best))
-            scores[i, s] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for j in range(dv):
-            out[t, h, j] = np.float32(0.0)
-        for s in range(lo, p + 1):
-            b = table[s // bsize]
-            o = s % bsize
-            w = scores[i, s] * inv
-            if keep:
-                scores[i, s] = w
-            w = w * vs[b, kv, o]
-            for j in range(dv):
-                out[t, h, j] += w * np.float32(vb[b, kv, o, j])
-        if keep:
-            for s in range(0, lo):
-                scores[i, s] = np.float32(0.0)
-            for s in range(p + 1, width):
-                scores[i, s] = np.float32(0.0)
+        attend_row(q, U64(i * d), d, kb, ks, vb, vs, heads_kv, bsize, dv, h // group, table, p, lo, scale,
+                   scores, U64(i * width), keep, width, out, U64(i * dv))
 
 
 def attend_paged(q: np.ndarray, kb: np.ndarray, ks: np.ndarray, vb: np.ndarray, vs: np.ndarray, table: np.ndarray,
@@ -87,13 +110,20 @@ def attend_paged(q: np.ndarray, kb: np.ndarray, ks: np.ndarray, vb: np.ndarray, 
 
     Returns out [T, H, Dv], and with `keep` also the attention weights [T * H, S] (S = last position + 1).
     """
-    t_count, n_heads, _ = q.shape
+    t_count, n_heads, d = q.shape
     width = int(positions.max()) + 1
     scores = np.empty((t_count * n_heads, width), np.float32)
     out = np.empty((t_count, n_heads, vb.shape[3]), np.float32)
-    _attend_paged(np.ascontiguousarray(q, np.float32), kb, ks, vb, vs, table, kb.shape[2],
-                  np.ascontiguousarray(positions, np.int64), int(window or 0), np.float32(scale), keep, scores, out)
+    _attend_paged(np.ascontiguousarray(q, np.float32).reshape(-1), kb.reshape(-1), ks.reshape(-1), vb.reshape(-1),
+                  vs.reshape(-1), table, kb.shape[2], kb.shape[1], d, vb.shape[3],
+                  np.ascontiguousarray(positions, np.int64), int(window or 0), np.float32(scale), keep,
+                  scores.reshape(-1), out.reshape(-1), n_heads)
     return (out, scores) if keep else out
+
+
+# Reassociation lets the compiler vectorize the latent kernel's dot products; the summation order it
+# picks is fixed in the compiled loop, the same for every row, so rows stay independent of the batch.
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
 
 
 @njit(parallel=True, cache=True, fastmath=_FAST)

@@ -13,9 +13,10 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from engine.blocks.linear import Probe, is_quantized, linear, linear_many, rowwise
-from engine.blocks.norm import activation
-from engine.quant import expert_outputs, weighted_sum
+from engine.blocks.linear import Probe, is_quantized, linear, linear_many
+from engine.blocks.norm import activation, silu
+from engine.blocks.row_kernels import SIGMOID, SOFTMAX, route_rows, silu_product
+from engine.quant import expert_outputs, matmul_f32, weighted_sum
 from engine.telemetry import NULL, Telemetry
 from engine.spec import MLPSpec, MoESpec
 from engine.weights import Weights
@@ -55,7 +56,7 @@ class ExpertWeights:
 def gated_mlp(x: np.ndarray, e: ExpertWeights, act, probe: Probe | None = None) -> np.ndarray:
     """down(act(gate(x)) * up(x)) for x [T, hidden] -> [T, hidden]."""
     g, u = linear_many(x, (e.gate, e.up))                                     # [T, I] each
-    h = act(g) * u
+    h = silu_product(g, u) if act is silu else act(g) * u
     if probe is not None:
         probe(e.names[0], x)
         probe(e.names[1], x)
@@ -111,7 +112,14 @@ class Routing:
 
 
 def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Choose top-k experts per token from router logits [T, E] -> (ids [T, K], weights [T, K])."""
+    """Choose top-k experts per token from router logits [T, E] -> (ids [T, K], weights [T, K]).
+
+    Without expert groups, one compiled row at a time (engine.blocks.row_kernels.route_row: the fused
+    decode step routes with the same function); with groups (DeepSeek), in numpy.
+    """
+    if spec.n_group == 1 and spec.scoring in ("softmax", "sigmoid"):
+        scoring = SOFTMAX if spec.scoring == "softmax" else SIGMOID
+        return route_rows(logits, spec.top_k, scoring, bias, spec.norm_topk_prob, spec.routed_scaling_factor)
     t, e = logits.shape
     k = spec.top_k
     if spec.scoring == "sigmoid":
@@ -164,7 +172,7 @@ class MoE:
         with telemetry.phase("dense"):
             if probe is not None:
                 probe(f"{self.prefix}.gate.weight", x)
-            ids, weights = route(self.spec, rowwise(x, self.router), self.correction_bias)   # [T, K] each
+            ids, weights = route(self.spec, matmul_f32(x, self.router), self.correction_bias)   # [T, K] each
         k = ids.shape[1]
         flat = ids.reshape(-1)                                                         # [T*K] slot s = t*K + k
         needed = np.unique(ids)
@@ -180,7 +188,7 @@ class MoE:
                 if self.shared_gate is not None:
                     if probe is not None:
                         probe(f"{self.prefix}.shared_expert_gate.weight", x)
-                    shared = shared * (1.0 / (1.0 + np.exp(-rowwise(x, self.shared_gate))))
+                    shared = shared * (1.0 / (1.0 + np.exp(-matmul_f32(x, self.shared_gate))))
                 out += shared
         return out, Routing(self.layer, ids, weights)
 

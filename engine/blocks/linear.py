@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
-from numba import njit, prange
 
 Probe = Callable[[str, np.ndarray], None]  # (weight tensor name, its input [n, in])
 
@@ -35,26 +34,3 @@ def linear_many(x: np.ndarray, ws: Sequence) -> list[np.ndarray]:
 def is_quantized(w) -> bool:
     """Whether a weight is a quantized tensor (rather than a float32 array)."""
     return w is not None and not isinstance(w, np.ndarray)
-
-
-@njit(parallel=True, cache=True, fastmath=True)
-def _rowwise(x, w, out):  # pragma: no cover - compiled
-    # One compiled loop serves every row whatever T is: its summation order (vectorized, as the
-    # compiler chose once) is the same for each row, so a row's result does not depend on the batch.
-    n_out, n_in = w.shape
-    for i in prange(x.shape[0] * n_out):
-        t = i // n_out
-        o = i % n_out
-        acc = np.float32(0.0)
-        for j in range(n_in):
-            acc += x[t, j] * w[o, j]
-        out[t, o] = acc
-
-
-def rowwise(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [T, in] times a float32 [out, in] matrix, transposed -> [T, out], each row bitwise the same
-    whatever T is (BLAS picks other summation orders for other shapes). For the small matrices whose
-    results pick discrete things: routers (which experts a token goes to) and gates."""
-    out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _rowwise(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32), out)
-    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.blocks.row_kernels import rope_rows
 from engine.spec import RopeSpec
 
 
@@ -32,17 +33,9 @@ class Rotary:
         return self._cos[positions], self._sin[positions]
 
     def apply(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """Rotate the first `dim` features of x [T, H, D]; returns a new array."""
-        d = self.spec.dim
-        c = cos[:, None, :]   # [T, 1, d/2]
-        s = sin[:, None, :]
-        out = np.array(x, dtype=np.float32, copy=True)
-        if self.spec.interleaved:
-            # pairs (x0, x1), (x2, x3) ... rotate together; the result is laid out de-interleaved
-            # (evens then odds) as the reference does, consistently for q and k.
-            a, b = x[..., 0:d:2], x[..., 1:d:2]
-        else:
-            a, b = x[..., : d // 2], x[..., d // 2 : d]
-        out[..., : d // 2] = a * c - b * s
-        out[..., d // 2 : d] = b * c + a * s
-        return out
+        """Rotate the first `dim` features of x [T, H, D]; returns a new array.
+
+        Interleaved pairs (x0, x1), (x2, x3) ... rotate together and come out de-interleaved (evens then
+        odds) as the reference lays them out, consistently for q and k.
+        """
+        return rope_rows(x, cos, sin, self.spec.dim, self.spec.interleaved)

@@ -368,6 +368,20 @@ def vlookup16(typingctx, table, idx):
 
 
 @intrinsic
+def vloadf(typingctx, arr, off):
+    """Lanes arr[off : off + 16] of a 1-D float32 array, or of an int8 array converted to float32 (exact)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.float32, types.int8)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+        if sig.args[0].dtype == types.float32:
+            return _load_vec(builder, ptr, _VF, 4)
+        return builder.sitofp(_load_vec(builder, ptr, _VB, 1), _VF)
+    return f32x16(arr, off), codegen
+
+
+@intrinsic
 def vlookup16n(typingctx, table, idx):
     """Lane j = table[idx[j] & 15] from a 16-entry table, for any idx: vpermps reads only an index's
     low 4 bits, so a byte widened to a lane serves as the index of its low nibble as it is."""
