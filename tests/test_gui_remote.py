@@ -124,10 +124,11 @@ def server(served):
     live.stop()
 
 
-def whole_answer(server, messages, max_tokens: int) -> str:
+def whole_answer(server, messages, max_tokens: int, repetition_penalty: float = 1.0) -> str:
     """The server's own, non-streamed, greedy answer."""
     r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                   json={"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+                   json={"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                         "repetition_penalty": repetition_penalty})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
 
@@ -321,7 +322,8 @@ def test_the_window_chats_through_the_server_and_its_inspector_watches_it(qtbot,
         assert not atlas_button.isEnabled() and "colibri atlas" in atlas_button.toolTip()
         assert window.show_first_run() is None
         # chat: the answer is the server's
-        want = whole_answer(server, [{"role": "user", "content": "Tell me about experts"}], 24)
+        penalty = window.chat.conversation.sampling.repetition_penalty    # the chat's default (1.1) reaches the server
+        want = whole_answer(server, [{"role": "user", "content": "Tell me about experts"}], 24, penalty)
         window.chat.max_tokens.setValue(24)
         done = []
         window.bridge.generation.connect(lambda r, e: isinstance(e, DoneEvent) and done.append(e))
