@@ -20,6 +20,7 @@ from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
+from engine.models.fused import FusedDecode, record
 from engine.spec import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource, Weights
@@ -140,6 +141,10 @@ class Transformer:
         self.experts: ExpertSource = experts if experts is not None else ResidentExperts(resident)
         if layers is not None:
             layers.bind(self._build_layer)
+        # one decoded token of one sequence runs as one fused parallel step when the layers allow it
+        # (engine/models/fused.py: the same bits as the blocks one at a time); False runs the blocks
+        self.fused_decode = True
+        self._fused: FusedDecode | None | bool = False           # False: not built yet
 
     def _build_layer(self, i: int, source: TensorSource) -> Layer:
         """Layer i over the tensors `source` holds (a streamed layer's buffer)."""
@@ -217,6 +222,15 @@ class Transformer:
         ahead = self.prefetch_depth if hasattr(self.experts, "prefetch") else 0
         with tel.phase("dense"):
             x = embed_rows(self.embed, ids)                                 # [T, hidden]
+        fused = self._fused_step(ids.size, caches[0], probe)
+        if fused is not None:
+            logits, step = fused.run(x[0], caches[0], int(positions[0]))
+            caches[0].commit(1)
+            record(step, tel)
+            if routing is not None:
+                routing.extend(step.routing)
+            tel.end_token(1, prefill=False)
+            return [logits]
         for j in range(min(ahead, len(self.layers))):
             self._predict(j, x)
         for i, layer in enumerate(self.layers):
@@ -252,6 +266,16 @@ class Transformer:
         if all_logits:
             return [logits[r] for r in rows]
         return [logits[k : k + 1] for k in range(len(items))]
+
+    def _fused_step(self, n_tokens: int, cache: KVCache, probe: Probe | None) -> "FusedDecode | None":
+        """The fused decode step when this step is one token of one sequence that it can run, else None."""
+        if n_tokens != 1 or probe is not None or not self.fused_decode:
+            return None
+        if self._fused is False:
+            self._fused = FusedDecode.for_model(self)
+        if self._fused is None or not self._fused.accepts(cache):
+            return None
+        return self._fused
 
     def _predict(self, j: int, x: np.ndarray) -> None:
         """Start reading the experts layer j's router would choose for the hidden state x [T, hidden]."""

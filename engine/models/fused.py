@@ -1,0 +1,263 @@
+"""The fused decode step's plan: a model's weights as the tables engine/models/fused_kernel.py reads.
+
+`FusedDecode.for_model` accepts the common decoder shape: grouped-query attention (q/k/v biases and
+per-head q/k norms allowed, any RoPE, sliding windows included), a SiLU-gated MLP or a MoE routed by
+softmax or sigmoid without expert groups or shared experts, every matrix quantized and every
+expert resident. Anything else (and a step of several tokens or sequences, a probe, an int8 or
+retaining KV cache) runs through `Transformer.forward_batch` one block at a time; both give the
+same bits for the same token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from engine.blocks.attention import Attention
+from engine.blocks.ffn import MLP, MoE, ResidentExperts, Routing
+from engine.blocks.row_kernels import SIGMOID, SOFTMAX
+from engine.kv import KVCache, KVPool
+from engine.models import fused_kernel as fk
+from engine.quant.tensor import QuantizedTensor
+from engine.telemetry import Telemetry
+
+CHUNK_WEIGHTS = 1 << 16   # weights per chunk of a product: ~3 us of one thread; fewer claims per token
+MAX_TOP_K = 56      # experts per token the kernel's integer scratch holds
+ALIGN = 16          # float32 offsets of the shared buffers, multiples of this (64-byte lines)
+
+
+@dataclass(frozen=True)
+class FusedStep:
+    """What one fused step returns besides its logits: the routing and the phase split of its wall time."""
+
+    routing: list[Routing]
+    seconds: dict[str, float]     # attention, dense, experts
+
+
+def chunk_rows(cols: int) -> int:
+    """Rows per chunk of a matrix `cols` wide: about CHUNK_WEIGHTS weights, a multiple of the 4-row tile."""
+    return max(4, CHUNK_WEIGHTS // cols // 4 * 4)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class FusedDecode:
+    """A model's decode step in one parallel region (see engine/models/fused_kernel.py)."""
+
+    def __init__(self, model) -> None:
+        spec = model.spec
+        self.hidden = spec.hidden_size
+        self._descs: list[tuple[int, ...]] = []
+        self._items: list[tuple[int, int, int, int]] = []
+        self._fpar: list[np.ndarray] = []
+        self._fsize = 0
+        self._rotaries: list = []
+        lay = np.full((spec.n_layers, fk.N_LAY), -1, np.int64)
+        lf = np.zeros((spec.n_layers, 2), np.float32)
+        sizes = {"qkv": 0, "att": 0, "rl": 0, "gu": 0, "hb": 0, "y": self.hidden, "scr": 0}
+        self.top_k = 0
+        self.moe_layers: list[int] = []
+        for i, layer in enumerate(model.layers):
+            self._attention(i, layer, lay, lf, sizes)
+            self._ffn(i, layer.ffn, model.experts, lay, lf, sizes)
+        self.head0 = len(self._items)
+        self._rows(self._matrix(model.lm_head), 0)
+        g = np.zeros(fk.N_G, np.int64)
+        g[fk.G_HIDDEN], g[fk.G_LAYERS] = self.hidden, spec.n_layers
+        g[fk.G_NORM] = self._param(model.norm)
+        g[fk.G_HEAD0], g[fk.G_HEAD1] = self.head0, len(self._items)
+        offset = 0                                       # each layer's own buffers (see fused_kernel)
+        for name, key in (("qkv", fk.G_QKV), ("att", fk.G_ATT), ("o", fk.G_O), ("rl", fk.G_RL), ("gu", fk.G_GU),
+                          ("hb", fk.G_HB), ("y", fk.G_Y)):
+            g[key] = offset
+            offset += _aligned(sizes.get(name, self.hidden))
+        g[fk.G_LAYER] = offset
+        self.g, self.lay, self.lf = g, lay, lf
+        self.scratch = sizes["scr"]                                       # per thread, beside positions
+        self.vocab = model.lm_head.shape[0]
+        self.descs = np.array(self._descs, np.int64)
+        self.items = np.array(self._items, np.int64)
+        self.fpar = np.concatenate(self._fpar) if self._fpar else np.zeros(0, np.float32)
+        self.shared = np.zeros(offset * spec.n_layers, np.float32)
+        self.steps, self.chunks = 0, 0                                  # steps and chunks of a token
+        for i in range(spec.n_layers):
+            slots = lay[i, fk.L_K] if lay[i, fk.L_MOE] else 1
+            parts = [lay[i, fk.L_QKV1] - lay[i, fk.L_QKV0], lay[i, fk.L_HKV], lay[i, fk.L_H], lay[i, fk.L_O1] - lay[i, fk.L_O0],
+                     slots * -(-lay[i, fk.L_I] // lay[i, fk.L_ROWS_IN]), slots * -(-self.hidden // lay[i, fk.L_ROWS_DOWN])]
+            if lay[i, fk.L_MOE]:
+                parts.append(-(-lay[i, fk.L_E] // 16))
+            self.steps += len(parts)
+            self.chunks += int(sum(parts))
+        self.steps += 1
+        self.chunks += len(self._items) - self.head0
+        g[fk.G_STEPS] = self.steps
+        self.rms_eps = np.float32(spec.rms_eps)
+        self._kv: dict[int, tuple[KVPool, np.ndarray]] = {}             # descriptors stay valid: the model holds the tensors
+
+    # --- building ---
+
+    def _matrix(self, w) -> int:
+        if not isinstance(w, QuantizedTensor):
+            raise _NotFusable("a float32 matrix")
+        self._descs.append(w.descriptor)
+        return len(self._descs) - 1
+
+    def _rows(self, m: int, base: int) -> tuple[int, int]:
+        """Items of matrix m in chunks of rows writing at base; their index range."""
+        first = len(self._items)
+        n, rows = int(self._descs[m][3]), chunk_rows(int(self._descs[m][4]))
+        for r0 in range(0, n, rows):
+            self._items.append((m, r0, min(n, r0 + rows), base))
+        return first, len(self._items)
+
+    def _param(self, a: np.ndarray) -> int:
+        a = np.ascontiguousarray(a, np.float32).reshape(-1)
+        at = self._fsize
+        pad = _aligned(a.size) - a.size
+        self._fpar += [a, np.zeros(pad, np.float32)]
+        self._fsize += a.size + pad
+        return at
+
+    def _attention(self, i: int, layer, lay: np.ndarray, lf: np.ndarray, sizes: dict) -> None:
+        attn = layer.attn
+        if type(attn) is not Attention:
+            raise _NotFusable("latent attention")
+        s = attn.spec
+        if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head"):
+            raise _NotFusable("an output bias, q/k clipping or whole-projection q/k norms")
+        q_out, kv_out = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        mq, mk, mv = self._matrix(attn.wq), self._matrix(attn.wk), self._matrix(attn.wv)
+        lay[i, fk.L_QKV0] = self._rows(mq, 0)[0]
+        self._rows(mk, q_out)
+        lay[i, fk.L_QKV1] = self._rows(mv, q_out + kv_out)[1]
+        lay[i, fk.L_O0], lay[i, fk.L_O1] = self._rows(self._matrix(attn.wo), 0)
+        if attn.rotary not in self._rotaries:
+            self._rotaries.append(attn.rotary)
+        rope = attn.rotary.spec
+        lay[i, fk.L_IN_NORM], lay[i, fk.L_POST_NORM] = self._param(layer.input_norm), self._param(layer.post_norm)
+        lay[i, fk.L_H], lay[i, fk.L_HKV], lay[i, fk.L_D], lay[i, fk.L_DV] = s.n_heads, s.n_kv_heads, s.head_dim, s.head_dim
+        lay[i, fk.L_ROT], lay[i, fk.L_ROPE_D] = self._rotaries.index(attn.rotary), rope.dim
+        lay[i, fk.L_INTERLEAVED], lay[i, fk.L_WINDOW] = int(rope.interleaved), int(s.sliding_window or 0)
+        if attn.bq is not None:
+            lay[i, fk.L_QKV_BIAS] = self._param(np.concatenate([attn.bq, attn.bk, attn.bv]))
+        if s.qk_norm == "head":
+            lay[i, fk.L_QK_NORM] = self._param(np.concatenate([attn.q_norm, attn.k_norm]))
+        lf[i, 0] = np.float32(s.scale)
+        sizes["qkv"] = max(sizes["qkv"], q_out + 2 * kv_out)
+        sizes["att"] = max(sizes["att"], q_out)
+        sizes["scr"] = max(sizes["scr"], 4 * s.head_dim)
+
+    def _ffn(self, i: int, ffn, experts, lay: np.ndarray, lf: np.ndarray, sizes: dict) -> None:
+        if isinstance(ffn, MLP):
+            if ffn.spec.act not in ("silu", "swish"):
+                raise _NotFusable(f"activation {ffn.spec.act}")
+            w = ffn.weights
+            lay[i, fk.L_MOE], lay[i, fk.L_I] = 0, w.gate.shape[0]
+            lay[i, fk.L_ROWS_IN], lay[i, fk.L_ROWS_DOWN] = chunk_rows(self.hidden), chunk_rows(w.gate.shape[0])
+            lay[i, fk.L_GATE] = self._matrix(w.gate)
+            self._matrix(w.up)                                            # right after gate: L_GATE + 1
+            lay[i, fk.L_DOWN] = self._matrix(w.down)
+            sizes["gu"] = max(sizes["gu"], 2 * w.gate.shape[0])
+            sizes["hb"] = max(sizes["hb"], w.gate.shape[0])
+            return
+        if not isinstance(ffn, MoE) or not isinstance(experts, ResidentExperts):
+            raise _NotFusable("streamed experts")
+        m = ffn.spec
+        if m.n_group != 1 or m.scoring not in ("softmax", "sigmoid") or ffn.shared is not None or \
+                m.act not in ("silu", "swish") or m.top_k > MAX_TOP_K:
+            raise _NotFusable("expert groups, shared experts or another activation")
+        held = experts.per_layer[i]
+        lay[i, fk.L_MOE], lay[i, fk.L_E], lay[i, fk.L_K], lay[i, fk.L_I] = 1, m.n_experts, m.top_k, m.expert_ffn
+        lay[i, fk.L_ROWS_IN], lay[i, fk.L_ROWS_DOWN] = chunk_rows(self.hidden), chunk_rows(m.expert_ffn)
+        lay[i, fk.L_EXP0] = len(self._descs)
+        for e in held:
+            if e.gate.shape != (m.expert_ffn, self.hidden) or e.down.shape != (self.hidden, m.expert_ffn):
+                raise _NotFusable("experts of another shape")
+            self._matrix(e.gate), self._matrix(e.up), self._matrix(e.down)
+        lay[i, fk.L_ROUTER] = self._param(ffn.router)
+        lay[i, fk.L_SCORING] = SOFTMAX if m.scoring == "softmax" else SIGMOID
+        lay[i, fk.L_NORM_TOPK] = int(m.norm_topk_prob)
+        lay[i, fk.L_BIAS] = self._param(ffn.correction_bias) if ffn.correction_bias is not None else -1
+        lf[i, 1] = np.float32(m.routed_scaling_factor)
+        self.top_k = max(self.top_k, m.top_k)
+        self.moe_layers.append(i)
+        sizes["rl"] = max(sizes["rl"], m.n_experts)
+        sizes["gu"] = max(sizes["gu"], 2 * m.top_k * m.expert_ffn)
+        sizes["hb"] = max(sizes["hb"], m.top_k * m.expert_ffn)
+        sizes["y"] = max(sizes["y"], m.top_k * self.hidden)
+        sizes["scr"] = max(sizes["scr"], 2 * m.n_experts + m.top_k)
+
+    @classmethod
+    def for_model(cls, model) -> "FusedDecode | None":
+        """The plan of a model, or None when some layer is not of the shape the kernel runs."""
+        if model.layer_source is not None or model.streamed or any(layer is None for layer in model.layers):
+            return None
+        try:
+            return cls(model)
+        except _NotFusable:
+            return None
+
+    # --- running ---
+
+    def accepts(self, cache: KVCache) -> bool:
+        """Whether a step on this cache can be fused: float32 KV rows, no attention tracking, plain layers."""
+        pool = cache.pool
+        return pool.bits == 32 and not cache.tracking and not any(pool.latent)
+
+    def _kv_table(self, pool: KVPool) -> np.ndarray:
+        """[L, 6] addresses of each layer's k, ks, v, vs arrays, the block size and the block count."""
+        held = self._kv.get(id(pool))
+        if held is None or held[0] is not pool:
+            table = np.array([[a["k"].ctypes.data, a["ks"].ctypes.data, a["v"].ctypes.data, a["vs"].ctypes.data,
+                               pool.block_size, pool.n_blocks] for a in pool.layers], np.int64)
+            held = (pool, table)
+            self._kv = {id(pool): held}
+        return held[1]
+
+    def run(self, x0: np.ndarray, cache: KVCache, pos: int) -> tuple[np.ndarray, FusedStep]:
+        """The logits [1, V] of the token whose embedding is x0 [hidden] at position pos (its row of `cache`
+        prepared, not yet committed), with its routing and phase times."""
+        threads = numba.get_num_threads()
+        cs = np.zeros((len(self._rotaries), 2, max(r.spec.dim // 2 for r in self._rotaries)), np.float32)
+        p = np.array([pos], np.int64)
+        for j, rotary in enumerate(self._rotaries):
+            cos, sin = rotary.tables(p)
+            cs[j, 0, : cos.shape[1]], cs[j, 1, : sin.shape[1]] = cos[0], sin[0]
+        per = 2 * self.hidden + _aligned(max(self.scratch, self.scratch + pos + 1))
+        self.g[fk.G_PRIV] = per
+        priv = np.empty(threads * per, np.float32)
+        iscr = np.zeros(threads * 64, np.int64)
+        k = max(self.top_k, 1)
+        rids = np.zeros((self.lay.shape[0], k), np.int64)
+        rw = np.zeros((self.lay.shape[0], k), np.float32)
+        logits = np.empty((1, self.vocab), np.float32)
+        sync = np.zeros((self.steps + 1) * fk.LINE, np.int64)
+        done = np.zeros(self.chunks, np.int64)
+        tcycles = np.zeros(4 * threads, np.int64)
+        t0 = time.perf_counter()
+        fk.decode_step(threads, self.descs, self.items, self.lay, self.lf, self.g, self.fpar, self._kv_table(cache.pool),
+                       cache.table_array(), pos, cs, self.rms_eps, np.ascontiguousarray(x0, np.float32).reshape(-1),
+                       self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done, tcycles)
+        wall = time.perf_counter() - t0
+        total = max(1, int(tcycles[:3].sum()))
+        seconds = {name: wall * int(tcycles[j]) / total for j, name in enumerate(("attention", "dense", "experts"))}
+        routing = [Routing(i, rids[i : i + 1, : self.lay[i, fk.L_K]], rw[i : i + 1, : self.lay[i, fk.L_K]])
+                   for i in self.moe_layers]
+        return logits, FusedStep(routing, seconds)
+
+
+class _NotFusable(Exception):
+    """A layer the fused kernel does not run (the reason, for debugging)."""
+
+
+def record(step: FusedStep, telemetry: Telemetry) -> None:
+    """Count a fused step's phase times and routes into the telemetry."""
+    for name, seconds in step.seconds.items():
+        telemetry.add_time(name, seconds)
+    for r in step.routing:
+        telemetry.route(r.layer, r.experts)

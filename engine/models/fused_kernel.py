@@ -1,0 +1,352 @@
+"""The fused decode step in numba: one token through every layer in one parallel region.
+
+Decoding one token through the blocks one call at a time costs a parallel region per product (about
+a hundred per token, each waking the other threads: tens of microseconds apiece) plus the Python
+between them. Here every thread runs the whole token (`_worker`). Each product is a step cut into
+chunks (a few dozen rows of one matrix, one attention head, one expert's rows) that the threads
+claim from a shared counter; a thread goes on once every chunk of the step is done. The small work
+between products (norms, residual adds, routing) each thread does for itself on its own copy of the
+hidden state: identical numbers, no waiting.
+
+Every step writes its own buffer of the layer (nothing is overwritten within a token), so a thread
+that falls behind still finds what it needs; and a chunk whose owner does not finish it within tens
+of microseconds (the system took that thread's core away) is computed again by the waiting thread:
+the same function on the same inputs, so the same bits, written over identical bits. No thread
+ever waits for another to be scheduled, which is what a busy machine costs a lockstep kernel.
+
+Every number is computed by the functions the batched blocks call (engine/quant/kernels.py for the
+products, engine/blocks/row_kernels.py and attention_kernel.py for the rest), so the logits are
+bitwise those of `Transformer.forward_batch` for the same token.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import llvmlite.ir as ir
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from engine.blocks.attention_kernel import attend_row
+from engine.blocks.row_kernels import norm_row, rope_row, route_row, silu_mul
+from engine.quant.kernels import TILE, otf_rows, planes, tile_rows
+from engine.quant.simd import U64, address_as_voidptr, fma32
+
+F32 = np.float32
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+STEAL = 2000     # pauses (10-20 ns each) a thread waits for another's chunk before computing it itself
+LINE = 16        # int64 slots between two claim counters (two cache lines)
+
+# -- synchronisation primitives -------------------------------------------------------------------
+
+
+def _int64_array(arr) -> bool:
+    return isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, val):
+    """arr[idx] += val atomically (int64 array, sequentially consistent); returns the value before."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        ptr = builder.gep(data, [args[1]])
+        return builder.atomic_rmw("add", ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
+    return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx] read with acquire ordering (int64 array): what was written before the matching store is visible."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        return builder.load_atomic(builder.gep(data, [args[1]]), "acquire", 8)
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    """arr[idx] = val with release ordering (int64 array): everything written before is visible with it."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        value = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(value, builder.gep(data, [args[1]]), "release", 8)
+        return context.get_dummy_value()
+    return types.none(arr, idx, val), codegen
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """The CPU's spin-wait hint (x86 `pause`); nothing elsewhere."""
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def cycles(typingctx):
+    """The CPU's cycle counter (for splitting a step's wall time into phases)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []), "llvm.readcyclecounter")
+        return builder.call(fn, [])
+    return types.int64(), codegen
+
+
+# -- layout of the plan (engine/models/fused.py builds it) -----------------------------------------
+# lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;
+# kvaddr [L, 6] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size and blocks.
+# shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, gate/up, SiLU products
+# and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
+# scratch [max(3D + Dv + positions, 2E + K)]. iscr [threads * 64] int64: per thread token rows, expert slot,
+# chosen experts. sync [(steps + 1) * LINE] int64: claim counters, then the token's end. done [chunks] int64.
+
+(L_IN_NORM, L_POST_NORM, L_QKV0, L_QKV1, L_O0, L_O1, L_H, L_HKV, L_D, L_DV, L_ROT, L_ROPE_D, L_INTERLEAVED,
+ L_WINDOW, L_MOE, L_E, L_K, L_I, L_ROUTER, L_SCORING, L_NORM_TOPK, L_BIAS, L_EXP0, L_GATE, L_DOWN,
+ L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, N_LAY) = range(30)
+(G_HIDDEN, G_LAYERS, G_NORM, G_HEAD0, G_HEAD1, G_QKV, G_ATT, G_O, G_RL, G_GU, G_HB, G_Y, G_PRIV, G_STEPS,
+ G_LAYER, N_G) = range(16)
+# kinds of step
+S_QKV, S_KV, S_HEADS, S_O, S_ROUTER, S_GATE_UP, S_DOWN, S_HEAD = range(8)
+
+
+@njit(boundscheck=False)
+def _item(descs, items, i, x, xrows, out):
+    """Item i of the table: rows r0 .. r1 - 1 of matrix `mat` times x -> out[base + r]."""
+    mat, r0, r1, base = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
+    bits, asym, group, _, cols, a, b, sc, mn = planes(descs[mat])
+    otf_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1 - r0, x, xrows[:1], xrows[1:], 0, 1, out, 0, base + r0)
+
+
+@njit(boundscheck=False)
+def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io,
+           logits):
+    """Chunk c of step `kind` of layer l (lb: the layer's shared buffers; h, scr, ids: the thread's own)."""
+    hidden = g[G_HIDDEN]
+    xrows = iscr[io:io + 2]
+    if kind == S_QKV:
+        _item(descs, items, lay[l, L_QKV0] + c, h, xrows, lb[g[G_QKV]:])
+    elif kind == S_O:
+        _item(descs, items, lay[l, L_O0] + c, lb[g[G_ATT]:], xrows, lb[g[G_O]:])
+    elif kind == S_HEAD:
+        _item(descs, items, g[G_HEAD0] + c, h, xrows, logits)
+    elif kind == S_KV or kind == S_HEADS:
+        n_heads, n_kv, d, dv = lay[l, L_H], lay[l, L_HKV], lay[l, L_D], lay[l, L_DV]
+        q_out = n_heads * d
+        rope_d, inter = lay[l, L_ROPE_D], lay[l, L_INTERLEAVED] != 0
+        cos, sin = cs[lay[l, L_ROT], 0], cs[lay[l, L_ROT], 1]
+        bsize, nb = kvaddr[l, 4], kvaddr[l, 5]
+        kb = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nb * n_kv * bsize * d,), np.float32)
+        ks = numba.carray(address_as_voidptr(kvaddr[l, 1]), (nb * n_kv * bsize,), np.float32)
+        vb = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nb * n_kv * bsize * dv,), np.float32)
+        vs = numba.carray(address_as_voidptr(kvaddr[l, 3]), (nb * n_kv * bsize,), np.float32)
+        qkv = lb[g[G_QKV]:]
+        bias = lay[l, L_QKV_BIAS]                      # fpar offset of the q, k, v biases laid end to end, or -1
+        qk_norm = lay[l, L_QK_NORM]                    # fpar offset of the per-head q then k norm weights, or -1
+        t1 = scr[d:2 * d]
+        t2 = scr[2 * d:3 * d]
+        o = q_out + c * d if kind == S_KV else c * d   # this head's q or k features
+        for j in range(d):
+            t1[j] = qkv[o + j] + fpar[bias + o + j] if bias >= 0 else qkv[o + j]
+        src = t1
+        if qk_norm >= 0:
+            norm_row(t1, U64(0), fpar[qk_norm + (d if kind == S_KV else 0):], eps, d, t2, U64(0))
+            src = t2
+        if kind == S_KV:
+            # kv head c: its key biased, normed and rotated into the cache row of this position, its value beside it
+            row = (U64(table[pos // bsize]) * U64(n_kv) + U64(c)) * U64(bsize) + U64(pos % bsize)
+            rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kb, row * U64(d))
+            ks[row] = F32(1.0)
+            vo = q_out + n_kv * d + c * dv
+            for j in range(dv):
+                vb[row * U64(dv) + U64(j)] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
+            vs[row] = F32(1.0)
+        else:
+            # query head c over the cache; into private scratch first (attend_row accumulates in place)
+            qr = scr[:d]
+            out = scr[3 * d:3 * d + dv]
+            rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, qr, U64(0))
+            window = lay[l, L_WINDOW]
+            lo = pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
+            attend_row(qr, U64(0), d, kb, ks, vb, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo, lf[l, 0],
+                       scr[3 * d + dv:], U64(0), False, pos + 1, out, U64(0))
+            att = lb[g[G_ATT]:]
+            for j in range(dv):
+                att[c * dv + j] = out[j]
+    elif kind == S_ROUTER:
+        n_exp = lay[l, L_E]
+        r = c * 16
+        while r < min(n_exp, c * 16 + 16):             # 16 router rows per chunk, 4 at a time
+            tile_rows(fpar[lay[l, L_ROUTER]:], U64(r) * U64(hidden), hidden, min(TILE, n_exp - r), h, xrows[:1],
+                      xrows[:1], 0, 1, lb[g[G_RL]:], 0, r)
+            r += TILE
+    elif kind == S_GATE_UP:
+        # rows r0 .. r1 of a gate and an up matrix (of slot k's expert, or the dense MLP), then their SiLU product
+        inter_ff, rows = lay[l, L_I], lay[l, L_ROWS_IN]
+        per = (inter_ff + rows - 1) // rows
+        k = c // per
+        r0 = (c % per) * rows
+        r1 = min(inter_ff, r0 + rows)
+        m0 = lay[l, L_EXP0] + 3 * ids[k] if lay[l, L_MOE] != 0 else lay[l, L_GATE]
+        gu = lb[g[G_GU]:]
+        for m in range(2):
+            bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m0 + m])
+            otf_rows(bits, asym, grp, a, b, scl, mn, cols, r0, r1 - r0, h, xrows[:1], xrows[1:], 0, 1, gu, 0,
+                     (2 * k + m) * inter_ff + r0)
+        hb = lb[g[G_HB]:]
+        for r in range(r0, r1):
+            hb[k * inter_ff + r] = silu_mul(gu[2 * k * inter_ff + r], gu[(2 * k + 1) * inter_ff + r])
+    else:  # S_DOWN: rows r0 .. r1 of slot k's down matrix times its SiLU product
+        inter_ff, rows = lay[l, L_I], lay[l, L_ROWS_DOWN]
+        per = (hidden + rows - 1) // rows
+        k = c // per
+        r0 = (c % per) * rows
+        r1 = min(hidden, r0 + rows)
+        m = lay[l, L_EXP0] + 3 * ids[k] + 2 if lay[l, L_MOE] != 0 else lay[l, L_DOWN]
+        bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m])
+        kr = iscr[io + 2:io + 3]                       # the SiLU product row this slot reads
+        kr[0] = k
+        otf_rows(bits, asym, grp, a, b, scl, mn, cols, r0, r1 - r0, lb[g[G_HB]:], kr, xrows[1:], 0, 1, lb[g[G_Y]:], 0,
+                 k * hidden + r0)
+
+
+@njit(boundscheck=False)
+def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr,
+          ids, iscr, io, logits):
+    """Run step `kind` of layer l (n chunks, flags done[first:first + n]) with the other threads; return when all
+    its chunks are done. Returns whether this thread claimed chunk 0."""
+    c = atomic_add(sync, U64(step * LINE), 1)
+    lead = c == 0
+    while c < n:
+        _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io, logits)
+        atomic_store(done, U64(first + c), 1)
+        c = atomic_add(sync, U64(step * LINE), 1)
+    for c in range(n):
+        spins = 0
+        while atomic_load(done, U64(first + c)) == 0:
+            if spins < STEAL:
+                spin_pause()
+                spins += 1
+            else:  # its owner is off the core: the same chunk again, the same bits
+                _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr,
+                       io, logits)
+                atomic_store(done, U64(first + c), 1)
+    return lead
+
+
+@njit(boundscheck=False)
+def _worker(tid, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
+            logits, sync, done, tcycles):
+    hidden = g[G_HIDDEN]
+    po = tid * g[G_PRIV]
+    x = priv[po:po + hidden]                            # this thread's copy of the hidden state
+    h = priv[po + hidden:po + 2 * hidden]               # its normed input of the next products
+    scr = priv[po + 2 * hidden:po + g[G_PRIV]]          # attention: q head, scratch, scores; routing: scores, weights
+    io = tid * 64
+    iscr[io] = 0                                        # [0, 0]: token 0 reads x row 0 and writes out row 0
+    iscr[io + 1] = 0
+    ids = iscr[io + 8:io + 64]                          # this token's experts (top_k <= 56)
+    end = g[G_STEPS] * LINE                             # set when the token is done: a thread behind stops
+    for i in range(hidden):
+        x[i] = x0[i]
+    step = 0
+    first = 0
+    mark = cycles()
+    for l in range(g[G_LAYERS]):
+        if atomic_load(sync, U64(end)) != 0:
+            return
+        lb = shared[l * g[G_LAYER]:(l + 1) * g[G_LAYER]]
+        n_heads, n_kv = lay[l, L_H], lay[l, L_HKV]
+        norm_row(x, U64(0), fpar[lay[l, L_IN_NORM]:], eps, hidden, h, U64(0))
+        n = lay[l, L_QKV1] - lay[l, L_QKV0]
+        _step(S_QKV, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h,
+              scr, ids, iscr, io, logits)
+        step, first = step + 1, first + n
+        _step(S_KV, n_kv, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h,
+              scr, ids, iscr, io, logits)
+        step, first = step + 1, first + n_kv
+        _step(S_HEADS, n_heads, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
+              lb, h, scr, ids, iscr, io, logits)
+        step, first = step + 1, first + n_heads
+        n = lay[l, L_O1] - lay[l, L_O0]
+        _step(S_O, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h,
+              scr, ids, iscr, io, logits)
+        step, first = step + 1, first + n
+        o = lb[g[G_O]:]
+        for i in range(hidden):
+            x[i] = x[i] + o[i]
+        now = cycles()
+        tcycles[0] += now - mark
+        mark = now
+        norm_row(x, U64(0), fpar[lay[l, L_POST_NORM]:], eps, hidden, h, U64(0))
+        top_k, inter_ff = lay[l, L_K], lay[l, L_I]
+        w = scr[:0]
+        if lay[l, L_MOE] != 0:
+            n_exp = lay[l, L_E]
+            n = (n_exp + 15) // 16
+            lead = _step(S_ROUTER, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+                         eps, lb, h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n
+            bias = fpar[lay[l, L_BIAS]:lay[l, L_BIAS] + n_exp] if lay[l, L_BIAS] >= 0 else fpar[:0]
+            w = scr[2 * n_exp:2 * n_exp + top_k]
+            route_row(lb[g[G_RL]:], U64(0), n_exp, top_k, lay[l, L_SCORING], bias, lay[l, L_NORM_TOPK] != 0, lf[l, 1],
+                      scr, ids, U64(0), w, U64(0))
+            if lead:                                    # one thread reports the routing
+                for k in range(top_k):
+                    rids[l, k] = ids[k]
+                    rw[l, k] = w[k]
+            now = cycles()
+            tcycles[1] += now - mark
+            mark = now
+        slots = top_k if lay[l, L_MOE] != 0 else 1
+        n = slots * ((inter_ff + lay[l, L_ROWS_IN] - 1) // lay[l, L_ROWS_IN])
+        _step(S_GATE_UP, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
+              h, scr, ids, iscr, io, logits)
+        step, first = step + 1, first + n
+        n = slots * ((hidden + lay[l, L_ROWS_DOWN] - 1) // lay[l, L_ROWS_DOWN])
+        _step(S_DOWN, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
+              h, scr, ids, iscr, io, logits)
+        step, first = step + 1, first + n
+        y = lb[g[G_Y]:]
+        if lay[l, L_MOE] != 0:
+            for i in range(hidden):                     # the slots' outputs weighted in order (quant.weighted_sum)
+                acc = F32(0.0)
+                for k in range(top_k):
+                    acc = fma32(w[k], y[k * hidden + i], acc)
+                x[i] = x[i] + acc
+            now = cycles()
+            tcycles[2] += now - mark
+        else:
+            for i in range(hidden):
+                x[i] = x[i] + y[i]
+            now = cycles()
+            tcycles[1] += now - mark
+        mark = now
+    norm_row(x, U64(0), fpar[g[G_NORM]:], eps, hidden, h, U64(0))
+    n = g[G_HEAD1] - g[G_HEAD0]
+    _step(S_HEAD, n, step, first, 0, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
+          shared[:0], h, scr, ids, iscr, io, logits)
+    atomic_store(sync, U64(end), 1)
+    tcycles[1] += cycles() - mark
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def decode_step(threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
+                logits, sync, done, tcycles):  # pragma: no cover - compiled
+    """One token through every layer (see the module docstring); logits [V] written, routing in rids/rw [L, K]."""
+    for tid in prange(threads):
+        _worker(tid, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
+                logits, sync, done, tcycles[4 * tid:4 * tid + 4])

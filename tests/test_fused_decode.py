@@ -1,0 +1,103 @@
+"""The fused decode step: the same bits as the blocks run one at a time, for every layer shape it accepts.
+
+A one-token step of one sequence runs as one parallel region (engine/models/fused.py); the blocks
+path is what batches, prompts and streamed models take. Greedy decoding with each must give the same
+logits and routing bit for bit, with one thread or two, through a KV cache of several blocks.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from reference import build_checkpoint
+
+from app.convert import ConvertSettings, convert
+from engine.kv import KVCache, KVPool
+from engine.loader import load_model
+
+PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9]
+STEPS = 12
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+FUSED = {
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "mixtral-window-mha": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=3, sliding_window=6,
+                                           num_key_value_heads=4)),
+    "llama-tied-mqa-llama3-rope": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1, rope_scaling=LLAMA3,
+                                                 rope_theta=500000.0)),
+    "qwen3-moe-head-norms-unnormed": ("qwen3_moe", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                                        head_dim=16, norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen2-qkv-bias-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+}
+BLOCKS_ONLY = {   # layers the fused kernel does not run: these decode through the blocks
+    "qwen2moe-shared-expert": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                                 num_experts=6, num_experts_per_tok=2)),
+    "olmoe-clip-full-norms": ("olmoe", dict(num_experts=8, num_experts_per_tok=3, clip_qkv=0.8)),
+}
+
+
+def _model(tmp_path_factory, case: dict, name: str):
+    model_type, overrides = case[name]
+    src = build_checkpoint(tmp_path_factory.mktemp(name), model_type, **overrides)
+    return load_model(convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None))
+
+
+def _greedy(model, fused: bool, pool: KVPool | None = None):
+    model.fused_decode = fused
+    cache = KVCache(model.spec, 64, pool=pool)
+    logits = model.forward(PROMPT, cache)[-1]
+    out, routes = [], []
+    for _ in range(STEPS):
+        token = int(logits.argmax())
+        routing = []
+        logits = model.forward([token], cache, routing=routing)[-1]
+        out.append(logits)
+        routes.append([(r.layer, r.experts.tolist(), r.weights.tobytes()) for r in routing])
+    cache.release()
+    return np.stack(out), routes
+
+
+@pytest.fixture
+def threads():
+    before = numba.get_num_threads()
+    yield numba.set_num_threads
+    numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_fused_steps_equal_the_blocks(tmp_path_factory, threads, name):
+    loaded = _model(tmp_path_factory, FUSED, name)
+    model = loaded.model
+    want_logits, want_routes = _greedy(model, fused=False)
+    assert model._fused is False                                  # never built: the blocks ran every step
+    for n in (1, 2):
+        threads(n)
+        pool = KVPool(model.spec, 32, block_size=4)               # the sequence spans several blocks
+        logits, routes = _greedy(model, fused=True, pool=pool)
+        assert model._fused is not None and model._fused is not False
+        assert np.array_equal(logits, want_logits), n
+        assert routes == want_routes, n
+
+
+@pytest.mark.parametrize("name", list(BLOCKS_ONLY))
+def test_other_layers_decode_through_the_blocks(tmp_path_factory, name):
+    model = _model(tmp_path_factory, BLOCKS_ONLY, name).model
+    want, _ = _greedy(model, fused=False)
+    got, _ = _greedy(model, fused=True)
+    assert model._fused is None                                   # looked at once, and declined
+    assert np.array_equal(got, want)
+
+
+def test_int8_kv_and_probes_take_the_blocks(tmp_path_factory):
+    model = _model(tmp_path_factory, FUSED, "mixtral").model
+    want, _ = _greedy(model, fused=False, pool=KVPool(model.spec, 32, bits=8))
+    got, _ = _greedy(model, fused=True, pool=KVPool(model.spec, 32, bits=8))
+    assert np.array_equal(got, want)
+    seen = []
+    cache = KVCache(model.spec, 64)
+    model.forward(PROMPT, cache)
+    model.forward([3], cache, probe=lambda name, x: seen.append(name))
+    assert seen                                                   # a probe sees every product: the blocks ran
