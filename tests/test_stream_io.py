@@ -274,3 +274,15 @@ def test_drop_file_cache_and_bandwidth(tmp_path, data_file):
     assert measure_read_bandwidth(data_file[0], nbytes=4 << 20) > 0  # file shorter than nbytes and than one block
     with pytest.raises(ValueError, match="nothing to measure"):
         measure_read_bandwidth(path, nbytes=0)
+
+
+def test_every_reader_thread_starts_with_the_pool():
+    import threading
+
+    before = {t for t in threading.enumerate()}
+    pool = IOPool(3)
+    try:
+        started = [t.name for t in threading.enumerate() if t not in before]
+        assert sorted(started) == ["colibri-io-0", "colibri-io-1", "colibri-io-2"]
+    finally:
+        pool.close()

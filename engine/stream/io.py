@@ -115,6 +115,12 @@ class IOPool:
             max_workers=threads,
             initializer=lambda: _reader_thread(f"colibri-io-{next(ids)}"),
         )
+        # start every reader now (the executor would spawn them on demand, mid-generation): each holds a
+        # barrier, so every submit finds no idle thread and starts one
+        started = threading.Barrier(threads + 1)
+        for _ in range(threads):
+            self._executor.submit(started.wait)
+        started.wait()
         self._files: dict[str, _OpenFile] = {}
         self._retired: list[int] = []  # O_DIRECT fds given up on; closed only at close() as a reader may hold one
         self._files_lock = threading.Lock()  # guards _files, _retired and _probe
