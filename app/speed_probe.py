@@ -1,23 +1,26 @@
-"""Measuring the constants of app.speed_model on this machine, in about one to two seconds; nothing cached.
+"""Measuring the constants of app.speed_model on this machine, in one to three seconds; nothing cached.
 
 - Fixed costs and attention: the engine's own forward pass (engine.models.transformer) on tiny
   models of the planned model's structure: its layer kinds, attention kind, head width, expert
   count, top_k and widths, with hidden width 64, feed-forward and experts 64 wide and random
-  weights. One-head models of 1 and 5 layers per kind, decoding a token and reading a prompt
-  chunk, give the per-token and per-layer costs (the tiny kernel calls' own time, measured as
-  below, taken out); a one-layer model with all heads at 8 and at 1024 keys gives the cost per key,
-  its keys and values read cold (in turn over caches larger together than the last-level cache,
-  as in a real decode step, where a layer's weights pass between two uses of its cache).
+  weights. One-head models of 1 and 5 layers per kind give the per-token and per-layer costs of a
+  decoded token (each tiny layer running amid one real layer's kernel calls, whose time alone is
+  then taken out, as are the tiny kernels') and of a prompt chunk. A one-layer model with every
+  head gives the cost per key of a decoded token (8 against 2048 keys, read cold: in turn over
+  caches larger together than the last-level cache, as in a real step, where the weights pass
+  between two uses of a layer's cache) and per query-key pair of a prompt (64 queries at 0 and at
+  half the context: the cost per pair grows with the keys a query sees).
 - Kernel calls: each distinct call of a decode step (app.speed_model.decode_calls) timed on random
   codes of its shapes and widths, in turn over copies filling a working set as large as one
-  token's weights (at most 64 MB), so the weights come from memory as the real ones do.
+  token's weights (at most 64 MB, in ordinary pages as mapped weights are), so the weights come
+  from memory as the real ones do.
 - Prompt rates: the quantized matmul on a prompt chunk at each width; routed experts through
   the fused expert call with the tokens one expert gets from a chunk.
 - RAM bandwidth (a parallel sum over 128 MB) and, only when experts stream, cold disk reads
   where the experts lie (the container's experts file, else a scratch file in its folder).
 
-Timings are means (not the best run): on a busy machine its delays are part of the speed. Runs
-that are compared take turns, so a passing load weighs on both alike.
+Timings are means or medians of means, never the best run: on a busy machine its delays are part
+of the speed. Runs that are compared take turns, so a passing load weighs on both alike.
 """
 
 from __future__ import annotations
@@ -336,8 +339,8 @@ def _with_real_calls(model, work: Work, call_s: dict[Call, float], set_bytes: in
     return statistics.fmean(alone)
 
 
-def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_wps: float, call_s: dict[Call, float],
-                  set_bytes: int, codes: CodePool) -> dict[str, float]:
+def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_ctx: int, prompt_wps: float,
+                  call_s: dict[Call, float], set_bytes: int, codes: CodePool) -> dict[str, float]:
     """token_s, layer_s, key_s, chunk_s, chunk_layer_s, pair_s from the engine's forward pass on tiny models.
 
     Decoding, the tiny layers run amid real layers' kernel calls (_WithRealCalls): measured alone on a tiny
@@ -353,7 +356,7 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_wps: float, call
     injected = _with_real_calls(one, work, call_s, set_bytes, codes)
     _with_real_calls(many, work, call_s, set_bytes, codes)
     ids = [int(i) for i in np.random.default_rng(6).integers(0, TINY_VOCAB, chunk)]
-    probe = min(16, chunk)                                        # queries of the prompt-attention probe
+    probe = min(64, chunk)                                        # queries of the prompt-attention probe
     batches, per_batch = 7, 4
     reps = batches * per_batch
     caches = {"d1": [_filled_cache(one, 8, reps + 2)], "dn": [_filled_cache(many, 8, reps + 2)],
@@ -373,9 +376,9 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_wps: float, call
     m = _interleaved({k: (lambda k=k: step(k)) for k in caches}, batches, per_batch)
     one, many = chunk_one, chunk_many                            # prompt chunks: kernels dominate, no injection
     chunks = {"p1": (one, _filled_cache(one, 0, chunk), 0, ids), "pn": (many, _filled_cache(many, 0, chunk), 0, ids),
-              "pl": (one, _filled_cache(one, long_ctx, chunk), long_ctx, ids),
+              "pl": (one, _filled_cache(one, prompt_ctx, chunk), prompt_ctx, ids),
               "q0": (heads, _filled_cache(heads, 0, probe), 0, ids[:probe]),
-              "ql": (heads, _filled_cache(heads, long_ctx, probe), long_ctx, ids[:probe])}
+              "ql": (heads, _filled_cache(heads, prompt_ctx, probe), prompt_ctx, ids[:probe])}
 
     def chunk_run(k: str) -> None:
         model, cache, base, tokens = chunks[k]
@@ -385,9 +388,9 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_wps: float, call
     chunk_run("p1")
     m |= _interleaved({k: (lambda k=k: chunk_run(k)) for k in chunks}, 5, 1)
     key_s = max(0.0, (m["al"] - m["a0"]) / (kinds * (long_ctx - 8)))
-    pair_s = max(0.0, (m["ql"] - m["q0"]) / (kinds * probe * long_ctx))
+    pair_s = max(0.0, (m["ql"] - m["q0"]) / (kinds * probe * prompt_ctx))
     # what the one-head models spend on their one head's attention and on their own tiny kernels
-    one_head_pair = max(0.0, (m["pl"] - m["p1"]) / (kinds * chunk * long_ctx))
+    one_head_pair = max(0.0, (m["pl"] - m["p1"]) / (kinds * chunk * prompt_ctx))
     layer_kernels, head_kernel = _tiny_kernels(one, work, mats, codes)
     tiny_weights = sum(s[0] * s[1] for n, (s, _) in mats.items() if n.startswith("model.layers.")) / one.spec.n_layers
     own_decode = (8 + reps / 2) * one_head_pair + layer_kernels
@@ -427,7 +430,9 @@ def measure_rates(work: Work, ctx: int, threads: int, disk_folder: Path | None) 
         decode = _decode_rates(work, set_bytes, codes)
         prompt, expert = _prompt_rates(work, chunk, codes)
         long_ctx = max(64, min(LONG_CONTEXT, work.spec.max_position - 64))
-        fixed = measure_fixed(work, chunk, long_ctx, max(prompt.values()), calls, set_bytes, codes)
+        # a prompt's queries see half the context on average: the cost per pair grows with the row's length
+        prompt_ctx = max(64, min(long_ctx, ctx // 2))
+        fixed = measure_fixed(work, chunk, long_ctx, prompt_ctx, max(prompt.values()), calls, set_bytes, codes)
         ram = measure_bandwidth(RAM_PROBE_BYTES, repeats=3)
     disk = measure_disk(disk_folder) if work.streams and disk_folder is not None else None
     return Rates(threads, chunk, call_s=calls, decode_wps=decode, prompt_wps=prompt, expert_wps=expert,
