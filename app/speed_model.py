@@ -2,10 +2,12 @@
 
 One decoded token at context position S costs
 
-    token_s + L x layer_s              fixed: interpreter, dispatch, norms, routing, bookkeeping
+    token_s + L x layer_s              fixed: interpreter, dispatch, barriers, norms, routing, bookkeeping
   + L x key_s x keys(S)                attention over the KV cache (keys(S) = S + 1, or the window)
-  + sum over kernel calls of call_s    the quantized matvec kernels: each call the engine makes (the
-                                       matrices sharing an input, e.g. q/k/v, a layer's top_k experts)
+  + the quantized matvec kernels       when the engine runs the token as one fused parallel step
+                                       (engine/models/fused.py), the weights it reads at the rate of one
+                                       large call; else each kernel call it makes (matrices sharing an
+                                       input, e.g. q/k/v, a layer's top_k experts) as measured alone
   + float32 bytes / RAM bandwidth      routers, norms, float32 matrices
 
 and a prompt chunk of T tokens after `start` tokens costs the same with chunk terms: chunk_s +
@@ -119,6 +121,7 @@ class Work:
     cold_usage: np.ndarray         # [n] share of tokens routed to each expert left on disk
     cold_bytes: np.ndarray         # [n] its bytes
     routing: str                   # "uniform" or "measured on calibration text"
+    quantized: bool = True         # every matrix a decode step multiplies is quantized (none kept float32)
 
     @property
     def calls(self) -> dict[Call, int]:
@@ -184,10 +187,12 @@ def plan_work(spec: ModelSpec, plan: Plan, experts: frozenset[str], cache_share:
     expert_shapes: Counter = Counter()
     float_bytes = plan.other_bytes
     groups: dict[str, list] = defaultdict(list)
+    quantized = True
     for name, t in plan.tensors.items():
         w = t.shape[0] * t.shape[1]
         if t.bits == FLOAT_BITS:
             float_bytes += 0 if name == EMBED and name != head_name else w * 4
+            quantized = quantized and name == EMBED and name != head_name
             continue
         formats[t.bits][(t.group, bool(t.asymmetric if t.asymmetric is not None else t.bits == 2))] += w
         if name in experts:
@@ -222,7 +227,7 @@ def plan_work(spec: ModelSpec, plan: Plan, experts: frozenset[str], cache_share:
     return Work(spec, tuple(layer_calls), head_call, dict(dense), dict(head), dict(expert_w), int(float_bytes), fmts,
                 dense_in.most_common(1)[0][0] if dense_in else spec.hidden_size,
                 expert_shapes.most_common(1)[0][0] if expert_shapes else None, token_bytes,
-                usage_a[cold], bytes_a[cold], "measured on calibration text" if measured_routing else "uniform")
+                usage_a[cold], bytes_a[cold], "measured on calibration text" if measured_routing else "uniform", quantized)
 
 
 # ---- this machine's constants (measured by app.speed_probe) -------------------------------------
@@ -240,7 +245,8 @@ class Rates:
     chunk_layer_s: float           # per layer per prompt chunk, besides attention and kernels
     key_s: float                   # per layer per key one decoded token attends to
     pair_s: float                  # per layer per (query, key) pair of a prompt chunk
-    call_s: dict[Call, float]      # per kernel call of a decode step, each call of the plan
+    fused: bool                    # the engine decodes this model in one fused step (no per-call cost)
+    call_s: dict[Call, float]      # per kernel call of a decode step not fused, each call of the plan
     decode_wps: dict[int, float]   # weights per second of one large matvec call, by width
     prompt_wps: dict[int, float]   # weights x tokens per second on a prompt chunk, by width
     expert_wps: dict[int, float]   # the same through the fused experts, on the tokens one expert gets
@@ -304,8 +310,13 @@ def decode_step(work: Work, rates: Rates, position: int) -> StepTime:
     """One token decoded after `position` tokens of context."""
     n = work.spec.n_layers
     attention = rates.key_s * _window_keys(work.spec, position, 1)
-    inner = sum(k * call_seconds(c, rates) for c, k in work.calls.items()) + work.float_bytes / (rates.ram_gbs * 1e9)
-    head = call_seconds(work.head_call, rates) if work.head_call is not None else 0.0
+    if rates.fused:                                   # one parallel region: the weights at the large-call rate
+        inner = sum(w / _rate(rates.decode_wps, b) for b, w in (Counter(work.dense) + Counter(work.experts)).items())
+        head = sum(w / _rate(rates.decode_wps, b) for b, w in work.head.items())
+    else:
+        inner = sum(k * call_seconds(c, rates) for c, k in work.calls.items())
+        head = call_seconds(work.head_call, rates) if work.head_call is not None else 0.0
+    inner += work.float_bytes / (rates.ram_gbs * 1e9)
     layers = n * rates.layer_s + attention + inner
     return StepTime(rates.token_s + n * rates.layer_s, attention, head + inner,
                     _disk_seconds(work.miss_bytes(1), rates), layers, 1)
@@ -362,8 +373,8 @@ def describe_speeds(s: Speeds) -> list[str]:
     lines = [f"predicted prompt {s.prompt_tok_s:.1f} tok/s for a {s.prompt_tokens}-token prompt"
              + (f", {s.full_prompt_tok_s:.1f} tok/s for one of {s.ctx} tokens" if full else "")]
     n_calls = sum(w.calls.values()) + (w.head_call is not None)
-    terms = [f"{st.kernels * 1e3:.1f} ms in {n_calls:.0f} calls of the {widths}-bit kernels "
-             f"({format_size(w.token_bytes)} of weights)",
+    how = "one fused step" if r.fused else f"{n_calls:.0f} calls"
+    terms = [f"{st.kernels * 1e3:.1f} ms in {how} of the {widths}-bit kernels ({format_size(w.token_bytes)} of weights)",
              f"{st.fixed * 1e3:.1f} ms fixed ({w.spec.n_layers} layers x {r.layer_s * 1e3:.2f} ms + "
              f"{r.token_s * 1e3:.2f} ms)",
              f"{st.attention * 1e3:.1f} ms attention"]

@@ -339,13 +339,22 @@ def _with_real_calls(model, work: Work, call_s: dict[Call, float], set_bytes: in
     return statistics.fmean(alone)
 
 
-def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_ctx: int, prompt_wps: float,
-                  call_s: dict[Call, float], set_bytes: int, codes: CodePool) -> dict[str, float]:
+def fuses(work: Work, tiny) -> bool:
+    """Whether the engine decodes the planned model in one fused step: the engine accepts its structure (asked on
+    a tiny model of it), every matrix is quantized and every expert resident."""
+    from engine.models.fused import FusedDecode
+
+    return work.quantized and not work.streams and FusedDecode.for_model(tiny) is not None
+
+
+def measure_fixed(work: Work, fused: bool, chunk: int, long_ctx: int, prompt_ctx: int, decode_wps: float,
+                  prompt_wps: float, call_s: dict[Call, float], set_bytes: int, codes: CodePool) -> dict[str, float]:
     """token_s, layer_s, key_s, chunk_s, chunk_layer_s, pair_s from the engine's forward pass on tiny models.
 
-    Decoding, the tiny layers run amid real layers' kernel calls (_WithRealCalls): measured alone on a tiny
-    model whose data stays in the cache, the interpreter's work per layer came out about half what it is in a
-    real model, whose weights pass through the caches between any two of its steps.
+    Decoded one block at a time (not `fused`), the tiny layers run amid real layers' kernel calls
+    (_WithRealCalls): alone, on a tiny model whose data stays in the cache, the interpreter's work between
+    the calls came out about half what it is in a real model, whose weights pass through the caches between
+    any two of its steps.
     """
     spec = work.spec
     one, kinds, mats = tiny_model(spec, 1, work, codes)
@@ -353,8 +362,12 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_ctx: int, prompt
     heads, _, _ = tiny_model(spec, 1, work, codes, heads=True)
     chunk_one, _, _ = tiny_model(spec, 1, work, codes)
     chunk_many, _, _ = tiny_model(spec, MANY, work, codes)
-    injected = _with_real_calls(one, work, call_s, set_bytes, codes)
-    _with_real_calls(many, work, call_s, set_bytes, codes)
+    for model in (one, many, heads):
+        model.fused_decode = fused                               # decode as the real model will
+    injected = 0.0
+    if not fused:
+        injected = _with_real_calls(one, work, call_s, set_bytes, codes)
+        _with_real_calls(many, work, call_s, set_bytes, codes)
     ids = [int(i) for i in np.random.default_rng(6).integers(0, TINY_VOCAB, chunk)]
     probe = min(64, chunk)                                        # queries of the prompt-attention probe
     batches, per_batch = 7, 4
@@ -391,8 +404,12 @@ def measure_fixed(work: Work, chunk: int, long_ctx: int, prompt_ctx: int, prompt
     pair_s = max(0.0, (m["ql"] - m["q0"]) / (kinds * probe * prompt_ctx))
     # what the one-head models spend on their one head's attention and on their own tiny kernels
     one_head_pair = max(0.0, (m["pl"] - m["p1"]) / (kinds * chunk * prompt_ctx))
-    layer_kernels, head_kernel = _tiny_kernels(one, work, mats, codes)
     tiny_weights = sum(s[0] * s[1] for n, (s, _) in mats.items() if n.startswith("model.layers.")) / one.spec.n_layers
+    if fused:
+        head_weights = sum(s[0] * s[1] for n, (s, _) in mats.items() if not n.startswith("model.layers."))
+        layer_kernels, head_kernel = tiny_weights / decode_wps, head_weights / decode_wps
+    else:
+        layer_kernels, head_kernel = _tiny_kernels(one, work, mats, codes)
     own_decode = (8 + reps / 2) * one_head_pair + layer_kernels
     own_chunk = _pairs(0, chunk) * one_head_pair + chunk * tiny_weights / prompt_wps
     layer_s = max(0.0, (m["dn"] - m["d1"]) / ((MANY - 1) * kinds) - own_decode - injected)
@@ -426,14 +443,17 @@ def measure_rates(work: Work, ctx: int, threads: int, disk_folder: Path | None) 
     set_bytes = int(min(SET_MAX, max(SET_MIN, work.token_bytes)))
     codes = CodePool(set_bytes, np.random.default_rng(0))
     with thread_limits(threads):
-        calls = measure_calls(work, list(work.calls) + ([work.head_call] if work.head_call else []), set_bytes, codes)
+        fused = fuses(work, tiny_model(work.spec, 1, work, codes)[0])
+        calls = {} if fused else measure_calls(work, list(work.calls) + ([work.head_call] if work.head_call else []),
+                                               set_bytes, codes)
         decode = _decode_rates(work, set_bytes, codes)
         prompt, expert = _prompt_rates(work, chunk, codes)
         long_ctx = max(64, min(LONG_CONTEXT, work.spec.max_position - 64))
         # a prompt's queries see half the context on average: the cost per pair grows with the row's length
         prompt_ctx = max(64, min(long_ctx, ctx // 2))
-        fixed = measure_fixed(work, chunk, long_ctx, prompt_ctx, max(prompt.values()), calls, set_bytes, codes)
+        fixed = measure_fixed(work, fused, chunk, long_ctx, prompt_ctx, max(decode.values()), max(prompt.values()),
+                              calls, set_bytes, codes)
         ram = measure_bandwidth(RAM_PROBE_BYTES, repeats=3)
     disk = measure_disk(disk_folder) if work.streams and disk_folder is not None else None
-    return Rates(threads, chunk, call_s=calls, decode_wps=decode, prompt_wps=prompt, expert_wps=expert,
+    return Rates(threads, chunk, fused=fused, call_s=calls, decode_wps=decode, prompt_wps=prompt, expert_wps=expert,
                  ram_gbs=ram, disk_gbs=disk, seconds=time.perf_counter() - t0, **fixed)

@@ -21,7 +21,7 @@ BASELINE = 100 * 10**6
 # Fixed constants instead of measuring (app.speed_probe, tested in test_speed_model.py): no call measured,
 # so every kernel call costs its weights at decode_wps.
 RATES = Rates(threads=2, chunk=256, token_s=1e-4, layer_s=2e-4, chunk_s=1e-3, chunk_layer_s=1e-3, key_s=1e-7,
-              pair_s=1e-7, call_s={}, decode_wps={4: 10e9}, prompt_wps={4: 40e9}, expert_wps={4: 20e9}, ram_gbs=20.0,
+              pair_s=1e-7, fused=False, call_s={}, decode_wps={4: 10e9}, prompt_wps={4: 40e9}, expert_wps={4: 20e9}, ram_gbs=20.0,
               disk_gbs=1.0, seconds=0.0)
 # A Mixtral-shaped config (hub layout, transformers 5 RoPE keys): experts are 90% of its weights.
 MIXTRAL = {

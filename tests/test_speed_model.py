@@ -16,7 +16,7 @@ from app.speed_model import Rates
 
 BASELINE = 100 * 10**6
 RATES = Rates(threads=2, chunk=256, token_s=1e-4, layer_s=2e-4, chunk_s=1e-3, chunk_layer_s=1e-3, key_s=1e-7,
-              pair_s=1e-7, call_s={}, decode_wps={4: 10e9}, prompt_wps={4: 40e9}, expert_wps={4: 20e9}, ram_gbs=20.0,
+              pair_s=1e-7, fused=False, call_s={}, decode_wps={4: 10e9}, prompt_wps={4: 40e9}, expert_wps={4: 20e9}, ram_gbs=20.0,
               disk_gbs=1.0, seconds=0.0)
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
@@ -146,11 +146,36 @@ def test_tiny_models_keep_the_structure(tmp_path: Path) -> None:
     assert np.isfinite(logits).all()
 
 
-def test_measured_constants_are_positive_and_cover_every_call(tmp_path: Path) -> None:
-    work = _work(tmp_path, MIXTRAL)
+def test_the_engine_decides_which_models_decode_in_one_fused_step(tmp_path: Path) -> None:
+    codes = speed_probe.CodePool(1 << 20, np.random.default_rng(0))
+    resident = _work(tmp_path, MIXTRAL)
+    assert resident.quantized and speed_probe.fuses(resident, speed_probe.tiny_model(resident.spec, 1, resident, codes)[0])
+    streamed = _work(tmp_path, MIXTRAL, 0.5)                         # the fused step needs every expert in memory
+    assert not speed_probe.fuses(streamed, speed_probe.tiny_model(streamed.spec, 1, streamed, codes)[0])
+    olmoe = dict(MIXTRAL, architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=8,
+                 clip_qkv=8.0)                                       # q/k/v clipping: one block at a time
+    work = _work(tmp_path, olmoe, name="olmoe")
+    assert not speed_probe.fuses(work, speed_probe.tiny_model(work.spec, 1, work, codes)[0])
+
+
+def test_fused_and_per_call_decode_both_count_the_weights(tmp_path: Path) -> None:
+    work = _work(tmp_path, LLAMA)
+    per_call, fused = sm.decode_step(work, RATES, 100), sm.decode_step(work, dataclasses.replace(RATES, fused=True), 100)
+    assert per_call.kernels == pytest.approx(fused.kernels)          # no call measured: both at the large-call rate
+    measured = dataclasses.replace(RATES, call_s={c: 1e-3 for c in work.calls} | {work.head_call: 1e-3})
+    assert sm.decode_step(work, measured, 100).kernels == pytest.approx(
+        1e-3 * (sum(work.calls.values()) + 1) + work.float_bytes / 20e9)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])                       # decoded in one fused step, and block by block
+def test_measured_constants_are_positive_and_cover_every_call(tmp_path: Path, share: float) -> None:
+    work = _work(tmp_path, MIXTRAL, share)
     rates = speed_probe.measure_rates(work, 256, 1, None)
-    assert rates.chunk == 256 and rates.threads == 1 and rates.disk_gbs is None    # nothing streams: no disk read
-    assert set(rates.call_s) == set(work.calls) | {work.head_call}
+    assert rates.chunk == 256 and rates.threads == 1 and rates.disk_gbs is None    # no folder given: no disk read
+    assert rates.fused == (share == 1.0)
+    assert rates.fused == speed_probe.fuses(work, speed_probe.tiny_model(
+        work.spec, 1, work, speed_probe.CodePool(1 << 20, np.random.default_rng(0)))[0])
+    assert set(rates.call_s) == (set() if rates.fused else set(work.calls) | {work.head_call})
     assert all(v > 0 and math.isfinite(v) for v in rates.call_s.values())
     for rate in (rates.decode_wps, rates.prompt_wps, rates.expert_wps):
         assert rate.keys() == {4} and rate[4] > 0
