@@ -46,7 +46,7 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
 
     kb, vb are the cache's flat [NB, Hkv, B, D] key and value arrays (float32 or int8), ks, vs the flat
     [NB, Hkv, B] row scales; scores[so:so+width] is scratch, left holding the normalised weights
-    (zeros outside lo .. p) when `keep`. Every sum runs in a fixed order (no fastmath): the same bits
+    (zeros outside lo .. p when `keep`). Every sum runs in a fixed order (no fastmath): the same bits
     in any batch and in the fused decode step.
     """
     best = -np.inf
@@ -62,22 +62,43 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
         scores[so + U64(s)] = e
         total += e
     inv = np.float32(1.0) / total
-    for j in range(dv):
-        out[oo + U64(j)] = np.float32(0.0)
-    d16 = dv // 16
     for s in range(lo, p + 1):
-        row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
-        w = scores[so + U64(s)] * inv
-        if keep:
-            scores[so + U64(s)] = w
-        w = w * vs[row]
-        ww = vsplat(w)
-        vo = row * U64(dv)
-        for j in range(d16):
-            o = oo + U64(16 * j)
-            vstore(out, o, vfma(ww, vloadf(vb, vo + U64(16 * j)), vload(out, o)))
-        for j in range(d16 * 16, dv):
-            out[oo + U64(j)] = fma32(w, np.float32(vb[vo + U64(j)]), out[oo + U64(j)])
+        scores[so + U64(s)] = scores[so + U64(s)] * inv                 # the normalised weights
+    # out = sum over s in order of (weight * row scale) * v[s]: one fma per lane and position, the output held
+    # in registers 64 features at a time (each feature's sequence of operations is the same either way)
+    d16 = dv // 16
+    j = 0
+    while j + 4 <= d16:
+        a0 = vzero()
+        a1 = vzero()
+        a2 = vzero()
+        a3 = vzero()
+        for s in range(lo, p + 1):
+            row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
+            ww = vsplat(scores[so + U64(s)] * vs[row])
+            vo = row * U64(dv) + U64(16 * j)
+            a0 = vfma(ww, vloadf(vb, vo), a0)
+            a1 = vfma(ww, vloadf(vb, vo + U64(16)), a1)
+            a2 = vfma(ww, vloadf(vb, vo + U64(32)), a2)
+            a3 = vfma(ww, vloadf(vb, vo + U64(48)), a3)
+        vstore(out, oo + U64(16 * j), a0)
+        vstore(out, oo + U64(16 * j + 16), a1)
+        vstore(out, oo + U64(16 * j + 32), a2)
+        vstore(out, oo + U64(16 * j + 48), a3)
+        j += 4
+    while j < d16:
+        a0 = vzero()
+        for s in range(lo, p + 1):
+            row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
+            a0 = vfma(vsplat(scores[so + U64(s)] * vs[row]), vloadf(vb, row * U64(dv) + U64(16 * j)), a0)
+        vstore(out, oo + U64(16 * j), a0)
+        j += 1
+    for jj in range(d16 * 16, dv):
+        acc = np.float32(0.0)
+        for s in range(lo, p + 1):
+            row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
+            acc = fma32(scores[so + U64(s)] * vs[row], np.float32(vb[row * U64(dv) + U64(jj)]), acc)
+        out[oo + U64(jj)] = acc
     if keep:
         for s in range(0, lo):
             scores[so + U64(s)] = np.float32(0.0)

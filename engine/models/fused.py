@@ -31,10 +31,16 @@ ALIGN = 16          # float32 offsets of the shared buffers, multiples of this (
 
 @dataclass(frozen=True)
 class FusedStep:
-    """What one fused step returns besides its logits: the routing and the phase split of its wall time."""
+    """What one fused step returns besides its logits: its routing and the phase split of its wall time."""
 
-    routing: list[Routing]
+    ids: np.ndarray               # [L, K] experts chosen per layer (rows of MoE layers)
+    weights: np.ndarray           # [L, K] their weights
+    moe: tuple[tuple[int, int], ...]   # (layer, top_k) of each MoE layer
     seconds: dict[str, float]     # attention, dense, experts
+
+    def routing(self) -> list[Routing]:
+        """Each MoE layer's routing, as the blocks report it."""
+        return [Routing(i, self.ids[i : i + 1, :k], self.weights[i : i + 1, :k]) for i, k in self.moe]
 
 
 def chunk_rows(cols: int) -> int:
@@ -61,10 +67,11 @@ class FusedDecode:
         lf = np.zeros((spec.n_layers, 2), np.float32)
         sizes = {"qkv": 0, "att": 0, "rl": 0, "gu": 0, "hb": 0, "y": self.hidden, "scr": 0}
         self.top_k = 0
-        self.moe_layers: list[int] = []
+        self._moe: list[tuple[int, int]] = []
         for i, layer in enumerate(model.layers):
             self._attention(i, layer, lay, lf, sizes)
             self._ffn(i, layer.ffn, model.experts, lay, lf, sizes)
+        self.moe = tuple(self._moe)
         self.head0 = len(self._items)
         self._rows(self._matrix(model.lm_head), 0)
         g = np.zeros(fk.N_G, np.int64)
@@ -185,7 +192,7 @@ class FusedDecode:
         lay[i, fk.L_BIAS] = self._param(ffn.correction_bias) if ffn.correction_bias is not None else -1
         lf[i, 1] = np.float32(m.routed_scaling_factor)
         self.top_k = max(self.top_k, m.top_k)
-        self.moe_layers.append(i)
+        self._moe.append((i, m.top_k))
         sizes["rl"] = max(sizes["rl"], m.n_experts)
         sizes["gu"] = max(sizes["gu"], 2 * m.top_k * m.expert_ffn)
         sizes["hb"] = max(sizes["hb"], m.top_k * m.expert_ffn)
@@ -246,9 +253,7 @@ class FusedDecode:
         wall = time.perf_counter() - t0
         total = max(1, int(tcycles[:3].sum()))
         seconds = {name: wall * int(tcycles[j]) / total for j, name in enumerate(("attention", "dense", "experts"))}
-        routing = [Routing(i, rids[i : i + 1, : self.lay[i, fk.L_K]], rw[i : i + 1, : self.lay[i, fk.L_K]])
-                   for i in self.moe_layers]
-        return logits, FusedStep(routing, seconds)
+        return logits, FusedStep(rids, rw, self.moe, seconds)
 
 
 class _NotFusable(Exception):
@@ -257,7 +262,9 @@ class _NotFusable(Exception):
 
 def record(step: FusedStep, telemetry: Telemetry) -> None:
     """Count a fused step's phase times and routes into the telemetry."""
+    if not telemetry.enabled:
+        return
     for name, seconds in step.seconds.items():
         telemetry.add_time(name, seconds)
-    for r in step.routing:
+    for r in step.routing():
         telemetry.route(r.layer, r.experts)

@@ -111,7 +111,7 @@ def cycles(typingctx):
 # kvaddr [L, 6] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size and blocks.
 # shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, gate/up, SiLU products
 # and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
-# scratch [max(3D + Dv + positions, 2E + K)]. iscr [threads * 64] int64: per thread token rows, expert slot,
+# scratch [max(3D + positions, 2E + K)]. iscr [threads * 64] int64: per thread token rows, expert slot,
 # chosen experts. sync [(steps + 1) * LINE] int64: claim counters, then the token's end. done [chunks] int64.
 
 (L_IN_NORM, L_POST_NORM, L_QKV0, L_QKV1, L_O0, L_O1, L_H, L_HKV, L_D, L_DV, L_ROT, L_ROPE_D, L_INTERLEAVED,
@@ -175,17 +175,13 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
                 vb[row * U64(dv) + U64(j)] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
             vs[row] = F32(1.0)
         else:
-            # query head c over the cache; into private scratch first (attend_row accumulates in place)
+            # query head c over the cache (attend_row only stores its results: a chunk computed twice is harmless)
             qr = scr[:d]
-            out = scr[3 * d:3 * d + dv]
             rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, qr, U64(0))
             window = lay[l, L_WINDOW]
             lo = pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
             attend_row(qr, U64(0), d, kb, ks, vb, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo, lf[l, 0],
-                       scr[3 * d + dv:], U64(0), False, pos + 1, out, U64(0))
-            att = lb[g[G_ATT]:]
-            for j in range(dv):
-                att[c * dv + j] = out[j]
+                       scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
     elif kind == S_ROUTER:
         n_exp = lay[l, L_E]
         r = c * 16

@@ -86,7 +86,7 @@ def embed_rows(embed, ids: np.ndarray) -> np.ndarray:
     """The embedding rows of `ids` as float32 [T, hidden], from a float or a quantized table."""
     if isinstance(embed, np.ndarray):
         return np.array(embed[ids], dtype=np.float32)
-    return np.concatenate([embed.dequantize_rows(int(i), int(i) + 1) for i in ids])
+    return embed.rows(ids)
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ class Transformer:
             caches[0].commit(1)
             record(step, tel)
             if routing is not None:
-                routing.extend(step.routing)
+                routing.extend(step.routing())
             tel.end_token(1, prefill=False)
             return [logits]
         for j in range(min(ahead, len(self.layers))):

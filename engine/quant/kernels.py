@@ -414,6 +414,14 @@ def planes(desc):
     return desc[0], desc[1] != 0, desc[2], desc[3], desc[4], a, b, sc, mn
 
 
+@njit(cache=True, boundscheck=False)
+def gather_rows(desc, ids, dst):
+    """Rows ids [T] of the matrix a descriptor describes (QuantizedTensor.descriptor) -> dst flat [T, in], float32."""
+    bits, asym, group, _, cols, a, b, sc, mn = planes(desc)
+    for i in range(ids.shape[0]):
+        dequant_rows(bits, asym, group, a, b, sc, mn, cols, ids[i], 1, dst[i * cols:])
+
+
 # -- work items: the one parallel kernel every quantized product runs in ----------------------
 # An item is (matrix, r0, r1, i0, i1, base, ldo): rows r0 .. r1 - 1 of matrix `table[matrix]` times
 # tokens i0 .. i1 - 1 (token i reads x row xrows[i]) into out[base + orows[i] * ldo + row]; the

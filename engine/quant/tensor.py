@@ -119,6 +119,16 @@ class QuantizedTensor:
             kernels.run_items(self._table, items, pieces, x.reshape(-1), tokens, tokens, out.reshape(-1))
         return out
 
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ids [T] of the weights [T, in] float32, dequantized by the kernels (the values `dequantize` gives)."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"row ids must lie in 0 .. {self.shape[0] - 1}")
+        out = np.empty((ids.size, self.shape[1]), np.float32)
+        if ids.size:
+            kernels.gather_rows(self._table[0], ids, out.reshape(-1))
+        return out
+
     def dequantize(self) -> np.ndarray:
         """The weights [out, in] float32 in plain numpy (the reference the kernels must match)."""
         return self.dequantize_rows(0, self.shape[0])
