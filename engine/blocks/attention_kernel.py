@@ -23,7 +23,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from engine.quant.simd import U64, fma32, vfma, vload, vloadf, vsplat, vstore, vsum, vzero
+from engine.quant.simd import U64, fma32, vexp, vfma, vload, vload_part, vloadf, vsplat, vstore, vstore_part, vsum, vzero
 
 
 @njit(boundscheck=False)
@@ -49,18 +49,22 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
     (zeros outside lo .. p when `keep`). Every sum runs in a fixed order (no fastmath): the same bits
     in any batch and in the fused decode step.
     """
-    best = -np.inf
+    best = np.float32(-np.inf)
     for s in range(lo, p + 1):
         row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
         sc = _kdot(q, qo, kb, row * U64(d), d) * ks[row] * scale
         scores[so + U64(s)] = sc
         if sc > best:
             best = sc
+    shift = vsplat(-best)
+    one = vsplat(np.float32(1.0))
+    for s in range(lo, p + 1, 16):                                   # e**(score - best), 16 lanes at a time
+        m = min(16, p + 1 - s)
+        o = so + U64(s)
+        vstore_part(scores, o, vexp(vfma(vload_part(scores, o, m), one, shift)), m)
     total = np.float32(0.0)
     for s in range(lo, p + 1):
-        e = np.float32(math.exp(scores[so + U64(s)] - best))
-        scores[so + U64(s)] = e
-        total += e
+        total += scores[so + U64(s)]
     inv = np.float32(1.0) / total
     for s in range(lo, p + 1):
         scores[so + U64(s)] = scores[so + U64(s)] * inv                 # the normalised weights

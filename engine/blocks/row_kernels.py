@@ -1,5 +1,7 @@
 """Per-row numba kernels of the small steps between the matrix products: RMSNorm, RoPE, routing, SiLU.
 
+(The SiLU product itself, `silu_rows`, lives with the fused experts in engine/quant/experts.py.)
+
 Each step is one compiled function of one row, called by the batched blocks (a loop over rows)
 and by the fused decode step (engine/models/decode_step.py) alike. None uses fastmath and the only
 reduction (the norm's sum of squares) runs in the kernels' fixed 16-lane order, so a row's bits
@@ -14,6 +16,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from engine.quant.experts import silu_rows
 from engine.quant.simd import U64, fma32, vfma, vload, vsum, vzero
 
 F32 = np.float32
@@ -182,20 +185,13 @@ def route_rows(logits: np.ndarray, top_k: int, scoring: int, bias: np.ndarray | 
 
 # -- SiLU-gated product ---------------------------------------------------------------------------
 
-@njit
-def silu_mul(g, u):
-    """silu(g) * u for float32 scalars: (g / (1 + exp(-g))) * u."""
-    return (g / (F32(1.0) + np.exp(-g))) * u
-
-
 @njit(cache=True, boundscheck=False)
 def _silu_rows(g, u, out):
-    for i in range(g.shape[0]):
-        out[i] = silu_mul(g[i], u[i])
+    silu_rows(g, U64(0), u, U64(0), out, U64(0), g.shape[0])
 
 
 def silu_product(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """silu(g) * u elementwise for float32 arrays of one shape -> a new array."""
+    """silu(g) * u elementwise for float32 arrays of one shape -> a new array (quant.experts.silu_rows)."""
     g = np.ascontiguousarray(g, np.float32)
     out = np.empty_like(g)
     _silu_rows(g.reshape(-1), np.ascontiguousarray(u, np.float32).reshape(-1), out.reshape(-1))

@@ -31,7 +31,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from engine.blocks.attention_kernel import attend_row
-from engine.blocks.row_kernels import norm_row, rope_row, route_row, silu_mul
+from engine.blocks.row_kernels import norm_row, rope_row, route_row
+from engine.quant.experts import silu_rows
 from engine.quant.kernels import TILE, otf_rows, planes, tile_rows
 from engine.quant.simd import U64, address_as_voidptr, fma32
 
@@ -202,9 +203,8 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
             bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m0 + m])
             otf_rows(bits, asym, grp, a, b, scl, mn, cols, r0, r1 - r0, h, xrows[:1], xrows[1:], 0, 1, gu, 0,
                      (2 * k + m) * inter_ff + r0)
-        hb = lb[g[G_HB]:]
-        for r in range(r0, r1):
-            hb[k * inter_ff + r] = silu_mul(gu[2 * k * inter_ff + r], gu[(2 * k + 1) * inter_ff + r])
+        silu_rows(gu, U64(2 * k * inter_ff + r0), gu, U64((2 * k + 1) * inter_ff + r0), lb[g[G_HB]:],
+                  U64(k * inter_ff + r0), r1 - r0)
     else:  # S_DOWN: rows r0 .. r1 of slot k's down matrix times its SiLU product
         inter_ff, rows = lay[l, L_I], lay[l, L_ROWS_DOWN]
         per = (hidden + rows - 1) // rows

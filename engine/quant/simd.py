@@ -381,6 +381,82 @@ def vloadf(typingctx, arr, off):
     return f32x16(arr, off), codegen
 
 
+def _vconst(value: float) -> ir.Constant:
+    return ir.Constant(_VF, [ir.Constant(_F32, value)] * LANES)
+
+
+def _vcall(builder, name: str, args, ret=_VF):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _vexp(builder, x):
+    """e**x per lane in float32 (Cephes' expf: 2**n times a degree-7 polynomial on [-ln2/2, ln2/2], within
+    2 ulp), x clamped to [-87, 88] so that no lane overflows or goes subnormal."""
+    fma = "llvm.fma.v16f32"
+    x = _vcall(builder, "llvm.minnum.v16f32", [_vcall(builder, "llvm.maxnum.v16f32", [x, _vconst(-87.0)]), _vconst(88.0)])
+    n = _vcall(builder, "llvm.rint.v16f32", [builder.fmul(x, _vconst(1.44269504088896341))])
+    r = _vcall(builder, fma, [n, _vconst(-0.693359375), x])
+    r = _vcall(builder, fma, [n, _vconst(2.12194440e-4), r])
+    y = _vconst(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = _vcall(builder, fma, [y, r, _vconst(c)])
+    y = _vcall(builder, fma, [y, builder.fmul(r, r), r])
+    y = builder.fadd(y, _vconst(1.0))
+    bits = builder.shl(builder.add(builder.fptosi(n, _VI), _splat_i32(builder, ir.Constant(_I32, 127))),
+                       _splat_i32(builder, ir.Constant(_I32, 23)))
+    return builder.fmul(y, builder.bitcast(bits, _VF))
+
+
+@intrinsic
+def vexp(typingctx, v):
+    """e**v per lane (see _vexp): the exponential of softmaxes and SiLU, the same bits wherever it runs."""
+    def codegen(context, builder, sig, args):
+        return _vexp(builder, args[0])
+    return f32x16(f32x16), codegen
+
+
+@intrinsic
+def vsilu(typingctx, g, u):
+    """silu(g) * u per lane: (g / (1 + e**-g)) * u."""
+    def codegen(context, builder, sig, args):
+        g_, u_ = args
+        e = _vexp(builder, builder.fneg(g_))
+        return builder.fmul(builder.fdiv(g_, builder.fadd(_vconst(1.0), e)), u_)
+    return f32x16(f32x16, f32x16), codegen
+
+
+def _lane_mask(builder, n):
+    return builder.icmp_signed("<", _ivec(list(range(LANES))), _splat_i32(builder, _as_i32(builder, n)))
+
+
+@intrinsic
+def vload_part(typingctx, arr, off, n):
+    """Lanes arr[off : off + n] of a 1-D float32 array, n <= 16, zeros beyond; reads only n values."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[0], args[0], args[1]), _VF.as_pointer())
+        mask = _lane_mask(builder, args[2])
+        return _vcall(builder, "llvm.masked.load.v16f32.p0", [ptr, ir.Constant(_I32, 4), mask, _vconst(0.0)])
+    return f32x16(arr, off, n), codegen
+
+
+@intrinsic
+def vstore_part(typingctx, arr, off, v, n):
+    """arr[off : off + n] = the first n lanes of v (1-D float32 array, n <= 16); writes only n values."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[0], args[0], args[1]), _VF.as_pointer())
+        mask = _lane_mask(builder, args[3])
+        _vcall(builder, "llvm.masked.store.v16f32.p0", [args[2], ptr, ir.Constant(_I32, 4), mask], ir.VoidType())
+        return context.get_dummy_value()
+    return types.none(arr, off, f32x16, n), codegen
+
+
 @intrinsic
 def vlookup16n(typingctx, table, idx):
     """Lane j = table[idx[j] & 15] from a 16-entry table, for any idx: vpermps reads only an index's
