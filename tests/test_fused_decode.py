@@ -101,3 +101,18 @@ def test_int8_kv_and_probes_take_the_blocks(tmp_path_factory):
     model.forward(PROMPT, cache)
     model.forward([3], cache, probe=lambda name, x: seen.append(name))
     assert seen                                                   # a probe sees every product: the blocks ran
+
+
+def test_thread_choice_follows_the_faster_count():
+    from engine.models.fused import ThreadChoice
+
+    choice = ThreadChoice()
+    picks = []
+    for _ in range(4 * ThreadChoice.PROBE):
+        n = choice.pick(2)
+        picks.append(n)
+        choice.record(n, 0.030 if n == 2 else 0.020)     # another program holds the second core
+    assert picks[:2] == [2, 2] and picks[2:4] == [1, 1]   # both counts tried first
+    late = picks[2 * ThreadChoice.PROBE:]
+    assert late.count(1) > late.count(2) >= 1             # one thread from then on, two now and then
+    assert ThreadChoice().pick(1) == 1

@@ -105,6 +105,7 @@ class FusedDecode:
         g[fk.G_STEPS] = self.steps
         self.rms_eps = np.float32(spec.rms_eps)
         self._kv: dict[int, tuple[KVPool, np.ndarray]] = {}             # descriptors stay valid: the model holds the tensors
+        self._threads = ThreadChoice()
 
     # --- building ---
 
@@ -229,7 +230,7 @@ class FusedDecode:
     def run(self, x0: np.ndarray, cache: KVCache, pos: int) -> tuple[np.ndarray, FusedStep]:
         """The logits [1, V] of the token whose embedding is x0 [hidden] at position pos (its row of `cache`
         prepared, not yet committed), with its routing and phase times."""
-        threads = numba.get_num_threads()
+        threads = self._threads.pick(numba.get_num_threads())
         cs = np.zeros((len(self._rotaries), 2, max(r.spec.dim // 2 for r in self._rotaries)), np.float32)
         p = np.array([pos], np.int64)
         for j, rotary in enumerate(self._rotaries):
@@ -251,9 +252,46 @@ class FusedDecode:
                        cache.table_array(), pos, cs, self.rms_eps, np.ascontiguousarray(x0, np.float32).reshape(-1),
                        self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done, tcycles)
         wall = time.perf_counter() - t0
+        self._threads.record(threads, wall)
         total = max(1, int(tcycles[:3].sum()))
         seconds = {name: wall * int(tcycles[j]) / total for j, name in enumerate(("attention", "dense", "experts"))}
         return logits, FusedStep(rids, rw, self.moe, seconds)
+
+
+class ThreadChoice:
+    """How many threads the next fused step runs with: all that numba may use, or one when recent steps with one
+    were faster. On a machine whose cores other programs keep busy, a step's threads end by waiting for the one the
+    system descheduled (the parallel region's join): measured on 2 cores under load, one thread decoded in 20-28 ms
+    where two took 29-39. Every PROBE-th step tries the other count, so the choice follows the load. The answer
+    is the same with any count; only the time differs."""
+
+    PROBE = 16      # steps between tries of the count not chosen
+    KEEP = 8        # recent step times kept per count
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.walls: dict[int, list[float]] = {}
+
+    def pick(self, most: int) -> int:
+        """The thread count of the next step, at most `most`."""
+        self.steps += 1
+        if most <= 1:
+            return 1
+        if len(self.walls.get(most, ())) < 2:
+            return most
+        if len(self.walls.get(1, ())) < 2:                # both counts measured before choosing
+            return 1
+        median = {n: sorted(self.walls[n])[len(self.walls[n]) // 2] for n in (most, 1)}
+        best = min(median, key=median.get)
+        if self.steps % self.PROBE == 0:
+            return 1 if best == most else most
+        return best
+
+    def record(self, threads: int, wall: float) -> None:
+        """The wall time of a step run with `threads` threads."""
+        walls = self.walls.setdefault(threads, [])
+        walls.append(wall)
+        del walls[: -self.KEEP]
 
 
 class _NotFusable(Exception):
