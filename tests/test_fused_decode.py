@@ -116,3 +116,18 @@ def test_thread_choice_follows_the_faster_count():
     late = picks[2 * ThreadChoice.PROBE:]
     assert late.count(1) > late.count(2) >= 1             # one thread from then on, two now and then
     assert ThreadChoice().pick(1) == 1
+
+
+def test_thread_choice_tries_the_other_count_less_often_while_it_keeps_losing():
+    from engine.models.fused import ThreadChoice
+
+    choice = ThreadChoice()
+    picks = []
+    for step in range(4000):
+        n = choice.pick(2)
+        picks.append(n)
+        two = 0.010 if step < 2000 else 0.040                  # a quiet machine, then another program arrives
+        choice.record(n, two if n == 2 else 0.020)
+    early = picks[4:2000]
+    assert 3 <= early.count(1) <= 8                            # tries at 16, 32, 64, ... steps apart
+    assert picks[-500:].count(1) > 450                          # the load came: one thread, found by a try

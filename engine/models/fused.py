@@ -24,7 +24,7 @@ from engine.models import fused_kernel as fk
 from engine.quant.tensor import QuantizedTensor
 from engine.telemetry import Telemetry
 
-CHUNK_WEIGHTS = 1 << 16   # weights per chunk of a product: ~3 us of one thread; fewer claims per token
+CHUNK_WEIGHTS = 1 << 19   # at most this many weights per chunk of a product (~25 us of one thread)
 MAX_TOP_K = 56      # experts per token the kernel's integer scratch holds
 ALIGN = 16          # float32 offsets of the shared buffers, multiples of this (64-byte lines)
 
@@ -43,9 +43,15 @@ class FusedStep:
         return [Routing(i, self.ids[i : i + 1, :k], self.weights[i : i + 1, :k]) for i, k in self.moe]
 
 
-def chunk_rows(cols: int) -> int:
-    """Rows per chunk of a matrix `cols` wide: about CHUNK_WEIGHTS weights, a multiple of the 4-row tile."""
-    return max(4, CHUNK_WEIGHTS // cols // 4 * 4)
+def chunk_rows(cols: int, rows: int) -> int:
+    """Rows per chunk of a matrix [rows, cols]: at most CHUNK_WEIGHTS weights and half the rows, a multiple of
+    the 4-row tile.
+
+    Large chunks: each costs its thread a few tenths of a microsecond to start (measured on mixtral-1.7b, 2
+    threads: 64K-weight chunks decoded a token in 10.0 ms, 512K-weight ones in 9.3). At least two per matrix, so
+    that a step of one or a few matrices still splits between two threads."""
+    half = -(-rows // 2)
+    return max(4, min(CHUNK_WEIGHTS // cols, -(-half // 4) * 4) // 4 * 4)
 
 
 def _aligned(n: int) -> int:
@@ -118,7 +124,8 @@ class FusedDecode:
     def _rows(self, m: int, base: int) -> tuple[int, int]:
         """Items of matrix m in chunks of rows writing at base; their index range."""
         first = len(self._items)
-        n, rows = int(self._descs[m][3]), chunk_rows(int(self._descs[m][4]))
+        n = int(self._descs[m][3])
+        rows = chunk_rows(int(self._descs[m][4]), n)
         for r0 in range(0, n, rows):
             self._items.append((m, r0, min(n, r0 + rows), base))
         return first, len(self._items)
@@ -166,7 +173,8 @@ class FusedDecode:
                 raise _NotFusable(f"activation {ffn.spec.act}")
             w = ffn.weights
             lay[i, fk.L_MOE], lay[i, fk.L_I] = 0, w.gate.shape[0]
-            lay[i, fk.L_ROWS_IN], lay[i, fk.L_ROWS_DOWN] = chunk_rows(self.hidden), chunk_rows(w.gate.shape[0])
+            lay[i, fk.L_ROWS_IN] = chunk_rows(self.hidden, w.gate.shape[0])
+            lay[i, fk.L_ROWS_DOWN] = chunk_rows(w.gate.shape[0], self.hidden)
             lay[i, fk.L_GATE] = self._matrix(w.gate)
             self._matrix(w.up)                                            # right after gate: L_GATE + 1
             lay[i, fk.L_DOWN] = self._matrix(w.down)
@@ -181,7 +189,8 @@ class FusedDecode:
             raise _NotFusable("expert groups, shared experts or another activation")
         held = experts.per_layer[i]
         lay[i, fk.L_MOE], lay[i, fk.L_E], lay[i, fk.L_K], lay[i, fk.L_I] = 1, m.n_experts, m.top_k, m.expert_ffn
-        lay[i, fk.L_ROWS_IN], lay[i, fk.L_ROWS_DOWN] = chunk_rows(self.hidden), chunk_rows(m.expert_ffn)
+        lay[i, fk.L_ROWS_IN] = chunk_rows(self.hidden, m.expert_ffn)
+        lay[i, fk.L_ROWS_DOWN] = chunk_rows(m.expert_ffn, self.hidden)
         lay[i, fk.L_EXP0] = len(self._descs)
         for e in held:
             if e.gate.shape != (m.expert_ffn, self.hidden) or e.down.shape != (self.hidden, m.expert_ffn):
@@ -262,15 +271,21 @@ class ThreadChoice:
     """How many threads the next fused step runs with: all that numba may use, or one when recent steps with one
     were faster. On a machine whose cores other programs keep busy, a step's threads end by waiting for the one the
     system descheduled (the parallel region's join): measured on 2 cores under load, one thread decoded in 20-28 ms
-    where two took 29-39. Every PROBE-th step tries the other count, so the choice follows the load. The answer
-    is the same with any count; only the time differs."""
+    where two took 29-39. Now and then a step tries the count not chosen, so the choice follows the load: PROBE
+    steps after the choice last changed, then twice as long after each try that did not change it, up to
+    MAX_PROBE (a try costs a slow step: on a quiet machine, trying one thread every 16th step cost 4% of decode).
+    The answer is the same with any count; only the time differs."""
 
-    PROBE = 16      # steps between tries of the count not chosen
+    PROBE = 16      # steps from a change of choice to the first try of the other count
+    MAX_PROBE = 1024
     KEEP = 8        # recent step times kept per count
 
     def __init__(self) -> None:
         self.steps = 0
         self.walls: dict[int, list[float]] = {}
+        self.best = 0
+        self.interval = self.PROBE
+        self.next_try = 0
 
     def pick(self, most: int) -> int:
         """The thread count of the next step, at most `most`."""
@@ -283,7 +298,12 @@ class ThreadChoice:
             return 1
         median = {n: sorted(self.walls[n])[len(self.walls[n]) // 2] for n in (most, 1)}
         best = min(median, key=median.get)
-        if self.steps % self.PROBE == 0:
+        if best != self.best:
+            self.best, self.interval = best, self.PROBE
+            self.next_try = self.steps + self.interval
+        if self.steps >= self.next_try:
+            self.interval = min(2 * self.interval, self.MAX_PROBE)
+            self.next_try = self.steps + self.interval
             return 1 if best == most else most
         return best
 

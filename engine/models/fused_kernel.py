@@ -3,8 +3,8 @@
 Decoding one token through the blocks one call at a time costs a parallel region per product (about
 a hundred per token, each waking the other threads: tens of microseconds apiece) plus the Python
 between them. Here every thread runs the whole token (`_worker`). Each product is a step cut into
-chunks (a few dozen rows of one matrix, one attention head, one expert's rows) that the threads
-claim from a shared counter; a thread goes on once every chunk of the step is done. The small work
+chunks (rows of one matrix, one attention head, one expert's rows); each thread owns a contiguous
+share of a step's chunks and goes on once every chunk of the step is done. The small work
 between products (norms, residual adds, routing) each thread does for itself on its own copy of the
 hidden state: identical numbers, no waiting.
 
@@ -39,7 +39,7 @@ from engine.quant.simd import U64, address_as_voidptr, fma32
 F32 = np.float32
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 STEAL = 2000     # pauses (10-20 ns each) a thread waits for another's chunk before computing it itself
-LINE = 16        # int64 slots between two claim counters (two cache lines)
+LINE = 16        # int64 slots between two flags of `sync` (two cache lines)
 
 # -- synchronisation primitives -------------------------------------------------------------------
 
@@ -113,7 +113,8 @@ def cycles(typingctx):
 # shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, gate/up, SiLU products
 # and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
 # scratch [max(3D + positions, 2E + K)]. iscr [threads * 64] int64: per thread token rows, expert slot,
-# chosen experts. sync [(steps + 1) * LINE] int64: claim counters, then the token's end. done [chunks] int64.
+# thread id and count, then (from 8) the chosen experts. sync [(steps + 1) * LINE] int64: the token's end at
+# steps * LINE. done [chunks] int64.
 
 (L_IN_NORM, L_POST_NORM, L_QKV0, L_QKV1, L_O0, L_O1, L_H, L_HKV, L_D, L_DV, L_ROT, L_ROPE_D, L_INTERLEAVED,
  L_WINDOW, L_MOE, L_E, L_K, L_I, L_ROUTER, L_SCORING, L_NORM_TOPK, L_BIAS, L_EXP0, L_GATE, L_DOWN,
@@ -223,14 +224,19 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
 def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr,
           ids, iscr, io, logits):
     """Run step `kind` of layer l (n chunks, flags done[first:first + n]) with the other threads; return when all
-    its chunks are done. Returns whether this thread claimed chunk 0."""
-    c = atomic_add(sync, U64(step * LINE), 1)
-    lead = c == 0
-    while c < n:
-        _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io, logits)
-        atomic_store(done, U64(first + c), 1)
-        c = atomic_add(sync, U64(step * LINE), 1)
-    for c in range(n):
+    its chunks are done.
+
+    Thread t of T owns the chunks n * t // T .. n * (t + 1) // T - 1 and runs them in order (no claiming: a
+    shared claim counter and flags written by turns by both cores cost about half a microsecond a chunk, measured),
+    so its rows follow on from one chunk to the next and the prefetches run on. Then it waits for the others'
+    chunks from the last back, computing one itself when it stays undone (its owner is off the core)."""
+    tid, threads = iscr[io + 3], iscr[io + 4]
+    for c in range(n * tid // threads, n * (tid + 1) // threads):
+        if atomic_load(done, U64(first + c)) == 0:      # not already taken over by a waiting thread
+            _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io,
+                   logits)
+            atomic_store(done, U64(first + c), 1)
+    for c in range(n - 1, -1, -1):
         spins = 0
         while atomic_load(done, U64(first + c)) == 0:
             if spins < STEAL:
@@ -240,11 +246,10 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
                 _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr,
                        io, logits)
                 atomic_store(done, U64(first + c), 1)
-    return lead
 
 
 @njit(boundscheck=False)
-def _worker(tid, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
+def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
             logits, sync, done, tcycles):
     hidden = g[G_HIDDEN]
     po = tid * g[G_PRIV]
@@ -254,6 +259,8 @@ def _worker(tid, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0
     io = tid * 64
     iscr[io] = 0                                        # [0, 0]: token 0 reads x row 0 and writes out row 0
     iscr[io + 1] = 0
+    iscr[io + 3] = tid                                  # which chunks of each step are this thread's (_step)
+    iscr[io + 4] = threads
     ids = iscr[io + 8:io + 64]                          # this token's experts (top_k <= 56)
     end = g[G_STEPS] * LINE                             # set when the token is done: a thread behind stops
     for i in range(hidden):
@@ -293,17 +300,16 @@ def _worker(tid, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0
         if lay[l, L_MOE] != 0:
             n_exp = lay[l, L_E]
             n = (n_exp + 15) // 16
-            lead = _step(S_ROUTER, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+            _step(S_ROUTER, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
                          eps, lb, h, scr, ids, iscr, io, logits)
             step, first = step + 1, first + n
             bias = fpar[lay[l, L_BIAS]:lay[l, L_BIAS] + n_exp] if lay[l, L_BIAS] >= 0 else fpar[:0]
             w = scr[2 * n_exp:2 * n_exp + top_k]
             route_row(lb[g[G_RL]:], U64(0), n_exp, top_k, lay[l, L_SCORING], bias, lay[l, L_NORM_TOPK] != 0, lf[l, 1],
                       scr, ids, U64(0), w, U64(0))
-            if lead:                                    # one thread reports the routing
-                for k in range(top_k):
-                    rids[l, k] = ids[k]
-                    rw[l, k] = w[k]
+            for k in range(top_k):                      # every thread reports it (the same values): a thread
+                rids[l, k] = ids[k]                     # behind may stop before this layer
+                rw[l, k] = w[k]
             now = cycles()
             tcycles[1] += now - mark
             mark = now
@@ -344,5 +350,5 @@ def decode_step(threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
                 logits, sync, done, tcycles):  # pragma: no cover - compiled
     """One token through every layer (see the module docstring); logits [V] written, routing in rids/rw [L, K]."""
     for tid in prange(threads):
-        _worker(tid, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
+        _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
                 logits, sync, done, tcycles[4 * tid:4 * tid + 4])
