@@ -82,6 +82,39 @@ def test_fused_steps_equal_the_blocks(tmp_path_factory, threads, name):
         assert routes == want_routes, n
 
 
+@pytest.mark.parametrize("io", ["pread", "mmap"])
+def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
+    """Streamed experts: each call stops at a layer's routing, the store brings the experts in (in groups as reads
+    finish), the next calls run them; the same bits as the blocks, and as the resident model."""
+    from engine.loader import StreamOptions
+    from engine.models.fused import FusedDecode
+    from engine.models import fused_kernel as fk
+    from engine.stream.store import StoreSettings
+
+    model_type, overrides = FUSED["qwen3-moe-head-norms-unnormed"]      # a dense layer among the MoE ones
+    src = build_checkpoint(tmp_path_factory.mktemp("s"), model_type, **overrides)
+    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    resident, _ = _greedy(load_model(out).model, fused=True)
+    probe = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    slot = probe.store.slot_bytes
+    probe.close()
+    for n in (1, 2):
+        threads(n)
+        loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, io=io, policy="lru"), 1))
+        try:
+            model = loaded.model
+            want_logits, want_routes = _greedy(model, fused=False)
+            logits, routes = _greedy(model, fused=True)
+            assert isinstance(model._fused, FusedDecode)
+            assert model._fused.lay[:, fk.L_STREAMED].sum() > 0      # the streamed layers stopped for their experts
+            assert loaded.store.stats().hits["disk"] > 0
+        finally:
+            loaded.close()
+        assert np.array_equal(logits, want_logits), n
+        assert routes == want_routes, n
+        assert np.array_equal(logits, resident), n
+
+
 @pytest.mark.parametrize("name", list(BLOCKS_ONLY))
 def test_other_layers_decode_through_the_blocks(tmp_path_factory, name):
     model = _model(tmp_path_factory, BLOCKS_ONLY, name).model

@@ -2,8 +2,11 @@
 
 `FusedDecode.for_model` accepts the common decoder shape: grouped-query attention (q/k/v biases and
 per-head q/k norms allowed, any RoPE, sliding windows included), a SiLU-gated MLP or a MoE routed by
-softmax or sigmoid without expert groups or shared experts, every matrix quantized and every
-expert resident. Anything else (and a step of several tokens or sequences, a probe, an int8 or
+softmax or sigmoid without expert groups or shared experts, every matrix quantized, the experts
+resident or streamed by an expert store. With streamed experts a token runs in several calls: each
+stops after a layer's routing, the store brings that layer's experts in (groups as their reads
+finish, reads of later layers started by the lookahead), and the next call computes them and goes
+on, so that only the store's work runs in Python. Anything else (and a step of several tokens or sequences, a probe, an int8 or
 retaining KV cache) runs through `Transformer.forward_batch` one block at a time; both give the
 same bits for the same token.
 """
@@ -11,6 +14,7 @@ same bits for the same token.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numba
@@ -19,6 +23,7 @@ import numpy as np
 from engine.blocks.attention import Attention
 from engine.blocks.ffn import MLP, MoE, ResidentExperts, Routing
 from engine.blocks.row_kernels import SIGMOID, SOFTMAX
+from engine.errors import GenerationError
 from engine.kv import KVCache, KVPool
 from engine.models import fused_kernel as fk
 from engine.quant.tensor import QuantizedTensor
@@ -70,6 +75,7 @@ class FusedDecode:
         self._fsize = 0
         self._rotaries: list = []
         lay = np.full((spec.n_layers, fk.N_LAY), -1, np.int64)
+        lay[:, fk.L_STREAMED] = 0
         lf = np.zeros((spec.n_layers, 2), np.float32)
         sizes = {"qkv": 0, "att": 0, "rl": 0, "gu": 0, "hb": 0, "y": self.hidden, "scr": 0}
         self.top_k = 0
@@ -181,21 +187,25 @@ class FusedDecode:
             sizes["gu"] = max(sizes["gu"], 2 * w.gate.shape[0])
             sizes["hb"] = max(sizes["hb"], w.gate.shape[0])
             return
-        if not isinstance(ffn, MoE) or not isinstance(experts, ResidentExperts):
-            raise _NotFusable("streamed experts")
+        streamed = not isinstance(experts, ResidentExperts)
+        if not isinstance(ffn, MoE) or (streamed and not _quantized_store(experts)):
+            raise _NotFusable("experts not quantized")
         m = ffn.spec
         if m.n_group != 1 or m.scoring not in ("softmax", "sigmoid") or ffn.shared is not None or \
                 m.act not in ("silu", "swish") or m.top_k > MAX_TOP_K:
             raise _NotFusable("expert groups, shared experts or another activation")
-        held = experts.per_layer[i]
         lay[i, fk.L_MOE], lay[i, fk.L_E], lay[i, fk.L_K], lay[i, fk.L_I] = 1, m.n_experts, m.top_k, m.expert_ffn
         lay[i, fk.L_ROWS_IN] = chunk_rows(self.hidden, m.expert_ffn)
         lay[i, fk.L_ROWS_DOWN] = chunk_rows(m.expert_ffn, self.hidden)
         lay[i, fk.L_EXP0] = len(self._descs)
-        for e in held:
-            if e.gate.shape != (m.expert_ffn, self.hidden) or e.down.shape != (self.hidden, m.expert_ffn):
-                raise _NotFusable("experts of another shape")
-            self._matrix(e.gate), self._matrix(e.up), self._matrix(e.down)
+        if streamed:                                      # a row per slot, filled in per call (_bring)
+            lay[i, fk.L_STREAMED] = 1
+            self._descs += [(0,) * len(self._descs[0])] * (3 * m.top_k)
+        else:
+            for e in experts.per_layer[i]:
+                if e.gate.shape != (m.expert_ffn, self.hidden) or e.down.shape != (self.hidden, m.expert_ffn):
+                    raise _NotFusable("experts of another shape")
+                self._matrix(e.gate), self._matrix(e.up), self._matrix(e.down)
         lay[i, fk.L_ROUTER] = self._param(ffn.router)
         lay[i, fk.L_SCORING] = SOFTMAX if m.scoring == "softmax" else SIGMOID
         lay[i, fk.L_NORM_TOPK] = int(m.norm_topk_prob)
@@ -212,7 +222,7 @@ class FusedDecode:
     @classmethod
     def for_model(cls, model) -> "FusedDecode | None":
         """The plan of a model, or None when some layer is not of the shape the kernel runs."""
-        if model.layer_source is not None or model.streamed or any(layer is None for layer in model.layers):
+        if model.layer_source is not None or any(layer is None for layer in model.layers):
             return None
         try:
             return cls(model)
@@ -236,9 +246,14 @@ class FusedDecode:
             self._kv = {id(pool): held}
         return held[1]
 
-    def run(self, x0: np.ndarray, cache: KVCache, pos: int) -> tuple[np.ndarray, FusedStep]:
+    def run(self, x0: np.ndarray, cache: KVCache, pos: int, source=None,
+            predict: Callable[[int, np.ndarray], None] | None = None) -> tuple[np.ndarray, FusedStep]:
         """The logits [1, V] of the token whose embedding is x0 [hidden] at position pos (its row of `cache`
-        prepared, not yet committed), with its routing and phase times."""
+        prepared, not yet committed), with its routing and phase times.
+
+        With streamed experts, `source` (the expert store) brings each layer's experts in, and
+        `predict(layer, x)` is called where a call stops at `layer` with its hidden state x [hidden] (after
+        attention), to start the reads of later layers."""
         threads = self._threads.pick(numba.get_num_threads())
         cs = np.zeros((len(self._rotaries), 2, max(r.spec.dim // 2 for r in self._rotaries)), np.float32)
         p = np.array([pos], np.int64)
@@ -248,23 +263,63 @@ class FusedDecode:
         per = 2 * self.hidden + _aligned(max(self.scratch, self.scratch + pos + 1))
         self.g[fk.G_PRIV] = per
         priv = np.empty(threads * per, np.float32)
-        iscr = np.zeros(threads * 64, np.int64)
+        iscr = np.zeros(threads * fk.ISCR, np.int64)
         k = max(self.top_k, 1)
         rids = np.zeros((self.lay.shape[0], k), np.int64)
         rw = np.zeros((self.lay.shape[0], k), np.float32)
         logits = np.empty((1, self.vocab), np.float32)
-        sync = np.zeros((self.steps + 1) * fk.LINE, np.int64)
-        done = np.zeros(self.chunks, np.int64)
         tcycles = np.zeros(4 * threads, np.int64)
-        t0 = time.perf_counter()
-        fk.decode_step(threads, self.descs, self.items, self.lay, self.lf, self.g, self.fpar, self._kv_table(cache.pool),
-                       cache.table_array(), pos, cs, self.rms_eps, np.ascontiguousarray(x0, np.float32).reshape(-1),
-                       self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done, tcycles)
-        wall = time.perf_counter() - t0
+        run = np.zeros(fk.RUN_SLOTS + MAX_TOP_K, np.int64)
+        state = np.zeros(2 * self.hidden, np.float32)
+        x0 = np.ascontiguousarray(x0, np.float32).reshape(-1)
+        kv, table = self._kv_table(cache.pool), cache.table_array()
+        wall = 0.0
+
+        def call() -> None:
+            nonlocal wall
+            sync = np.zeros((self.steps + 1) * fk.LINE, np.int64)
+            done = np.zeros(self.chunks, np.int64)
+            t0 = time.perf_counter()
+            fk.decode_step(threads, self.descs, self.items, self.lay, self.lf, self.g, self.fpar, kv, table, pos, cs,
+                           self.rms_eps, x0, self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done,
+                           tcycles, run, state)
+            wall += time.perf_counter() - t0
+
+        call()
+        n_layers = self.lay.shape[0]
+        while run[fk.RUN_EXIT] < n_layers:               # stopped for a layer's streamed experts
+            layer = int(run[fk.RUN_EXIT])
+            top_k = int(self.lay[layer, fk.L_K])
+            ids = rids[layer, :top_k]
+            needed = sorted({int(i) for i in ids})
+            brought = 0
+            run[fk.RUN_START], run[fk.RUN_RESUME] = layer, 1
+            ahead = None if predict is None else (lambda: predict(layer, state[: self.hidden]))  # noqa: E731
+            for group in source.groups(layer, needed, ahead):   # each stays in memory until the next is asked for
+                slots = [j for j in range(top_k) if int(ids[j]) in group]
+                for j in slots:
+                    self._bring(layer, j, group[int(ids[j])])
+                brought += len(group)
+                run[fk.RUN_ACTIVE] = len(slots)
+                run[fk.RUN_SLOTS : fk.RUN_SLOTS + len(slots)] = slots
+                run[fk.RUN_LAST] = int(brought == len(needed))
+                call()
         self._threads.record(threads, wall)
         total = max(1, int(tcycles[:3].sum()))
         seconds = {name: wall * int(tcycles[j]) / total for j, name in enumerate(("attention", "dense", "experts"))}
         return logits, FusedStep(rids, rw, self.moe, seconds)
+
+    def _bring(self, layer: int, slot: int, expert) -> None:
+        """Point slot `slot` of a streamed layer at an expert in memory (for the next call only: the store may
+        reuse its memory once the caller asks for the next group)."""
+        row = int(self.lay[layer, fk.L_EXP0]) + 3 * slot
+        i_ff = int(self.lay[layer, fk.L_I])
+        for m, w in enumerate((expert.gate, expert.up, expert.down)):
+            want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)
+            if not isinstance(w, QuantizedTensor) or tuple(w.shape) != want:
+                raise GenerationError(f"expert {expert.names[m] or slot} of layer {layer} is not a quantized "
+                                      f"{want[0]}x{want[1]} matrix as the fused step expects")
+            self.descs[row + m] = w.descriptor
 
 
 class ThreadChoice:
@@ -312,6 +367,15 @@ class ThreadChoice:
         walls = self.walls.setdefault(threads, [])
         walls.append(wall)
         del walls[: -self.KEEP]
+
+
+def _quantized_store(store) -> bool:
+    """Whether every expert an expert store serves is stored quantized (the fused step runs nothing else)."""
+    container = getattr(store, "container", None)
+    names = getattr(store, "names", None)
+    if container is None or names is None:
+        return False
+    return all(container.entries[n].kind == "quant" for trio in names.values() for n in trio)
 
 
 class _NotFusable(Exception):

@@ -40,6 +40,12 @@ F32 = np.float32
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 STEAL = 2000     # pauses (10-20 ns each) a thread waits for another's chunk before computing it itself
 LINE = 16        # int64 slots between two flags of `sync` (two cache lines)
+ISCR = 128       # int64 scratch per thread
+# run [8 + K] int64, what a call does (streamed experts: engine/models/fused.py): RUN_START the layer it starts at;
+# RUN_RESUME 0 to start that layer from its input (x0 at layer 0, else `state`), 1 to resume at its experts;
+# RUN_ACTIVE how many slots the experts step runs (listed from RUN_SLOTS); RUN_LAST 1 when these are the layer's
+# last, so that the call goes on; RUN_EXIT (written) the layer whose streamed experts the call stopped for, or L.
+RUN_START, RUN_RESUME, RUN_ACTIVE, RUN_EXIT, RUN_LAST, RUN_SLOTS = 0, 1, 2, 3, 4, 8
 
 # -- synchronisation primitives -------------------------------------------------------------------
 
@@ -112,13 +118,13 @@ def cycles(typingctx):
 # kvaddr [L, 6] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size and blocks.
 # shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, gate/up, SiLU products
 # and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
-# scratch [max(3D + positions, 2E + K)]. iscr [threads * 64] int64: per thread token rows, expert slot,
-# thread id and count, then (from 8) the chosen experts. sync [(steps + 1) * LINE] int64: the token's end at
+# scratch [max(3D + positions, 2E + K)]. iscr [threads * ISCR] int64: per thread token rows, expert slot,
+# thread id and count, then (from 8) the chosen experts, then (from 64) the slots the expert steps run. sync [(steps + 1) * LINE] int64: the token's end at
 # steps * LINE. done [chunks] int64.
 
 (L_IN_NORM, L_POST_NORM, L_QKV0, L_QKV1, L_O0, L_O1, L_H, L_HKV, L_D, L_DV, L_ROT, L_ROPE_D, L_INTERLEAVED,
  L_WINDOW, L_MOE, L_E, L_K, L_I, L_ROUTER, L_SCORING, L_NORM_TOPK, L_BIAS, L_EXP0, L_GATE, L_DOWN,
- L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, N_LAY) = range(30)
+ L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, L_STREAMED, N_LAY) = range(31)
 (G_HIDDEN, G_LAYERS, G_NORM, G_HEAD0, G_HEAD1, G_QKV, G_ATT, G_O, G_RL, G_GU, G_HB, G_Y, G_PRIV, G_STEPS,
  G_LAYER, N_G) = range(16)
 # kinds of step
@@ -131,6 +137,13 @@ def _item(descs, items, i, x, xrows, out):
     mat, r0, r1, base = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
     bits, asym, group, _, cols, a, b, sc, mn = planes(descs[mat])
     otf_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1 - r0, x, xrows[:1], xrows[1:], 0, 1, out, 0, base + r0)
+
+
+@njit
+def _expert(lay, l, k, ids):
+    """Descriptor index of the gate matrix of slot k's expert (up and down follow): resident experts by their
+    id, streamed ones by slot (filled in for the call)."""
+    return lay[l, L_EXP0] + 3 * (k if lay[l, L_STREAMED] != 0 else ids[k])
 
 
 @njit(boundscheck=False)
@@ -195,10 +208,10 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         # rows r0 .. r1 of a gate and an up matrix (of slot k's expert, or the dense MLP), then their SiLU product
         inter_ff, rows = lay[l, L_I], lay[l, L_ROWS_IN]
         per = (inter_ff + rows - 1) // rows
-        k = c // per
+        k = iscr[io + 64 + c // per]                   # the slot
         r0 = (c % per) * rows
         r1 = min(inter_ff, r0 + rows)
-        m0 = lay[l, L_EXP0] + 3 * ids[k] if lay[l, L_MOE] != 0 else lay[l, L_GATE]
+        m0 = _expert(lay, l, k, ids) if lay[l, L_MOE] != 0 else lay[l, L_GATE]
         gu = lb[g[G_GU]:]
         for m in range(2):
             bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m0 + m])
@@ -209,10 +222,10 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
     else:  # S_DOWN: rows r0 .. r1 of slot k's down matrix times its SiLU product
         inter_ff, rows = lay[l, L_I], lay[l, L_ROWS_DOWN]
         per = (hidden + rows - 1) // rows
-        k = c // per
+        k = iscr[io + 64 + c // per]
         r0 = (c % per) * rows
         r1 = min(hidden, r0 + rows)
-        m = lay[l, L_EXP0] + 3 * ids[k] + 2 if lay[l, L_MOE] != 0 else lay[l, L_DOWN]
+        m = _expert(lay, l, k, ids) + 2 if lay[l, L_MOE] != 0 else lay[l, L_DOWN]
         bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m])
         kr = iscr[io + 2:io + 3]                       # the SiLU product row this slot reads
         kr[0] = k
@@ -250,70 +263,94 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
 
 @njit(boundscheck=False)
 def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-            logits, sync, done, tcycles):
+            logits, sync, done, tcycles, run, state):
     hidden = g[G_HIDDEN]
     po = tid * g[G_PRIV]
     x = priv[po:po + hidden]                            # this thread's copy of the hidden state
     h = priv[po + hidden:po + 2 * hidden]               # its normed input of the next products
     scr = priv[po + 2 * hidden:po + g[G_PRIV]]          # attention: q head, scratch, scores; routing: scores, weights
-    io = tid * 64
+    io = tid * ISCR
     iscr[io] = 0                                        # [0, 0]: token 0 reads x row 0 and writes out row 0
     iscr[io + 1] = 0
     iscr[io + 3] = tid                                  # which chunks of each step are this thread's (_step)
     iscr[io + 4] = threads
     ids = iscr[io + 8:io + 64]                          # this token's experts (top_k <= 56)
-    end = g[G_STEPS] * LINE                             # set when the token is done: a thread behind stops
+    active = iscr[io + 64:io + ISCR]                    # the slots the expert steps run
+    end = g[G_STEPS] * LINE                             # set when the call is done: a thread behind stops
+    start, resume = run[RUN_START], run[RUN_RESUME] != 0
+    src = x0 if start == 0 and not resume else state
     for i in range(hidden):
-        x[i] = x0[i]
+        x[i] = src[i]
     step = 0
     first = 0
     mark = cycles()
-    for l in range(g[G_LAYERS]):
+    for l in range(start, g[G_LAYERS]):
         if atomic_load(sync, U64(end)) != 0:
             return
         lb = shared[l * g[G_LAYER]:(l + 1) * g[G_LAYER]]
-        n_heads, n_kv = lay[l, L_H], lay[l, L_HKV]
-        norm_row(x, U64(0), fpar[lay[l, L_IN_NORM]:], eps, hidden, h, U64(0))
-        n = lay[l, L_QKV1] - lay[l, L_QKV0]
-        _step(S_QKV, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h,
-              scr, ids, iscr, io, logits)
-        step, first = step + 1, first + n
-        _step(S_KV, n_kv, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h,
-              scr, ids, iscr, io, logits)
-        step, first = step + 1, first + n_kv
-        _step(S_HEADS, n_heads, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
-              lb, h, scr, ids, iscr, io, logits)
-        step, first = step + 1, first + n_heads
-        n = lay[l, L_O1] - lay[l, L_O0]
-        _step(S_O, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h,
-              scr, ids, iscr, io, logits)
-        step, first = step + 1, first + n
-        o = lb[g[G_O]:]
-        for i in range(hidden):
-            x[i] = x[i] + o[i]
-        now = cycles()
-        tcycles[0] += now - mark
-        mark = now
-        norm_row(x, U64(0), fpar[lay[l, L_POST_NORM]:], eps, hidden, h, U64(0))
         top_k, inter_ff = lay[l, L_K], lay[l, L_I]
-        w = scr[:0]
-        if lay[l, L_MOE] != 0:
-            n_exp = lay[l, L_E]
-            n = (n_exp + 15) // 16
-            _step(S_ROUTER, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
-                         eps, lb, h, scr, ids, iscr, io, logits)
+        n_exp = lay[l, L_E]
+        streamed = lay[l, L_STREAMED] != 0
+        w = scr[2 * n_exp:2 * n_exp + top_k] if lay[l, L_MOE] != 0 else scr[:0]
+        if resume and l == start:                       # this layer's attention and routing ran in an earlier call
+            for i in range(hidden):
+                h[i] = state[hidden + i]
+            for k in range(top_k):
+                ids[k] = rids[l, k]
+                w[k] = rw[l, k]
+        else:
+            n_heads, n_kv = lay[l, L_H], lay[l, L_HKV]
+            norm_row(x, U64(0), fpar[lay[l, L_IN_NORM]:], eps, hidden, h, U64(0))
+            n = lay[l, L_QKV1] - lay[l, L_QKV0]
+            _step(S_QKV, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
+                  h, scr, ids, iscr, io, logits)
             step, first = step + 1, first + n
-            bias = fpar[lay[l, L_BIAS]:lay[l, L_BIAS] + n_exp] if lay[l, L_BIAS] >= 0 else fpar[:0]
-            w = scr[2 * n_exp:2 * n_exp + top_k]
-            route_row(lb[g[G_RL]:], U64(0), n_exp, top_k, lay[l, L_SCORING], bias, lay[l, L_NORM_TOPK] != 0, lf[l, 1],
-                      scr, ids, U64(0), w, U64(0))
-            for k in range(top_k):                      # every thread reports it (the same values): a thread
-                rids[l, k] = ids[k]                     # behind may stop before this layer
-                rw[l, k] = w[k]
+            _step(S_KV, n_kv, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
+                  lb, h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n_kv
+            _step(S_HEADS, n_heads, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+                  eps, lb, h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n_heads
+            n = lay[l, L_O1] - lay[l, L_O0]
+            _step(S_O, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
+                  h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n
+            o = lb[g[G_O]:]
+            for i in range(hidden):
+                x[i] = x[i] + o[i]
             now = cycles()
-            tcycles[1] += now - mark
+            tcycles[0] += now - mark
             mark = now
+            norm_row(x, U64(0), fpar[lay[l, L_POST_NORM]:], eps, hidden, h, U64(0))
+            if lay[l, L_MOE] != 0:
+                n = (n_exp + 15) // 16
+                _step(S_ROUTER, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+                      eps, lb, h, scr, ids, iscr, io, logits)
+                step, first = step + 1, first + n
+                bias = fpar[lay[l, L_BIAS]:lay[l, L_BIAS] + n_exp] if lay[l, L_BIAS] >= 0 else fpar[:0]
+                route_row(lb[g[G_RL]:], U64(0), n_exp, top_k, lay[l, L_SCORING], bias, lay[l, L_NORM_TOPK] != 0,
+                          lf[l, 1], scr, ids, U64(0), w, U64(0))
+                for k in range(top_k):                  # every thread reports it (the same values): a thread
+                    rids[l, k] = ids[k]                 # behind may stop before this layer
+                    rw[l, k] = w[k]
+                now = cycles()
+                tcycles[1] += now - mark
+                mark = now
+                if streamed:                            # the caller brings the experts in, then resumes here
+                    for i in range(hidden):
+                        state[i] = x[i]
+                        state[hidden + i] = h[i]
+                    run[RUN_EXIT] = l
+                    atomic_store(sync, U64(end), 1)
+                    return
         slots = top_k if lay[l, L_MOE] != 0 else 1
+        if streamed:
+            slots = run[RUN_ACTIVE]
+            for k in range(slots):
+                active[k] = run[RUN_SLOTS + k]
+        else:
+            for k in range(slots):
+                active[k] = k
         n = slots * ((inter_ff + lay[l, L_ROWS_IN] - 1) // lay[l, L_ROWS_IN])
         _step(S_GATE_UP, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
               h, scr, ids, iscr, io, logits)
@@ -322,6 +359,12 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
         _step(S_DOWN, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
               h, scr, ids, iscr, io, logits)
         step, first = step + 1, first + n
+        if streamed and run[RUN_LAST] == 0:             # more of this layer's experts are still to come
+            now = cycles()
+            tcycles[2] += now - mark
+            run[RUN_EXIT] = l
+            atomic_store(sync, U64(end), 1)
+            return
         y = lb[g[G_Y]:]
         if lay[l, L_MOE] != 0:
             for i in range(hidden):                     # the slots' outputs weighted in order (quant.weighted_sum)
@@ -341,14 +384,16 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
     n = g[G_HEAD1] - g[G_HEAD0]
     _step(S_HEAD, n, step, first, 0, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
           shared[:0], h, scr, ids, iscr, io, logits)
+    run[RUN_EXIT] = g[G_LAYERS]
     atomic_store(sync, U64(end), 1)
     tcycles[1] += cycles() - mark
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
 def decode_step(threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-                logits, sync, done, tcycles):  # pragma: no cover - compiled
-    """One token through every layer (see the module docstring); logits [V] written, routing in rids/rw [L, K]."""
+                logits, sync, done, tcycles, run, state):  # pragma: no cover - compiled
+    """One token through the layers (see the module docstring and `run`); logits [V] written once the last layer
+    ran, routing in rids/rw [L, K]; x and h [2 * hidden] in `state` where a call stops for streamed experts."""
     for tid in prange(threads):
-        _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-                logits, sync, done, tcycles[4 * tid:4 * tid + 4])
+        _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids,
+                rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state)

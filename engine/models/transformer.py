@@ -224,11 +224,23 @@ class Transformer:
             x = embed_rows(self.embed, ids)                                 # [T, hidden]
         fused = self._fused_step(ids.size, caches[0], probe)
         if fused is not None:
-            logits, step = fused.run(x[0], caches[0], int(positions[0]))
+            if self.streamed:
+                for j in range(min(ahead, len(self.layers))):
+                    self._predict(j, x)
+                n = len(self.layers)
+
+                def predict(i: int, xi: np.ndarray) -> None:   # a call stopped at layer i: read ahead from there
+                    if ahead and i + ahead < n:
+                        self._predict(i + ahead, xi[None])
+                logits, step = fused.run(x[0], caches[0], int(positions[0]), self.experts, predict)
+            else:
+                logits, step = fused.run(x[0], caches[0], int(positions[0]))
             caches[0].commit(1)
             record(step, tel)
             if routing is not None:
                 routing.extend(step.routing())
+            if self.streamed:
+                self.experts.end_token(1)
             tel.end_token(1, prefill=False)
             return [logits]
         for j in range(min(ahead, len(self.layers))):

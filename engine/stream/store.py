@@ -26,7 +26,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -117,7 +117,7 @@ class StoreStats:
 class _Recipe:
     """How to build one expert's ExpertWeights from its extent's bytes."""
 
-    __slots__ = ("file", "offset", "length", "crc32", "parts")
+    __slots__ = ("file", "offset", "length", "crc32", "parts", "layout")
 
     def __init__(self, container: Container, layer: int, expert: int, names: tuple[str, str, str]):
         x = container.extents[(layer, expert)]
@@ -129,6 +129,8 @@ class _Recipe:
                 raise ModelFormatError(f"{container.path}: expert {expert} of layer {layer} has no {n} in its extent; "
                                        "convert the model again with `colibri convert`")
             self.parts.append((e, e.offset - x.offset))
+        # experts of one layout over the same bytes are the same tensors (see ExpertStore._finish)
+        self.layout = tuple((rel, e.kind, tuple(e.shape), repr(e.quant), repr(e.buffers)) for e, rel in self.parts)
 
     def build(self, data: np.ndarray, names: tuple[str, str, str]) -> ExpertWeights:
         """The expert over `data` (its extent's bytes)."""
@@ -209,6 +211,7 @@ class ExpertStore:
             self.n_slots = min(self.n_slots, self.max_slots)
             self.io = IOPool(settings.io_threads, settings.direct)
             self.free = list(range(self.n_slots - 1, -1, -1))
+        self.views: dict[tuple[int, tuple], tuple] = {}   # (slot, layout) -> an expert's tensors over the slot
         self.scratch: list[int] = []                   # slots for experts read through, not kept (admission)
         self.transient: set[Key] = set()
         self._layout_scratch()
@@ -224,12 +227,14 @@ class ExpertStore:
             out.update(group)
         return out
 
-    def groups(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+    def groups(self, layer: int, ids: Sequence[int],
+               started: Callable[[], None] | None = None) -> Iterator[Mapping[int, ExpertWeights]]:
         """The given experts in groups: the resident ones first, then the others as their reads finish.
 
         An expert yielded stays in memory until the caller asks for the next group (or ends the loop).
         When the cache holds fewer slots than the step needs, later reads wait for earlier groups to be
-        consumed and reuse their slots.
+        consumed and reuse their slots. `started` is called once this step's reads are queued (before any
+        waiting): reads the caller starts then (read-ahead) queue behind them.
         """
         self.now += 1
         ids = [int(i) for i in ids]
@@ -241,6 +246,8 @@ class ExpertStore:
         if self.history is not None:
             self.history.record(layer, np.asarray(ids))
         if self.settings.io == "mmap":
+            if started is not None:
+                started()
             yield self._mmap_step(layer, ids)
             self._trim_mapped()                          # the step's experts are computed: back within capacity
             return
@@ -271,6 +278,8 @@ class ExpertStore:
                 self.pf_used += 1
                 tel.prefetch(used=1)
         self._start(queue, protect, waiting)
+        if started is not None:
+            started()
         if ready:
             yield ready
             protect.difference_update((layer, i) for i in ready)   # computed: their slots may be reused
@@ -421,6 +430,7 @@ class ExpertStore:
             self.io = None
         self.loading.clear()
         self.built.clear()
+        self.views.clear()
         self.where.clear()
         self.arena = None
 
@@ -499,8 +509,15 @@ class ExpertStore:
             raise
         self.verified.add(key)
         slot = self.where[key]
-        data = self.arena[slot * self.slot_bytes : slot * self.slot_bytes + self.recipes[key].length]
-        self.built[key] = self.recipes[key].build(data, self.names[key])
+        r = self.recipes[key]
+        views = self.views.get((slot, r.layout))
+        if views is None:     # building the tensors checks every buffer: about 0.2 ms an expert, so once a slot
+            data = self.arena[slot * self.slot_bytes : slot * self.slot_bytes + r.length]
+            e = r.build(data, self.names[key])
+            self.views[(slot, r.layout)] = (e.gate, e.up, e.down)
+            self.built[key] = e
+        else:                 # and layout: the same views over the slot's bytes, now holding this expert
+            self.built[key] = ExpertWeights(*views, self.names[key])
         if key in self.transient:
             self.policy.access(key, self.now)           # counted, not kept
         elif key not in self.pinned:
