@@ -214,6 +214,39 @@ def config_layout(ckpt: Checkpoint, split: BudgetSplit, bits: int, stream_bits: 
     raise BudgetTooSmall(split.total - split.weights + need, f"{what}, {_non_weights(split)}", advice)
 
 
+def container_layout(ckpt: Checkpoint, split: BudgetSplit) -> Layout:
+    """A Colibri container's own widths (it is quantized already): what stays resident and what streams.
+
+    The engine holds the dense part and caches as many routed experts as the rest of the weight budget
+    takes (at least the least expert cache), as `--max-memory` at run time does.
+    """
+    container = ckpt.source
+    mats = classify(ckpt)
+    experts, n_experts, top_k = _expert_groups(ckpt.spec, mats)
+    tensors = {}
+    for name, shape in mats.planned.items():
+        e = container.entries[name]
+        if e.kind == "quant":
+            tensors[name] = TensorPlan(name, shape, int(e.quant["bits"]), int(e.quant["group"]), e.length, 0.0, 1.0,
+                                       bool(e.quant.get("asymmetric", False)))
+        else:
+            tensors[name] = TensorPlan(name, shape, FLOAT_BITS, 0, e.length, 0.0, 1.0)
+    other = sum(container.entries[n].length for n in mats.float32)
+    plan = Plan(tensors, None, other)
+    expert_total = sum(tensors[n].nbytes for n in experts)
+    dense_total = plan.total_bytes - expert_total
+    cache_min = _cache_minimum(ckpt.spec, mats, lambda n: tensors[n].nbytes)
+    if split.weights >= plan.total_bytes:
+        return Layout(plan, experts, n_experts, top_k, 1.0)
+    if experts and split.weights >= dense_total + cache_min:
+        return Layout(plan, experts, n_experts, top_k, (split.weights - dense_total) / expert_total)
+    need = dense_total + cache_min if experts else dense_total
+    what = (f"its dense weights {format_size(dense_total)}, {format_size(cache_min)} of expert cache" if experts
+            else f"its weights {format_size(dense_total)}")
+    raise BudgetTooSmall(split.total - split.weights + need, f"{what}, {_non_weights(split)}",
+                         "lower --ctx, or convert the original model narrower")
+
+
 def calibrated_floor(ckpt: Checkpoint, split: BudgetSplit, settings: ConvertSettings, stream_bits: int) -> None:
     """Raise BudgetTooSmall before calibrating when not even the narrowest widths fit the budget.
 

@@ -203,3 +203,27 @@ def test_calibrated_plan_refuses_a_hopeless_budget_before_calibrating(tiny_model
     monkeypatch.setattr("app.calibrate.calibration_sequences", lambda *a, **k: pytest.fail("calibrated anyway"))
     code, out = _run([str(tiny_model), "--max-memory", "101MB", "--ctx", "256"], capsys)
     assert code == 1 and out.startswith("does not fit: needs at least")
+
+
+def test_a_container_is_planned_at_its_own_widths(tiny_model: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """A container is quantized already: `plan` shows its widths against the budget (no calibration), and the
+    experts that the budget leaves out stream."""
+    from app.convert import ConvertSettings, convert
+
+    monkeypatch.setattr("app.calibrate.calibration_sequences", lambda *a, **k: pytest.fail("calibrated a container"))
+    out_dir = convert(tiny_model, tmp_path / "c", ConvertSettings(bits=4), log=lambda m: None)
+    code, out = _run([str(out_dir), "--max-memory", "300MB", "--ctx", "256"], capsys)
+    assert code == 0 and out.startswith("fits in memory")
+    assert "4.50 (    4)" in out                                  # the container's 4-bit matrices, group 32
+    from engine.loader import open_checkpoint
+
+    ckpt = open_checkpoint(out_dir, verify=False)
+    split = plan.split_for(ckpt.spec, 10**12, 256, BASELINE)
+    layout = plan.container_layout(ckpt, split)
+    experts = sum(layout.plan.tensors[n].nbytes for n in layout.experts)
+    dense = layout.plan.total_bytes - experts
+    budget = split.total - split.weights + dense + experts // 2     # room for half of the experts
+    code, out = _run([str(out_dir), "--max-memory", f"{budget / 1e6:.6f}MB", "--ctx", "256"], capsys)
+    assert code == 0 and out.startswith("fits with") and "streamed from disk" in out
+    code, out = _run([str(out_dir), "--max-memory", "101MB", "--ctx", "256"], capsys)
+    assert code == 1 and out.startswith("does not fit: needs at least")

@@ -130,12 +130,19 @@ def _plan_calibrated(args: argparse.Namespace, path: Path, baseline: int) -> Pre
     from app.plan import calibrated_floor, calibrated_layout, predict, split_for
     from app.sizes import parse_size
     from engine.calibration import collect_stats
+    from engine.formats.container import is_container
     from engine.loader import open_checkpoint
     from engine.models.transformer import Transformer
 
     ckpt = open_checkpoint(path)
     settings = ConvertSettings(group=args.group_size)
     split = split_for(ckpt.spec, parse_size(args.max_memory, "--max-memory"), args.ctx, baseline)
+    if is_container(path):                                       # quantized already: its widths are given
+        from app.plan import container_layout
+
+        layout = container_layout(ckpt, split)
+        _log(f"{path} is a Colibri container: its own widths, no calibration")
+        return predict(ckpt.spec, split, layout, _measurer(args, path))
     calibrated_floor(ckpt, split, settings, args.stream_bits)    # a hopeless budget is said before calibrating
     model = Transformer(ckpt.spec, ckpt.source)
     seqs = calibration_sequences(model, ckpt.tokenizer, ckpt.stop_ids, args.calib, args.calib_tokens, _log)
