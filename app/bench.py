@@ -43,6 +43,7 @@ class BenchResult:
     ram_gb_s: float                        # RAM read bandwidth measured with the same threads
     roofline_fraction: float               # achieved_gb_s / ram_gb_s
     roofline_decode_tok_s: float           # ram_gb_s / bytes_per_token: decode if only reads cost
+    kv_bits: int = 32                      # how the KV cache stored keys and values (32, 16 or 8)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values."""
@@ -192,12 +193,13 @@ def random_prompt(loaded: Any, n: int, seed: int = 0) -> list[int]:
     return [int(i) for i in rng.choice(candidates, size=n)]
 
 
-def _one_run(model: Any, prompt: list[int], gen: int) -> tuple[float, float]:
+def _one_run(model: Any, prompt: list[int], gen: int, kv_bits: int = 32) -> tuple[float, float]:
     """(prompt tok/s, decode tok/s) of one prompt pass and `gen` greedy single-token steps."""
     from engine.generate import prefill
-    from engine.kv import KVCache
+    from engine.kv import KVCache, KVPool, blocks_for
 
-    cache = KVCache(model.spec, len(prompt) + gen)
+    n = len(prompt) + gen
+    cache = KVCache(model.spec, n, pool=KVPool(model.spec, blocks_for(n) + 1, bits=kv_bits, prefix_cache=False))
     t0 = time.perf_counter()
     logits = prefill(model, prompt, cache)                    # [V]
     t1 = time.perf_counter()
@@ -218,6 +220,7 @@ def bench_model(
     seed: int = 0,
     ram_gb_s: float | None = None,
     on_run: Callable[[int, int], None] | None = None,
+    kv_bits: int = 32,
 ) -> BenchResult:
     """Time a warm-up and `runs` runs of a `prompt`-token prompt plus `gen` decode steps on a LoadedModel.
 
@@ -237,7 +240,7 @@ def bench_model(
         for r in range(runs + 1):
             if on_run is not None:
                 on_run(r, runs)
-            speed = _one_run(loaded.model, ids, gen)
+            speed = _one_run(loaded.model, ids, gen, kv_bits)
             if r:  # run 0 is the warm-up: compiles kernels, fills caches
                 speeds.append(speed)
         if ram_gb_s is None:
@@ -254,5 +257,5 @@ def bench_model(
         prompt_tok_s_runs=prompt_runs, decode_tok_s_runs=decode_runs,
         weight_bytes=model_weight_bytes(loaded.model), bytes_per_token=per_token,
         achieved_gb_s=achieved, ram_gb_s=ram_gb_s, roofline_fraction=achieved / ram_gb_s,
-        roofline_decode_tok_s=ram_gb_s * 1e9 / per_token,
+        roofline_decode_tok_s=ram_gb_s * 1e9 / per_token, kv_bits=kv_bits,
     )

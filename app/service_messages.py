@@ -33,7 +33,7 @@ class LoadOptions:
     resident_layers: int | None = None  # dense containers: layers held (None: as many as the budget allows)
     history: bool = True                # read and update the usage history that teaches the pins
     max_batch: int = 4                  # generations decoded together (more wait their turn)
-    kv_bits: int = 32                   # 32: exact keys and values; 8: int8 rows, a quarter of the memory
+    kv_bits: int = 32                   # 32: exact keys and values; 16: fp16 rows, half the memory; 8: int8, a quarter
     kv_block_size: int | None = None    # tokens per KV block (None: engine.kv.BLOCK_SIZE)
     overflow: str = "error"             # past the context: "error", "slide" or "retain" (see engine.kv)
 

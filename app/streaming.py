@@ -57,9 +57,9 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("KV cache")
     g.add_argument("--kv-block-size", type=int, default=BLOCK_SIZE, metavar="N",
                    help=f"positions per KV block, a power of two (default {BLOCK_SIZE})")
-    g.add_argument("--kv-bits", type=int, choices=(32, 8), default=32,
-                   help="32 keeps keys and values exact (default); 8 stores int8 rows, a quarter of the memory, "
-                        "with a small error")
+    g.add_argument("--kv-bits", type=int, choices=(32, 16, 8), default=32,
+                   help="32 keeps keys and values exact (default); 16 stores fp16 rows, half the memory (what "
+                        "llama.cpp keeps by default); 8 stores int8 rows, a quarter; both with a small error")
     g.add_argument("--overflow", choices=OVERFLOW, default="error",
                    help="past --ctx: stop with an error (default), slide (drop the oldest blocks) or retain (keep "
                         "the first tokens, the recent window and the most attended blocks); both change outputs")

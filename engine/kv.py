@@ -15,7 +15,8 @@
   the first tokens (attention sinks) and the recent window (`"retain"`). Either way the positions
   of the blocks after the evicted one move down (their rotary keys are rotated back), so positions
   stay inside the context the model knows. Both change outputs and are only on when asked.
-- `kv_bits=8` stores rows as int8 with one float32 scale per row (per head for keys and values).
+- `kv_bits=16` stores rows as fp16 (half the memory of float32, rounded to nearest); `kv_bits=8` as
+  int8 with one float32 scale per row (per head for keys and values).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from engine.spec import AttentionSpec, MLASpec, ModelSpec, RopeSpec
 BLOCK_SIZE = 32           # positions per block: decode attention at 2048 positions is flat from 16 to 128 and
                           # 1.8x slower at 8 (`colibri bench --kv blocks`); 32 keeps prefix sharing fine-grained
 OVERFLOW = ("error", "slide", "retain")
+KV_BITS = (32, 16, 8)     # how keys and values are stored: float32, fp16, int8 with a float32 scale per row
 SINK_TOKENS = 4           # retention: the first tokens always kept (attention sinks)
 PAGE = 4096
 
@@ -54,7 +56,7 @@ class _Part:
 
 
 def _layer_parts(attn, block: int, bits: int) -> list[_Part]:
-    store = np.dtype(np.int8) if bits == 8 else np.dtype(np.float32)
+    store = np.dtype({8: np.int8, 16: np.uint16}.get(bits, np.float32))   # fp16 rows as their bits
     f32 = np.dtype(np.float32)
     if isinstance(attn, MLASpec):
         return [_Part("k", (block, attn.kv_lora_rank), store), _Part("ks", (block,), f32),
@@ -79,8 +81,9 @@ def check_kv_settings(block_size: int, bits: int, overflow: str) -> None:
     """Refuse settings the cache cannot honour, naming the allowed values."""
     if not isinstance(block_size, int) or not 1 <= block_size <= 1024 or block_size & (block_size - 1):
         raise ColibriError(f"KV block size {block_size}: use a power of two from 1 to 1024 (default {BLOCK_SIZE})")
-    if bits not in (8, 32):
-        raise ColibriError(f"KV bits {bits}: use 32 (float32, exact) or 8 (int8, half the memory of 16-bit)")
+    if bits not in KV_BITS:
+        raise ColibriError(f"KV bits {bits}: use 32 (float32, exact), 16 (fp16, half the memory) or 8 (int8 with a "
+                           "scale per row, a quarter)")
     if overflow not in OVERFLOW:
         raise ColibriError(f"overflow {overflow!r}: use one of {', '.join(OVERFLOW)}")
 
@@ -326,9 +329,12 @@ class LayerKV:
 
 
 def _encode(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of x [..., D] as stored: float32 with scale 1, or int8 with scale absmax / 127 per row."""
+    """Rows of x [..., D] as stored: float32 or fp16 bits (uint16) with scale 1, or int8 with scale absmax / 127
+    per row."""
     if dtype == np.float32:
         return x, np.float32(1.0)
+    if dtype == np.uint16:
+        return x.astype(np.float16).view(np.uint16), np.float32(1.0)
     amax = np.abs(x).max(axis=-1)
     scale = (amax / np.float32(127.0)).astype(np.float32)
     safe = np.where(scale > 0, scale, np.float32(1.0))
@@ -529,7 +535,8 @@ class KVCache:
             b = self.table[k]
             for j, arrays in enumerate(pool.layers):
                 key, scale = (arrays["v"], arrays["vs"]) if pool.latent[j] else (arrays["k"], arrays["ks"])
-                rows = key[b].astype(np.float32) * scale[b][..., None]
+                stored = key[b].view(np.float16) if key.dtype == np.uint16 else key[b]
+                rows = stored.astype(np.float32) * scale[b][..., None]
                 _rotate_back(rows, pool.rope[j], -bs)
                 stored, s = _encode(rows, key.dtype)
                 key[b] = stored

@@ -124,6 +124,22 @@ def test_other_layers_decode_through_the_blocks(tmp_path_factory, name):
     assert np.array_equal(got, want)
 
 
+def test_fp16_kv_fused_equals_the_blocks(tmp_path_factory, threads):
+    """Keys and values stored as fp16: the fused step rounds them as the cache's writer does, and reads them back
+    the same way as the blocks' attention."""
+    model = _model(tmp_path_factory, FUSED, "mixtral-window-mha").model
+    want, want_routes = _greedy(model, fused=False, pool=KVPool(model.spec, 32, block_size=4, bits=16))
+    for n in (1, 2):
+        threads(n)
+        got, routes = _greedy(model, fused=True, pool=KVPool(model.spec, 32, block_size=4, bits=16))
+        assert model._fused not in (None, False)
+        assert np.array_equal(got, want), n
+        assert routes == want_routes, n
+    exact, _ = _greedy(model, fused=True, pool=KVPool(model.spec, 32, block_size=4))
+    assert not np.array_equal(got, exact)                          # it did round
+    assert np.abs(got - exact).max() < 1e-2 * np.abs(exact).max()
+
+
 def test_int8_kv_and_probes_take_the_blocks(tmp_path_factory):
     model = _model(tmp_path_factory, FUSED, "mixtral").model
     want, _ = _greedy(model, fused=False, pool=KVPool(model.spec, 32, bits=8))

@@ -210,9 +210,9 @@ def test_overflow_error_names_the_numbers_and_the_fix(tiny):
         tiny.model.forward(PROMPT, cache)
 
 
-@pytest.mark.parametrize("overflow", ["slide", "retain"])
-def test_overflow_evicts_blocks_and_keeps_positions_inside_the_context(tiny, overflow):
-    pool = KVPool(tiny.spec, 16, block_size=4)
+@pytest.mark.parametrize("overflow, bits", [("slide", 32), ("retain", 32), ("slide", 16)])
+def test_overflow_evicts_blocks_and_keeps_positions_inside_the_context(tiny, overflow, bits):
+    pool = KVPool(tiny.spec, 16, block_size=4, bits=bits)
     cache = KVCache(tiny.spec, 16, pool=pool, overflow=overflow, sink_tokens=4, recent_tokens=4)
     stream = PROMPT + PROMPT[:8]                           # 28 tokens through a context of 16
     tiny.model.forward(stream[:12], cache)
@@ -238,11 +238,41 @@ def test_int8_kv_halves_memory_and_stays_close(tiny):
     assert pool.block_bytes <= KVPool(tiny.spec, 1, block_size=16).block_bytes * 0.6 or pool.block_bytes == 4096
 
 
+def test_fp16_kv_halves_memory_and_stays_close(tiny):
+    exact = _decode(tiny.model, KVCache(tiny.spec, 64), PROMPT, steps=0)
+    pool = KVPool(tiny.spec, 20, block_size=16, bits=16)
+    got = _decode(tiny.model, KVCache(tiny.spec, 64, pool=pool), PROMPT, steps=0)
+    assert pool.layers[0]["k"].dtype == np.uint16
+    per_row = np.abs(got - exact).max(axis=1) / np.abs(exact).max()
+    assert 0 < np.median(per_row) <= 0.01
+    full = KVPool(tiny.spec, 1, block_size=16).block_bytes
+    assert pool.block_bytes < full * 0.6
+
+
+def test_fp16_kernel_reads_the_rounded_rows():
+    """The paged kernel on fp16 rows equals the numpy reference on the same rows rounded to fp16."""
+    rng = np.random.default_rng(3)
+    t, start, d, heads, kv_heads, block = 5, 11, 24, 4, 2, 4        # d: 16 lanes and a tail of 8
+    end = start + t
+    q = rng.standard_normal((t, heads, d)).astype(np.float32)
+    k = rng.standard_normal((kv_heads, end, d)).astype(np.float32)
+    v = rng.standard_normal((kv_heads, end, d)).astype(np.float32)
+    positions = np.arange(start, end)
+    kb, table = _scatter(k, block, rng, 40, axis=1)
+    vb, _ = _scatter(v, block, rng, 40, axis=1, table=table)
+    ones = np.ones(kb.shape[:3], np.float32)
+    k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    expected = attend(q, k16, v16, causal_mask(positions, end, None), 0.25)
+    got = attend_paged(q, kb.astype(np.float16).view(np.uint16), ones, vb.astype(np.float16).view(np.uint16), ones,
+                       table, positions, 0.25, None)
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ColibriError, match="power of two"):
         from engine.kv import check_kv_settings
         check_kv_settings(12, 32, "error")
-    with pytest.raises(ColibriError, match="use 32 .* or 8"):
+    with pytest.raises(ColibriError, match="use 32 .* 16 .* or 8"):
         check_kv_settings(16, 4, "error")
     with pytest.raises(ColibriError, match="retain"):
         check_kv_settings(16, 32, "drop")

@@ -60,7 +60,8 @@ def format_table(r) -> str:
     return "\n".join([
         f"{r.model} ({r.architecture}), {r.threads} thread{'s' if r.threads != 1 else ''}, median of {r.runs} runs after a warm-up",
         f"  prompt    {r.prompt_tokens:5d} tokens  {r.prompt_tok_s:9.1f} tok/s   (runs {runs(r.prompt_tok_s_runs)})",
-        f"  decode    {r.gen_tokens:5d} tokens  {r.decode_tok_s:9.1f} tok/s   (runs {runs(r.decode_tok_s_runs)})",
+        f"  decode    {r.gen_tokens:5d} tokens  {r.decode_tok_s:9.1f} tok/s   (runs {runs(r.decode_tok_s_runs)})"
+        + ("" if r.kv_bits == 32 else f", {r.kv_bits}-bit KV cache"),
         f"  weights   {r.weight_bytes / 1e9:9.3f} GB resident, {r.bytes_per_token / 1e6:.1f} MB read per decoded token",
         f"  bandwidth {r.achieved_gb_s:9.2f} GB/s achieved of {r.ram_gb_s:.2f} GB/s RAM read measured "
         f"= {r.roofline_fraction * 100:.0f}% of the roofline",
@@ -93,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"\rbench: {what}   ", end="", file=sys.stderr, flush=True)
 
     result = bench_model(loaded, prompt=args.prompt, gen=args.gen, runs=args.runs, threads=args.threads,
-                         seed=args.seed, on_run=on_run)
+                         seed=args.seed, on_run=on_run, kv_bits=args.kv_bits)
     if live:
         print("\r" + " " * 24 + "\r", end="", file=sys.stderr)
     if args.json:

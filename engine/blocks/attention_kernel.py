@@ -9,8 +9,8 @@ that batch size and cache state never change the answer.
 
 The paged kernels read keys and values where the KV cache keeps them, in fixed-size blocks found
 through the sequence's block table (no gather copy per step). Each stored row carries a scale
-(1.0 for float32 storage, the row's absmax / 127 for int8), multiplied once per score and once per
-weight: for float32 storage the result is the same as without it, bit for bit.
+(1.0 for float32 and fp16 storage, the row's absmax / 127 for int8), multiplied once per score and once
+per weight: for float32 storage the result is the same as without it, bit for bit.
 
 With `keep` set, each row's normalised attention weights are left in `scores` (zeros outside the
 keys it saw): the retention policy sums them into heavy-hitter scores.
@@ -23,7 +23,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from engine.quant.simd import U64, fma32, vexp, vfma, vload, vload_part, vloadf, vsplat, vstore, vstore_part, vsum, vzero
+from engine.quant.simd import (
+    U64, fma32, tof32, vexp, vfma, vload, vload_part, vloadf, vsplat, vstore, vstore_part, vsum, vzero,
+)
 
 
 @njit(boundscheck=False)
@@ -35,7 +37,7 @@ def _kdot(q, qo, k, ko, d):
         acc = vfma(vload(q, qo + U64(16 * j)), vloadf(k, ko + U64(16 * j)), acc)
     y = vsum(acc)
     for j in range(d16 * 16, d):
-        y = fma32(q[qo + U64(j)], np.float32(k[ko + U64(j)]), y)
+        y = fma32(q[qo + U64(j)], tof32(k[ko + U64(j)]), y)
     return y
 
 
@@ -44,7 +46,7 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
                out, oo):
     """One query q[qo:qo+d] of kv head `kv` over positions lo .. p of a paged cache -> out[oo:oo+dv].
 
-    kb, vb are the cache's flat [NB, Hkv, B, D] key and value arrays (float32 or int8), ks, vs the flat
+    kb, vb are the cache's flat [NB, Hkv, B, D] key and value arrays (float32, fp16 bits or int8), ks, vs the flat
     [NB, Hkv, B] row scales; scores[so:so+width] is scratch, left holding the normalised weights
     (zeros outside lo .. p when `keep`). Every sum runs in a fixed order (no fastmath): the same bits
     in any batch and in the fused decode step.
@@ -101,7 +103,7 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
         acc = np.float32(0.0)
         for s in range(lo, p + 1):
             row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
-            acc = fma32(scores[so + U64(s)] * vs[row], np.float32(vb[row * U64(dv) + U64(jj)]), acc)
+            acc = fma32(scores[so + U64(s)] * vs[row], tof32(vb[row * U64(dv) + U64(jj)]), acc)
         out[oo + U64(jj)] = acc
     if keep:
         for s in range(0, lo):
@@ -130,7 +132,7 @@ def _attend_paged(q, kb, ks, vb, vs, table, bsize, heads_kv, d, dv, positions, w
 def attend_paged(q: np.ndarray, kb: np.ndarray, ks: np.ndarray, vb: np.ndarray, vs: np.ndarray, table: np.ndarray,
                  positions: np.ndarray, scale: float, window: int | None = None, keep: bool = False):
     """Causal attention over a paged cache: q [T, H, D]; kb [NB, Hkv, B, D] and vb [NB, Hkv, B, Dv]
-    (float32 or int8) with row scales ks, vs [NB, Hkv, B]; `table` [n] lists the blocks of the
+    (float32, fp16 bits or int8) with row scales ks, vs [NB, Hkv, B]; `table` [n] lists the blocks of the
     sequence in order (position s lives in block table[s // B], row s % B).
 
     Returns out [T, H, Dv], and with `keep` also the attention weights [T * H, S] (S = last position + 1).
@@ -174,10 +176,10 @@ def _attend_latent(q_nope, q_rot, w_uk, w_uv, lb, ls, rb, rs, table, bsize, posi
             o = s % bsize
             a = np.float32(0.0)
             for r in range(rank):
-                a += q_lat[i, r] * np.float32(lb[b, o, r])
+                a += q_lat[i, r] * tof32(lb[b, o, r])
             c = np.float32(0.0)
             for j in range(dr):
-                c += q_rot[t, h, j] * np.float32(rb[b, o, j])
+                c += q_rot[t, h, j] * tof32(rb[b, o, j])
             sc = (a * ls[b, o] + c * rs[b, o]) * scale
             scores[i, s] = sc
             if sc > best:
@@ -198,7 +200,7 @@ def _attend_latent(q_nope, q_rot, w_uk, w_uv, lb, ls, rb, rs, table, bsize, posi
                 scores[i, s] = w
             w = w * ls[b, o]
             for r in range(rank):
-                ctx[i, r] += w * np.float32(lb[b, o, r])
+                ctx[i, r] += w * tof32(lb[b, o, r])
         for j in range(dv):                         # the value up-projection, after attention
             acc = np.float32(0.0)
             for r in range(rank):

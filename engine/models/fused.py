@@ -232,16 +232,16 @@ class FusedDecode:
     # --- running ---
 
     def accepts(self, cache: KVCache) -> bool:
-        """Whether a step on this cache can be fused: float32 KV rows, no attention tracking, plain layers."""
+        """Whether a step on this cache can be fused: float32 or fp16 KV rows, no attention tracking, plain layers."""
         pool = cache.pool
-        return pool.bits == 32 and not cache.tracking and not any(pool.latent)
+        return pool.bits in (32, 16) and not cache.tracking and not any(pool.latent)
 
     def _kv_table(self, pool: KVPool) -> np.ndarray:
-        """[L, 6] addresses of each layer's k, ks, v, vs arrays, the block size and the block count."""
+        """[L, 7] addresses of each layer's k, ks, v, vs arrays, the block size, the block count and the bits."""
         held = self._kv.get(id(pool))
         if held is None or held[0] is not pool:
             table = np.array([[a["k"].ctypes.data, a["ks"].ctypes.data, a["v"].ctypes.data, a["vs"].ctypes.data,
-                               pool.block_size, pool.n_blocks] for a in pool.layers], np.int64)
+                               pool.block_size, pool.n_blocks, pool.bits] for a in pool.layers], np.int64)
             held = (pool, table)
             self._kv = {id(pool): held}
         return held[1]

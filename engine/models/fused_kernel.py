@@ -34,7 +34,7 @@ from engine.blocks.attention_kernel import attend_row
 from engine.blocks.row_kernels import norm_row, rope_row, route_row
 from engine.quant.experts import silu_rows
 from engine.quant.kernels import TILE, otf_rows, planes, tile_rows
-from engine.quant.simd import U64, address_as_voidptr, fma32
+from engine.quant.simd import U64, address_as_voidptr, f32_to_f16, fma32
 
 F32 = np.float32
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
@@ -115,7 +115,8 @@ def cycles(typingctx):
 
 # -- layout of the plan (engine/models/fused.py builds it) -----------------------------------------
 # lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;
-# kvaddr [L, 6] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size and blocks.
+# kvaddr [L, 7] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size, blocks and the
+# bits of a stored key or value (32: float32, 16: fp16).
 # shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, gate/up, SiLU products
 # and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
 # scratch [max(3D + positions, 2E + K)]. iscr [threads * ISCR] int64: per thread token rows, expert slot,
@@ -164,9 +165,12 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         rope_d, inter = lay[l, L_ROPE_D], lay[l, L_INTERLEAVED] != 0
         cos, sin = cs[lay[l, L_ROT], 0], cs[lay[l, L_ROT], 1]
         bsize, nb = kvaddr[l, 4], kvaddr[l, 5]
-        kb = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nb * n_kv * bsize * d,), np.float32)
+        half = kvaddr[l, 6] == 16                      # keys and values stored as fp16 bits, else float32
+        kb = numba.carray(address_as_voidptr(kvaddr[l, 0]), (0 if half else nb * n_kv * bsize * d,), np.float32)
+        vb = numba.carray(address_as_voidptr(kvaddr[l, 2]), (0 if half else nb * n_kv * bsize * dv,), np.float32)
+        kh = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nb * n_kv * bsize * d if half else 0,), np.uint16)
+        vh = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nb * n_kv * bsize * dv if half else 0,), np.uint16)
         ks = numba.carray(address_as_voidptr(kvaddr[l, 1]), (nb * n_kv * bsize,), np.float32)
-        vb = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nb * n_kv * bsize * dv,), np.float32)
         vs = numba.carray(address_as_voidptr(kvaddr[l, 3]), (nb * n_kv * bsize,), np.float32)
         qkv = lb[g[G_QKV]:]
         bias = lay[l, L_QKV_BIAS]                      # fpar offset of the q, k, v biases laid end to end, or -1
@@ -183,11 +187,20 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         if kind == S_KV:
             # kv head c: its key biased, normed and rotated into the cache row of this position, its value beside it
             row = (U64(table[pos // bsize]) * U64(n_kv) + U64(c)) * U64(bsize) + U64(pos % bsize)
-            rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kb, row * U64(d))
-            ks[row] = F32(1.0)
             vo = q_out + n_kv * d + c * dv
-            for j in range(dv):
-                vb[row * U64(dv) + U64(j)] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
+            if half:                                   # rounded to fp16 as the cache's numpy writer rounds
+                kr = scr[:d]
+                rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kr, U64(0))
+                for j in range(d):
+                    kh[row * U64(d) + U64(j)] = f32_to_f16(kr[j])
+                for j in range(dv):
+                    vh[row * U64(dv) + U64(j)] = f32_to_f16(qkv[vo + j] + fpar[bias + vo + j] if bias >= 0
+                                                            else qkv[vo + j])
+            else:
+                rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kb, row * U64(d))
+                for j in range(dv):
+                    vb[row * U64(dv) + U64(j)] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
+            ks[row] = F32(1.0)
             vs[row] = F32(1.0)
         else:
             # query head c over the cache (attend_row only stores its results: a chunk computed twice is harmless)
@@ -195,8 +208,12 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
             rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, qr, U64(0))
             window = lay[l, L_WINDOW]
             lo = pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
-            attend_row(qr, U64(0), d, kb, ks, vb, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo, lf[l, 0],
-                       scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
+            if half:
+                attend_row(qr, U64(0), d, kh, ks, vh, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
+                           lf[l, 0], scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
+            else:
+                attend_row(qr, U64(0), d, kb, ks, vb, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
+                           lf[l, 0], scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
     elif kind == S_ROUTER:
         n_exp = lay[l, L_E]
         r = c * 16

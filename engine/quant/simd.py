@@ -369,16 +369,47 @@ def vlookup16(typingctx, table, idx):
 
 @intrinsic
 def vloadf(typingctx, arr, off):
-    """Lanes arr[off : off + 16] of a 1-D float32 array, or of an int8 array converted to float32 (exact)."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.float32, types.int8)):
+    """Lanes arr[off : off + 16] of a 1-D float32 array, or of an int8 array or a uint16 array of fp16 bits
+    converted to float32 (exact)."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.float32, types.int8, types.uint16)):
         return None
 
     def codegen(context, builder, sig, args):
         ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
         if sig.args[0].dtype == types.float32:
             return _load_vec(builder, ptr, _VF, 4)
+        if sig.args[0].dtype == types.uint16:
+            return _f16_bits_to_f32(builder, builder.zext(_load_vec(builder, ptr, ir.VectorType(ir.IntType(16), LANES), 2),
+                                                          _VI))
         return builder.sitofp(_load_vec(builder, ptr, _VB, 1), _VF)
     return f32x16(arr, off), codegen
+
+
+@intrinsic
+def tof32(typingctx, x):
+    """One stored value as float32: a float32 as it is, an int8 exactly, a uint16 read as fp16 bits (exact)."""
+    if x not in (types.float32, types.int8, types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        if sig.args[0] == types.float32:
+            return args[0]
+        if sig.args[0] == types.uint16:
+            return _f16_bits_to_f32(builder, builder.zext(args[0], _I32))
+        return builder.sitofp(args[0], _F32)
+    return types.float32(x), codegen
+
+
+@intrinsic
+def f32_to_f16(typingctx, x):
+    """float32 -> fp16 bits (uint16), rounded to nearest even as numpy's astype(np.float16) does."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        half = builder.fptrunc(args[0], ir.HalfType())
+        return builder.bitcast(half, ir.IntType(16))
+    return types.uint16(x), codegen
 
 
 def _vconst(value: float) -> ir.Constant:

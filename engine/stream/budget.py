@@ -18,9 +18,9 @@ from engine.stream.io import PAGE, round_up
 
 
 def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:
-    """KV cache bytes for `ctx` tokens as engine.kv stores them: float32 or int8 rows, each with a
+    """KV cache bytes for `ctx` tokens as engine.kv stores them: float32, fp16 or int8 rows, each with a
     float32 scale (MLA caches its compressed latent and rotary key)."""
-    size = 4 if bits == 32 else 1
+    size = bits // 8
     per_token = 0
     for layer in spec.layers:
         a = layer.attn
