@@ -120,6 +120,27 @@ def test_prefetch_predicts_and_is_counted(container):
     assert snap.hits["disk"] == stats.hits["disk"]
 
 
+def test_a_read_ahead_started_during_a_step_never_evicts_that_steps_experts(container):
+    """The fused decode step starts the next layer's reads while a layer's experts are being brought in and
+    computed (the `started` callback): those reads must take other slots, never the step's own."""
+    loaded = _stream(container, 3, policy="lru", prefetch_depth=0)
+    store = loaded.store
+    try:
+        for _ in store.groups(0, [0, 1]):                # both in memory, then one free slot
+            pass
+        before = {i: store.built[(0, i)].gate.a.copy() for i in (0, 1)}
+        seen = {}
+        for group in store.groups(0, [0, 1], started=lambda: store.prefetch(1, [2, 3, 4])):
+            for i, e in group.items():
+                seen[i] = e.gate.a.copy()
+        assert sorted(seen) == [0, 1]
+        assert all(np.array_equal(seen[i], before[i]) for i in (0, 1))     # not overwritten by a read ahead
+        assert (0, 0) in store.built and (0, 1) in store.built
+        assert store.stats().prefetch_issued == 1                            # only the free slot was used
+    finally:
+        loaded.close()
+
+
 def test_history_pins_experts_on_the_next_start(container, resident, tmp_path):
     path = tmp_path / "usage.npz"
     loaded = _stream(container, 8, policy="learned", history_path=path)

@@ -212,6 +212,7 @@ class ExpertStore:
             self.io = IOPool(settings.io_threads, settings.direct)
             self.free = list(range(self.n_slots - 1, -1, -1))
         self.views: dict[tuple[int, tuple], tuple] = {}   # (slot, layout) -> an expert's tensors over the slot
+        self.stepping: set[Key] = set()                # the experts of the layer step in progress, not yet computed
         self.scratch: list[int] = []                   # slots for experts read through, not kept (admission)
         self.transient: set[Key] = set()
         self._layout_scratch()
@@ -253,6 +254,14 @@ class ExpertStore:
             return
         step = [(layer, i) for i in ids]
         protect = set(step)
+        self.stepping = protect                          # what a read-ahead started meanwhile must not evict
+        try:
+            yield from self._step_groups(layer, step, protect, started)
+        finally:
+            self.stepping = set()
+
+    def _step_groups(self, layer: int, step: list[Key], protect: set[Key],
+                     started: Callable[[], None] | None) -> Iterator[Mapping[int, ExpertWeights]]:
         ready: dict[int, ExpertWeights] = {}
         waiting: dict[cf.Future, Key] = {}
         queue: list[Key] = []
@@ -536,7 +545,7 @@ class ExpertStore:
         if self.free:
             return self.free.pop()
         try:
-            victim = self.policy.victim(protect | self.loading.keys() | self.pinned)
+            victim = self.policy.victim(protect | self.stepping | self.loading.keys() | self.pinned)
         except LookupError:
             victim = None
         admit = getattr(self.policy, "admit", None)
