@@ -139,8 +139,8 @@ def _stream(args: argparse.Namespace) -> int:
     from app.bench import check_threads, thread_limits
     from app.budget import process_rss
     from app.pull import resolve_model
-    from app.stream_bench import (disk_bandwidth, format_replay, format_runs, replay, run_workload, save_trace,
-                                  workload)
+    from app.stream_bench import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, run_workload,
+                                  save_trace, workload)
     from app.streaming import stream_options
     from engine.loader import open_checkpoint
     from engine.stream.io import PAGE, round_up
@@ -158,7 +158,8 @@ def _stream(args: argparse.Namespace) -> int:
     slot = round_up(max(x.length for x in c.extents.values()), PAGE)
     prompts = workload(ckpt.tokenizer, args.chats, ckpt.spec.vocab_size)
     gb_s = disk_bandwidth(path, slot, args.io_threads)
-    log(f"disk: {gb_s:.2f} GB/s cold reads of {slot / 1e6:.2f} MB on {args.io_threads} threads")
+    log(f"disk: {gb_s:.2f} GB/s cold reads of {slot / 1e6:.2f} MB on {args.io_threads} threads (the best of "
+        f"{DISK_REPEATS})")
     trace: list = []
     runs = []
     with tempfile.TemporaryDirectory() as tmp, thread_limits(args.threads):
