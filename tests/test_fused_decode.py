@@ -161,7 +161,8 @@ def test_thread_choice_follows_the_faster_count():
         n = choice.pick(2)
         picks.append(n)
         choice.record(n, 0.030 if n == 2 else 0.020)     # another program holds the second core
-    assert picks[:2] == [2, 2] and picks[2:4] == [1, 1]   # both counts tried first
+    first = ThreadChoice.FIRST + 1                        # each count's first step is not counted
+    assert picks[:first] == [2] * first and picks[first:2 * first] == [1] * first   # both counts tried first
     late = picks[2 * ThreadChoice.PROBE:]
     assert late.count(1) > late.count(2) >= 1             # one thread from then on, two now and then
     assert ThreadChoice().pick(1) == 1
@@ -177,6 +178,6 @@ def test_thread_choice_tries_the_other_count_less_often_while_it_keeps_losing():
         picks.append(n)
         two = 0.010 if step < 2000 else 0.040                  # a quiet machine, then another program arrives
         choice.record(n, two if n == 2 else 0.020)
-    early = picks[4:2000]
+    early = picks[2 * (ThreadChoice.FIRST + 1):2000]            # after both counts' first measurements
     assert 3 <= early.count(1) <= 8                            # tries at 16, 32, 64, ... steps apart
     assert picks[-500:].count(1) > 450                          # the load came: one thread, found by a try

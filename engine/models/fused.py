@@ -331,6 +331,7 @@ class ThreadChoice:
     MAX_PROBE (a try costs a slow step: on a quiet machine, trying one thread every 16th step cost 4% of decode).
     The answer is the same with any count; only the time differs."""
 
+    FIRST = 3       # steps measured with each count before the first choice
     PROBE = 16      # steps from a change of choice to the first try of the other count
     MAX_PROBE = 1024
     KEEP = 8        # recent step times kept per count
@@ -338,6 +339,7 @@ class ThreadChoice:
     def __init__(self) -> None:
         self.steps = 0
         self.walls: dict[int, list[float]] = {}
+        self.seen: set[int] = set()
         self.best = 0
         self.interval = self.PROBE
         self.next_try = 0
@@ -347,9 +349,9 @@ class ThreadChoice:
         self.steps += 1
         if most <= 1:
             return 1
-        if len(self.walls.get(most, ())) < 2:
+        if len(self.walls.get(most, ())) < self.FIRST:
             return most
-        if len(self.walls.get(1, ())) < 2:                # both counts measured before choosing
+        if len(self.walls.get(1, ())) < self.FIRST:       # both counts measured before choosing
             return 1
         median = {n: sorted(self.walls[n])[len(self.walls[n]) // 2] for n in (most, 1)}
         best = min(median, key=median.get)
@@ -363,7 +365,11 @@ class ThreadChoice:
         return best
 
     def record(self, threads: int, wall: float) -> None:
-        """The wall time of a step run with `threads` threads."""
+        """The wall time of a step run with `threads` threads (the first with each count is left out: it may
+        have loaded or compiled kernels)."""
+        if threads not in self.seen:
+            self.seen.add(threads)
+            return
         walls = self.walls.setdefault(threads, [])
         walls.append(wall)
         del walls[: -self.KEEP]
