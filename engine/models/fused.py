@@ -117,6 +117,8 @@ class FusedDecode:
         g[fk.G_STEPS] = self.steps
         self.rms_eps = np.float32(spec.rms_eps)
         self._kv: dict[int, tuple[KVPool, np.ndarray]] = {}             # descriptors stay valid: the model holds the tensors
+        self._exp0 = [int(v) for v in lay[:, fk.L_EXP0]]                # per layer, for _bring
+        self._i_ff = [int(v) for v in lay[:, fk.L_I]]
         self._threads = ThreadChoice()
 
     # --- building ---
@@ -312,14 +314,14 @@ class FusedDecode:
     def _bring(self, layer: int, slot: int, expert) -> None:
         """Point slot `slot` of a streamed layer at an expert in memory (for the next call only: the store may
         reuse its memory once the caller asks for the next group)."""
-        row = int(self.lay[layer, fk.L_EXP0]) + 3 * slot
-        i_ff = int(self.lay[layer, fk.L_I])
+        row = self._exp0[layer] + 3 * slot
+        i_ff = self._i_ff[layer]
         for m, w in enumerate((expert.gate, expert.up, expert.down)):
             want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)
-            if not isinstance(w, QuantizedTensor) or tuple(w.shape) != want:
+            if not isinstance(w, QuantizedTensor) or w.shape != want:
                 raise GenerationError(f"expert {expert.names[m] or slot} of layer {layer} is not a quantized "
                                       f"{want[0]}x{want[1]} matrix as the fused step expects")
-            self.descs[row + m] = w.descriptor
+            self.descs[row + m] = w.descriptor_row
 
 
 class ThreadChoice:

@@ -171,6 +171,11 @@ class QuantizedTensor:
         """
         return self._descriptor
 
+    @property
+    def descriptor_row(self) -> np.ndarray:
+        """`descriptor` as an int64 array [13] (read-only use: copy it into a kernel's table)."""
+        return self._table[0]
+
     def to_buffers(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON-able meta, named C-contiguous storage arrays) for a container writer."""
         meta = {"kind": META_KIND, "version": META_VERSION, "layout": LAYOUT, "shape": list(self.shape),
