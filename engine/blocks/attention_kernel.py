@@ -42,6 +42,12 @@ def _kdot(q, qo, k, ko, d):
 
 
 @njit(boundscheck=False)
+def _row_base(table, s, shift, heads_kv, kv, bsize):
+    """The flat cache row of position s for kv head `kv` (bsize = 1 << shift)."""
+    return (U64(table[s >> shift]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s & (bsize - 1))
+
+
+@njit(boundscheck=False)
 def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, scale, scores, so, keep, width,
                out, oo):
     """One query q[qo:qo+d] of kv head `kv` over positions lo .. p of a paged cache -> out[oo:oo+dv].
@@ -49,21 +55,29 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
     kb, vb are the cache's flat [NB, Hkv, B, D] key and value arrays (float32, fp16 bits or int8), ks, vs the flat
     [NB, Hkv, B] row scales; scores[so:so+width] is scratch, left holding the normalised weights
     (zeros outside lo .. p when `keep`). Every sum runs in a fixed order (no fastmath): the same bits
-    in any batch and in the fused decode step.
+    in any batch and in the fused decode step. Positions are walked block by block (B is a power of two:
+    a row's place is a shift and a mask, never a division).
     """
+    shift = 0
+    while (1 << shift) < bsize:
+        shift += 1
     best = np.float32(-np.inf)
-    for s in range(lo, p + 1):
-        row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
-        sc = _kdot(q, qo, kb, row * U64(d), d) * ks[row] * scale
-        scores[so + U64(s)] = sc
-        if sc > best:
-            best = sc
-    shift = vsplat(-best)
+    s = lo
+    while s <= p:                                                    # one block at a time
+        n = min(bsize - (s & (bsize - 1)), p + 1 - s)
+        row = _row_base(table, s, shift, heads_kv, kv, bsize)
+        for i in range(n):
+            sc = _kdot(q, qo, kb, (row + U64(i)) * U64(d), d) * ks[row + U64(i)] * scale
+            scores[so + U64(s + i)] = sc
+            if sc > best:
+                best = sc
+        s += n
+    shift_v = vsplat(-best)
     one = vsplat(np.float32(1.0))
     for s in range(lo, p + 1, 16):                                   # e**(score - best), 16 lanes at a time
         m = min(16, p + 1 - s)
         o = so + U64(s)
-        vstore_part(scores, o, vexp(vfma(vload_part(scores, o, m), one, shift)), m)
+        vstore_part(scores, o, vexp(vfma(vload_part(scores, o, m), one, shift_v)), m)
     total = np.float32(0.0)
     for s in range(lo, p + 1):
         total += scores[so + U64(s)]
@@ -79,14 +93,19 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
         a1 = vzero()
         a2 = vzero()
         a3 = vzero()
-        for s in range(lo, p + 1):
-            row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
-            ww = vsplat(scores[so + U64(s)] * vs[row])
-            vo = row * U64(dv) + U64(16 * j)
-            a0 = vfma(ww, vloadf(vb, vo), a0)
-            a1 = vfma(ww, vloadf(vb, vo + U64(16)), a1)
-            a2 = vfma(ww, vloadf(vb, vo + U64(32)), a2)
-            a3 = vfma(ww, vloadf(vb, vo + U64(48)), a3)
+        s = lo
+        while s <= p:
+            n = min(bsize - (s & (bsize - 1)), p + 1 - s)
+            row = _row_base(table, s, shift, heads_kv, kv, bsize)
+            for i in range(n):
+                r = row + U64(i)
+                ww = vsplat(scores[so + U64(s + i)] * vs[r])
+                vo = r * U64(dv) + U64(16 * j)
+                a0 = vfma(ww, vloadf(vb, vo), a0)
+                a1 = vfma(ww, vloadf(vb, vo + U64(16)), a1)
+                a2 = vfma(ww, vloadf(vb, vo + U64(32)), a2)
+                a3 = vfma(ww, vloadf(vb, vo + U64(48)), a3)
+            s += n
         vstore(out, oo + U64(16 * j), a0)
         vstore(out, oo + U64(16 * j + 16), a1)
         vstore(out, oo + U64(16 * j + 32), a2)
@@ -95,15 +114,15 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
     while j < d16:
         a0 = vzero()
         for s in range(lo, p + 1):
-            row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
-            a0 = vfma(vsplat(scores[so + U64(s)] * vs[row]), vloadf(vb, row * U64(dv) + U64(16 * j)), a0)
+            r = _row_base(table, s, shift, heads_kv, kv, bsize)
+            a0 = vfma(vsplat(scores[so + U64(s)] * vs[r]), vloadf(vb, r * U64(dv) + U64(16 * j)), a0)
         vstore(out, oo + U64(16 * j), a0)
         j += 1
     for jj in range(d16 * 16, dv):
         acc = np.float32(0.0)
         for s in range(lo, p + 1):
-            row = (U64(table[s // bsize]) * U64(heads_kv) + U64(kv)) * U64(bsize) + U64(s % bsize)
-            acc = fma32(scores[so + U64(s)] * vs[row], tof32(vb[row * U64(dv) + U64(jj)]), acc)
+            r = _row_base(table, s, shift, heads_kv, kv, bsize)
+            acc = fma32(scores[so + U64(s)] * vs[r], tof32(vb[r * U64(dv) + U64(jj)]), acc)
         out[oo + U64(jj)] = acc
     if keep:
         for s in range(0, lo):
