@@ -115,6 +115,48 @@ def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
         assert np.array_equal(logits, resident), n
 
 
+def test_streamed_layers_whose_experts_are_in_memory_run_on_without_stopping(tmp_path_factory, monkeypatch):
+    """With every expert in memory a streamed token is one call (no stop per layer), and the store counts the
+    layers it ran as if it had been asked for them: the same hits and steps as the blocks path."""
+    from engine.loader import StreamOptions
+    from engine.models import fused_kernel as fk
+    from engine.stream.store import StoreSettings
+
+    model_type, overrides = FUSED["mixtral"]
+    src = build_checkpoint(tmp_path_factory.mktemp("r"), model_type, **overrides)
+    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    calls = []
+    real = fk.decode_step
+    monkeypatch.setattr(fk, "decode_step", lambda *a: (calls.append(1), real(*a)))
+    results = {}
+    for fused in (False, True):
+        loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
+        try:
+            model = loaded.model
+            model.fused_decode = fused
+            cache = KVCache(model.spec, 64)
+            logits = model.forward(PROMPT, cache)[-1]
+            store = loaded.store
+            for layer in sorted({key[0] for key in store.recipes}):   # every expert in memory from here on
+                for _ in store.groups(layer, list(range(8))):
+                    pass
+            for _ in range(3):                              # the first fused token loads kernels; then one call each
+                logits = model.forward([int(logits.argmax())], cache)[-1]
+            calls.clear()
+            out_logits = []
+            for _ in range(STEPS):
+                logits = model.forward([int(logits.argmax())], cache)[-1]
+                out_logits.append(logits)
+            stats = loaded.store.stats()
+            results[fused] = (np.stack(out_logits), dict(stats.hits), loaded.store.now, len(calls))
+        finally:
+            loaded.close()
+    (want, want_hits, want_now, _), (got, hits, now, n_calls) = results[False], results[True]
+    assert np.array_equal(got, want)
+    assert hits == want_hits and now == want_now                # counted as the blocks path counts
+    assert n_calls == STEPS                                      # one call a token: no layer stopped
+
+
 @pytest.mark.parametrize("name", list(BLOCKS_ONLY))
 def test_other_layers_decode_through_the_blocks(tmp_path_factory, name):
     model = _model(tmp_path_factory, BLOCKS_ONLY, name).model

@@ -77,7 +77,7 @@ class FusedDecode:
         lay = np.full((spec.n_layers, fk.N_LAY), -1, np.int64)
         lay[:, fk.L_STREAMED] = 0
         lf = np.zeros((spec.n_layers, 2), np.float32)
-        sizes = {"qkv": 0, "att": 0, "rl": 0, "gu": 0, "hb": 0, "y": self.hidden, "scr": 0}
+        sizes = {"qkv": 0, "att": 0, "rl": 0, "gl": 0, "gu": 0, "hb": 0, "y": self.hidden, "scr": 0}
         self.top_k = 0
         self._moe: list[tuple[int, int]] = []
         for i, layer in enumerate(model.layers):
@@ -91,8 +91,8 @@ class FusedDecode:
         g[fk.G_NORM] = self._param(model.norm)
         g[fk.G_HEAD0], g[fk.G_HEAD1] = self.head0, len(self._items)
         offset = 0                                       # each layer's own buffers (see fused_kernel)
-        for name, key in (("qkv", fk.G_QKV), ("att", fk.G_ATT), ("o", fk.G_O), ("rl", fk.G_RL), ("gu", fk.G_GU),
-                          ("hb", fk.G_HB), ("y", fk.G_Y)):
+        for name, key in (("qkv", fk.G_QKV), ("att", fk.G_ATT), ("o", fk.G_O), ("rl", fk.G_RL), ("gl", fk.G_GL),
+                          ("gu", fk.G_GU), ("hb", fk.G_HB), ("y", fk.G_Y)):
             g[key] = offset
             offset += _aligned(sizes.get(name, self.hidden))
         g[fk.G_LAYER] = offset
@@ -110,6 +110,8 @@ class FusedDecode:
                      slots * -(-lay[i, fk.L_I] // lay[i, fk.L_ROWS_IN]), slots * -(-self.hidden // lay[i, fk.L_ROWS_DOWN])]
             if lay[i, fk.L_MOE]:
                 parts.append(-(-lay[i, fk.L_E] // 16))
+            if lay[i, fk.L_STREAMED]:                   # the read-ahead guess for a later layer
+                parts.append(-(-int(lay[:, fk.L_E].max()) // 16))
             self.steps += len(parts)
             self.chunks += int(sum(parts))
         self.steps += 1
@@ -119,6 +121,10 @@ class FusedDecode:
         self._kv: dict[int, tuple[KVPool, np.ndarray]] = {}             # descriptors stay valid: the model holds the tensors
         self._exp0 = [int(v) for v in lay[:, fk.L_EXP0]]                # per layer, for _bring
         self._i_ff = [int(v) for v in lay[:, fk.L_I]]
+        self._res0 = [int(v) for v in lay[:, fk.L_RES0]]
+        self.flags = np.zeros((spec.n_layers, max(1, int(lay[:, fk.L_E].max()))), np.int64)   # see _held
+        self.streamed_layers = [i for i in range(spec.n_layers) if lay[i, fk.L_STREAMED]]
+        self._extra: int | None = None
         self._threads = ThreadChoice()
 
     # --- building ---
@@ -200,9 +206,14 @@ class FusedDecode:
         lay[i, fk.L_ROWS_IN] = chunk_rows(self.hidden, m.expert_ffn)
         lay[i, fk.L_ROWS_DOWN] = chunk_rows(m.expert_ffn, self.hidden)
         lay[i, fk.L_EXP0] = len(self._descs)
-        if streamed:                                      # a row per slot, filled in per call (_bring)
+        if streamed:                  # a row per slot, filled in per call (_bring), then one per expert in memory
             lay[i, fk.L_STREAMED] = 1
             self._descs += [(0,) * len(self._descs[0])] * (3 * m.top_k)
+            lay[i, fk.L_RES0] = len(self._descs)
+            self._descs += [(0,) * len(self._descs[0])] * (3 * m.n_experts)
+            lay[i, fk.L_GUESS] = guessed(m.top_k, m.n_experts, None)
+            sizes["gl"] = max(sizes["gl"], m.n_experts)
+            sizes["scr"] = max(sizes["scr"], 2 * m.n_experts + m.top_k + MAX_GUESS + self.hidden)
         else:
             for e in experts.per_layer[i]:
                 if e.gate.shape != (m.expert_ffn, self.hidden) or e.down.shape != (self.hidden, m.expert_ffn):
@@ -227,9 +238,30 @@ class FusedDecode:
         if model.layer_source is not None or any(layer is None for layer in model.layers):
             return None
         try:
-            return cls(model)
+            plan = cls(model)
         except _NotFusable:
             return None
+        if plan.streamed_layers:
+            model.experts.add_listener(plan._held)
+        return plan
+
+    def _held(self, key: tuple[int, int], expert) -> None:
+        """The store's word on a streamed expert: in memory to stay (its descriptors written, flagged) or gone."""
+        layer, e = key
+        if layer not in self.streamed_layers:
+            return
+        if expert is None:
+            self.flags[layer, e] = 0
+            return
+        row = self._res0[layer] + 3 * e
+        i_ff = self._i_ff[layer]
+        for m, w in enumerate((expert.gate, expert.up, expert.down)):
+            want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)
+            if not isinstance(w, QuantizedTensor) or w.shape != want:
+                self.flags[layer, e] = 0                # the calls bring it as they go (_bring says what is wrong)
+                return
+            self.descs[row + m] = w.descriptor_row
+        self.flags[layer, e] = 1
 
     # --- running ---
 
@@ -249,13 +281,21 @@ class FusedDecode:
         return held[1]
 
     def run(self, x0: np.ndarray, cache: KVCache, pos: int, source=None,
-            predict: Callable[[int, np.ndarray], None] | None = None) -> tuple[np.ndarray, FusedStep]:
+            predict: Callable[[int, np.ndarray], None] | None = None, ahead: int = 0,
+            extra: int | None = None) -> tuple[np.ndarray, FusedStep]:
         """The logits [1, V] of the token whose embedding is x0 [hidden] at position pos (its row of `cache`
         prepared, not yet committed), with its routing and phase times.
 
         With streamed experts, `source` (the expert store) brings each layer's experts in, and
         `predict(layer, x)` is called where a call stops at `layer` with its hidden state x [hidden] (after
-        attention), to start the reads of later layers."""
+        attention), to start the reads of later layers. A streamed layer whose experts are all in memory (and the
+        `ahead`-th layer's guessed ones too, `extra` beyond its top-k) runs on without stopping; the store counts
+        it afterwards, in order (`ExpertStore.account`)."""
+        self.g[fk.G_AHEAD] = ahead if predict is not None else 0
+        if extra != self._extra:
+            self._extra = extra
+            for i in self.streamed_layers:
+                self.lay[i, fk.L_GUESS] = guessed(int(self.lay[i, fk.L_K]), int(self.lay[i, fk.L_E]), extra)
         threads = self._threads.pick(numba.get_num_threads())
         cs = np.zeros((len(self._rotaries), 2, max(r.spec.dim // 2 for r in self._rotaries)), np.float32)
         p = np.array([pos], np.int64)
@@ -284,13 +324,15 @@ class FusedDecode:
             t0 = time.perf_counter()
             fk.decode_step(threads, self.descs, self.items, self.lay, self.lf, self.g, self.fpar, kv, table, pos, cs,
                            self.rms_eps, x0, self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done,
-                           tcycles, run, state)
+                           tcycles, run, state, self.flags)
             wall += time.perf_counter() - t0
 
         call()
         n_layers = self.lay.shape[0]
+        done_to = 0                                      # streamed layers before this one are counted by the store
         while run[fk.RUN_EXIT] < n_layers:               # stopped for a layer's streamed experts
             layer = int(run[fk.RUN_EXIT])
+            done_to = self._account(source, rids, done_to, layer)
             top_k = int(self.lay[layer, fk.L_K])
             ids = rids[layer, :top_k]
             needed = sorted({int(i) for i in ids})
@@ -306,10 +348,21 @@ class FusedDecode:
                 run[fk.RUN_SLOTS : fk.RUN_SLOTS + len(slots)] = slots
                 run[fk.RUN_LAST] = int(brought == len(needed))
                 call()
+            done_to = layer + 1
+        if self.streamed_layers:
+            self._account(source, rids, done_to, n_layers)
         self._threads.record(threads, wall)
         total = max(1, int(tcycles[:3].sum()))
         seconds = {name: wall * int(tcycles[j]) / total for j, name in enumerate(("attention", "dense", "experts"))}
         return logits, FusedStep(rids, rw, self.moe, seconds)
+
+    def _account(self, source, rids: np.ndarray, lo: int, hi: int) -> int:
+        """Have the store count the streamed layers lo .. hi - 1, run without stopping (their experts were all in
+        memory); returns hi."""
+        for i in self.streamed_layers:
+            if lo <= i < hi:
+                source.account(i, sorted({int(e) for e in rids[i, : int(self.lay[i, fk.L_K])]}))
+        return hi
 
     def _bring(self, layer: int, slot: int, expert) -> None:
         """Point slot `slot` of a streamed layer at an expert in memory (for the next call only: the store may
@@ -375,6 +428,15 @@ class ThreadChoice:
         walls = self.walls.setdefault(threads, [])
         walls.append(wall)
         del walls[: -self.KEEP]
+
+
+MAX_GUESS = 64      # experts the kernel's read-ahead guess may hold (its integer scratch)
+
+
+def guessed(top_k: int, n_experts: int, extra: int | None) -> int:
+    """How many experts the read-ahead guesses for a layer: top_k and half as many again (or `extra` more), as
+    Transformer._predict does."""
+    return min(n_experts, top_k + (top_k // 2 if extra is None else extra), MAX_GUESS)
 
 
 def _quantized_store(store) -> bool:

@@ -40,7 +40,7 @@ F32 = np.float32
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 STEAL = 2000     # pauses (10-20 ns each) a thread waits for another's chunk before computing it itself
 LINE = 16        # int64 slots between two flags of `sync` (two cache lines)
-ISCR = 128       # int64 scratch per thread
+ISCR = 192       # int64 scratch per thread
 # run [8 + K] int64, what a call does (streamed experts: engine/models/fused.py): RUN_START the layer it starts at;
 # RUN_RESUME 0 to start that layer from its input (x0 at layer 0, else `state`), 1 to resume at its experts;
 # RUN_ACTIVE how many slots the experts step runs (listed from RUN_SLOTS); RUN_LAST 1 when these are the layer's
@@ -117,17 +117,17 @@ def cycles(typingctx):
 # lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;
 # kvaddr [L, 7] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size, blocks and the
 # bits of a stored key or value (32: float32, 16: fp16).
-# shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, gate/up, SiLU products
-# and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
+# shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, the read-ahead guess's
+# router logits (of a later layer), gate/up, SiLU products and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
 # scratch [max(3D + positions, 2E + K)]. iscr [threads * ISCR] int64: per thread token rows, expert slot,
 # thread id and count, then (from 8) the chosen experts, then (from 64) the slots the expert steps run. sync [(steps + 1) * LINE] int64: the token's end at
 # steps * LINE. done [chunks] int64.
 
 (L_IN_NORM, L_POST_NORM, L_QKV0, L_QKV1, L_O0, L_O1, L_H, L_HKV, L_D, L_DV, L_ROT, L_ROPE_D, L_INTERLEAVED,
  L_WINDOW, L_MOE, L_E, L_K, L_I, L_ROUTER, L_SCORING, L_NORM_TOPK, L_BIAS, L_EXP0, L_GATE, L_DOWN,
- L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, L_STREAMED, N_LAY) = range(31)
+ L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, L_STREAMED, L_RES0, L_GUESS, N_LAY) = range(33)
 (G_HIDDEN, G_LAYERS, G_NORM, G_HEAD0, G_HEAD1, G_QKV, G_ATT, G_O, G_RL, G_GU, G_HB, G_Y, G_PRIV, G_STEPS,
- G_LAYER, N_G) = range(16)
+ G_LAYER, G_AHEAD, G_GL, N_G) = range(18)
 # kinds of step
 S_QKV, S_KV, S_HEADS, S_O, S_ROUTER, S_GATE_UP, S_DOWN, S_HEAD = range(8)
 
@@ -141,10 +141,15 @@ def _item(descs, items, i, x, xrows, out):
 
 
 @njit
-def _expert(lay, l, k, ids):
+def _expert(lay, l, k, ids, direct):
     """Descriptor index of the gate matrix of slot k's expert (up and down follow): resident experts by their
-    id, streamed ones by slot (filled in for the call)."""
-    return lay[l, L_EXP0] + 3 * (k if lay[l, L_STREAMED] != 0 else ids[k])
+    id; streamed ones by id among those in memory (`direct`: every one of the step's was) or else by slot (filled
+    in for the call)."""
+    if lay[l, L_STREAMED] == 0:
+        return lay[l, L_EXP0] + 3 * ids[k]
+    if direct:
+        return lay[l, L_RES0] + 3 * ids[k]
+    return lay[l, L_EXP0] + 3 * k
 
 
 @njit(boundscheck=False)
@@ -228,7 +233,7 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         k = iscr[io + 64 + c // per]                   # the slot
         r0 = (c % per) * rows
         r1 = min(inter_ff, r0 + rows)
-        m0 = _expert(lay, l, k, ids) if lay[l, L_MOE] != 0 else lay[l, L_GATE]
+        m0 = _expert(lay, l, k, ids, iscr[io + 5] != 0) if lay[l, L_MOE] != 0 else lay[l, L_GATE]
         gu = lb[g[G_GU]:]
         for m in range(2):
             bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m0 + m])
@@ -242,7 +247,7 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         k = iscr[io + 64 + c // per]
         r0 = (c % per) * rows
         r1 = min(hidden, r0 + rows)
-        m = _expert(lay, l, k, ids) + 2 if lay[l, L_MOE] != 0 else lay[l, L_DOWN]
+        m = _expert(lay, l, k, ids, iscr[io + 5] != 0) + 2 if lay[l, L_MOE] != 0 else lay[l, L_DOWN]
         bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m])
         kr = iscr[io + 2:io + 3]                       # the SiLU product row this slot reads
         kr[0] = k
@@ -280,7 +285,7 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
 
 @njit(boundscheck=False)
 def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-            logits, sync, done, tcycles, run, state):
+            logits, sync, done, tcycles, run, state, flags):
     hidden = g[G_HIDDEN]
     po = tid * g[G_PRIV]
     x = priv[po:po + hidden]                            # this thread's copy of the hidden state
@@ -292,7 +297,8 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
     iscr[io + 3] = tid                                  # which chunks of each step are this thread's (_step)
     iscr[io + 4] = threads
     ids = iscr[io + 8:io + 64]                          # this token's experts (top_k <= 56)
-    active = iscr[io + 64:io + ISCR]                    # the slots the expert steps run
+    active = iscr[io + 64:io + 128]                     # the slots the expert steps run
+    guess = iscr[io + 128:io + ISCR]                    # the experts guessed for a later layer
     end = g[G_STEPS] * LINE                             # set when the call is done: a thread behind stops
     start, resume = run[RUN_START], run[RUN_RESUME] != 0
     src = x0 if start == 0 and not resume else state
@@ -308,6 +314,7 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
         top_k, inter_ff = lay[l, L_K], lay[l, L_I]
         n_exp = lay[l, L_E]
         streamed = lay[l, L_STREAMED] != 0
+        iscr[io + 5] = 0                                # 1: this layer's streamed experts are all in memory
         w = scr[2 * n_exp:2 * n_exp + top_k] if lay[l, L_MOE] != 0 else scr[:0]
         if resume and l == start:                       # this layer's attention and routing ran in an earlier call
             for i in range(hidden):
@@ -353,15 +360,42 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                 now = cycles()
                 tcycles[1] += now - mark
                 mark = now
-                if streamed:                            # the caller brings the experts in, then resumes here
-                    for i in range(hidden):
-                        state[i] = x[i]
-                        state[hidden + i] = h[i]
-                    run[RUN_EXIT] = l
-                    atomic_store(sync, U64(end), 1)
-                    return
+                if streamed:
+                    direct = True                       # every expert of the step in memory?
+                    for k in range(top_k):
+                        if flags[l, ids[k]] == 0:
+                            direct = False
+                    j = l + g[G_AHEAD]
+                    if direct and g[G_AHEAD] > 0 and j < g[G_LAYERS] and lay[j, L_STREAMED] != 0 and \
+                            lay[j, L_E] <= n_exp:
+                        # and every expert layer j's router would pick from here (the read-ahead's guess)?
+                        e_j, k_j = lay[j, L_E], lay[j, L_GUESS]
+                        # layer j's router logits go to this layer's own guess buffer (written once a token, as
+                        # every buffer: a thread behind that computes a chunk late writes the same values)
+                        lbg = lb[g[G_GL] - g[G_RL]:]
+                        h2 = scr[2 * n_exp + top_k + k_j:]
+                        norm_row(x, U64(0), fpar[lay[j, L_POST_NORM]:], eps, hidden, h2, U64(0))
+                        n = (e_j + 15) // 16
+                        _step(S_ROUTER, n, step, first, j, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table,
+                              pos, cs, eps, lbg, h2, scr, ids, iscr, io, logits)
+                        step, first = step + 1, first + n
+                        bias_j = fpar[lay[j, L_BIAS]:lay[j, L_BIAS] + e_j] if lay[j, L_BIAS] >= 0 else fpar[:0]
+                        route_row(lb[g[G_GL]:], U64(0), e_j, k_j, lay[j, L_SCORING], bias_j, lay[j, L_NORM_TOPK] != 0,
+                                  lf[j, 1], scr, guess, U64(0), scr[2 * n_exp + top_k:], U64(0))
+                        for k in range(k_j):
+                            if flags[j, guess[k]] == 0:
+                                direct = False
+                    if not direct:                      # the caller brings the experts in, then resumes here
+                        for i in range(hidden):
+                            state[i] = x[i]
+                            state[hidden + i] = h[i]
+                        run[RUN_EXIT] = l
+                        atomic_store(sync, U64(end), 1)
+                        return
+                    iscr[io + 5] = 1
         slots = top_k if lay[l, L_MOE] != 0 else 1
-        if streamed:
+        direct = iscr[io + 5] != 0
+        if streamed and not direct:
             slots = run[RUN_ACTIVE]
             for k in range(slots):
                 active[k] = run[RUN_SLOTS + k]
@@ -376,7 +410,7 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
         _step(S_DOWN, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
               h, scr, ids, iscr, io, logits)
         step, first = step + 1, first + n
-        if streamed and run[RUN_LAST] == 0:             # more of this layer's experts are still to come
+        if streamed and not direct and run[RUN_LAST] == 0:   # more of this layer's experts are still to come
             now = cycles()
             tcycles[2] += now - mark
             run[RUN_EXIT] = l
@@ -408,9 +442,11 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
 
 @njit(parallel=True, cache=True, boundscheck=False)
 def decode_step(threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-                logits, sync, done, tcycles, run, state):  # pragma: no cover - compiled
+                logits, sync, done, tcycles, run, state, flags):  # pragma: no cover - compiled
     """One token through the layers (see the module docstring and `run`); logits [V] written once the last layer
-    ran, routing in rids/rw [L, K]; x and h [2 * hidden] in `state` where a call stops for streamed experts."""
+    ran, routing in rids/rw [L, K]; x and h [2 * hidden] in `state` where a call stops for streamed experts.
+    flags [L, E]: 1 where a streamed expert is in memory (its descriptors at L_RES0); a streamed layer whose experts,
+    and the experts guessed for the layer G_AHEAD on, all are, runs on without stopping."""
     for tid in prange(threads):
         _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids,
-                rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state)
+                rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state, flags)

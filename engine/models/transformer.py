@@ -233,7 +233,8 @@ class Transformer:
                 def predict(i: int, xi: np.ndarray) -> None:   # a call stopped at layer i: read ahead from there
                     if ahead and i + ahead < n:
                         self._predict(i + ahead, xi[None])
-                logits, step = fused.run(x[0], caches[0], int(positions[0]), self.experts, predict)
+                logits, step = fused.run(x[0], caches[0], int(positions[0]), self.experts, predict, ahead,
+                                         self.lookahead_extra)
             else:
                 logits, step = fused.run(x[0], caches[0], int(positions[0]))
             caches[0].commit(1)

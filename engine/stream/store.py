@@ -213,6 +213,7 @@ class ExpertStore:
             self.free = list(range(self.n_slots - 1, -1, -1))
         self.views: dict[tuple[int, tuple], tuple] = {}   # (slot, layout) -> an expert's tensors over the slot
         self.stepping: set[Key] = set()                # the experts of the layer step in progress, not yet computed
+        self.listeners: list[Callable[[Key, ExpertWeights | None], None]] = []   # see add_listener
         self.scratch: list[int] = []                   # slots for experts read through, not kept (admission)
         self.transient: set[Key] = set()
         self._layout_scratch()
@@ -237,15 +238,8 @@ class ExpertStore:
         consumed and reuse their slots. `started` is called once this step's reads are queued (before any
         waiting): reads the caller starts then (read-ahead) queue behind them.
         """
-        self.now += 1
         ids = [int(i) for i in ids]
-        self._score_prediction(layer, ids)
-        step = (layer, tuple(ids))
-        self.recent.append(step)
-        if self.trace is not None:
-            self.trace.append(step)
-        if self.history is not None:
-            self.history.record(layer, np.asarray(ids))
+        self._begin_step(layer, ids)
         if self.settings.io == "mmap":
             if started is not None:
                 started()
@@ -315,6 +309,49 @@ class ExpertStore:
             if queue:                                    # slots ran short: consumed experts may now make room
                 protect.difference_update((layer, i) for i in group)
                 self._start(queue, protect, waiting)
+
+    def account(self, layer: int, ids: Sequence[int]) -> None:
+        """Count a layer step whose experts were all in memory and were computed without asking for them (the
+        fused decode step checks residency itself, see `add_listener`): what `groups` counts for such a step."""
+        ids = [int(i) for i in ids]
+        self._begin_step(layer, ids)
+        tel = self.telemetry
+        for i in ids:
+            key = (layer, i)
+            tier = "pinned" if key in self.pinned else "cached"
+            self.hits[tier] += 1
+            tel.hit(tier)
+            if key not in self.pinned:
+                self.policy.access(key, self.now)
+            if key in self.prefetched:
+                self.prefetched.discard(key)
+                self.pf_used += 1
+                tel.prefetch(used=1)
+
+    def _begin_step(self, layer: int, ids: list[int]) -> None:
+        self.now += 1
+        self._score_prediction(layer, ids)
+        step = (layer, tuple(ids))
+        self.recent.append(step)
+        if self.trace is not None:
+            self.trace.append(step)
+        if self.history is not None:
+            self.history.record(layer, np.asarray(ids))
+
+    def add_listener(self, fn: Callable[[Key, ExpertWeights | None], None]) -> None:
+        """Call fn(key, expert) whenever an expert is in memory to stay (until the next call for its key), and
+        fn(key, None) when it leaves; called at once for those in memory now. pread mode only (mapped experts
+        never count as in memory)."""
+        if self.settings.io == "mmap":
+            return
+        self.listeners.append(fn)
+        for key, e in self.built.items():
+            if key not in self.transient:
+                fn(key, e)
+
+    def _notify(self, key: Key, e: ExpertWeights | None) -> None:
+        for fn in self.listeners:
+            fn(key, e)
 
     # --- lookahead ---
 
@@ -527,6 +564,8 @@ class ExpertStore:
             self.built[key] = e
         else:                 # and layout: the same views over the slot's bytes, now holding this expert
             self.built[key] = ExpertWeights(*views, self.names[key])
+        if key not in self.transient:
+            self._notify(key, self.built[key])
         if key in self.transient:
             self.policy.access(key, self.now)           # counted, not kept
         elif key not in self.pinned:
@@ -600,7 +639,8 @@ class ExpertStore:
 
     def _evict(self, key: Key) -> None:
         self.policy.remove(key)
-        self.built.pop(key, None)
+        if self.built.pop(key, None) is not None:
+            self._notify(key, None)
         self.free.append(self.where.pop(key))
         if key in self.prefetched:
             self.prefetched.discard(key)
