@@ -123,7 +123,7 @@ def test_the_model_file_applies_when_colibri_runs(tmp_path: Path, capsys: pytest
 
 @pytest.mark.parametrize("text, message", [
     ('max_tokens = "many"\n', "c.toml: max_tokens = 'many': expected a whole number"),
-    ("kv_bits = 16\n", "c.toml: kv_bits = 16: expected one of 32, 8"),
+    ("kv_bits = 4\n", "c.toml: kv_bits = 4: expected one of 32, 16, 8"),
     ('[run]\ncache-policy = "fifo"\n', "c.toml [run]: cache-policy = 'fifo': expected one of lru, lfru, learned"),
     ("no_history = 3\n", "no_history = 3: expected true or false"),
     ("temperature = 0.5.1\n", "c.toml: not valid TOML"),
