@@ -192,25 +192,32 @@ def _non_weights(split: BudgetSplit) -> str:
 def config_layout(ckpt: Checkpoint, split: BudgetSplit, bits: int, stream_bits: int, group: int = 32) -> Layout:
     """Fixed widths from the spec alone: dense matrices at `bits`, routed experts at `stream_bits`."""
     mats = classify(ckpt)
-    experts, n_experts, top_k = _expert_groups(ckpt.spec, mats)
+    experts = _expert_groups(ckpt.spec, mats)[0]
     tensors = {}
     for name, shape in mats.planned.items():
         b = stream_bits if name in experts else bits
         g = group_for(shape[1], group)
         tensors[name] = TensorPlan(name, shape, b, g, _matrix_bytes(shape, b, g), 0.0, 1.0)
-    plan = Plan(tensors, None, _float_bytes(mats))
+    narrower = [b for b in BIT_OPTIONS if b < bits]
+    advice = "lower --ctx" + (f" or --bits (e.g. --bits {narrower[-1]})" if narrower else "")
+    return _place(ckpt.spec, split, mats, Plan(tensors, None, _float_bytes(mats)), f"at {bits} bits ", advice)
+
+
+def _place(spec: ModelSpec, split: BudgetSplit, mats: Matrices, plan: Plan, widths: str, advice: str) -> Layout:
+    """A plan of given widths against the split's weight budget: all resident, the routed experts partly cached
+    (the rest streams), or BudgetTooSmall naming the least budget and `advice`."""
+    experts, n_experts, top_k = _expert_groups(spec, mats)
+    tensors = plan.tensors
     expert_total = sum(tensors[n].nbytes for n in experts)
     dense_total = plan.total_bytes - expert_total
-    cache_min = _cache_minimum(ckpt.spec, mats, lambda n: tensors[n].nbytes)
+    cache_min = _cache_minimum(spec, mats, lambda n: tensors[n].nbytes)
     if split.weights >= plan.total_bytes:
         return Layout(plan, experts, n_experts, top_k, 1.0)
     if experts and split.weights >= dense_total + cache_min:
         return Layout(plan, experts, n_experts, top_k, (split.weights - dense_total) / expert_total)
     need = dense_total + cache_min if experts else dense_total
-    what = (f"dense weights at {bits} bits {format_size(dense_total)}, {format_size(cache_min)} of expert cache"
-            if experts else f"weights at {bits} bits {format_size(dense_total)}")
-    narrower = [b for b in BIT_OPTIONS if b < bits]
-    advice = "lower --ctx" + (f" or --bits (e.g. --bits {narrower[-1]})" if narrower else "")
+    what = (f"dense weights {widths}{format_size(dense_total)}, {format_size(cache_min)} of expert cache"
+            if experts else f"weights {widths}{format_size(dense_total)}")
     raise BudgetTooSmall(split.total - split.weights + need, f"{what}, {_non_weights(split)}", advice)
 
 
@@ -222,7 +229,6 @@ def container_layout(ckpt: Checkpoint, split: BudgetSplit) -> Layout:
     """
     container = ckpt.source
     mats = classify(ckpt)
-    experts, n_experts, top_k = _expert_groups(ckpt.spec, mats)
     tensors = {}
     for name, shape in mats.planned.items():
         e = container.entries[name]
@@ -232,19 +238,8 @@ def container_layout(ckpt: Checkpoint, split: BudgetSplit) -> Layout:
         else:
             tensors[name] = TensorPlan(name, shape, FLOAT_BITS, 0, e.length, 0.0, 1.0)
     other = sum(container.entries[n].length for n in mats.float32)
-    plan = Plan(tensors, None, other)
-    expert_total = sum(tensors[n].nbytes for n in experts)
-    dense_total = plan.total_bytes - expert_total
-    cache_min = _cache_minimum(ckpt.spec, mats, lambda n: tensors[n].nbytes)
-    if split.weights >= plan.total_bytes:
-        return Layout(plan, experts, n_experts, top_k, 1.0)
-    if experts and split.weights >= dense_total + cache_min:
-        return Layout(plan, experts, n_experts, top_k, (split.weights - dense_total) / expert_total)
-    need = dense_total + cache_min if experts else dense_total
-    what = (f"its dense weights {format_size(dense_total)}, {format_size(cache_min)} of expert cache" if experts
-            else f"its weights {format_size(dense_total)}")
-    raise BudgetTooSmall(split.total - split.weights + need, f"{what}, {_non_weights(split)}",
-                         "lower --ctx, or convert the original model narrower")
+    return _place(ckpt.spec, split, mats, Plan(tensors, None, other), "as converted ",
+                  "lower --ctx, or convert the original model narrower")
 
 
 def calibrated_floor(ckpt: Checkpoint, split: BudgetSplit, settings: ConvertSettings, stream_bits: int) -> None:
