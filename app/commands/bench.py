@@ -149,10 +149,12 @@ def _stream(args: argparse.Namespace) -> int:
         raise ColibriError("--chats and --gen must be at least 1")
     check_threads(args.threads)
     path = resolve_model(args.model)
-    baseline = process_rss()
     log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     args.no_history = True
     base = stream_options(args, path, quiet=args.json)
+    # the interpreter's and libraries' footprint once the engine is imported, before any weights load: what
+    # `run` reports beside the budget (measured before the imports it left out numba's and the engine's ~50 MB)
+    baseline = process_rss()
     ckpt = open_checkpoint(path, verify=False)
     c = ckpt.source
     slot = round_up(max(x.length for x in c.extents.values()), PAGE)
