@@ -55,19 +55,6 @@ def _int64_array(arr) -> bool:
 
 
 @intrinsic
-def atomic_add(typingctx, arr, idx, val):
-    """arr[idx] += val atomically (int64 array, sequentially consistent); returns the value before."""
-    if not _int64_array(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        ptr = builder.gep(data, [args[1]])
-        return builder.atomic_rmw("add", ptr, context.cast(builder, args[2], sig.args[2], types.int64), "seq_cst")
-    return types.int64(arr, idx, val), codegen
-
-
-@intrinsic
 def atomic_load(typingctx, arr, idx):
     """arr[idx] read with acquire ordering (int64 array): what was written before the matching store is visible."""
     if not _int64_array(arr):
