@@ -35,14 +35,19 @@ class BudgetSplit:
     working: int
     baseline: int
     ctx: int
+    apart: bool = False     # the baseline comes on top of `total` (as `colibri run --max-memory` counts it)
 
     @property
     def weights(self) -> int:
         """What is left for the weights."""
-        return self.total - self.kv - self.working - self.baseline
+        return self.total - self.kv - self.working - (0 if self.apart else self.baseline)
 
     def describe(self) -> str:
         """The assumptions, for the user."""
+        if self.apart:
+            return (f"of {format_size(self.total)}: KV cache for {self.ctx} tokens {format_size(self.kv)}, working "
+                    f"buffers {format_size(self.working)} -> {format_size(self.weights)} for the weights; the "
+                    f"interpreter and libraries ({format_size(self.baseline)}, measured) come on top")
         return (f"of {format_size(self.total)}: KV cache for {self.ctx} tokens {format_size(self.kv)}, working buffers "
                 f"{format_size(self.working)}, interpreter and libraries {format_size(self.baseline)} (measured) "
                 f"-> {format_size(self.weights)} for the weights")

@@ -95,13 +95,24 @@ def test_config_only_plan_that_streams(config: Path, capsys) -> None:
 
 
 def test_config_only_plan_that_does_not_fit_says_what_would(config: Path, capsys) -> None:
-    code, out = _run(["--config-only", str(config.parent), "--max-memory", "150MB", "--ctx", "4096"], capsys)
+    code, out = _run(["--config-only", str(config.parent), "--max-memory", "50MB", "--ctx", "4096"], capsys)
     assert code == 1
     assert out.startswith("does not fit: needs at least ")
     assert f"KV cache for 4096 tokens {format_size(kv_bytes(plan.config_checkpoint(config).spec, 4096))}" in out
     enough = out.split("raise --max-memory to ")[1].split()[0]
     code, out = _run(["--config-only", str(config), "--max-memory", enough, "--ctx", "4096"], capsys)
     assert code == 0 and out.startswith("fits with ")                  # the advice, taken, is enough
+
+
+def test_the_interpreter_comes_on_top_of_the_budget_as_run_counts_it(config: Path) -> None:
+    # `run --max-memory` gives the budget to weights, KV cache and buffers, the interpreter's footprint apart:
+    # a plan for the same budget must leave the weights the same share
+    from engine.stream.budget import working_bytes
+
+    spec = plan.config_checkpoint(config).spec
+    split = plan.split_for(spec, 10**9, 512, BASELINE)
+    assert split.weights == 10**9 - kv_bytes(spec, 512) - working_bytes(spec, 512)
+    assert f"interpreter and libraries ({format_size(BASELINE)}, measured) come on top" in split.describe()
 
 
 def test_flag_size_rounds_up() -> None:
@@ -124,8 +135,8 @@ def test_streaming_slows_prompt_and_decode(config: Path) -> None:
     every_expert = sum(t.shape[0] * t.shape[1] for n, t in resident.plan.tensors.items() if ".experts." in n)
     assert resident.speeds.work.experts[4] == pytest.approx(every_expert / 4)   # a token runs top_k = 2 of 8 experts
     with pytest.raises(BudgetTooSmall) as err:
-        plan.config_layout(ckpt, plan.split_for(ckpt.spec, BASELINE, 256, BASELINE), 4, 4)
-    assert err.value.minimum > BASELINE
+        plan.config_layout(ckpt, plan.split_for(ckpt.spec, other, 256, BASELINE), 4, 4)   # nothing for weights
+    assert err.value.minimum > other
 
 
 def test_speeds_are_measured_for_the_planned_work(config: Path, monkeypatch, capsys) -> None:
@@ -201,7 +212,7 @@ def test_calibrated_plan_puts_the_verdict_first(tiny_model: Path, capsys) -> Non
 
 def test_calibrated_plan_refuses_a_hopeless_budget_before_calibrating(tiny_model: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr("app.calibrate.calibration_sequences", lambda *a, **k: pytest.fail("calibrated anyway"))
-    code, out = _run([str(tiny_model), "--max-memory", "101MB", "--ctx", "256"], capsys)
+    code, out = _run([str(tiny_model), "--max-memory", "1MB", "--ctx", "256"], capsys)
     assert code == 1 and out.startswith("does not fit: needs at least")
 
 
@@ -225,5 +236,5 @@ def test_a_container_is_planned_at_its_own_widths(tiny_model: Path, tmp_path: Pa
     budget = split.total - split.weights + dense + experts // 2     # room for half of the experts
     code, out = _run([str(out_dir), "--max-memory", f"{budget / 1e6:.6f}MB", "--ctx", "256"], capsys)
     assert code == 0 and out.startswith("fits with") and "streamed from disk" in out
-    code, out = _run([str(out_dir), "--max-memory", "101MB", "--ctx", "256"], capsys)
+    code, out = _run([str(out_dir), "--max-memory", "1MB", "--ctx", "256"], capsys)
     assert code == 1 and out.startswith("does not fit: needs at least")
