@@ -384,7 +384,8 @@ def resolve(command: str, parsers: Mapping[str, argparse.ArgumentParser], args: 
     files: list[tuple[Path, Layer]] = []
     user = user_file() if user is None else user
     explicit = (flags.get("config") or env_values.get("config"))
-    model_path = model_file(getattr(args, "model", None))
+    # MODEL's own file; a command whose MODEL defaults to the default model reads that model's when MODEL is left out
+    model_path = model_file(getattr(args, "model", None) or getattr(args, "default_model", None))
     for path in (user, model_path):
         if path is not None and path.is_file():
             files.append((path, read_file(path, parsers)[command]))

@@ -86,6 +86,24 @@ def test_a_gguf_file_reads_the_colibri_toml_beside_it(tmp_path: Path) -> None:
     assert values(merged(["chat", str(gguf)]))["kv_bits"] == (8, str(tmp_path / "models" / "colibri.toml"))
 
 
+def test_the_default_models_file_applies_when_model_is_left_out(tmp_path: Path, monkeypatch) -> None:
+    # `colibri chat` with no MODEL runs the default model: its colibri.toml (written by `colibri pull`, with the
+    # budget that has its experts stream) counts as when the model is named
+    from app.pull import DEFAULT_MODEL, DERIVED
+
+    models = tmp_path / "models"
+    monkeypatch.setenv("COLIBRI_MODELS_DIR", str(models))
+    folder = models / DERIVED[DEFAULT_MODEL].folder
+    write(folder / "config.json", "{}")
+    write(folder / "colibri.toml", 'max_memory = "540MB"\n')
+    for command in ("chat", "serve", "gui"):
+        assert values(merged([command]))["max_memory"] == ("540MB", str(folder / "colibri.toml")), command
+        assert values(merged([command, DEFAULT_MODEL]))["max_memory"][0] == "540MB"
+    assert values(merged(["chat", "--max-memory", "1GB"]))["max_memory"] == ("1GB", "flag")   # flags still win
+    other = write(tmp_path / "other" / "config.json", "{}").parent
+    assert values(merged(["chat", str(other)]))["max_memory"][1] == "default"     # another model: not its file
+
+
 def test_switches_lists_and_unset_variables(tmp_path: Path) -> None:
     config = write(tmp_path / "c.toml", 'no_history = true\nstop = ["</s>", "###"]\n')
     v = values(merged(["run", "m", "--prompt", "x", "--config", str(config)],

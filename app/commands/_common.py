@@ -16,7 +16,12 @@ def add_model_argument(parser: argparse.ArgumentParser, required: bool) -> None:
     if required:
         parser.add_argument("model", metavar="MODEL", help=help_text)
     else:
-        parser.add_argument("model", metavar="MODEL", nargs="?", default=None, help=help_text + " (default: smollm2-moe, prepared on first use)")
+        from app.pull import DEFAULT_MODEL
+
+        parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                            help=help_text + f" (default: {DEFAULT_MODEL}, prepared on first use)")
+        # the settings read the default model's own colibri.toml when MODEL is left out (app.settings.resolve)
+        parser.set_defaults(default_model=DEFAULT_MODEL)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, repetition_penalty: float) -> None:
