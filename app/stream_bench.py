@@ -227,7 +227,7 @@ def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float | None =
     from engine.stream.policy import (
         DEFAULT_HALF_LIFE_TOKENS, belady, make_policy, simulate, tune_half_life, wants_admission,
     )
-    from engine.stream.store import StoreSettings
+    from engine.stream.store_types import StoreSettings
 
     pin_fraction = StoreSettings(0).pin_fraction if pin_fraction is None else pin_fraction
     chats = trace["chats"]

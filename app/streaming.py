@@ -110,7 +110,7 @@ def stream_options(args: argparse.Namespace, path: Path, quiet: bool = False):
     from engine.formats.container import Container, is_container
     from engine.loader import StreamOptions, open_checkpoint
     from engine.stream.budget import plan_memory
-    from engine.stream.store import StoreSettings
+    from engine.stream.store_types import StoreSettings
 
     total = parse_size(args.max_memory, "--max-memory")
     if args.prefetch_depth < 0:

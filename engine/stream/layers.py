@@ -33,7 +33,7 @@ from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container, TensorEntry, tensor_from_span
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.io import PAGE, IOPool, aligned_empty, round_up
-from engine.stream.store import IO_MODES
+from engine.stream.store_types import IO_MODES
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource
 

@@ -24,7 +24,7 @@ import mmap
 import os
 import zlib
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -32,110 +32,16 @@ import numpy as np
 
 from engine.blocks.ffn import ExpertWeights
 from engine.errors import ColibriError, ModelFormatError
-from engine.formats.container import Container, tensor_from_span
+from engine.formats.container import Container
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.history import Repinner, UsageHistory
 from engine.stream.io import PAGE, IOPool, round_up
 from engine.stream.policy import DEFAULT_HALF_LIFE_TOKENS, make_policy, tune_half_life, wants_admission
+from engine.stream.store_types import Key, PrefetchStats, Recipe, StoreSettings, StoreStats, expert_names
 from engine.telemetry import NULL, Telemetry
-
-Key = tuple[int, int]   # (layer, expert)
-IO_MODES = ("pread", "mmap")
-POLICIES = ("lru", "lfru", "learned")
 
 LEARN_STEPS = 4096          # recent layer steps learn_policy replays (6 half-lives: 0.8 s at close, measured)
 MIN_LEARN_TOKENS = 32       # fewer tokens than this teach nothing about the half-life
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    """How the store holds experts."""
-
-    capacity: int                   # bytes of memory for routed experts (pinned + cached)
-    io: str = "pread"               # pread | mmap
-    io_threads: int = 2
-    policy: str = "learned"         # lru | lfru | learned
-    pin_fraction: float = 0.1       # share of the slots pinned from the usage history (recorded chat traces:
-                                    # 0.1 beats 0.25 by 0.03-0.04 of Belady at 10% capacity, ties at 25%)
-    direct: bool | None = None      # O_DIRECT: None = when the file system allows it
-    verify: bool = True             # CRC-32 of each extent on its first read
-    repin_every: int = 32           # tokens between re-pinning decisions
-
-    def check(self) -> None:
-        """ColibriError naming a bad value."""
-        if self.io not in IO_MODES:
-            raise ColibriError(f"--io {self.io!r}: choose one of {', '.join(IO_MODES)}")
-        if self.policy not in POLICIES:
-            raise ColibriError(f"--cache-policy {self.policy!r}: choose one of {', '.join(POLICIES)}")
-        if self.io_threads < 1 or self.io_threads > 64:
-            raise ColibriError(f"--io-threads {self.io_threads}: use 1 to 64")
-        if not 0.0 <= self.pin_fraction <= 1.0:
-            raise ColibriError(f"pin fraction {self.pin_fraction}: use 0 to 1")
-
-
-@dataclass(frozen=True)
-class PrefetchStats:
-    """How well the lookahead predicted: over the layer steps it predicted, experts counted once per step."""
-
-    predicted: int
-    needed: int
-    correct: int
-
-    @property
-    def precision(self) -> float:
-        """Share of predicted experts that were needed."""
-        return self.correct / self.predicted if self.predicted else 0.0
-
-    @property
-    def recall(self) -> float:
-        """Share of needed experts that were predicted."""
-        return self.correct / self.needed if self.needed else 0.0
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Counters since the store opened."""
-
-    hits: dict[str, int]            # pinned / cached / disk (a miss read from disk)
-    bytes_read: int
-    reads: int
-    prefetch_issued: int
-    prefetch_used: int
-    prefetch_wasted: int
-    prefetch: PrefetchStats
-    occupancy: dict[str, int]       # bytes per tier in memory
-    slots: int
-    slot_bytes: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Share of expert requests served from memory."""
-        total = sum(self.hits.values())
-        return (self.hits["pinned"] + self.hits["cached"]) / total if total else 0.0
-
-
-class _Recipe:
-    """How to build one expert's ExpertWeights from its extent's bytes."""
-
-    __slots__ = ("file", "offset", "length", "crc32", "parts", "layout")
-
-    def __init__(self, container: Container, layer: int, expert: int, names: tuple[str, str, str]):
-        x = container.extents[(layer, expert)]
-        self.file, self.offset, self.length, self.crc32 = str(Path(container.path) / x.file), x.offset, x.length, x.crc32
-        self.parts = []
-        for n in names:
-            e = container.entries.get(n)
-            if e is None or e.file != x.file or not x.offset <= e.offset <= x.offset + x.length - e.length:
-                raise ModelFormatError(f"{container.path}: expert {expert} of layer {layer} has no {n} in its extent; "
-                                       "convert the model again with `colibri convert`")
-            self.parts.append((e, e.offset - x.offset))
-        # experts of one layout over the same bytes are the same tensors (see ExpertStore._finish)
-        self.layout = tuple((rel, e.kind, tuple(e.shape), repr(e.quant), repr(e.buffers)) for e, rel in self.parts)
-
-    def build(self, data: np.ndarray, names: tuple[str, str, str]) -> ExpertWeights:
-        """The expert over `data` (its extent's bytes)."""
-        gate, up, down = (tensor_from_span(e, data[rel : rel + e.length]) for e, rel in self.parts)
-        return ExpertWeights(gate, up, down, names)
 
 
 class ExpertStore:
@@ -146,16 +52,16 @@ class ExpertStore:
         settings.check()
         self.container, self.spec, self.settings, self.telemetry = container, spec, settings, telemetry
         self.names: dict[Key, tuple[str, str, str]] = {}
-        self.recipes: dict[Key, _Recipe] = {}
+        self.recipes: dict[Key, Recipe] = {}
         for i, layer in enumerate(spec.layers):
             if isinstance(layer.ffn, MoESpec):
                 for e in range(layer.ffn.n_experts):
-                    names = _expert_names(i, layer.ffn, e)
+                    names = expert_names(i, layer.ffn, e)
                     if (i, e) not in container.extents:
                         raise ModelFormatError(f"{container.path}: expert {e} of layer {i} is not stored as an extent; "
                                                "streaming needs a container written by `colibri convert`")
                     self.names[(i, e)] = names
-                    self.recipes[(i, e)] = _Recipe(container, i, e, names)
+                    self.recipes[(i, e)] = Recipe(container, i, e, names)
         if not self.recipes:
             raise ColibriError(f"{container.path}: the model has no routed experts to stream")
         self.total_bytes = sum(r.length for r in self.recipes.values())
@@ -521,7 +427,7 @@ class ExpertStore:
             self.reads += 1
             self.telemetry.bytes_read(r.length)
 
-    def _read(self, key: Key, r: _Recipe, dest: np.ndarray) -> cf.Future:
+    def _read(self, key: Key, r: Recipe, dest: np.ndarray) -> cf.Future:
         """A future that completes when the extent is in `dest` and its checksum (first read only) holds."""
         done: cf.Future = cf.Future()
         check = self.settings.verify and key not in self.verified
@@ -718,11 +624,3 @@ class ExpertStore:
         if tel.enabled:
             for tier, nbytes in self._occupancy().items():
                 tel.set_occupancy(tier, nbytes)
-
-
-def _expert_names(layer: int, moe: MoESpec, expert: int) -> tuple[str, str, str]:
-    from engine.models.transformer import expert_prefix
-
-    p = expert_prefix(layer, moe, expert)
-    return tuple(f"{p}.{n}.weight" for n in moe.proj_names)
-
