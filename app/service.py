@@ -42,6 +42,7 @@ from app.service_messages import (  # noqa: F401 - re-exported: front ends impor
     UnloadRequest, _ApplySettings, _Shutdown,
 )
 from app.service_model import ALL, Engaged, available_memory, full_budget, n_experts, peek_spec, read_atlas, rss
+from app.service_subscription import Subscription
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, Event, GenerationStats, TokenEvent
 from engine.sampling import SamplingParams
@@ -51,52 +52,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 4096      # context length when the options name none (capped by the model's own limit)
 PROGRESS_INTERVAL = 0.05    # seconds between load/atlas progress events (the last one always goes out)
-
-
-# ---- subscriptions that outlive a model ------------------------------------------------------------
-
-
-class Subscription:
-    """Telemetry snapshots of whatever model is loaded, delivered on the engine thread; `close` stops them."""
-
-    def __init__(self, service: EngineService, callback: Callable[[Snapshot], None], min_interval: float,
-                 deliver: Callable[[Snapshot], None] | None = None):
-        self.callback = callback
-        self.min_interval = min_interval
-        self._deliver = deliver or callback   # what the telemetry calls (the callback, or a wrapper of it)
-        self._service = service
-        self._inner = None                  # engine.telemetry.Subscription of the current model
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        """Whether close() was called."""
-        return self._closed
-
-    def close(self) -> None:
-        """Stop deliveries (waits for a callback running on the engine thread); idempotent."""
-        with self._service._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._service._subs.remove(self)
-            inner, self._inner = self._inner, None
-        if inner is not None:
-            inner.close()
-
-    def _attach(self, telemetry: Telemetry | None) -> None:
-        """Follow `telemetry` (None: no model); the caller holds the service's lock."""
-        if self._inner is not None:
-            self._inner.close()
-            self._inner = None
-        if telemetry is not None and not self._closed:
-            self._inner = telemetry.subscribe(self._deliver, self.min_interval)
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class QueueFull(ColibriError):
