@@ -42,21 +42,29 @@ class BudgetSplit:
         """What is left for the weights."""
         return self.total - self.kv - self.working - (0 if self.apart else self.baseline)
 
+    @property
+    def kv_and_working(self) -> str:
+        """The KV cache and working buffers, in words."""
+        return f"KV cache for {self.ctx} tokens {format_size(self.kv)}, working buffers {format_size(self.working)}"
+
     def describe(self) -> str:
         """The assumptions, for the user."""
+        head, weights, interp = f"of {format_size(self.total)}", format_size(self.weights), "interpreter and libraries"
         if self.apart:
-            return (f"of {format_size(self.total)}: KV cache for {self.ctx} tokens {format_size(self.kv)}, working "
-                    f"buffers {format_size(self.working)} -> {format_size(self.weights)} for the weights; the "
-                    f"interpreter and libraries ({format_size(self.baseline)}, measured) come on top")
-        return (f"of {format_size(self.total)}: KV cache for {self.ctx} tokens {format_size(self.kv)}, working buffers "
-                f"{format_size(self.working)}, interpreter and libraries {format_size(self.baseline)} (measured) "
-                f"-> {format_size(self.weights)} for the weights")
+            return (f"{head}: {self.kv_and_working} -> {weights} for the weights; the {interp} "
+                    f"({format_size(self.baseline)}, measured) come on top")
+        return f"{head}: {self.kv_and_working}, {interp} {format_size(self.baseline)} (measured) -> {weights} for the weights"
+
+
+def check_ctx(spec: ModelSpec, ctx: int) -> None:
+    """ColibriError unless the model supports a context of `ctx` tokens."""
+    if ctx < 1 or ctx > spec.max_position:
+        raise ColibriError(f"--ctx {ctx}: the model supports 1 to {spec.max_position} tokens")
 
 
 def split_budget(spec: ModelSpec, total: int, ctx: int, baseline: int) -> BudgetSplit:
     """Divide `total` bytes; fails clearly when nothing is left for the weights."""
-    if ctx < 1 or ctx > spec.max_position:
-        raise ColibriError(f"--ctx {ctx}: the model supports 1 to {spec.max_position} tokens")
+    check_ctx(spec, ctx)
     split = BudgetSplit(total, kv_bytes(spec, ctx), working_bytes(spec, ctx), baseline, ctx)
     if split.weights <= 0:
         raise ColibriError(f"a memory budget of {format_size(total)} leaves nothing for the weights ({split.describe()}); "

@@ -1,7 +1,8 @@
 """`colibri plan`: what a model becomes under a memory budget, before converting it (or downloading it).
 
 The budget is split as `colibri run --max-memory` splits it (KV cache for the context, working
-buffers); the rest goes to the weights, and the measured interpreter footprint is reported on top. Two ways to a layout:
+buffers); the rest goes to the weights, and the measured interpreter footprint is reported on top.
+Two ways to a layout:
 - with the weights (`calibrated_layout`): calibration measures each matrix's error and, when every
   matrix fits at some width, the planner picks the widths and the whole model is resident. When it
   does not (an MoE larger than memory), the dense part is planned into at most half the weight
@@ -28,7 +29,7 @@ from typing import Callable
 
 import numpy as np
 
-from app.budget import BudgetSplit, split_budget
+from app.budget import BudgetSplit, check_ctx
 from app.convert import ConvertSettings, Matrices, _bytes_at, classify, make_plan
 from app.sizes import format_size
 from app.speed_model import Rates, Speeds, Work, describe_speeds, plan_work, predict_speeds
@@ -142,8 +143,7 @@ def fetch_config(repo_id: str) -> Path:
 def split_for(spec: ModelSpec, total: int, ctx: int, baseline: int) -> BudgetSplit:
     """The budget's split as `run` makes it (the interpreter's `baseline` on top, not inside), also when it leaves
     nothing for the weights (the verdict then says what is needed)."""
-    if not 1 <= ctx <= spec.max_position:
-        split_budget(spec, total, ctx, baseline)                # raises the --ctx message
+    check_ctx(spec, ctx)
     return BudgetSplit(total, kv_bytes(spec, ctx), working_bytes(spec, ctx), baseline, ctx, apart=True)
 
 
@@ -184,8 +184,7 @@ def _cache_minimum(spec: ModelSpec, mats: Matrices, bytes_of: Callable[[str], in
 
 def _non_weights(split: BudgetSplit) -> str:
     where = " on top" if split.apart else ""
-    return (f"KV cache for {split.ctx} tokens {format_size(split.kv)}, working buffers {format_size(split.working)}, "
-            f"interpreter and libraries {format_size(split.baseline)}{where}")
+    return f"{split.kv_and_working}, interpreter and libraries {format_size(split.baseline)}{where}"
 
 
 def config_layout(ckpt: Checkpoint, split: BudgetSplit, bits: int, stream_bits: int, group: int = 32) -> Layout:

@@ -168,24 +168,16 @@ class ExpertStore:
         tel = self.telemetry
         for key in step:
             if key in self.built:
-                tier = "pinned" if key in self.pinned else "cached"
-                self.hits[tier] += 1
-                tel.hit(tier)
+                self._count_held(key)
                 ready[key[1]] = self.built[key]
-                if key not in self.pinned:
-                    self.policy.access(key, self.now)
-            elif key in self.loading:                    # read ahead, still in flight
-                self.hits["disk"] += 1
-                tel.hit("disk")
+                continue
+            self.hits["disk"] += 1
+            tel.hit("disk")
+            if key in self.loading:                      # read ahead, still in flight
                 waiting[self.loading[key]] = key
             else:
-                self.hits["disk"] += 1
-                tel.hit("disk")
                 queue.append(key)
-            if key in self.prefetched:
-                self.prefetched.discard(key)
-                self.pf_used += 1
-                tel.prefetch(used=1)
+            self._count_prefetch_use(key)
         self._start(queue, protect, waiting)
         if started is not None:
             started()
@@ -221,18 +213,23 @@ class ExpertStore:
         fused decode step checks residency itself, see `add_listener`): what `groups` counts for such a step."""
         ids = [int(i) for i in ids]
         self._begin_step(layer, ids)
-        tel = self.telemetry
         for i in ids:
-            key = (layer, i)
-            tier = "pinned" if key in self.pinned else "cached"
-            self.hits[tier] += 1
-            tel.hit(tier)
-            if key not in self.pinned:
-                self.policy.access(key, self.now)
-            if key in self.prefetched:
-                self.prefetched.discard(key)
-                self.pf_used += 1
-                tel.prefetch(used=1)
+            self._count_held((layer, i))
+
+    def _count_held(self, key: Key) -> None:
+        """Count a step's use of an expert in memory: a hit of its tier, an access for the policy, a prefetch used."""
+        tier = "pinned" if key in self.pinned else "cached"
+        self.hits[tier] += 1
+        self.telemetry.hit(tier)
+        if key not in self.pinned:
+            self.policy.access(key, self.now)
+        self._count_prefetch_use(key)
+
+    def _count_prefetch_use(self, key: Key) -> None:
+        if key in self.prefetched:
+            self.prefetched.discard(key)
+            self.pf_used += 1
+            self.telemetry.prefetch(used=1)
 
     def _begin_step(self, layer: int, ids: list[int]) -> None:
         self.now += 1
@@ -470,11 +467,11 @@ class ExpertStore:
             self.built[key] = e
         else:                 # and layout: the same views over the slot's bytes, now holding this expert
             self.built[key] = ExpertWeights(*views, self.names[key])
-        if key not in self.transient:
-            self._notify(key, self.built[key])
         if key in self.transient:
             self.policy.access(key, self.now)           # counted, not kept
-        elif key not in self.pinned:
+            return
+        self._notify(key, self.built[key])
+        if key not in self.pinned:
             self.policy.insert(key, self.now)
             self.policy.access(key, self.now)
 
