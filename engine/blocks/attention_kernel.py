@@ -131,6 +131,24 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
             scores[so + U64(s)] = np.float32(0.0)
 
 
+@njit(boundscheck=False)
+def encode_i8_row(x, n, out, o):
+    """x[:n] -> int8 out[o:o+n], returning the row's scale: absmax / 127, each value x / scale rounded to nearest
+    even and clipped to +-127. The same bits as the cache's numpy writer (`engine.kv._encode`): float32 division,
+    one rounding each."""
+    amax = np.float32(0.0)
+    for j in range(n):
+        a = abs(x[j])
+        if a > amax:
+            amax = a
+    scale = np.float32(amax / np.float32(127.0))
+    safe = scale if scale > np.float32(0.0) else np.float32(1.0)
+    for j in range(n):
+        v = np.rint(np.float32(x[j] / safe))
+        out[o + U64(j)] = np.int8(min(max(v, np.float32(-127.0)), np.float32(127.0)))
+    return scale
+
+
 @njit(parallel=True, cache=True, boundscheck=False)
 def _attend_paged(q, kb, ks, vb, vs, table, bsize, heads_kv, d, dv, positions, window, scale, keep, scores, out,
                   n_heads):  # pragma: no cover - compiled

@@ -6,8 +6,8 @@ softmax or sigmoid without expert groups or shared experts, every matrix quantiz
 resident or streamed by an expert store. With streamed experts a token runs in several calls: each
 stops after a layer's routing, the store brings that layer's experts in (groups as their reads
 finish, reads of later layers started by the lookahead), and the next call computes them and goes
-on, so that only the store's work runs in Python. Anything else (and a step of several tokens or sequences, a probe, an int8 or
-retaining KV cache) runs through `Transformer.forward_batch` one block at a time; both give the
+on, so that only the store's work runs in Python. The KV cache may hold float32, fp16 or int8 rows. Anything else
+(and a step of several tokens or sequences, a probe, a retaining KV cache) runs through `Transformer.forward_batch` one block at a time; both give the
 same bits for the same token.
 """
 
@@ -266,9 +266,9 @@ class FusedDecode:
     # --- running ---
 
     def accepts(self, cache: KVCache) -> bool:
-        """Whether a step on this cache can be fused: float32 or fp16 KV rows, no attention tracking, plain layers."""
+        """Whether a step on this cache can be fused: no attention tracking, plain (not latent) layers."""
         pool = cache.pool
-        return pool.bits in (32, 16) and not cache.tracking and not any(pool.latent)
+        return pool.bits in (32, 16, 8) and not cache.tracking and not any(pool.latent)
 
     def _kv_table(self, pool: KVPool) -> np.ndarray:
         """[L, 7] addresses of each layer's k, ks, v, vs arrays, the block size, the block count and the bits."""

@@ -30,7 +30,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from engine.blocks.attention_kernel import attend_row
+from engine.blocks.attention_kernel import attend_row, encode_i8_row
 from engine.blocks.row_kernels import norm_row, rope_row, route_row
 from engine.quant.experts import silu_rows
 from engine.quant.kernels import TILE, otf_rows, planes, tile_rows
@@ -103,7 +103,7 @@ def cycles(typingctx):
 # -- layout of the plan (engine/models/fused.py builds it) -----------------------------------------
 # lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;
 # kvaddr [L, 7] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size, blocks and the
-# bits of a stored key or value (32: float32, 16: fp16).
+# bits of a stored key or value (32: float32, 16: fp16, 8: int8 with a float32 scale per row).
 # shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, the read-ahead guess's
 # router logits (of a later layer), gate/up, SiLU products and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
 # scratch [max(3D + positions, 2E + K)]. iscr [threads * ISCR] int64: per thread token rows, expert slot,
@@ -157,11 +157,15 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         rope_d, inter = lay[l, L_ROPE_D], lay[l, L_INTERLEAVED] != 0
         cos, sin = cs[lay[l, L_ROT], 0], cs[lay[l, L_ROT], 1]
         bsize, nb = kvaddr[l, 4], kvaddr[l, 5]
-        half = kvaddr[l, 6] == 16                      # keys and values stored as fp16 bits, else float32
-        kb = numba.carray(address_as_voidptr(kvaddr[l, 0]), (0 if half else nb * n_kv * bsize * d,), np.float32)
-        vb = numba.carray(address_as_voidptr(kvaddr[l, 2]), (0 if half else nb * n_kv * bsize * dv,), np.float32)
-        kh = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nb * n_kv * bsize * d if half else 0,), np.uint16)
-        vh = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nb * n_kv * bsize * dv if half else 0,), np.uint16)
+        half = kvaddr[l, 6] == 16                      # keys and values stored as fp16 bits,
+        q8 = kvaddr[l, 6] == 8                         # or as int8 with a scale per row, else float32
+        nk, nv = nb * n_kv * bsize * d, nb * n_kv * bsize * dv
+        kb = numba.carray(address_as_voidptr(kvaddr[l, 0]), (0 if half or q8 else nk,), np.float32)
+        vb = numba.carray(address_as_voidptr(kvaddr[l, 2]), (0 if half or q8 else nv,), np.float32)
+        kh = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nk if half else 0,), np.uint16)
+        vh = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nv if half else 0,), np.uint16)
+        kq = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nk if q8 else 0,), np.int8)
+        vq = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nv if q8 else 0,), np.int8)
         ks = numba.carray(address_as_voidptr(kvaddr[l, 1]), (nb * n_kv * bsize,), np.float32)
         vs = numba.carray(address_as_voidptr(kvaddr[l, 3]), (nb * n_kv * bsize,), np.float32)
         qkv = lb[g[G_QKV]:]
@@ -188,19 +192,31 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
                 for j in range(dv):
                     vh[row * U64(dv) + U64(j)] = f32_to_f16(qkv[vo + j] + fpar[bias + vo + j] if bias >= 0
                                                             else qkv[vo + j])
+            elif q8:                                   # each row scaled and rounded as the cache's numpy writer does
+                kr = scr[:d]
+                rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kr, U64(0))
+                ks[row] = encode_i8_row(kr, d, kq, row * U64(d))
+                vr = scr[d:d + dv]
+                for j in range(dv):
+                    vr[j] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
+                vs[row] = encode_i8_row(vr, dv, vq, row * U64(dv))
             else:
                 rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kb, row * U64(d))
                 for j in range(dv):
                     vb[row * U64(dv) + U64(j)] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
-            ks[row] = F32(1.0)
-            vs[row] = F32(1.0)
+            if not q8:
+                ks[row] = F32(1.0)
+                vs[row] = F32(1.0)
         else:
             # query head c over the cache (attend_row only stores its results: a chunk computed twice is harmless)
             qr = scr[:d]
             rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, qr, U64(0))
             window = lay[l, L_WINDOW]
             lo = pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
-            if half:
+            if q8:
+                attend_row(qr, U64(0), d, kq, ks, vq, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
+                           lf[l, 0], scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
+            elif half:
                 attend_row(qr, U64(0), d, kh, ks, vh, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
                            lf[l, 0], scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
             else:
