@@ -7,6 +7,8 @@ logits and routing bit for bit, with one thread or two, through a KV cache of se
 
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 import pytest
@@ -113,6 +115,42 @@ def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
         assert np.array_equal(logits, want_logits), n
         assert routes == want_routes, n
         assert np.array_equal(logits, resident), n
+
+
+def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_factory, monkeypatch):
+    """The fused step reads ahead for its first steps, then measures: with the guesses made slow, the steps go on
+    without them (trying them now and then), and the answer is the resident model's either way."""
+    from engine.loader import StreamOptions
+    from engine.models.fused import FasterChoice
+    from engine.stream.store import StoreSettings
+
+    model_type, overrides = FUSED["mixtral"]
+    src = build_checkpoint(tmp_path_factory.mktemp("a"), model_type, **overrides)
+    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    resident = load_model(out).model
+    probe = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    slot = probe.store.slot_bytes
+    probe.close()
+    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
+    try:
+        model = loaded.model
+        guesses = []
+        real = model._predict
+        monkeypatch.setattr(model, "_predict", lambda j, x: (guesses.append(len(steps)), time.sleep(0.02), real(j, x)))
+        cache, want_cache = KVCache(model.spec, 128), KVCache(resident.spec, 128)
+        logits, want = model.forward(PROMPT, cache)[-1], resident.forward(PROMPT, want_cache)[-1]
+        steps = []
+        for _ in range(6 * FasterChoice.PROBE):
+            assert np.array_equal(logits, want)
+            token = int(want.argmax())
+            steps.append(token)
+            logits, want = model.forward([token], cache)[-1], resident.forward([token], want_cache)[-1]
+    finally:
+        loaded.close()
+    ahead = sorted(set(guesses))                                  # the steps that read ahead
+    assert ahead[:FasterChoice.FIRST + 1] == list(range(1, FasterChoice.FIRST + 2))   # the first steps did
+    late = [s for s in ahead if s > 2 * FasterChoice.PROBE]
+    assert 1 <= len(late) <= 4                                    # then only the tries (16, 32, 64 steps apart)
 
 
 def test_streamed_layers_whose_experts_are_in_memory_run_on_without_stopping(tmp_path_factory, monkeypatch):

@@ -106,7 +106,7 @@ def test_prefetch_predicts_and_is_counted(container):
     telemetry = Telemetry(LAYERS, N_EXPERTS)
     loaded = _stream(container, 12, prefetch_depth=1, telemetry=telemetry)
     try:
-        _run(loaded, steps=12)
+        _run(loaded, steps=12, batch_prompt=False)        # one token a step: a prompt step does not read ahead
         stats = loaded.store.stats()
     finally:
         loaded.close()

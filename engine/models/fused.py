@@ -377,19 +377,16 @@ class FusedDecode:
             self.descs[row + m] = w.descriptor_row
 
 
-class ThreadChoice:
-    """How many threads the next fused step runs with: all that numba may use, or one when recent steps with one
-    were faster. On a machine whose cores other programs keep busy, a step's threads end by waiting for the one the
-    system descheduled (the parallel region's join): measured on 2 cores under load, one thread decoded in 20-28 ms
-    where two took 29-39. Now and then a step tries the count not chosen, so the choice follows the load: PROBE
+class FasterChoice:
+    """Which of two ways of running a step comes next: the `preferred` one, or the `other` when recent steps run
+    that way were faster. Now and then a step tries the way not chosen, so the choice follows the machine: PROBE
     steps after the choice last changed, then twice as long after each try that did not change it, up to
-    MAX_PROBE (a try costs a slow step: on a quiet machine, trying one thread every 16th step cost 4% of decode).
-    The answer is the same with any count; only the time differs."""
+    MAX_PROBE. The answer is the same either way; only the time differs."""
 
-    FIRST = 3       # steps measured with each count before the first choice
-    PROBE = 16      # steps from a change of choice to the first try of the other count
+    FIRST = 3       # steps measured each way before the first choice
+    PROBE = 16      # steps from a change of choice to the first try of the other way
     MAX_PROBE = 1024
-    KEEP = 8        # recent step times kept per count
+    KEEP = 8        # recent step times kept each way
 
     def __init__(self) -> None:
         self.steps = 0
@@ -399,16 +396,16 @@ class ThreadChoice:
         self.interval = self.PROBE
         self.next_try = 0
 
-    def pick(self, most: int) -> int:
-        """The thread count of the next step, at most `most`."""
+    def pick(self, preferred: int, other: int) -> int:
+        """The way of the next step (`preferred` until both ways are measured)."""
         self.steps += 1
-        if most <= 1:
-            return 1
-        if len(self.walls.get(most, ())) < self.FIRST:
-            return most
-        if len(self.walls.get(1, ())) < self.FIRST:       # both counts measured before choosing
-            return 1
-        median = {n: sorted(self.walls[n])[len(self.walls[n]) // 2] for n in (most, 1)}
+        if preferred == other:
+            return preferred
+        if len(self.walls.get(preferred, ())) < self.FIRST:
+            return preferred
+        if len(self.walls.get(other, ())) < self.FIRST:       # both ways measured before choosing
+            return other
+        median = {n: sorted(self.walls[n])[len(self.walls[n]) // 2] for n in (preferred, other)}
         best = min(median, key=median.get)
         if best != self.best:
             self.best, self.interval = best, self.PROBE
@@ -416,18 +413,30 @@ class ThreadChoice:
         if self.steps >= self.next_try:
             self.interval = min(2 * self.interval, self.MAX_PROBE)
             self.next_try = self.steps + self.interval
-            return 1 if best == most else most
+            return other if best == preferred else preferred
         return best
 
-    def record(self, threads: int, wall: float) -> None:
-        """The wall time of a step run with `threads` threads (the first with each count is left out: it may
-        have loaded or compiled kernels)."""
-        if threads not in self.seen:
-            self.seen.add(threads)
+    def record(self, way: int, wall: float) -> None:
+        """The wall time of a step run `way` (the first each way is left out: it may have loaded or compiled
+        kernels)."""
+        if way not in self.seen:
+            self.seen.add(way)
             return
-        walls = self.walls.setdefault(threads, [])
+        walls = self.walls.setdefault(way, [])
         walls.append(wall)
         del walls[: -self.KEEP]
+
+
+class ThreadChoice(FasterChoice):
+    """How many threads the next fused step runs with: all that numba may use, or one when recent steps with one
+    were faster. On a machine whose cores other programs keep busy, a step's threads end by waiting for the one the
+    system descheduled (the parallel region's join): measured on 2 cores under load, one thread decoded in 20-28 ms
+    where two took 29-39. A try of the count not chosen costs a slow step: on a quiet machine, trying one thread
+    every 16th step cost 4% of decode."""
+
+    def pick(self, most: int) -> int:  # type: ignore[override]
+        """The thread count of the next step, at most `most`."""
+        return super().pick(most, 1) if most > 1 else 1
 
 
 MAX_GUESS = 64      # experts the kernel's read-ahead guess may hold (its integer scratch)

@@ -7,6 +7,7 @@ A family module only turns its config into a `ModelSpec`; this module knows tens
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -20,7 +21,7 @@ from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
-from engine.models.fused import FusedDecode, record
+from engine.models.fused import FasterChoice, FusedDecode, record
 from engine.spec import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource, Weights
@@ -146,6 +147,12 @@ class Transformer:
         # (engine/models/fused.py: the same bits as the blocks one at a time); False runs the blocks
         self.fused_decode = True
         self._fused: FusedDecode | None | bool = False           # False: not built yet
+        # whether a fused decode step reads ahead: it costs stops (a call ends wherever a guessed expert is not in
+        # memory), disk time and cache slots for the guesses that miss. On mixtral-1.7b here (disk 1-1.6 GB/s)
+        # it decoded slower than reading on demand with the dense part plus 10% of the experts in memory (cold
+        # 16-17 and warm 17-20 tok/s against 18-19 and 22-23) and plus 25% (41-46 and 39-50 against 57-58 and
+        # 54-62); on a disk fast against the compute it pays. So the step times decide, as for the thread count.
+        self._ahead = FasterChoice()
 
     def _build_layer(self, i: int, source: TensorSource) -> Layer:
         """Layer i over the tensors `source` holds (a streamed layer's buffer)."""
@@ -226,15 +233,18 @@ class Transformer:
         fused = self._fused_step(ids.size, caches[0], probe)
         if fused is not None:
             if self.streamed:
-                for j in range(min(ahead, len(self.layers))):
+                depth = self._ahead.pick(ahead, 0)
+                for j in range(min(depth, len(self.layers))):
                     self._predict(j, x)
                 n = len(self.layers)
 
                 def predict(i: int, xi: np.ndarray) -> None:   # a call stopped at layer i: read ahead from there
-                    if ahead and i + ahead < n:
-                        self._predict(i + ahead, xi[None])
-                logits, step = fused.run(x[0], caches[0], int(positions[0]), self.experts, predict, ahead,
+                    if depth and i + depth < n:
+                        self._predict(i + depth, xi[None])
+                t0 = time.perf_counter()
+                logits, step = fused.run(x[0], caches[0], int(positions[0]), self.experts, predict, depth,
                                          self.lookahead_extra)
+                self._ahead.record(depth, time.perf_counter() - t0)
             else:
                 logits, step = fused.run(x[0], caches[0], int(positions[0]))
             caches[0].commit(1)
@@ -245,6 +255,12 @@ class Transformer:
                 self.experts.end_token(1)
             tel.end_token(1, prefill=False)
             return [logits]
+        if ids.size > 1:
+            # several tokens at once (a prompt, a batch): the union of their guesses is most of a layer's experts,
+            # read while the current layer's union still holds the cache. Measured on mixtral-1.7b at the dense part
+            # plus 10% / 25% of the experts: prompts ran at 59-75 / 64-83 tok/s reading ahead, 82-106 / 91-109
+            # without.
+            ahead = 0
         for j in range(min(ahead, len(self.layers))):
             self._predict(j, x)
         for i, layer in enumerate(self.layers):
