@@ -6,6 +6,8 @@ warm run starts from the history the cold run taught (page cache dropped again, 
 pins make it faster); the mmap run is the page-fault baseline. Each reports decode tok/s, the
 expert bytes missed per decoded token, and the I/O roofline: the decode speed the disk allows
 when every missed byte must be read (bandwidth measured on the spot, same threads and read size).
+A resident run of the same chats, when the machine holds every weight, gives the compute bound:
+reads overlapped with compute at best, a streamed run decodes as fast as the slower of the two.
 
 A trace is every layer step's distinct experts, recorded during the cold run. Replaying it
 through each policy and Belady's optimum at several cache sizes compares the policies on the
@@ -117,7 +119,6 @@ def _rss() -> int:
 def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: str, disk_gb_s: float,
                  trace: list | None = None, log: Log = lambda m: None) -> StreamRun:
     """Load `path` streaming with `stream` (engine.loader.StreamOptions), answer every prompt, measure."""
-    from engine.kv import KVCache
     from engine.loader import load_model
     from engine.telemetry import Telemetry
 
@@ -127,12 +128,10 @@ def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: 
             f.write("5")
     except OSError:
         pass
-    probe_spec = None
     telemetry = Telemetry()
     loaded = load_model(path, stream=stream, telemetry=telemetry)
     try:
         store, model = loaded.store, loaded.model
-        probe_spec = loaded.spec
         prompt_s = decode_s = 0.0
         n_prompt = n_decode = 0
         hits0 = {"pinned": 0, "cached": 0, "disk": 0}
@@ -143,18 +142,15 @@ def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: 
             if trace is not None:                    # one list of layer steps per chat
                 store.trace = []
                 trace.append(store.trace)
-            cache = KVCache(probe_spec, len(ids) + gen + 1)
-            t0 = time.perf_counter()
-            logits = model.forward(ids, cache)[-1]
-            prompt_s += time.perf_counter() - t0
+            before = None
+
+            def decoding() -> None:
+                nonlocal before
+                before = store.stats()
+                telemetry.reset()
+            p_s, d_s = answer(model, ids, gen, decoding)
+            prompt_s, decode_s = prompt_s + p_s, decode_s + d_s
             n_prompt += len(ids)
-            before = store.stats()
-            telemetry.reset()
-            token = int(np.argmax(logits))
-            t0 = time.perf_counter()
-            for _ in range(gen):
-                token = int(np.argmax(model.forward([token], cache)[-1]))
-            decode_s += time.perf_counter() - t0
             n_decode += gen
             after = store.stats()
             for tier in decode_hits:
@@ -163,7 +159,7 @@ def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: 
             snap = telemetry.snapshot()
             for k in phases:
                 phases[k] += snap.averages.get(k, 0.0) * gen
-            log(f"{label}: chat {c + 1}/{len(prompts)}: {gen / max(time.perf_counter() - t0, 1e-9):.1f} tok/s decode")
+            log(f"{label}: chat {c + 1}/{len(prompts)}: {gen / max(d_s, 1e-9):.1f} tok/s decode")
         stats = store.stats()
         expert_bytes = sum(r.length for r in store.recipes.values()) / len(store.recipes)
     finally:
@@ -180,6 +176,54 @@ def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: 
                      decode_tok_s / roof if roof != float("inf") else 0.0, stats.prefetch.recall,
                      stats.prefetch.precision, ms("io_wait"), ms("experts"), ms("attention"), ms("dense"),
                      ms("other"), _rss())
+
+
+def answer(model, ids: list[int], gen: int, decoding: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """One chat: the prompt `ids`, then `gen` greedy tokens (`decoding()` called in between); (prompt seconds,
+    decode seconds)."""
+    from engine.kv import KVCache
+
+    cache = KVCache(model.spec, len(ids) + gen + 1)
+    t0 = time.perf_counter()
+    logits = model.forward(ids, cache)[-1]
+    prompt_s = time.perf_counter() - t0
+    decoding()
+    token = int(np.argmax(logits))
+    t0 = time.perf_counter()
+    for _ in range(gen):
+        token = int(np.argmax(model.forward([token], cache)[-1]))
+    return prompt_s, time.perf_counter() - t0
+
+
+def resident_decode(path: Path, prompts: list[list[int]], gen: int, log: Log = lambda m: None) -> float | None:
+    """Decode tok/s of the same chats with every weight in memory (the compute bound), or None when the weights
+    take more than half the memory the system has available (a resident run would page)."""
+    from engine.loader import load_model
+
+    size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    available = _available_memory()
+    if available is None or size > available // 2:
+        log(f"resident: skipped ({size / 1e9:.1f} GB of weights, {0 if available is None else available / 1e9:.1f} "
+            "GB available)")
+        return None
+    loaded = load_model(path)
+    try:
+        decode_s = sum(answer(loaded.model, ids, gen)[1] for ids in prompts)
+    finally:
+        loaded.close()
+    log(f"resident: {len(prompts) * gen / decode_s:.1f} tok/s decode")
+    return len(prompts) * gen / decode_s
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 # ---- traces -----------------------------------------------------------------------------------
@@ -278,9 +322,14 @@ def format_replay(rows: list[ReplayRow]) -> str:
     return "\n".join(lines)
 
 
-def format_runs(runs: list[StreamRun]) -> str:
+def format_runs(runs: list[StreamRun], resident_tok_s: float | None = None) -> str:
     """The streaming report."""
     lines = []
+    if resident_tok_s:
+        bound = lambda r: min(r.io_roofline_tok_s, resident_tok_s)  # noqa: E731
+        lines.append(f"  resident (every weight in memory): decode {resident_tok_s:6.2f} tok/s; against the slower of "
+                     "it and the I/O roofline: " + ", ".join(f"{r.label} {r.decode_tok_s / bound(r) * 100:.1f}%"
+                                                              for r in runs))
     for r in runs:
         lines.append(
             f"  {r.label:5s} io={r.io:5s} {r.policy:7s} depth {r.prefetch_depth}: decode {r.decode_tok_s:6.2f} tok/s, "

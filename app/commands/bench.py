@@ -139,8 +139,8 @@ def _stream(args: argparse.Namespace) -> int:
     from app.bench import check_threads, thread_limits
     from app.budget import process_rss
     from app.pull import resolve_model
-    from app.stream_bench import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, run_workload,
-                                  save_trace, workload)
+    from app.stream_bench import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, resident_decode,
+                                  run_workload, save_trace, workload)
     from app.streaming import stream_options
     from engine.loader import open_checkpoint
     from engine.stream.io import PAGE, round_up
@@ -172,6 +172,7 @@ def _stream(args: argparse.Namespace) -> int:
         if args.mmap_gen > 0 and base.store.io != "mmap":
             mm = dataclasses.replace(base, store=dataclasses.replace(base.store, io="mmap"))
             runs.append(run_workload(path, mm, prompts, args.mmap_gen, "mmap", gb_s, None, log))
+        resident = resident_decode(path, prompts, args.gen, log)
     moe = [layer.ffn for layer in ckpt.spec.layers if hasattr(layer.ffn, "n_experts")]
     data = {"model_hash": c.model_hash, "n_layers": ckpt.spec.n_layers, "n_experts": max(m.n_experts for m in moe),
             "chats": trace}
@@ -180,11 +181,12 @@ def _stream(args: argparse.Namespace) -> int:
         save_trace(args.trace, data["model_hash"], data["n_layers"], data["n_experts"], trace)
     if args.json:
         print(json.dumps({"baseline_rss": baseline, "budget": base.store.capacity, "disk_gb_s": gb_s,
-                          "runs": [r.as_dict() for r in runs], "replay": [dataclasses.asdict(r) for r in rows]}))
+                          "resident_decode_tok_s": resident, "runs": [r.as_dict() for r in runs],
+                          "replay": [dataclasses.asdict(r) for r in rows]}))
     else:
         print(f"{path.name}: expert cache {base.store.capacity / 1e6:.0f} MB, {args.chats} chats x {args.gen} tokens; "
               f"interpreter and libraries {baseline / 1e6:.0f} MB before loading")
-        print(format_runs(runs))
+        print(format_runs(runs, resident))
         if rows:
             print("routing trace replayed (prior: first half of the chats; scored: second half)")
             print(format_replay(rows))
