@@ -222,6 +222,33 @@ def test_rounded_kv_fused_equals_the_blocks(tmp_path_factory, threads, bits, clo
     assert np.abs(got - exact).max() < close * np.abs(exact).max()
 
 
+@pytest.mark.parametrize("bits", [32, 8])
+def test_retention_fused_equals_the_blocks(tmp_path_factory, threads, bits):
+    """A cache that keeps attention weights for retention: the fused step hands each layer's weights over as the
+    blocks' attention does, so the heavy-hitter scores, the blocks kept past the context and the logits agree bit
+    for bit."""
+    model = _model(tmp_path_factory, FUSED, "mixtral-window-mha").model
+    stream = PROMPT + PROMPT[:8] + PROMPT                       # 34 tokens through a context of 16
+
+    def run(fused: bool):
+        model.fused_decode = fused
+        pool = KVPool(model.spec, 16, block_size=4, bits=bits)
+        cache = KVCache(model.spec, 16, pool=pool, overflow="retain", sink_tokens=4, recent_tokens=4)
+        out = [model.forward(stream[:6], cache)[-1]]
+        for t in stream[6:]:
+            out.append(model.forward([t], cache)[-1])
+        return np.stack(out), cache
+
+    want, blocks = run(False)
+    for n in (1, 2):
+        threads(n)
+        got, fused = run(True)
+        assert model._fused not in (None, False) and model._fused.accepts(fused)
+        assert np.array_equal(got, want), n
+        assert np.array_equal(fused.heat, blocks.heat) and fused.tokens == blocks.tokens, n
+    assert blocks.evicted > 0 and blocks.tokens[:4] == stream[:4]     # retention ran: the sinks stayed
+
+
 def test_the_int8_row_encoder_is_the_caches(tmp_path_factory):
     """The fused step's int8 writer gives the numpy writer's rows and scales, ties and zeros included."""
     from engine.blocks.attention_kernel import encode_i8_row

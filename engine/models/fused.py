@@ -6,8 +6,8 @@ softmax or sigmoid without expert groups or shared experts, every matrix quantiz
 resident or streamed by an expert store. With streamed experts a token runs in several calls: each
 stops after a layer's routing, the store brings that layer's experts in (groups as their reads
 finish, reads of later layers started by the lookahead), and the next call computes them and goes
-on, so that only the store's work runs in Python. The KV cache may hold float32, fp16 or int8 rows. Anything else
-(and a step of several tokens or sequences, a probe, a retaining KV cache) runs through `Transformer.forward_batch` one block at a time; both give the
+on, so that only the store's work runs in Python. The KV cache may hold float32, fp16 or int8 rows, and keep attention weights
+for retention. Anything else (and a step of several tokens or sequences, a probe) runs through `Transformer.forward_batch` one block at a time; both give the
 same bits for the same token.
 """
 
@@ -42,6 +42,7 @@ class FusedStep:
     weights: np.ndarray           # [L, K] their weights
     moe: tuple[tuple[int, int], ...]   # (layer, top_k) of each MoE layer
     seconds: dict[str, float]     # attention, dense, experts
+    attention: list[np.ndarray] | None = None   # each layer's attention weights [heads, pos + 1] (retention)
 
     def routing(self) -> list[Routing]:
         """Each MoE layer's routing, as the blocks report it."""
@@ -266,16 +267,17 @@ class FusedDecode:
     # --- running ---
 
     def accepts(self, cache: KVCache) -> bool:
-        """Whether a step on this cache can be fused: no attention tracking, plain (not latent) layers."""
+        """Whether a step on this cache can be fused: plain (not latent) attention layers."""
         pool = cache.pool
-        return pool.bits in (32, 16, 8) and not cache.tracking and not any(pool.latent)
+        return pool.bits in (32, 16, 8) and not any(pool.latent)
 
     def _kv_table(self, pool: KVPool) -> np.ndarray:
-        """[L, 7] addresses of each layer's k, ks, v, vs arrays, the block size, the block count and the bits."""
+        """[L, 8] addresses of each layer's k, ks, v, vs arrays, the block size, the block count and the bits (the
+        last column, where attention weights go, 0)."""
         held = self._kv.get(id(pool))
         if held is None or held[0] is not pool:
             table = np.array([[a["k"].ctypes.data, a["ks"].ctypes.data, a["v"].ctypes.data, a["vs"].ctypes.data,
-                               pool.block_size, pool.n_blocks, pool.bits] for a in pool.layers], np.int64)
+                               pool.block_size, pool.n_blocks, pool.bits, 0] for a in pool.layers], np.int64)
             held = (pool, table)
             self._kv = {id(pool): held}
         return held[1]
@@ -315,6 +317,11 @@ class FusedDecode:
         state = np.zeros(2 * self.hidden, np.float32)
         x0 = np.ascontiguousarray(x0, np.float32).reshape(-1)
         kv, table = self._kv_table(cache.pool), cache.table_array()
+        kept = None
+        if cache.tracking:                               # each head's attention weights, for the retention scores
+            kept = [np.zeros((int(h), pos + 1), np.float32) for h in self.lay[:, fk.L_H]]
+            kv = kv.copy()
+            kv[:, 7] = [w.ctypes.data for w in kept]
         wall = 0.0
 
         def call() -> None:
@@ -354,7 +361,7 @@ class FusedDecode:
         self._threads.record(threads, wall)
         total = max(1, int(tcycles[:3].sum()))
         seconds = {name: wall * int(tcycles[j]) / total for j, name in enumerate(("attention", "dense", "experts"))}
-        return logits, FusedStep(rids, rw, self.moe, seconds)
+        return logits, FusedStep(rids, rw, self.moe, seconds, kept)
 
     def _account(self, source, rids: np.ndarray, lo: int, hi: int) -> int:
         """Have the store count the streamed layers lo .. hi - 1, run without stopping (their experts were all in

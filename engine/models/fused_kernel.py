@@ -102,8 +102,9 @@ def cycles(typingctx):
 
 # -- layout of the plan (engine/models/fused.py builds it) -----------------------------------------
 # lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;
-# kvaddr [L, 7] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size, blocks and the
-# bits of a stored key or value (32: float32, 16: fp16, 8: int8 with a float32 scale per row).
+# kvaddr [L, 8] int64 per layer of the cache's pool: addresses of k, ks, v, vs, then block size, blocks and the
+# bits of a stored key or value (32: float32, 16: fp16, 8: int8 with a float32 scale per row), then the address
+# of the layer's attention weights [heads, pos + 1] float32 when the cache keeps them (retention), else 0.
 # shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, the read-ahead guess's
 # router logits (of a later layer), gate/up, SiLU products and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
 # scratch [max(3D + positions, 2E + K)]. iscr [threads * ISCR] int64: per thread token rows, expert slot,
@@ -213,15 +214,20 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
             rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, qr, U64(0))
             window = lay[l, L_WINDOW]
             lo = pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
+            keep = kvaddr[l, 7] != 0                   # the cache keeps each head's weights (retention)
             if q8:
                 attend_row(qr, U64(0), d, kq, ks, vq, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
-                           lf[l, 0], scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
+                           lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, lb[g[G_ATT]:], U64(c * dv))
             elif half:
                 attend_row(qr, U64(0), d, kh, ks, vh, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
-                           lf[l, 0], scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
+                           lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, lb[g[G_ATT]:], U64(c * dv))
             else:
                 attend_row(qr, U64(0), d, kb, ks, vb, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
-                           lf[l, 0], scr[3 * d:], U64(0), False, pos + 1, lb[g[G_ATT]:], U64(c * dv))
+                           lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, lb[g[G_ATT]:], U64(c * dv))
+            if keep:
+                kept = numba.carray(address_as_voidptr(kvaddr[l, 7]), (n_heads * (pos + 1),), np.float32)
+                for s in range(pos + 1):
+                    kept[c * (pos + 1) + s] = scr[3 * d + s]
     elif kind == S_ROUTER:
         n_exp = lay[l, L_E]
         r = c * 16

@@ -247,6 +247,9 @@ class Transformer:
                 self._ahead.record(depth, time.perf_counter() - t0)
             else:
                 logits, step = fused.run(x[0], caches[0], int(positions[0]))
+            if step.attention is not None:               # as the blocks' attention hands them over, layer by layer
+                for weights in step.attention:
+                    caches[0].observe(weights)
             caches[0].commit(1)
             record(step, tel)
             if routing is not None:
