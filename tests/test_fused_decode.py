@@ -249,6 +249,39 @@ def test_retention_fused_equals_the_blocks(tmp_path_factory, threads, bits):
     assert blocks.evicted > 0 and blocks.tokens[:4] == stream[:4]     # retention ran: the sinks stayed
 
 
+def test_single_tokens_of_several_sequences_take_the_faster_way_with_the_same_bits(tmp_path_factory, monkeypatch):
+    """One token of each of several sequences runs as one pass of the blocks or as a fused step per sequence,
+    whichever measured faster per token; both are tried, and each sequence gets the logits it gets alone."""
+    from engine.models.fused import FasterChoice, FusedDecode
+
+    model = _model(tmp_path_factory, FUSED, "mixtral").model
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:7]]
+    alone = []
+    for p in prompts:                                            # each sequence by itself, through the blocks
+        model.fused_decode = False
+        cache = KVCache(model.spec, 64)
+        rows = [model.forward(p, cache)[-1]]
+        for _ in range(3 * FasterChoice.PROBE):
+            rows.append(model.forward([int(rows[-1].argmax())], cache)[-1])
+        alone.append(np.stack(rows))
+    model.fused_decode = True
+    fused_calls = []
+    real = FusedDecode.run
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a, **k: (fused_calls.append(1), real(self, *a, **k))[1])
+    caches = [KVCache(model.spec, 64) for _ in prompts]
+    logits = [model.forward(p, c)[-1] for p, c in zip(prompts, caches)]
+    ways = []
+    for step in range(3 * FasterChoice.PROBE):
+        before = len(fused_calls)
+        out = model.forward_batch([([int(x.argmax())], c) for x, c in zip(logits, caches)])
+        ways.append(len(fused_calls) - before)
+        logits = [o[-1] for o in out]
+        for k, x in enumerate(logits):
+            assert np.array_equal(x, alone[k][step + 1]), (step, k)
+    assert ways[0] == len(prompts) and 0 in ways                 # a fused step each first, then one pass tried
+    assert set(ways) == {0, len(prompts)}
+
+
 def test_the_int8_row_encoder_is_the_caches(tmp_path_factory):
     """The fused step's int8 writer gives the numpy writer's rows and scales, ties and zeros included."""
     from engine.blocks.attention_kernel import encode_i8_row

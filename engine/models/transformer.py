@@ -153,6 +153,7 @@ class Transformer:
         # 16-17 and warm 17-20 tok/s against 18-19 and 22-23) and plus 25% (41-46 and 39-50 against 57-58 and
         # 54-62); on a disk fast against the compute it pays. So the step times decide, as for the thread count.
         self._ahead = FasterChoice()
+        self._apart = FasterChoice()    # several sequences' single tokens: one pass, or a fused step each
 
     def _build_layer(self, i: int, source: TensorSource) -> Layer:
         """Layer i over the tensors `source` holds (a streamed layer's buffer)."""
@@ -222,6 +223,24 @@ class Transformer:
         caches = [cache for _, cache in items]
         if len({id(c) for c in caches}) != len(caches):
             raise GenerationError("a sequence appears twice in one batch")
+        if (len(items) > 1 and not self.streamed and routing is None and probe is None
+                and all(i.size == 1 for i in ids_list) and all(self._fused_step(1, c, None) for c in caches)):
+            # one token of each of several sequences: one pass for all, or a fused step for each, whichever
+            # measures faster per token (the same bits either way). Here the fused steps won up to 8
+            # sequences: 96-104 tok/s against 57-81 on mixtral-1.7b, 159-167 against 84-150 on SmolLM2-135M.
+            apart = self._apart.pick(1, 0)
+            t0 = time.perf_counter()
+            if apart:
+                out = [self._pass([i], [c], all_logits, None, None)[0] for i, c in zip(ids_list, caches)]
+            else:
+                out = self._pass(ids_list, caches, all_logits, None, None)
+            self._apart.record(apart, (time.perf_counter() - t0) / len(items))
+            return out
+        return self._pass(ids_list, caches, all_logits, routing, probe)
+
+    def _pass(self, ids_list: list[np.ndarray], caches: list[KVCache], all_logits: bool,
+              routing: list[Routing] | None, probe: Probe | None) -> list[np.ndarray]:
+        """forward_batch's pass over validated tokens: one fused step, or the blocks for every row at once."""
         pos_list = [cache.prepare(ids) for ids, cache in zip(ids_list, caches)]
         ids, positions = np.concatenate(ids_list), np.concatenate(pos_list)
         bounds = np.cumsum([0] + [i.size for i in ids_list])
@@ -295,10 +314,10 @@ class Transformer:
             logits = linear(x, self.lm_head)                              # [T or batch, V]
         if self.streamed:
             self.experts.end_token(ids.size)
-        tel.end_token(ids.size, prefill=ids.size > len(items))
+        tel.end_token(ids.size, prefill=ids.size > len(caches))
         if all_logits:
             return [logits[r] for r in rows]
-        return [logits[k : k + 1] for k in range(len(items))]
+        return [logits[k : k + 1] for k in range(len(caches))]
 
     def _fused_step(self, n_tokens: int, cache: KVCache, probe: Probe | None) -> "FusedDecode | None":
         """The fused decode step when this step is one token of one sequence that it can run, else None."""
