@@ -105,15 +105,20 @@ def _disk_once(folder: Path, block: int, threads: int) -> float:
                                   threads=threads) / 1e9
 
 
-def _rss() -> int:
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A 'Key: N kB' line of a Linux /proc file, in bytes (None where there is no such file or line)."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def _rss() -> int:
+    return _proc_bytes("/proc/self/status", "VmHWM:") or 0
 
 
 def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: str, disk_gb_s: float,
@@ -216,14 +221,7 @@ def resident_decode(path: Path, prompts: list[list[int]], gen: int, log: Log = l
 
 
 def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable:")
 
 
 # ---- traces -----------------------------------------------------------------------------------
