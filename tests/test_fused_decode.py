@@ -282,6 +282,26 @@ def test_single_tokens_of_several_sequences_take_the_faster_way_with_the_same_bi
     assert set(ways) == {0, len(prompts)}
 
 
+def test_a_sequence_that_cannot_go_on_fails_the_step_before_any_other_has_run(tmp_path_factory):
+    """Several sequences' tokens run a fused step each: one whose context is full fails the whole step first, so
+    a retry (as the scheduler retries one by one) does not run the others twice."""
+    from engine.errors import GenerationError
+
+    from engine.models.fused import FasterChoice
+
+    model = _model(tmp_path_factory, FUSED, "mixtral").model
+    model._apart = FasterChoice()                                 # a fresh choice starts with a fused step each
+    roomy, full = KVCache(model.spec, 64), KVCache(model.spec, len(PROMPT))
+    token = int(model.forward(PROMPT, roomy)[-1].argmax())
+    model.forward(PROMPT, full)
+    with pytest.raises(GenerationError, match="context holds"):
+        model.forward_batch([([token], roomy), ([token], full)])
+    assert roomy.length == len(PROMPT)                            # nothing ran for it
+    alone = KVCache(model.spec, 64)
+    model.forward(PROMPT, alone)
+    assert np.array_equal(model.forward([token], roomy), model.forward([token], alone))
+
+
 def test_the_int8_row_encoder_is_the_caches(tmp_path_factory):
     """The fused step's int8 writer gives the numpy writer's rows and scales, ties and zeros included."""
     from engine.blocks.attention_kernel import encode_i8_row
