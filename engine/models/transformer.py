@@ -256,6 +256,7 @@ class Transformer:
         if fused is not None:
             if self.streamed:
                 depth = self._ahead.pick(ahead, 0)
+                t0 = time.perf_counter()
                 for j in range(min(depth, len(self.layers))):
                     self._predict(j, x)
                 n = len(self.layers)
@@ -263,7 +264,6 @@ class Transformer:
                 def predict(i: int, xi: np.ndarray) -> None:   # a call stopped at layer i: read ahead from there
                     if depth and i + depth < n:
                         self._predict(i + depth, xi[None])
-                t0 = time.perf_counter()
                 logits, step = fused.run(x[0], caches[0], int(positions[0]), self.experts, predict, depth,
                                          self.lookahead_extra)
                 self._ahead.record(depth, time.perf_counter() - t0)
