@@ -62,6 +62,18 @@ def _greedy(model, fused: bool, pool: KVPool | None = None):
     return np.stack(out), routes
 
 
+def _slot_bytes(out) -> int:
+    """The bytes of one expert's slot in a streamed load of the container `out`."""
+    from engine.loader import StreamOptions
+    from engine.stream.store import StoreSettings
+
+    probe = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    try:
+        return probe.store.slot_bytes
+    finally:
+        probe.close()
+
+
 @pytest.fixture
 def threads():
     before = numba.get_num_threads()
@@ -97,9 +109,7 @@ def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
     src = build_checkpoint(tmp_path_factory.mktemp("s"), model_type, **overrides)
     out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
     resident, _ = _greedy(load_model(out).model, fused=True)
-    probe = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
+    slot = _slot_bytes(out)
     for n in (1, 2):
         threads(n)
         loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, io=io, policy="lru"), 1))
@@ -128,9 +138,7 @@ def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_fact
     src = build_checkpoint(tmp_path_factory.mktemp("a"), model_type, **overrides)
     out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
     resident = load_model(out).model
-    probe = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
+    slot = _slot_bytes(out)
     loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
     try:
         model = loaded.model

@@ -6,9 +6,10 @@ softmax or sigmoid without expert groups or shared experts, every matrix quantiz
 resident or streamed by an expert store. With streamed experts a token runs in several calls: each
 stops after a layer's routing, the store brings that layer's experts in (groups as their reads
 finish, reads of later layers started by the lookahead), and the next call computes them and goes
-on, so that only the store's work runs in Python. The KV cache may hold float32, fp16 or int8 rows, and keep attention weights
-for retention. Anything else (and a step of several tokens or sequences, a probe) runs through `Transformer.forward_batch` one block at a time; both give the
-same bits for the same token.
+on, so that only the store's work runs in Python. The KV cache may hold float32, fp16 or int8 rows
+and keep attention weights for retention. Anything else (a step of several tokens of a sequence, a
+probe) runs through `Transformer.forward_batch` one block at a time; both give the same bits for the
+same token.
 """
 
 from __future__ import annotations
@@ -267,9 +268,8 @@ class FusedDecode:
     # --- running ---
 
     def accepts(self, cache: KVCache) -> bool:
-        """Whether a step on this cache can be fused: plain (not latent) attention layers."""
-        pool = cache.pool
-        return pool.bits in (32, 16, 8) and not any(pool.latent)
+        """Whether a step on this cache can be fused: plain (not latent) attention layers (any KV width)."""
+        return not any(cache.pool.latent)
 
     def _kv_table(self, pool: KVPool) -> np.ndarray:
         """[L, 8] addresses of each layer's k, ks, v, vs arrays, the block size, the block count and the bits (the
