@@ -26,6 +26,7 @@ from app.service import (
 )
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
 from engine.telemetry import Snapshot
 
 KEY = "remote-test-key-0123"
@@ -193,7 +194,14 @@ def test_remote_chat_streams_the_servers_answer_and_settings_are_refused(server,
     assert not remote.running
 
 
-def test_stop_closes_the_stream_and_the_server_stops_generating(server, served):
+def test_stop_closes_the_stream_and_the_server_stops_generating(server, served, monkeypatch):
+    step = Scheduler.step
+
+    def paced(self):         # 10 ms a step: the answer cannot run to its end before the server sees us leave
+        time.sleep(0.01)
+        return step(self)
+
+    monkeypatch.setattr(Scheduler, "step", paced)
     events = Events()
     with RemoteService(server.url, KEY, on_event=events) as remote:
         # more tokens than the context has room for: the server refuses max_tokens, the answer runs to the end

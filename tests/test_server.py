@@ -25,6 +25,7 @@ from engine.generate import GenerationRequest, stream_generate
 from engine.kv import KVCache
 from engine.loader import load_model
 from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
 
 KEY = "test-key-0123456789"
 CTX = 256
@@ -229,10 +230,25 @@ def test_what_a_remote_desktop_app_reads(server, client, model):
     assert r.status_code == 404 and "colibri atlas" in r.json()["error"]["message"]
 
 
-def test_a_client_that_leaves_cancels_and_frees_its_blocks(server):
+def _paced(monkeypatch, seconds=0.02):
+    """Every scheduler step takes at least `seconds` while the test runs: an answer then cannot end before the
+    test's client has left or been refused, however fast the machine decodes (the tiny model's 200 tokens take
+    a fraction of a second)."""
+    step = Scheduler.step
+
+    def slow(self):
+        time.sleep(seconds)
+        return step(self)
+
+    monkeypatch.setattr(Scheduler, "step", slow)
+
+
+def test_a_client_that_leaves_cancels_and_frees_its_blocks(server, monkeypatch):
+    _paced(monkeypatch)
     counters = server.served.counters
     cancelled = counters.cancelled
-    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True}
+    # greedy, so no end-of-sequence token comes early: 200 tokens at 20 ms a step outlast the client
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True, "temperature": 0}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
                       headers={"authorization": f"Bearer {KEY}"}, timeout=30) as r:
         lines = r.iter_lines()
@@ -244,10 +260,11 @@ def test_a_client_that_leaves_cancels_and_frees_its_blocks(server):
     assert counters.cancelled > cancelled and server.service.kv_usage()[1] == 0
 
 
-def test_a_full_queue_answers_429_with_retry_after(container):
+def test_a_full_queue_answers_429_with_retry_after(container, monkeypatch):
     live = _serve(container, 1, 0)       # one running, none waiting
+    _paced(monkeypatch)
     try:
-        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True}
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 200, "stream": True, "temperature": 0}
         with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             next(lines)                                   # the first request is in the batch now
