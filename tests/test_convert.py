@@ -59,9 +59,15 @@ def test_container_runs_its_quantized_weights(src, tmp_path, bits):
     c = Container.open(out)
     reference = Transformer(loaded.spec, DequantizedSource(c))
     ours, expected = _logits(loaded.model), _logits(reference)
-    assert np.abs(ours - expected).max() <= 1e-4 * np.abs(expected).max()  # the kernels, not the rounding
     q = c.load("model.layers.0.block_sparse_moe.experts.1.w2.weight")
     assert q.bits == bits and not isinstance(q, np.ndarray)
+    if bits == 4:
+        # 4-bit matrices take the rows16 layout, whose kernels round activations to 8 bits per 32-block
+        # (tests/test_quant_rows16.py checks them bit for bit): close to the float weights' logits, not equal
+        assert q.layout == "rows16"
+        assert np.abs(ours - expected).max() <= 5e-2 * np.abs(expected).max()
+    else:
+        assert np.abs(ours - expected).max() <= 1e-4 * np.abs(expected).max()  # the kernels, not the rounding
     assert c.manifest["plan"]["bits_per_weight"] == pytest.approx(bits + 16 / 32 + (16 / 32 if bits <= 3 else 0), abs=0.6)
 
 

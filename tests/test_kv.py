@@ -244,7 +244,9 @@ def test_fp16_kv_halves_memory_and_stays_close(tiny):
     got = _decode(tiny.model, KVCache(tiny.spec, 64, pool=pool), PROMPT, steps=0)
     assert pool.layers[0]["k"].dtype == np.uint16
     per_row = np.abs(got - exact).max(axis=1) / np.abs(exact).max()
-    assert 0 < np.median(per_row) <= 0.01
+    # 0.01 with float activations; the 4-bit weights' kernels round activations to 8 bits per block (rows16), and
+    # a value that fp16 moves across a rounding step moves the output by a step: 0.012-0.019 measured
+    assert 0 < np.median(per_row) <= 0.03
     full = KVPool(tiny.spec, 1, block_size=16).block_bytes
     assert pool.block_bytes < full * 0.6
 

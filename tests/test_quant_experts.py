@@ -6,7 +6,7 @@ import numba
 import numpy as np
 import pytest
 
-from test_quant_reference import fma32, lane_dot
+from test_quant_reference import fma32, quant_dot
 
 from engine.blocks.ffn import ExpertWeights
 from engine.quant import moe_experts, quantize
@@ -34,15 +34,15 @@ def _routing(t: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _reference(x, ids, weights, experts) -> np.ndarray:
-    """Per token and slot: the kernels' exact dots (lane_dot), numpy's SiLU, slots summed in order."""
+    """Per token and slot: the kernels' exact dots (quant_dot), numpy's SiLU, slots summed in order."""
     out = np.zeros((x.shape[0], HIDDEN), np.float32)
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = experts[int(ids[t, k])]
-            g = lane_dot(e.gate.dequantize(), x[t:t + 1])
-            u = lane_dot(e.up.dequantize(), x[t:t + 1])
+            g = quant_dot(e.gate, x[t:t + 1])
+            u = quant_dot(e.up, x[t:t + 1])
             h = (g / (np.float32(1) + np.exp(-g))) * u
-            out[t] = fma32(weights[t, k], lane_dot(e.down.dequantize(), h)[0], out[t])
+            out[t] = fma32(weights[t, k], quant_dot(e.down, h)[0], out[t])
     return out
 
 
@@ -62,7 +62,7 @@ def test_fused_experts_match_per_expert_numpy(experts, t):
     assert np.abs(got[:20] - want).max() <= 1e-6 * scale
     # and the fused call equals the single-matrix kernels composed (same dots, same SiLU inputs)
     e0 = experts[int(ids[0, 0])]
-    assert np.array_equal(e0.gate.matmul(x[:1]), lane_dot(e0.gate.dequantize(), x[:1]))
+    assert np.array_equal(e0.gate.matmul(x[:1]), quant_dot(e0.gate, x[:1]))
 
 
 def test_fused_experts_are_invariant_to_batch_and_threads(experts):

@@ -154,6 +154,12 @@ def products():
             q = QuantizedTensor((37, 256), bits, 64, asym, *planes, scales, mins if asym else np.zeros((37, 0), np.uint16))
             x = rng.standard_normal((5, 256)).astype(np.float32)
             parts += [q.matmul(x), q.matmul(x[:1]), q.matmul(x[:2])]
+    # the rows16 layout's integer kernels (vpdpbusd here, plain widening multiplies there)
+    a = rng.integers(0, 256, (48, 128), dtype=np.uint8)
+    q = QuantizedTensor((48, 256), 4, 64, False, a, np.zeros((48, 0), np.uint8), f16_bits(rng.uniform(-0.02, 0.02, (48, 4))),
+                        np.zeros((48, 0), np.uint16)).with_layout("rows16")
+    x = rng.standard_normal((6, 256)).astype(np.float32)
+    parts += [q.matmul(x), q.matmul(x[:1])]
     w = rng.standard_normal((9, 83)).astype(np.float32)
     parts.append(matmul_f32(rng.standard_normal((3, 83)).astype(np.float32), w))
     return np.concatenate([p.ravel() for p in parts]).tobytes().hex()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from engine.quant.layout import f16_values, from_rows16, quantize_activations, unpack_codes
 from engine.quant.simd import fma32 as hw_fma32
 
 LANES = 16
@@ -58,6 +59,28 @@ def lane_dot(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     for j in range(k16 * LANES, k):
         y = fma32(w[None, :, j], x[:, None, j], y)
     return y
+
+
+def rows16_dot(q, x: np.ndarray) -> np.ndarray:
+    """x [T, K] times a rows16 QuantizedTensor -> [T, R] by its kernels' arithmetic (engine/quant/rows16.py): per
+    32-block an exact integer sum of codes times 8-bit activations, then one fused multiply-add by d_w * d_x
+    (a float32 product), blocks in order from +0.0."""
+    a, scales = from_rows16(q.a, q.scales)
+    u = unpack_codes(a, q.b, 4, q.shape[1]).astype(np.int64)                          # [R, K]
+    d = f16_values(scales)                                                             # [R, groups]
+    xq, dx, sums = quantize_activations(np.asarray(x, np.float32))
+    acc = np.zeros((x.shape[0], q.shape[0]), np.float32)
+    for kb in range(q.shape[1] // 32):
+        k = slice(32 * kb, 32 * kb + 32)
+        isum = xq[:, k].astype(np.int64) @ u[:, k].T - 8 * sums[:, kb][:, None]        # [T, R], exact
+        scale = d[None, :, 32 * kb // q.group] * dx[:, kb][:, None]                    # float32 products
+        acc = fma32(isum.astype(np.float32), scale, acc)
+    return acc
+
+
+def quant_dot(q, x: np.ndarray) -> np.ndarray:
+    """x [T, K] times a QuantizedTensor by exactly its kernels' operations, whatever its layout."""
+    return rows16_dot(q, x) if q.layout == "rows16" else lane_dot(q.dequantize(), x)
 
 
 @njit(cache=True)

@@ -15,11 +15,16 @@ import numba
 import numpy as np
 
 from engine.quant import kernels, search
-from engine.quant.layout import BITS, BLOCK, FORMATS, GROUPS, f16_bits, f16_values, pack_codes, unpack_codes
+from engine.quant.layout import (
+    BITS, BLOCK, FORMATS, GROUPS, ROWS16_CODE, ROWS16_ROWS, f16_bits, f16_values, from_rows16, pack_codes, rows16_allowed,
+    to_rows16, unpack_codes,
+)
 
 META_KIND = "colibri.quant"
 META_VERSION = 1
-LAYOUT = "planes32-v1"
+LAYOUT = "planes32-v1"          # meta "layout" of the plane layout
+LAYOUT_ROWS16 = "rows16-v1"     # and of the rows16 layout (engine/quant/layout.py)
+LAYOUTS = {"planes": LAYOUT, "rows16": LAYOUT_ROWS16}
 F16_MAX = 65504.0
 DESCRIPTOR_FIELDS = 13  # see QuantizedTensor.descriptor
 
@@ -29,6 +34,14 @@ def _check_format(bits: int, group: int) -> None:
         raise ValueError(f"unsupported bit width {bits!r}: choose one of {', '.join(map(str, BITS))}")
     if group not in GROUPS:
         raise ValueError(f"unsupported group size {group!r}: choose one of {', '.join(map(str, GROUPS))}")
+
+
+def _check_layout(layout: str, bits: int, asymmetric: bool, shape: tuple[int, int]) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown quantized layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    if layout == "rows16" and not rows16_allowed(bits, asymmetric, shape[0]):
+        raise ValueError(f"the rows16 layout holds 4-bit symmetric matrices of whole 16-row blocks, not "
+                         f"{bits}-bit {'asymmetric' if asymmetric else 'symmetric'} {list(shape)}")
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -81,6 +94,7 @@ class QuantizedTensor:
     b: np.ndarray            # [out, in / 32 * b_bytes] uint8: plane b (high bits), [out, 0] when unused
     scales: np.ndarray       # [out, in / group] uint16: fp16 bits of d
     mins: np.ndarray         # [out, in / group] uint16: fp16 bits of m, [out, 0] when symmetric
+    layout: str = "planes"   # "planes", or "rows16": 4-bit symmetric codes and scales in rows16 order (same shapes)
     _flat: tuple = field(init=False, repr=False)          # the four arrays flattened, as the kernels take them
     _descriptor: tuple = field(init=False, repr=False)
     _table: np.ndarray = field(init=False, repr=False)
@@ -98,12 +112,13 @@ class QuantizedTensor:
         set_ = object.__setattr__
         set_(self, "shape", (out, n_in))
         set_(self, "asymmetric", bool(self.asymmetric))
+        _check_layout(self.layout, self.bits, self.asymmetric, self.shape)
         set_(self, "a", _storage("a", self.a, np.uint8, (out, nb * fmt.a_bytes)))
         set_(self, "b", _storage("b", self.b, np.uint8, (out, nb * fmt.b_bytes)))
         set_(self, "scales", _storage("scales", self.scales, np.uint16, (out, ng)))
         set_(self, "mins", _storage("mins", self.mins, np.uint16, (out, ng if self.asymmetric else 0)))
         set_(self, "_flat", tuple(arr.reshape(-1) for arr in (self.a, self.b, self.scales, self.mins)))
-        row = [self.bits, int(self.asymmetric), self.group, out, n_in]
+        row = [ROWS16_CODE if self.layout == "rows16" else self.bits, int(self.asymmetric), self.group, out, n_in]
         for arr in self._flat:
             row += [arr.ctypes.data, arr.size]
         set_(self, "_descriptor", tuple(int(v) for v in row))
@@ -135,9 +150,16 @@ class QuantizedTensor:
 
     def dequantize_rows(self, r0: int, r1: int) -> np.ndarray:
         """Rows r0 .. r1 - 1 of the weights [r1 - r0, in] float32 (numpy; bounded memory for big tensors)."""
+        if self.layout == "rows16":      # the whole row blocks around the rows, back in plane order
+            first = r0 // ROWS16_ROWS * ROWS16_ROWS
+            end = -(-r1 // ROWS16_ROWS) * ROWS16_ROWS
+            a, scales = from_rows16(self.a[first:end], self.scales[first:end])
+            a, scales = a[r0 - first:r1 - first], scales[r0 - first:r1 - first]
+        else:
+            a, scales = self.a[r0:r1], self.scales[r0:r1]
         rows = slice(r0, r1)
-        u = unpack_codes(self.a[rows], self.b[rows], self.bits, self.shape[1]).astype(np.float32)   # [rows, in]
-        d = np.repeat(f16_values(self.scales[rows]), self.group, axis=1)                          # [rows, in]
+        u = unpack_codes(a, self.b[rows], self.bits, self.shape[1]).astype(np.float32)             # [rows, in]
+        d = np.repeat(f16_values(scales), self.group, axis=1)                                     # [rows, in]
         if self.asymmetric:
             m = np.repeat(f16_values(self.mins[rows]), self.group, axis=1)
         else:
@@ -146,10 +168,19 @@ class QuantizedTensor:
 
     def __reduce__(self):
         # rebuild through __init__ (pickle, copy): the descriptor's addresses belong to this process's arrays
-        return (type(self), (self.shape, self.bits, self.group, self.asymmetric, self.a, self.b, self.scales, self.mins))
+        return (type(self), (self.shape, self.bits, self.group, self.asymmetric, self.a, self.b, self.scales, self.mins,
+                             self.layout))
+
+    def with_layout(self, layout: str) -> "QuantizedTensor":
+        """This matrix in another layout (the same weights; a copy unless it is already in that layout)."""
+        if layout == self.layout:
+            return self
+        _check_layout(layout, self.bits, self.asymmetric, self.shape)
+        a, scales = (to_rows16 if layout == "rows16" else from_rows16)(self.a, self.scales)
+        return QuantizedTensor(self.shape, self.bits, self.group, self.asymmetric, a, self.b, scales, self.mins, layout)
 
     def __repr__(self) -> str:
-        kind = "asymmetric" if self.asymmetric else "symmetric"
+        kind = ("asymmetric" if self.asymmetric else "symmetric") + (", rows16" if self.layout == "rows16" else "")
         return (f"QuantizedTensor(shape={list(self.shape)}, bits={self.bits}, group={self.group}, {kind}, "
                 f"{self.bits_per_weight:.3f} bits/weight)")
 
@@ -178,7 +209,7 @@ class QuantizedTensor:
 
     def to_buffers(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON-able meta, named C-contiguous storage arrays) for a container writer."""
-        meta = {"kind": META_KIND, "version": META_VERSION, "layout": LAYOUT, "shape": list(self.shape),
+        meta = {"kind": META_KIND, "version": META_VERSION, "layout": LAYOUTS[self.layout], "shape": list(self.shape),
                 "bits": self.bits, "group": self.group, "asymmetric": self.asymmetric}
         buffers = {"a": self.a, "scales": self.scales}
         if self.b.size:
@@ -190,8 +221,9 @@ class QuantizedTensor:
     @classmethod
     def from_buffers(cls, meta: dict, buffers: dict[str, np.ndarray]) -> "QuantizedTensor":
         """The tensor over the given buffers (read-only memory-map views are fine; nothing is copied)."""
-        if meta.get("kind") != META_KIND or meta.get("layout") != LAYOUT:
-            raise ValueError(f"not a Colibri quantized tensor of layout {LAYOUT}: meta says kind={meta.get('kind')!r}, "
+        layouts = {v: k for k, v in LAYOUTS.items()}
+        if meta.get("kind") != META_KIND or meta.get("layout") not in layouts:
+            raise ValueError(f"not a Colibri quantized tensor of layout {' or '.join(layouts)}: meta says kind={meta.get('kind')!r}, "
                              f"layout={meta.get('layout')!r}")
         if int(meta.get("version", 0)) > META_VERSION:
             raise ValueError(f"quantized tensor format version {meta['version']} is newer than this Colibri reads "
@@ -205,7 +237,7 @@ class QuantizedTensor:
         rows = int(meta["shape"][0])
         return cls(tuple(meta["shape"]), bits, group, asym, buffers["a"],
                    buffers.get("b", np.zeros((rows, 0), np.uint8)), buffers["scales"],
-                   buffers.get("mins", np.zeros((rows, 0), np.uint16)))
+                   buffers.get("mins", np.zeros((rows, 0), np.uint16)), layouts[meta["layout"]])
 
 
 def matmul_many(x: np.ndarray, tensors: Sequence[QuantizedTensor]) -> list[np.ndarray]:
@@ -265,10 +297,11 @@ ROWS_PER_CHUNK_WEIGHTS = 1 << 23  # quantize about 8 M weights at a time to boun
 
 
 def quantize(w: np.ndarray, bits: int, group: int, *, importance: np.ndarray | None = None,
-             clip_search: bool = True, asymmetric: bool | None = None) -> QuantizedTensor:
+             clip_search: bool = True, asymmetric: bool | None = None, layout: str | None = None) -> QuantizedTensor:
     """w [out, in] -> QuantizedTensor minimising sum_c importance[c] * sum_r (w - w_q)[r, c]^2 per group.
 
-    `asymmetric` None takes the format's default (zero points at 2 and 3 bits only).
+    `asymmetric` None takes the format's default (zero points at 2 and 3 bits only). `layout` None takes
+    rows16 where it applies (4-bit symmetric, whole 16-row blocks: the fast integer kernels), else planes.
     """
     _check_format(bits, group)
     w = _check_weights(w, group)
@@ -294,7 +327,10 @@ def quantize(w: np.ndarray, bits: int, group: int, *, importance: np.ndarray | N
         a, b = pack_codes(codes, bits)
         parts.append((a, b, d16, m16 if asym else np.zeros((wc.shape[0], 0), np.uint16)))
     cat = [np.concatenate(p) if len(parts) > 1 else p[0] for p in zip(*parts)]
-    return QuantizedTensor((out, n_in), bits, group, asym, *cat)
+    q = QuantizedTensor((out, n_in), bits, group, asym, *cat)
+    if layout is None:
+        layout = "rows16" if rows16_allowed(bits, asym, out) else "planes"
+    return q.with_layout(layout)
 
 
 def weighted_error(w: np.ndarray, q: QuantizedTensor, importance: np.ndarray | None = None) -> float:
