@@ -20,8 +20,8 @@ block's 16 code bytes once for both halves: the table lookup reads only an index
 Kernels take flat (1-D) arrays and explicit sizes; token i of a call reads x row xrows[i] and
 writes out row orows[i], so that the fused experts run any subset of a batch without gathering.
 
-numba's on-disk cache keys a kernel on its own file only: after editing simd.py or this file,
-clear NUMBA_CACHE_DIR (kernels in experts.py and fp32.py link these functions).
+numba keys a cached kernel on its own file only; engine/jit_cache.py stamps every engine kernel with all the
+engine sources instead, so editing a linked file (simd.py, this one) recompiles whatever links it.
 """
 
 from __future__ import annotations

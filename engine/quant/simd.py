@@ -23,6 +23,12 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from engine import jit_cache
+
+# every cached engine kernel imports this module first: from here on numba stamps their cache entries with
+# all the engine's sources, so a kernel is never loaded with stale code linked from another file
+jit_cache.install()
+
 LANES = 16
 
 _F32 = ir.FloatType()
