@@ -61,8 +61,8 @@ def test_container_runs_its_quantized_weights(src, tmp_path, bits):
     ours, expected = _logits(loaded.model), _logits(reference)
     q = c.load("model.layers.0.block_sparse_moe.experts.1.w2.weight")
     assert q.bits == bits and not isinstance(q, np.ndarray)
-    if bits == 4:
-        # 4-bit matrices take the rows16 layout, whose kernels round activations to 8 bits per 32-block
+    if bits in (4, 8):
+        # 4- and 8-bit matrices take the rows16 layout, whose kernels round activations to 8 bits per 32-block
         # (tests/test_quant_rows16.py checks them bit for bit): close to the float weights' logits, not equal
         assert q.layout == "rows16"
         assert np.abs(ours - expected).max() <= 5e-2 * np.abs(expected).max()

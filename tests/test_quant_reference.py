@@ -63,16 +63,17 @@ def lane_dot(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 def rows16_dot(q, x: np.ndarray) -> np.ndarray:
     """x [T, K] times a rows16 QuantizedTensor -> [T, R] by its kernels' arithmetic (engine/quant/rows16.py): per
-    32-block an exact integer sum of codes times 8-bit activations, then one fused multiply-add by d_w * d_x
-    (a float32 product), blocks in order from +0.0."""
+    32-block an exact integer sum of codes (less their offset) times 8-bit activations, then one fused
+    multiply-add by d_w * d_x (a float32 product), blocks in order from +0.0."""
     a, scales = from_rows16(q.a, q.scales)
-    u = unpack_codes(a, q.b, 4, q.shape[1]).astype(np.int64)                          # [R, K]
+    u = unpack_codes(a, q.b, q.bits, q.shape[1]).astype(np.int64)                     # [R, K]
+    offset = 1 << (q.bits - 1)
     d = f16_values(scales)                                                             # [R, groups]
     xq, dx, sums = quantize_activations(np.asarray(x, np.float32))
     acc = np.zeros((x.shape[0], q.shape[0]), np.float32)
     for kb in range(q.shape[1] // 32):
         k = slice(32 * kb, 32 * kb + 32)
-        isum = xq[:, k].astype(np.int64) @ u[:, k].T - 8 * sums[:, kb][:, None]        # [T, R], exact
+        isum = xq[:, k].astype(np.int64) @ u[:, k].T - offset * sums[:, kb][:, None]   # [T, R], exact
         scale = d[None, :, 32 * kb // q.group] * dx[:, kb][:, None]                    # float32 products
         acc = fma32(isum.astype(np.float32), scale, acc)
     return acc

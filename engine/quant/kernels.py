@@ -30,7 +30,7 @@ import numba
 import numpy as np
 from numba import literally, njit, prange
 
-from engine.quant.layout import BLOCK, ROWS16_CODE
+from engine.quant.layout import BLOCK, ROWS16_FLAG
 from engine.quant.rows16 import rows16_dequant, rows16_rows
 from engine.quant.simd import (
     HAS_AVX512, U64, address_as_voidptr, f16_to_f32, fma32, prefetch, stack_block, vcodes2, vcodes3, vcodes4, vcodes5, vcodes6,
@@ -138,8 +138,8 @@ def _scale(bits, asym, sc, mn, gi):
 @njit(cache=True, boundscheck=False)
 def dequant_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, dst):
     """Rows r0 .. r0 + nr - 1 of a quantized matrix -> dst[i * K + k], float32 (the kernels' values)."""
-    if bits == ROWS16_CODE:
-        rows16_dequant(group, a, sc, K, r0, nr, dst)
+    if bits & ROWS16_FLAG:
+        rows16_dequant(bits, group, a, sc, K, r0, nr, dst)
     elif bits == 4:  # a constant width: _dequant_rows is compiled once per width
         _dequant_rows(4, asym, group, a, b, sc, mn, K, r0, nr, dst)
     elif bits == 8:
@@ -181,8 +181,8 @@ def otf_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1
 
     Four rows at a time (four independent accumulators hide the fma latency); rows16 matrices by their own kernel.
     """
-    if bits == ROWS16_CODE:
-        rows16_rows(group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    if bits & ROWS16_FLAG:
+        rows16_rows(bits, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     elif asym:  # a constant width and kind: _otf_rows is compiled once per (width, symmetric or not)
         _otf_width(True, bits, group, a, b, sc, mn, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     else:
@@ -398,8 +398,8 @@ def tile_rows(w, wo0, K, nr, x, xrows, orows, i0, i1, out, ldo, col0):
 @njit(boundscheck=False)
 def quant_rows(bits, asym, group, a, b, sc, mn, K, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scratch):
     """Rows r0 .. r1 - 1 of a quantized matrix times tokens i0 .. i1 - 1, by the path that suits the count."""
-    if bits == ROWS16_CODE:   # one kernel for any count of tokens
-        rows16_rows(group, a, sc, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
+    if bits & ROWS16_FLAG:   # one kernel for any count of tokens
+        rows16_rows(bits, group, a, sc, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
         return
     if i1 - i0 <= OTF_MAX_TOKENS:
         otf_rows(bits, asym, group, a, b, sc, mn, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)

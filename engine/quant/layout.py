@@ -140,40 +140,41 @@ def f16_values(bits: np.ndarray) -> np.ndarray:
     return np.asarray(bits).view(np.float16).astype(np.float32)
 
 
-# -- rows16: 4-bit symmetric codes with 16 rows interleaved -------------------------------------
-# The same bytes as the nibble plane, reordered so that one 64-byte vector holds 4 consecutive
-# weights of 16 rows: byte 4l + b of vector p of block kb of row block rb is byte 4p + b of block kb
-# of row 16 rb + l (low nibble: weight 4p + b, high nibble: weight 16 + 4p + b). An integer dot
-# product lane (vpdpbusd: 4 bytes per 32-bit lane) then holds one row, so a block of 16 rows needs
-# no horizontal sums. Scales are reordered alike: the 16 rows' fp16 scales of a group sit together.
-# Arrays keep their [out, ...] shapes and sizes (rows 16 rb .. 16 rb + 15 hold row block rb), so the
-# byte counts, extents and files of a container are those of the plane layout.
+# -- rows16: 4- and 8-bit symmetric codes with 16 rows interleaved ---------------------------------
+# The same bytes as the nibble (4-bit) or byte (8-bit) plane, reordered so that one 64-byte vector holds
+# 4 consecutive bytes of 16 rows: byte 4l + c of vector p of block kb of row block rb is byte 4p + c of
+# block kb of row 16 rb + l (4-bit: low nibble weight 4p + c, high nibble weight 16 + 4p + c; 8-bit:
+# weight 4p + c). An integer dot product lane (vpdpbusd: 4 bytes per 32-bit lane) then holds one row,
+# so a block of 16 rows needs no horizontal sums. Scales are reordered alike: the 16 rows' fp16 scales
+# of a group sit together. Arrays keep their [out, ...] shapes and sizes (rows 16 rb .. 16 rb + 15 hold
+# row block rb), so the byte counts, extents and files of a container are those of the plane layout.
 
 ROWS16_ROWS = 16
-ROWS16_CODE = 4 | 16  # the `bits` a rows16 tensor's kernel descriptor carries (4-bit codes, rows16 order)
+ROWS16_FLAG = 16  # or-ed into `bits` in a rows16 tensor's kernel descriptor: 4 | 16 or 8 | 16
 
 
 def rows16_allowed(bits: int, asymmetric: bool, out: int) -> bool:
-    """Whether a matrix can take the rows16 layout: 4-bit symmetric codes, whole blocks of 16 rows."""
-    return bits == 4 and not asymmetric and out % ROWS16_ROWS == 0
+    """Whether a matrix can take the rows16 layout: 4- or 8-bit symmetric codes, whole blocks of 16 rows."""
+    return bits in (4, 8) and not asymmetric and out % ROWS16_ROWS == 0
 
 
 def to_rows16(a: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(nibble plane [out, in / 2], scales [out, groups]) -> the same arrays in rows16 order (copies)."""
-    out, half = a.shape
-    nrb, nb = out // ROWS16_ROWS, half // 16
-    a16 = np.asarray(a).reshape(nrb, ROWS16_ROWS, nb, 4, 4).transpose(0, 2, 3, 1, 4)      # rb, kb, p, l, b
+    """(plane a [out, bytes per row], scales [out, groups]) -> the same arrays in rows16 order (copies); the
+    plane holds 16 (4-bit) or 32 (8-bit) bytes per 32-weight block."""
+    out, width = a.shape
+    nrb = out // ROWS16_ROWS
+    a16 = np.asarray(a).reshape(nrb, ROWS16_ROWS, -1, 4).transpose(0, 2, 1, 3)              # rb, (kb, p), l, c
     s16 = np.asarray(scales).reshape(nrb, ROWS16_ROWS, -1).transpose(0, 2, 1)              # rb, g, l
-    return np.ascontiguousarray(a16).reshape(out, half), np.ascontiguousarray(s16).reshape(scales.shape)
+    return np.ascontiguousarray(a16).reshape(out, width), np.ascontiguousarray(s16).reshape(scales.shape)
 
 
 def from_rows16(a: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of `to_rows16` (whole row blocks: out % 16 == 0)."""
-    out, half = a.shape
-    nrb, nb = out // ROWS16_ROWS, half // 16
-    a_pl = np.asarray(a).reshape(nrb, nb, 4, ROWS16_ROWS, 4).transpose(0, 3, 1, 2, 4)      # rb, l, kb, p, b
+    out, width = a.shape
+    nrb = out // ROWS16_ROWS
+    a_pl = np.asarray(a).reshape(nrb, -1, ROWS16_ROWS, 4).transpose(0, 2, 1, 3)            # rb, l, (kb, p), c
     s_pl = np.asarray(scales).reshape(nrb, -1, ROWS16_ROWS).transpose(0, 2, 1)             # rb, l, g
-    return np.ascontiguousarray(a_pl).reshape(out, half), np.ascontiguousarray(s_pl).reshape(scales.shape)
+    return np.ascontiguousarray(a_pl).reshape(out, width), np.ascontiguousarray(s_pl).reshape(scales.shape)
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

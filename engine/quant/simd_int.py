@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from engine.quant.simd import (
-    _F32, _I32, _VF, _VI, HAS_AVX512, LANES, _elem_ptr, _host_has, _ivec, _load_vec, _splat_i32, f32x16, i32x16,
+    _F32, _I32, _VF, _VI, HAS_AVX512, LANES, _as_i32, _elem_ptr, _host_has, _ivec, _load_vec, _splat_i32, f32x16, i32x16,
 )
 
 HAS_VNNI = HAS_AVX512 and _host_has("avx512vnni")
@@ -62,6 +62,17 @@ def vnibbles(typingctx, a, off):
 
 
 @intrinsic
+def vbytes(typingctx, a, off):
+    """The 64 bytes a[off : off + 64] as they are (uint8 array)."""
+    if not (isinstance(a, types.Array) and a.dtype == types.uint8 and a.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), _VI, 1)
+    return i32x16(a, off), codegen
+
+
+@intrinsic
 def vdot_bcast(typingctx, acc, w, q, qoff):
     """acc plus, per lane j, sum over b < 4 of byte 4j + b of w (unsigned) times q[qoff + b] (signed int8)."""
     if not (isinstance(q, types.Array) and q.dtype == types.int8 and q.ndim == 1):
@@ -76,13 +87,13 @@ def vdot_bcast(typingctx, acc, w, q, qoff):
 
 @intrinsic
 def vsub_splat(typingctx, v, s):
-    """Integer lanes minus the int32 s."""
-    if s != types.int32:
+    """Integer lanes minus the integer s (taken modulo 2**32, as the lanes are)."""
+    if not isinstance(s, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
-        return builder.sub(args[0], _splat_i32(builder, args[1]))
-    return i32x16(i32x16, types.int32), codegen
+        return builder.sub(args[0], _splat_i32(builder, _as_i32(builder, args[1])))
+    return i32x16(i32x16, s), codegen
 
 
 @intrinsic

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.quant import kernels, search
 from engine.quant.layout import (
-    BITS, BLOCK, FORMATS, GROUPS, ROWS16_CODE, ROWS16_ROWS, f16_bits, f16_values, from_rows16, pack_codes, rows16_allowed,
+    BITS, BLOCK, FORMATS, GROUPS, ROWS16_FLAG, ROWS16_ROWS, f16_bits, f16_values, from_rows16, pack_codes, rows16_allowed,
     to_rows16, unpack_codes,
 )
 
@@ -40,7 +40,7 @@ def _check_layout(layout: str, bits: int, asymmetric: bool, shape: tuple[int, in
     if layout not in LAYOUTS:
         raise ValueError(f"unknown quantized layout {layout!r}: one of {', '.join(LAYOUTS)}")
     if layout == "rows16" and not rows16_allowed(bits, asymmetric, shape[0]):
-        raise ValueError(f"the rows16 layout holds 4-bit symmetric matrices of whole 16-row blocks, not "
+        raise ValueError(f"the rows16 layout holds 4- and 8-bit symmetric matrices of whole 16-row blocks, not "
                          f"{bits}-bit {'asymmetric' if asymmetric else 'symmetric'} {list(shape)}")
 
 
@@ -94,7 +94,7 @@ class QuantizedTensor:
     b: np.ndarray            # [out, in / 32 * b_bytes] uint8: plane b (high bits), [out, 0] when unused
     scales: np.ndarray       # [out, in / group] uint16: fp16 bits of d
     mins: np.ndarray         # [out, in / group] uint16: fp16 bits of m, [out, 0] when symmetric
-    layout: str = "planes"   # "planes", or "rows16": 4-bit symmetric codes and scales in rows16 order (same shapes)
+    layout: str = "planes"   # "planes", or "rows16": 4/8-bit symmetric codes and scales in rows16 order (same shapes)
     _flat: tuple = field(init=False, repr=False)          # the four arrays flattened, as the kernels take them
     _descriptor: tuple = field(init=False, repr=False)
     _table: np.ndarray = field(init=False, repr=False)
@@ -118,7 +118,7 @@ class QuantizedTensor:
         set_(self, "scales", _storage("scales", self.scales, np.uint16, (out, ng)))
         set_(self, "mins", _storage("mins", self.mins, np.uint16, (out, ng if self.asymmetric else 0)))
         set_(self, "_flat", tuple(arr.reshape(-1) for arr in (self.a, self.b, self.scales, self.mins)))
-        row = [ROWS16_CODE if self.layout == "rows16" else self.bits, int(self.asymmetric), self.group, out, n_in]
+        row = [self.bits | (ROWS16_FLAG if self.layout == "rows16" else 0), int(self.asymmetric), self.group, out, n_in]
         for arr in self._flat:
             row += [arr.ctypes.data, arr.size]
         set_(self, "_descriptor", tuple(int(v) for v in row))
@@ -301,7 +301,7 @@ def quantize(w: np.ndarray, bits: int, group: int, *, importance: np.ndarray | N
     """w [out, in] -> QuantizedTensor minimising sum_c importance[c] * sum_r (w - w_q)[r, c]^2 per group.
 
     `asymmetric` None takes the format's default (zero points at 2 and 3 bits only). `layout` None takes
-    rows16 where it applies (4-bit symmetric, whole 16-row blocks: the fast integer kernels), else planes.
+    rows16 where it applies (4- and 8-bit symmetric, whole 16-row blocks: the fast integer kernels), else planes.
     """
     _check_format(bits, group)
     w = _check_weights(w, group)
