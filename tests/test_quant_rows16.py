@@ -3,31 +3,16 @@ plain numpy reference of their arithmetic, and invariant to tokens, row ranges a
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import pytest
 
+from test_quant_kernels import _acts, _weights, threads  # noqa: F401 - threads is a fixture
 from test_quant_reference import rows16_dot
 
 from engine.quant import QuantizedTensor, quantize
 from engine.quant import kernels
 from engine.quant.layout import ROWS16_FLAG, f16_bits, from_rows16, quantize_activations, to_rows16
 from engine.quant.rows16 import quantize_tokens
-
-
-@pytest.fixture
-def threads():
-    before = numba.get_num_threads()
-    yield numba.set_num_threads
-    numba.set_num_threads(before)
-
-
-def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal((rows, cols)) * 0.05).astype(np.float32)
-
-
-def _acts(t: int, cols: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((t, cols)).astype(np.float32)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
