@@ -196,7 +196,8 @@ class QuantizedTensor:
 
     @property
     def descriptor(self) -> tuple[int, ...]:
-        """13 ints: bits, asym, group, out, in, then (address, length) of a, b, scales, mins (for fused kernels).
+        """13 ints: bits (or-ed with ROWS16_FLAG in the rows16 layout), asym, group, out, in, then (address, length)
+        of a, b, scales, mins (for fused kernels).
 
         The addresses are valid while this tensor lives: whoever passes them on keeps the tensor referenced.
         """
@@ -223,8 +224,8 @@ class QuantizedTensor:
         """The tensor over the given buffers (read-only memory-map views are fine; nothing is copied)."""
         layouts = {v: k for k, v in LAYOUTS.items()}
         if meta.get("kind") != META_KIND or meta.get("layout") not in layouts:
-            raise ValueError(f"not a Colibri quantized tensor of layout {' or '.join(layouts)}: meta says kind={meta.get('kind')!r}, "
-                             f"layout={meta.get('layout')!r}")
+            raise ValueError(f"not a Colibri quantized tensor of layout {' or '.join(layouts)}: meta says "
+                             f"kind={meta.get('kind')!r}, layout={meta.get('layout')!r}")
         if int(meta.get("version", 0)) > META_VERSION:
             raise ValueError(f"quantized tensor format version {meta['version']} is newer than this Colibri reads "
                              f"({META_VERSION}): update Colibri")
@@ -300,7 +301,7 @@ def quantize(w: np.ndarray, bits: int, group: int, *, importance: np.ndarray | N
              clip_search: bool = True, asymmetric: bool | None = None, layout: str | None = None) -> QuantizedTensor:
     """w [out, in] -> QuantizedTensor minimising sum_c importance[c] * sum_r (w - w_q)[r, c]^2 per group.
 
-    `asymmetric` None takes the format's default (zero points at 2 and 3 bits only). `layout` None takes
+    `asymmetric` None takes the format's default (zero points at 2 bits only). `layout` None takes
     rows16 where it applies (4- and 8-bit symmetric, whole 16-row blocks: the fast integer kernels), else planes.
     """
     _check_format(bits, group)
