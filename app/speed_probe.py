@@ -105,9 +105,10 @@ class CodePool:
 
 
 def random_quantized(shape: tuple[int, int], bits: int, group: int, asymmetric: bool, codes: CodePool):
-    """A QuantizedTensor of random codes with scales that keep outputs near unit size (speed probes only)."""
+    """A QuantizedTensor of random codes with scales that keep outputs near unit size, in the layout a conversion
+    gives it (speed probes only)."""
     from engine.quant import QuantizedTensor
-    from engine.quant.layout import BLOCK, FORMATS
+    from engine.quant.layout import BLOCK, FORMATS, rows16_allowed
 
     out, n_in = shape
     fmt = FORMATS[bits]
@@ -116,8 +117,9 @@ def random_quantized(shape: tuple[int, int], bits: int, group: int, asymmetric: 
     scales = np.full((out, groups), np.float16(d).view(np.uint16), np.uint16)
     mins = (np.full((out, groups), np.float16(-(2 ** (bits - 1)) * d).view(np.uint16), np.uint16) if asymmetric
             else np.zeros((out, 0), np.uint16))
+    layout = "rows16" if rows16_allowed(bits, asymmetric, out) else "planes"     # what quantize() would choose
     return QuantizedTensor((out, n_in), bits, group, asymmetric, codes.take(out * blocks * fmt.a_bytes),
-                           codes.take(out * blocks * fmt.b_bytes), scales, mins)
+                           codes.take(out * blocks * fmt.b_bytes), scales, mins, layout)
 
 
 def _matrix(work: Work, shape: tuple[int, int], bits: int, codes: CodePool):
