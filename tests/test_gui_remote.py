@@ -17,6 +17,7 @@ import uvicorn
 
 from qt_support import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
 from qt_support import LOAD_TIMEOUT_MS, qtbot_app
+from test_server import _paced
 
 from app.remote import ConnectionChanged, RemoteService
 from app.remote_wire import Endpoint, SSEEvent, SSEParser, completion_body, iter_sse
@@ -26,7 +27,6 @@ from app.service import (
 )
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
 from engine.telemetry import Snapshot
 
 KEY = "remote-test-key-0123"
@@ -146,7 +146,7 @@ class Events:
             self.items.append(event)
             self.cond.notify_all()
 
-    def wait(self, pred, timeout: float = 60.0):
+    def wait(self, pred, timeout: float = LOAD_TIMEOUT_MS / 1000):   # a first load compiles kernels on a cold cache
         with self.cond:
             assert self.cond.wait_for(lambda: any(pred(e) for e in self.items), timeout), self.items[-5:]
             return next(e for e in self.items if pred(e))
@@ -195,13 +195,7 @@ def test_remote_chat_streams_the_servers_answer_and_settings_are_refused(server,
 
 
 def test_stop_closes_the_stream_and_the_server_stops_generating(server, served, monkeypatch):
-    step = Scheduler.step
-
-    def paced(self):         # 10 ms a step: the answer cannot run to its end before the server sees us leave
-        time.sleep(0.01)
-        return step(self)
-
-    monkeypatch.setattr(Scheduler, "step", paced)
+    _paced(monkeypatch, 0.01)  # the answer cannot run to its end before the server sees us leave
     events = Events()
     with RemoteService(server.url, KEY, on_event=events) as remote:
         # more tokens than the context has room for: the server refuses max_tokens, the answer runs to the end

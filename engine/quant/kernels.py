@@ -398,10 +398,7 @@ def tile_rows(w, wo0, K, nr, x, xrows, orows, i0, i1, out, ldo, col0):
 @njit(boundscheck=False)
 def quant_rows(bits, asym, group, a, b, sc, mn, K, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scratch):
     """Rows r0 .. r1 - 1 of a quantized matrix times tokens i0 .. i1 - 1, by the path that suits the count."""
-    if bits & ROWS16_FLAG:   # one kernel for any count of tokens
-        rows16_rows(bits, group, a, sc, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
-        return
-    if i1 - i0 <= OTF_MAX_TOKENS:
+    if i1 - i0 <= OTF_MAX_TOKENS or bits & ROWS16_FLAG:   # rows16: one kernel for any count of tokens
         otf_rows(bits, asym, group, a, b, sc, mn, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
         return
     r = r0
@@ -450,7 +447,8 @@ def run_items(table, items, pieces, x, xrows, orows, out):
         for j in range(pieces[p], pieces[p + 1]):
             bits, asym, group, _, cols, a, b, sc, mn = planes(table[items[j, 0]])
             r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
-            scratch = np.empty(TILE * cols if i1 - i0 > OTF_MAX_TOKENS else 0, np.float32)
+            tiled = i1 - i0 > OTF_MAX_TOKENS and not bits & ROWS16_FLAG    # the dequantized tile's scratch
+            scratch = np.empty(TILE * cols if tiled else 0, np.float32)
             quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0,
                        scratch)
 

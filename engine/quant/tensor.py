@@ -25,6 +25,7 @@ META_VERSION = 1
 LAYOUT = "planes32-v1"          # meta "layout" of the plane layout
 LAYOUT_ROWS16 = "rows16-v1"     # and of the rows16 layout (engine/quant/layout.py)
 LAYOUTS = {"planes": LAYOUT, "rows16": LAYOUT_ROWS16}
+_LAYOUT_NAMES = {meta: name for name, meta in LAYOUTS.items()}
 F16_MAX = 65504.0
 DESCRIPTOR_FIELDS = 13  # see QuantizedTensor.descriptor
 
@@ -222,9 +223,8 @@ class QuantizedTensor:
     @classmethod
     def from_buffers(cls, meta: dict, buffers: dict[str, np.ndarray]) -> "QuantizedTensor":
         """The tensor over the given buffers (read-only memory-map views are fine; nothing is copied)."""
-        layouts = {v: k for k, v in LAYOUTS.items()}
-        if meta.get("kind") != META_KIND or meta.get("layout") not in layouts:
-            raise ValueError(f"not a Colibri quantized tensor of layout {' or '.join(layouts)}: meta says "
+        if meta.get("kind") != META_KIND or meta.get("layout") not in _LAYOUT_NAMES:
+            raise ValueError(f"not a Colibri quantized tensor of layout {' or '.join(_LAYOUT_NAMES)}: meta says "
                              f"kind={meta.get('kind')!r}, layout={meta.get('layout')!r}")
         if int(meta.get("version", 0)) > META_VERSION:
             raise ValueError(f"quantized tensor format version {meta['version']} is newer than this Colibri reads "
@@ -238,7 +238,7 @@ class QuantizedTensor:
         rows = int(meta["shape"][0])
         return cls(tuple(meta["shape"]), bits, group, asym, buffers["a"],
                    buffers.get("b", np.zeros((rows, 0), np.uint8)), buffers["scales"],
-                   buffers.get("mins", np.zeros((rows, 0), np.uint16)), layouts[meta["layout"]])
+                   buffers.get("mins", np.zeros((rows, 0), np.uint16)), _LAYOUT_NAMES[meta["layout"]])
 
 
 def matmul_many(x: np.ndarray, tensors: Sequence[QuantizedTensor]) -> list[np.ndarray]:
