@@ -364,3 +364,109 @@ def test_thread_choice_tries_the_other_count_less_often_while_it_keeps_losing():
     early = picks[2 * (ThreadChoice.FIRST + 1):2000]            # after both counts' first measurements
     assert 3 <= early.count(1) <= 8                            # tries at 16, 32, 64, ... steps apart
     assert picks[-500:].count(1) > 450                          # the load came: one thread, found by a try
+
+
+def _counting_stops(monkeypatch, store) -> list:
+    """The layer steps a fused call stopped for (the store's `groups`, which the engine thread drives)."""
+    stops = []
+    real = store.groups
+
+    def groups(layer, ids, started=None):
+        stops.append(layer)
+        return real(layer, ids, started)
+    monkeypatch.setattr(store, "groups", groups)
+    return stops
+
+
+def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_path_factory, monkeypatch, threads):
+    """While a call runs, its driver thread reads the experts a layer lacks (and the guesses of later layers), and
+    the call waits for them where it is: most misses cost no stop, and the answer is the resident model's."""
+    from engine.loader import StreamOptions
+    from engine.stream.store import StoreSettings
+
+    model_type, overrides = FUSED["mixtral"]
+    src = build_checkpoint(tmp_path_factory.mktemp("w"), model_type, **overrides)
+    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    want, _ = _greedy(load_model(out).model, fused=True)
+    slot = _slot_bytes(out)
+    for n in (1, 2):
+        threads(n)
+        loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=5 * slot, policy="lru"), 1))
+        try:
+            model = loaded.model
+            stops = _counting_stops(monkeypatch, loaded.store)
+            before = loaded.store.stats().hits["disk"]
+            got, _ = _greedy(model, fused=True)
+            assert model._fused._driver is not None
+            disk = loaded.store.stats().hits["disk"] - before
+        finally:
+            loaded.close()
+        assert np.array_equal(got, want), n
+        assert disk > 0
+        assert len(stops) < disk / 2, (n, len(stops), disk)      # most misses were waited for in the call
+
+
+def test_an_error_of_the_driver_stops_the_call_and_reaches_the_caller(tmp_path_factory, monkeypatch):
+    """A failure on the driver thread does not leave a call waiting for experts that will not come: the call stops
+    and the error is raised on the engine thread."""
+    from engine.loader import StreamOptions
+    from engine.stream.store import StoreSettings
+
+    model_type, overrides = FUSED["mixtral"]
+    src = build_checkpoint(tmp_path_factory.mktemp("e"), model_type, **overrides)
+    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    slot = _slot_bytes(out)
+    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
+    try:
+        model = loaded.model
+        cache = KVCache(model.spec, 64)
+        token = int(model.forward(PROMPT, cache)[-1].argmax())
+
+        def broken(layer, ids):
+            raise OSError("the disk went away")
+        monkeypatch.setattr(loaded.store, "need", broken)
+        with pytest.raises(OSError, match="went away"):
+            for _ in range(STEPS):                         # (a token whose experts are all in memory asks nothing)
+                token = int(model.forward([token], cache)[-1].argmax())
+    finally:
+        loaded.close()
+
+
+def test_an_expert_leaving_is_not_read_over_while_a_thread_may_read_it(tmp_path_factory):
+    """An expert at whose layer a thread of a running call is does not give up its slot: the driver's ask is refused
+    (it stays flagged), and the store's word that it leaves returns only once the thread has moved on (the slot is
+    then read over). An expert of another layer leaves at once."""
+    import threading
+
+    from engine.loader import StreamOptions
+    from engine.models import fused_kernel as fk
+    from engine.stream.store import StoreSettings
+
+    model_type, overrides = FUSED["mixtral"]
+    src = build_checkpoint(tmp_path_factory.mktemp("h"), model_type, **overrides)
+    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
+    try:
+        model = loaded.model
+        model.forward([int(model.forward(PROMPT, KVCache(model.spec, 64))[-1].argmax())], KVCache(model.spec, 64))
+        plan = model._fused
+        layer = plan.streamed_layers[-1]
+        assert plan.streamed_layers[0] != layer
+        plan.flags[layer, :] = 1
+        plan.cur[1 * fk.LINE] = layer                      # thread 1 of a call is at this layer
+        assert not plan._release((layer, 2))               # the driver asks first: not now, and still flagged
+        assert plan.flags[layer, 2] == 1
+        other = plan.streamed_layers[0]
+        plan.flags[other, 2] = 1
+        assert plan._release((other, 2)) and plan.flags[other, 2] == 0   # another layer's may go
+        left = threading.Event()
+        t = threading.Thread(target=lambda: (plan._held((layer, 0), None), left.set()))
+        t.start()
+        assert not left.wait(0.2)                          # still waiting
+        assert plan.flags[layer, 0] == 0                   # unflagged first: a thread arriving later sees it gone
+        plan._held((plan.streamed_layers[0], 1), None)   # another layer: at once
+        plan.cur[1 * fk.LINE] = -1                          # the thread moved on
+        assert left.wait(5)
+        t.join()
+    finally:
+        loaded.close()

@@ -3,18 +3,29 @@
 `FusedDecode.for_model` accepts the common decoder shape: grouped-query attention (q/k/v biases and
 per-head q/k norms allowed, any RoPE, sliding windows included), a SiLU-gated MLP or a MoE routed by
 softmax or sigmoid without expert groups or shared experts, every matrix quantized, the experts
-resident or streamed by an expert store. With streamed experts a token runs in several calls: each
-stops after a layer's routing, the store brings that layer's experts in (groups as their reads
-finish, reads of later layers started by the lookahead), and the next call computes them and goes
-on, so that only the store's work runs in Python. The KV cache may hold float32, fp16 or int8 rows
-and keep attention weights for retention. Anything else (a step of several tokens of a sequence, a
-probe) runs through `Transformer.forward_batch` one block at a time; both give the same bits for the
-same token.
+resident or streamed by an expert store. The KV cache may hold float32, fp16 or int8 rows and keep
+attention weights for retention. Anything else (a step of several tokens of a sequence, a probe)
+runs through `Transformer.forward_batch` one block at a time; both give the same bits for the same
+token.
+
+With streamed experts (pread mode, Linux) a token runs in one call as a rule. While it runs, a
+driver thread (`_Driver`) owns the store: thread 0 of the call posts the experts a layer lacks and
+waits where it is until the driver has read them in (`ExpertStore.need`); it posts the read-ahead's
+guess of a later layer's experts, which the driver hands to `prefetch`; the driver publishes each
+read as it completes (`_held`: descriptors, then the layer's flag). The driver takes slots only
+from experts of layers the call has passed, and does not read over an expert while a thread of the
+call may still be reading it (`fused_kernel.in_use`). Where the driver cannot bring a layer's
+experts (no slot to be had yet) the call stops there and the engine thread brings them through
+`ExpertStore.groups`: in groups as their reads finish, each group run by a call of its own; as
+every call does without a driver (mmap mode, other systems).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -125,6 +136,11 @@ class FusedDecode:
         self._i_ff = [int(v) for v in lay[:, fk.L_I]]
         self._res0 = [int(v) for v in lay[:, fk.L_RES0]]
         self.flags = np.zeros((spec.n_layers, max(1, int(lay[:, fk.L_E].max()))), np.int64)   # see _held
+        self._flat = self.flags.reshape(-1)                             # the same memory, as the kernel reads it
+        g[fk.G_FLAGW] = self.flags.shape[1]
+        self.post = np.zeros(4 * spec.n_layers + 1 + 2 * spec.n_layers * MAX_GUESS, np.int64)   # see fused_kernel
+        self.cur = np.full(max(1, numba.config.NUMBA_NUM_THREADS) * fk.LINE, -1, np.int64)
+        self._driver: _Driver | None = None
         self.streamed_layers = [i for i in range(spec.n_layers) if lay[i, fk.L_STREAMED]]
         self._extra: int | None = None
         self._threads = ThreadChoice()
@@ -243,27 +259,44 @@ class FusedDecode:
             plan = cls(model)
         except _NotFusable:
             return None
-        if plan.streamed_layers:
-            model.experts.add_listener(plan._held)
+        if plan.streamed_layers and model.experts.add_listener(plan._held) and hasattr(model.experts, "collect") \
+                and hasattr(os, "eventfd"):             # (Linux: elsewhere calls stop to read ahead, as before)
+            plan._driver = _Driver(plan, model.experts)
+            plan.g[fk.G_WAKE] = plan._driver.fd
         return plan
 
     def _held(self, key: tuple[int, int], expert) -> None:
-        """The store's word on a streamed expert: in memory to stay (its descriptors written, flagged) or gone."""
+        """The store's word on a streamed expert: in memory to stay (its descriptors written, flagged) or gone.
+
+        Called by the driver while a call runs too: an expert leaving is unflagged first, then its memory is
+        not handed back (to be read over) while a thread of the call may still be reading it."""
         layer, e = key
         if layer not in self.streamed_layers:
             return
+        idx = layer * self.flags.shape[1] + e
+        if isinstance(expert, str):                     # its read started (READING): a call waits for it
+            if self.flags[layer, e] == 0:
+                fk.set_flag(self._flat, idx, fk.FLAG_COMING)
+            return
         if expert is None:
-            self.flags[layer, e] = 0
+            flag = int(self.flags[layer, e])
+            if flag == fk.FLAG_COMING:                  # its read failed: a call waiting for it stops there
+                fk.set_flag(self._flat, idx, 0)
+                fk.set_flag(self.post, 3 * self.lay.shape[0] + layer, 1)
+            elif flag:                                  # (the driver asked `_release` first; between calls no
+                fk.set_flag(self._flat, idx, 0)        # thread is at any layer)
+                while fk.in_use(self.cur, len(self.cur) // fk.LINE, layer):
+                    time.sleep(20e-6)
             return
         row = self._res0[layer] + 3 * e
         i_ff = self._i_ff[layer]
         for m, w in enumerate((expert.gate, expert.up, expert.down)):
             want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)
             if not isinstance(w, QuantizedTensor) or w.shape != want:
-                self.flags[layer, e] = 0                # the calls bring it as they go (_bring says what is wrong)
+                fk.set_flag(self._flat, idx, 0)        # the calls bring it as they go (_bring says what is wrong)
                 return
             self.descs[row + m] = w.descriptor_row
-        self.flags[layer, e] = 1
+        fk.set_flag(self._flat, idx, 1)                # after its descriptors
 
     # --- running ---
 
@@ -294,6 +327,11 @@ class FusedDecode:
         `ahead`-th layer's guessed ones too, `extra` beyond its top-k) runs on without stopping; the store counts
         it afterwards, in order (`ExpertStore.account`)."""
         self.g[fk.G_AHEAD] = ahead if predict is not None else 0
+        driver = self._driver if predict is not None and source is not None else None
+        self.g[fk.G_POST] = int(driver is not None)
+        if driver is not None:
+            self.post[:] = 0                             # nothing guessed or asked for yet this token
+            driver.token()
         if extra != self._extra:
             self._extra = extra
             for i in self.streamed_layers:
@@ -329,9 +367,15 @@ class FusedDecode:
             sync = np.zeros((self.steps + 1) * fk.LINE, np.int64)
             done = np.zeros(self.chunks, np.int64)
             t0 = time.perf_counter()
-            fk.decode_step(threads, self.descs, self.items, self.lay, self.lf, self.g, self.fpar, kv, table, pos, cs,
-                           self.rms_eps, x0, self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done,
-                           tcycles, run, state, self.flags)
+            if driver is not None:
+                driver.begin(int(run[fk.RUN_START]))
+            try:
+                fk.decode_step(threads, self.descs, self.items, self.lay, self.lf, self.g, self.fpar, kv, table, pos,
+                               cs, self.rms_eps, x0, self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done,
+                               tcycles, run, state, self._flat, self.post, self.cur)
+            finally:
+                if driver is not None:
+                    driver.end()
             wall += time.perf_counter() - t0
 
         call()
@@ -359,8 +403,9 @@ class FusedDecode:
         if self.streamed_layers:
             self._account(source, rids, done_to, n_layers)
         self._threads.record(threads, wall)
-        total = max(1, int(tcycles[:3].sum()))
-        seconds = {name: wall * int(tcycles[j]) / total for j, name in enumerate(("attention", "dense", "experts"))}
+        total = max(1, int(tcycles[:4].sum()))
+        seconds = {name: wall * int(tcycles[j]) / total
+                   for j, name in enumerate(("attention", "dense", "experts", "io_wait")) if j < 3 or tcycles[j]}
         return logits, FusedStep(rids, rw, self.moe, seconds, kept)
 
     def _account(self, source, rids: np.ndarray, lo: int, hi: int) -> int:
@@ -370,6 +415,19 @@ class FusedDecode:
             if lo <= i < hi:
                 source.account(i, sorted({int(e) for e in rids[i, : int(self.lay[i, fk.L_K])]}))
         return hi
+
+    def _release(self, key: tuple[int, int]) -> bool:
+        """Unflag a streamed expert that is to leave, unless a thread of a running call is at its layer (then it
+        stays flagged and untouched, and False)."""
+        layer, e = key
+        if layer not in self.streamed_layers or self.flags[layer, e] != 1:
+            return True
+        idx = layer * self.flags.shape[1] + e
+        fk.set_flag(self._flat, idx, 0)                 # then no thread that looks finds it ...
+        if fk.in_use(self.cur, len(self.cur) // fk.LINE, layer):
+            fk.set_flag(self._flat, idx, 1)             # ... but one at its layer may have found it before
+            return False
+        return True
 
     def _bring(self, layer: int, slot: int, expert) -> None:
         """Point slot `slot` of a streamed layer at an expert in memory (for the next call only: the store may
@@ -382,6 +440,131 @@ class FusedDecode:
                 raise GenerationError(f"expert {expert.names[m] or slot} of layer {layer} is not a quantized "
                                       f"{want[0]}x{want[1]} matrix as the fused step expects")
             self.descs[row + m] = w.descriptor_row
+
+
+class _Driver:
+    """Reads ahead for a fused step while its calls run: the guesses the kernel posts go to the store's
+    `prefetch`, and reads that completed are collected (`collect`: the store publishes them through `_held`, so
+    later layers of the same call find them in memory). It holds the store only between `begin` and `end` (the
+    engine thread holds it otherwise) and sleeps on an eventfd that the kernel's posts, completed reads and
+    `begin` write to (no polling: on two cores a polling thread slowed every call); it ends with its plan."""
+
+    def __init__(self, plan: FusedDecode, store) -> None:
+        self.store = store
+        self.post, self.cur = plan.post, plan.cur
+        self.release = plan._release
+        self.layers = list(plan.streamed_layers)
+        self.n = plan.lay.shape[0]
+        self.guessed = np.zeros(self.n, bool)
+        self.needed = np.zeros(self.n, bool)
+        self.active = False
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.lock.acquire()                              # the engine thread's, but during calls
+        self.fd = os.eventfd(0, os.EFD_CLOEXEC)
+        store.on_read = self.poke
+        threading.Thread(target=_drive, args=(weakref.ref(self), self.lock, self.fd), name="colibri-read-ahead",
+                         daemon=True).start()
+        weakref.finalize(self, _close_driver, self.fd)
+
+    def poke(self) -> None:
+        """Wake the driver (a read completed)."""
+        try:
+            os.eventfd_write(self.fd, 1)
+        except OSError:
+            pass
+
+    def token(self) -> None:
+        """A new token: no guess or need of it handled yet."""
+        self.guessed[:] = False
+        self.needed[:] = False
+
+    def begin(self, start: int) -> None:
+        """A call starts (at layer `start`): the driver may use the store until `end`."""
+        n = self.n
+        self.post[:n] = 0                                # no layer decided yet in this call
+        self.post[3 * n : 4 * n] = 0                     # nor refused
+        self.post[4 * n] = start
+        self.cur[:] = -1
+        self.store.guard = self.release
+        self.active = True
+        self.lock.release()
+        self.poke()                                      # reads completed since the last call are taken in
+
+    def end(self) -> None:
+        """The call returned: wait for the driver to let go of the store; raise what it met."""
+        self.cur[:] = -1                                 # no thread reads an expert now
+        self.active = False
+        self.lock.acquire()
+        self.store.guard = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def refuse_all(self) -> None:
+        """Tell the running call that nothing it waits for will come (it stops where it waits)."""
+        for j in range(self.n):
+            fk.set_flag(self.post, 3 * self.n + j, 1)
+
+    def work(self) -> None:
+        post, n, store = self.post, self.n, self.store
+        ids0 = 4 * n + 1
+        for j in self.layers:                           # what a call waits for first
+            k = int(post[2 * n + j])
+            if k and not self.needed[j]:
+                self.needed[j] = True
+                ids = post[ids0 + (n + j) * MAX_GUESS : ids0 + (n + j) * MAX_GUESS + k].tolist()
+                if not store.need(j, ids):
+                    fk.set_flag(post, 3 * n + j, 1)      # the call stops there; the engine thread brings them
+        store.collect()
+        for j in self.layers:
+            k = int(post[n + j])
+            if k and not self.guessed[j]:
+                self.guessed[j] = True
+                ids = post[ids0 + j * MAX_GUESS : ids0 + j * MAX_GUESS + k].tolist()
+                # a guess for a layer the call already decided is scored, not read
+                store.prefetch(j, ids, read=post[j] == 0)
+        store.collect()
+
+
+def _close_driver(fd: int) -> None:
+    """The driver is gone: its thread, woken, finds it so and ends; then the eventfd closes."""
+    try:
+        os.eventfd_write(fd, 1)
+    except OSError:
+        pass
+
+
+def _drive(ref: "weakref.ref[_Driver]", lock: threading.Lock, fd: int) -> None:
+    """The driver's thread: on each wake-up, work if a call runs; end once the driver is gone."""
+    try:
+        while True:
+            os.eventfd_read(fd)
+            driver = ref()
+            if driver is None:
+                return
+            if not driver.active:
+                del driver
+                continue
+            del driver
+            while not lock.acquire(timeout=0.5):         # the engine thread's between calls
+                if ref() is None:
+                    return
+            try:
+                driver = ref()
+                if driver is None:
+                    return
+                try:
+                    if driver.active and driver.error is None:
+                        driver.work()
+                except BaseException as exc:  # noqa: BLE001 - raised on the engine thread by `end`
+                    driver.error = exc
+                    driver.refuse_all()                  # the call stops at the next layer it waits at
+                del driver
+            finally:
+                lock.release()
+    finally:
+        os.close(fd)
 
 
 class FasterChoice:
@@ -446,7 +629,7 @@ class ThreadChoice(FasterChoice):
         return super().pick(most, 1) if most > 1 else 1
 
 
-MAX_GUESS = 64      # experts the kernel's read-ahead guess may hold (its integer scratch)
+MAX_GUESS = fk.MAX_GUESS   # experts the kernel's read-ahead guess may hold (its integer scratch)
 
 
 def guessed(top_k: int, n_experts: int, extra: int | None) -> int:

@@ -46,6 +46,17 @@ ISCR = 192       # int64 scratch per thread
 # RUN_ACTIVE how many slots the experts step runs (listed from RUN_SLOTS); RUN_LAST 1 when these are the layer's
 # last, so that the call goes on; RUN_EXIT (written) the layer whose streamed experts the call stopped for, or L.
 RUN_START, RUN_RESUME, RUN_ACTIVE, RUN_EXIT, RUN_LAST, RUN_SLOTS = 0, 1, 2, 3, 4, 8
+# post [P_IDS + 2L * MAX_GUESS] int64 (P_IDS = 4L + 1), what a call and the store's driver tell each other while
+# the call runs (G_POST 1; see fused.py's _Driver, woken by a write to the eventfd G_WAKE after each post). Per layer l:
+# post[l] thread 0's word on its streamed experts (0 not yet, 1 all in memory: every thread runs them, 2 not: the
+# call stops there); post[L + l] how many experts the read-ahead guessed for it, the guesses at
+# post[P_IDS + l * MAX_GUESS]; post[2L + l] how many experts it needs that were not all in memory, those at
+# post[P_IDS + (L + l) * MAX_GUESS] (the call waits for them); post[3L + l] 1 when the driver cannot bring them
+# (the call stops). post[4L] the layer thread 0 decides now: the driver takes memory only from experts of earlier
+# layers. cur [threads * LINE] int64: per thread, the streamed layer whose experts it may be reading (-1: none);
+# the driver overwrites no expert of such a layer.
+MAX_GUESS = 64      # experts the read-ahead guess may hold (its integer scratch)
+FLAG_COMING = 2     # flags: a streamed expert being read, published once in memory (with G_POST: the call waits)
 
 # -- synchronisation primitives -------------------------------------------------------------------
 
@@ -78,6 +89,59 @@ def atomic_store(typingctx, arr, idx, val):
         builder.store_atomic(value, builder.gep(data, [args[1]]), "release", 8)
         return context.get_dummy_value()
     return types.none(arr, idx, val), codegen
+
+
+@intrinsic
+def fence(typingctx):
+    """A full memory barrier (sequentially consistent): stores before it are visible before loads after it."""
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@intrinsic
+def wake(typingctx, fd, arr):
+    """write(fd, &arr[0], 8): one word to an eventfd (the driver's wake-up; int64 array holding a positive count)."""
+    if not _int64_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(32), i8p, ir.IntType(64)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "write")
+        data = context.make_array(sig.args[1])(context, builder, args[1]).data
+        fd32 = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), ir.IntType(32))
+        builder.call(fn, [fd32, builder.bitcast(data, i8p), ir.Constant(ir.IntType(64), 8)])
+        return context.get_dummy_value()
+    return types.none(fd, arr), codegen
+
+
+@intrinsic
+def yield_cpu(typingctx):
+    """sched_yield(): let the reader and driver threads run (a thread waiting for a read on a busy core)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
+@njit(cache=True)
+def set_flag(flags, idx, value):  # pragma: no cover - compiled
+    """flags[idx] = value for a running step to see (released after what was written before; fenced)."""
+    atomic_store(flags, U64(idx), value)
+    fence()
+
+
+@njit(cache=True)
+def in_use(cur, threads, layer):  # pragma: no cover - compiled
+    """Whether a thread of a running step may be reading the streamed experts of `layer` (after set_flag)."""
+    fence()
+    for t in range(threads):
+        if atomic_load(cur, U64(t * LINE)) == layer:
+            return True
+    return False
 
 
 @intrinsic
@@ -115,7 +179,7 @@ def cycles(typingctx):
  L_WINDOW, L_MOE, L_E, L_K, L_I, L_ROUTER, L_SCORING, L_NORM_TOPK, L_BIAS, L_EXP0, L_GATE, L_DOWN,
  L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, L_STREAMED, L_RES0, L_GUESS, N_LAY) = range(33)
 (G_HIDDEN, G_LAYERS, G_NORM, G_HEAD0, G_HEAD1, G_QKV, G_ATT, G_O, G_RL, G_GU, G_HB, G_Y, G_PRIV, G_STEPS,
- G_LAYER, G_AHEAD, G_GL, N_G) = range(18)
+ G_LAYER, G_AHEAD, G_GL, G_POST, G_FLAGW, G_WAKE, N_G) = range(21)
 # kinds of step
 S_QKV, S_KV, S_HEADS, S_O, S_ROUTER, S_GATE_UP, S_DOWN, S_HEAD = range(8)
 
@@ -294,7 +358,7 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
 
 @njit(boundscheck=False)
 def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-            logits, sync, done, tcycles, run, state, flags):
+            logits, sync, done, tcycles, run, state, flags, post, cur):
     hidden = g[G_HIDDEN]
     po = tid * g[G_PRIV]
     x = priv[po:po + hidden]                            # this thread's copy of the hidden state
@@ -370,12 +434,56 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                 tcycles[1] += now - mark
                 mark = now
                 if streamed:
-                    direct = True                       # every expert of the step in memory?
-                    for k in range(top_k):
-                        if flags[l, ids[k]] == 0:
-                            direct = False
+                    layers, fw = g[G_LAYERS], g[G_FLAGW]
+                    if g[G_POST] != 0:                  # flags change while the call runs: thread 0 decides
+                        atomic_store(cur, U64(tid * LINE), l)
+                        fence()                         # (before any flag is read: see in_use)
+                        if tid == 0:                    # 1: all in memory; 2: the call stops here
+                            atomic_store(post, U64(4 * layers), l)
+                            ids0 = 4 * layers + 1 + (layers + l) * MAX_GUESS
+                            word = 0
+                            asked = False
+                            t_wait = cycles()
+                            while word == 0:
+                                word = 1
+                                for k in range(top_k):
+                                    if atomic_load(flags, U64(l * fw + ids[k])) != 1:
+                                        word = 0
+                                        break
+                                if word != 0:
+                                    break
+                                if not asked:           # the driver reads them (or says it cannot)
+                                    for k in range(top_k):
+                                        post[ids0 + k] = ids[k]
+                                    atomic_store(post, U64(2 * layers + l), top_k)
+                                    wake(g[G_WAKE], lay[l, L_K:L_K + 1])
+                                    asked = True
+                                elif atomic_load(post, U64(3 * layers + l)) != 0:
+                                    word = 2
+                                else:
+                                    yield_cpu()
+                            waited = cycles() - t_wait
+                            tcycles[3] += waited        # (waiting for reads, not a phase of the layer)
+                            mark += waited
+                            atomic_store(post, U64(l), word)
+                        else:
+                            word = atomic_load(post, U64(l))
+                            spins = 0
+                            while word == 0:
+                                if spins < STEAL:
+                                    spin_pause()
+                                    spins += 1
+                                else:
+                                    yield_cpu()
+                                word = atomic_load(post, U64(l))
+                        direct = word == 1
+                    else:
+                        direct = True                   # every expert of the step in memory?
+                        for k in range(top_k):
+                            if flags[l * fw + ids[k]] != 1:
+                                direct = False
                     j = l + g[G_AHEAD]
-                    if direct and g[G_AHEAD] > 0 and j < g[G_LAYERS] and lay[j, L_STREAMED] != 0 and \
+                    if direct and g[G_AHEAD] > 0 and j < layers and lay[j, L_STREAMED] != 0 and \
                             lay[j, L_E] <= n_exp:
                         # and every expert layer j's router would pick from here (the read-ahead's guess)?
                         e_j, k_j = lay[j, L_E], lay[j, L_GUESS]
@@ -391,13 +499,21 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                         bias_j = fpar[lay[j, L_BIAS]:lay[j, L_BIAS] + e_j] if lay[j, L_BIAS] >= 0 else fpar[:0]
                         route_row(lb[g[G_GL]:], U64(0), e_j, k_j, lay[j, L_SCORING], bias_j, lay[j, L_NORM_TOPK] != 0,
                                   lf[j, 1], scr, guess, U64(0), scr[2 * n_exp + top_k:], U64(0))
-                        for k in range(k_j):
-                            if flags[j, guess[k]] == 0:
-                                direct = False
+                        if g[G_POST] != 0:              # posted for the driver to read ahead; the call runs on
+                            if tid == 0 and atomic_load(post, U64(layers + j)) == 0:
+                                for k in range(k_j):
+                                    post[4 * layers + 1 + j * MAX_GUESS + k] = guess[k]
+                                atomic_store(post, U64(layers + j), k_j)
+                                wake(g[G_WAKE], lay[j, L_K:L_K + 1])   # (top_k: a positive count)
+                        else:                           # the caller reads ahead where the call stops
+                            for k in range(k_j):
+                                if flags[j * fw + guess[k]] != 1:
+                                    direct = False
                     if not direct:                      # the caller brings the experts in, then resumes here
                         for i in range(hidden):
                             state[i] = x[i]
                             state[hidden + i] = h[i]
+                        atomic_store(cur, U64(tid * LINE), -1)
                         run[RUN_EXIT] = l
                         atomic_store(sync, U64(end), 1)
                         return
@@ -426,6 +542,8 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
             atomic_store(sync, U64(end), 1)
             return
         y = lb[g[G_Y]:]
+        if streamed and direct:                         # done with the layer's experts (their chunks all ran)
+            atomic_store(cur, U64(tid * LINE), -1)
         if lay[l, L_MOE] != 0:
             for i in range(hidden):                     # the slots' outputs weighted in order (quant.weighted_sum)
                 acc = F32(0.0)
@@ -449,13 +567,15 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
     tcycles[1] += cycles() - mark
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@njit(parallel=True, nogil=True, cache=True, boundscheck=False)
 def decode_step(threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-                logits, sync, done, tcycles, run, state, flags):  # pragma: no cover - compiled
+                logits, sync, done, tcycles, run, state, flags, post, cur):  # pragma: no cover - compiled
     """One token through the layers (see the module docstring and `run`); logits [V] written once the last layer
     ran, routing in rids/rw [L, K]; x and h [2 * hidden] in `state` where a call stops for streamed experts.
-    flags [L, E]: 1 where a streamed expert is in memory (its descriptors at L_RES0); a streamed layer whose experts,
-    and the experts guessed for the layer G_AHEAD on, all are, runs on without stopping."""
+    flags [L * G_FLAGW]: 1 where a streamed expert is in memory (its descriptors at L_RES0); a streamed layer whose
+    experts all are runs on without stopping. Without G_POST, so must the experts guessed for the layer G_AHEAD on
+    (the caller reads them ahead where the call stops); with it, the guesses go to `post` for a thread that reads
+    them while the call runs on, and flags may change meanwhile (`cur`, `set_flag`, `in_use`)."""
     for tid in prange(threads):
         _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids,
-                rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state, flags)
+                rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state, flags, post, cur)

@@ -147,11 +147,12 @@ class Transformer:
         # (engine/models/fused.py: the same bits as the blocks one at a time); False runs the blocks
         self.fused_decode = True
         self._fused: FusedDecode | None | bool = False           # False: not built yet
-        # whether a fused decode step reads ahead: it costs stops (a call ends wherever a guessed expert is not in
-        # memory), disk time and cache slots for the guesses that miss. On mixtral-1.7b here (disk 1-1.6 GB/s)
-        # it decoded slower than reading on demand with the dense part plus 10% of the experts in memory (cold
-        # 16-17 and warm 17-20 tok/s against 18-19 and 22-23) and plus 25% (41-46 and 39-50 against 57-58 and
-        # 54-62); on a disk fast against the compute it pays. So the step times decide, as for the thread count.
+        # whether a fused decode step reads ahead: it costs disk time and cache slots for the guesses that miss
+        # (and, where a call runs without a driver, stops: a call ends wherever a guessed expert is not in
+        # memory). Measured on mixtral-1.7b here (disk 1-1.6 GB/s) with stops, it decoded slower than reading on
+        # demand with the dense part plus 10% of the experts in memory (cold 16-17 and warm 17-20 tok/s against
+        # 18-19 and 22-23) and plus 25% (41-46 and 39-50 against 57-58 and 54-62); on a disk fast against the
+        # compute it pays. So the step times decide, as for the thread count.
         self._ahead = FasterChoice()
         self._apart = FasterChoice()    # several sequences' single tokens: one pass, or a fused step each
 

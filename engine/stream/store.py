@@ -10,11 +10,16 @@ counts feed the usage history, which re-pins with hysteresis as the workload cha
 
 The store never changes an answer: a slot's bytes are the container's bytes (CRC-32 checked on
 the first read), and the MoE block sums the experts' outputs in a fixed order whatever arrived
-first. All bookkeeping runs on the engine thread; I/O threads only fill slots and check sums.
+first. I/O threads only fill slots and check sums.
 
 `--io mmap` is the baseline the others are measured against: experts are views of the mapped
 files, read by page faults inside the kernels; evicted ones are dropped with MADV_DONTNEED so
 the budget still holds.
+
+The bookkeeping runs on one thread at a time: the engine thread, or, while a fused decode call
+runs, that call's driver (engine/models/fused.py), which asks for what the call lacks (`need`),
+reads ahead, and takes no slot from an expert the call may be reading (`guard`). Listeners
+hear of every expert that starts being read, arrives, or leaves (before its slot is read over).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from engine.stream.policy import DEFAULT_HALF_LIFE_TOKENS, make_policy, tune_hal
 from engine.stream.store_types import Key, PrefetchStats, Recipe, StoreSettings, StoreStats, expert_names
 from engine.telemetry import NULL, Telemetry
 
+READING = "reading"         # what listeners hear when a read of an expert starts (it follows once in memory)
 LEARN_STEPS = 4096          # recent layer steps learn_policy replays (6 half-lives: 0.8 s at close, measured)
 MIN_LEARN_TOKENS = 32       # fewer tokens than this teach nothing about the half-life
 
@@ -120,6 +126,11 @@ class ExpertStore:
         self.views: dict[tuple[int, tuple], tuple] = {}   # (slot, layout) -> an expert's tensors over the slot
         self.stepping: set[Key] = set()                # the experts of the layer step in progress, not yet computed
         self.listeners: list[Callable[[Key, ExpertWeights | None], None]] = []   # see add_listener
+        self.on_read: Callable[[], None] | None = None   # called on a reader thread as each read completes
+        # while a fused call runs (its driver holds the store): whether an expert may give up its slot now (False:
+        # the call may be reading it; see engine/models/fused.py)
+        self.guard: Callable[[Key], bool] | None = None
+        self.missed: set[Key] = set()                  # asked for by `need` and counted: `account` skips them
         self.scratch: list[int] = []                   # slots for experts read through, not kept (admission)
         self.transient: set[Key] = set()
         self._layout_scratch()
@@ -167,22 +178,29 @@ class ExpertStore:
         queue: list[Key] = []
         tel = self.telemetry
         for key in step:
+            counted = key in self.missed                 # a fused call asked for it (`need`) and stopped
+            self.missed.discard(key)
             if key in self.built:
-                self._count_held(key)
+                if not counted:
+                    self._count_held(key)
+                elif key not in self.pinned:
+                    self.policy.access(key, self.now)
                 ready[key[1]] = self.built[key]
                 continue
-            self.hits["disk"] += 1
-            tel.hit("disk")
+            if not counted:
+                self.hits["disk"] += 1
+                tel.hit("disk")
+                self._count_prefetch_use(key)
             if key in self.loading:                      # read ahead, still in flight
                 waiting[self.loading[key]] = key
             else:
                 queue.append(key)
-            self._count_prefetch_use(key)
         self._start(queue, protect, waiting)
         if started is not None:
             started()
         if ready:
             yield ready
+            self._release(layer, ready)                  # those read ahead through scratch slots are done with
             protect.difference_update((layer, i) for i in ready)   # computed: their slots may be reused
         while waiting or queue:
             if not waiting:
@@ -209,12 +227,36 @@ class ExpertStore:
                 self._start(queue, protect, waiting)
 
     def account(self, layer: int, ids: Sequence[int]) -> None:
-        """Count a layer step whose experts were all in memory and were computed without asking for them (the
-        fused decode step checks residency itself, see `add_listener`): what `groups` counts for such a step."""
+        """Count a layer step whose experts were all in memory when computed, without asking for them through
+        `groups` (the fused decode step checks residency itself, see `add_listener`, and asks for the others with
+        `need`): what `groups` counts for such a step."""
         ids = [int(i) for i in ids]
         self._begin_step(layer, ids)
         for i in ids:
-            self._count_held((layer, i))
+            key = (layer, i)
+            if key in self.missed:
+                self.missed.discard(key)
+                if key in self.built and key not in self.pinned:
+                    self.policy.access(key, self.now)
+            else:
+                self._count_held(key)
+
+    def need(self, layer: int, ids: Sequence[int]) -> bool:
+        """Start reading the experts of a layer step that are not in memory (a fused call waits for them, see
+        `add_listener`); False when some cannot have a slot now (the call stops and `groups` brings them)."""
+        step = [(layer, int(i)) for i in ids]
+        queue = []
+        for key in step:
+            if key in self.built or key in self.missed:
+                continue
+            self.hits["disk"] += 1
+            self.telemetry.hit("disk")
+            self.missed.add(key)
+            self._count_prefetch_use(key)
+            if key not in self.loading:
+                queue.append(key)
+        self._start(queue, set(step), {})
+        return not queue
 
     def _count_held(self, key: Key) -> None:
         """Count a step's use of an expert in memory: a hit of its tier, an access for the policy, a prefetch used."""
@@ -241,16 +283,17 @@ class ExpertStore:
         if self.history is not None:
             self.history.record(layer, np.asarray(ids))
 
-    def add_listener(self, fn: Callable[[Key, ExpertWeights | None], None]) -> None:
+    def add_listener(self, fn: Callable[[Key, ExpertWeights | None], None]) -> bool:
         """Call fn(key, expert) whenever an expert is in memory to stay (until the next call for its key), and
-        fn(key, None) when it leaves; called at once for those in memory now. pread mode only (mapped experts
-        never count as in memory)."""
+        fn(key, None) when it leaves, before its memory is read over; called at once for those in memory now.
+        pread mode only (mapped experts never count as in memory): False in mmap mode."""
         if self.settings.io == "mmap":
-            return
+            return False
         self.listeners.append(fn)
         for key, e in self.built.items():
             if key not in self.transient:
                 fn(key, e)
+        return True
 
     def _notify(self, key: Key, e: ExpertWeights | None) -> None:
         for fn in self.listeners:
@@ -258,11 +301,12 @@ class ExpertStore:
 
     # --- lookahead ---
 
-    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
-        """Start reading the experts predicted for `layer`'s next step (no waiting)."""
+    def prefetch(self, layer: int, ids: Sequence[int], read: bool = True) -> None:
+        """Start reading the experts predicted for `layer`'s next step (no waiting); with read=False only note the
+        prediction (it is scored, as every prediction, when the step comes)."""
         ids = [int(i) for i in ids]
         self.predicted[layer] = set(ids)
-        if self.settings.io == "mmap":
+        if self.settings.io == "mmap" or not read:
             return
         queue = [(layer, i) for i in ids if (layer, i) not in self.where]
         protect = {(layer, i) for i in ids}
@@ -287,6 +331,7 @@ class ExpertStore:
     def end_token(self, n: int = 1) -> None:
         """Advance the usage history by n tokens and re-pin when the workload has moved."""
         self.tokens += n
+        self.missed.clear()
         self._publish()
         if self.history is None:
             return
@@ -317,6 +362,7 @@ class ExpertStore:
         for fut in list(self.loading.values()):          # reads in flight finish first: their slots may go
             cf.wait([fut])
         self._settle()
+        self._reclaim(set())
         if slots < self.n_slots:
             for key in [k for k, slot in self.where.items() if slot >= slots]:
                 if key in self.pinned:
@@ -416,6 +462,7 @@ class ExpertStore:
             self.where[key] = slot
             fut = self._read(key, r, dest)
             self.loading[key] = fut
+            self._notify(key, READING)
             if prefetch:
                 self.prefetched.add(key)
             else:
@@ -438,13 +485,16 @@ class ExpertStore:
                 done.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
                 done.set_exception(exc)
+            if self.on_read is not None:
+                self.on_read()
 
         self.io.submit(r.file, r.offset, r.length, dest).add_done_callback(finished)
         return done
 
     def _finish(self, key: Key, fut: cf.Future) -> None:
         """A read completed: build the expert over its slot (or free the slot and raise)."""
-        self.loading.pop(key, None)
+        if self.loading.pop(key, None) is None and key in self.built:
+            return                                       # already taken in (by _settle)
         try:
             fut.result()
         except BaseException:
@@ -455,6 +505,7 @@ class ExpertStore:
             else:
                 self.free.append(slot)
             self.prefetched.discard(key)
+            self._notify(key, None)
             raise
         self.verified.add(key)
         slot = self.where[key]
@@ -467,10 +518,10 @@ class ExpertStore:
             self.built[key] = e
         else:                 # and layout: the same views over the slot's bytes, now holding this expert
             self.built[key] = ExpertWeights(*views, self.names[key])
+        self._notify(key, self.built[key])             # (read through a scratch slot: until it is taken back)
         if key in self.transient:
             self.policy.access(key, self.now)           # counted, not kept
             return
-        self._notify(key, self.built[key])
         if key not in self.pinned:
             self.policy.insert(key, self.now)
             self.policy.access(key, self.now)
@@ -486,22 +537,48 @@ class ExpertStore:
         self._settle()
         if self.free:
             return self.free.pop()
-        try:
-            victim = self.policy.victim(protect | self.stepping | self.loading.keys() | self.pinned)
-        except LookupError:
-            victim = None
-        admit = getattr(self.policy, "admit", None)
-        through = key is not None and key not in self.pinned and (
-            victim is None or (admit is not None and not admit(key, victim)))
-        score = getattr(self.policy, "score", None)
-        if prefetch and victim is not None and score is not None and score(key) <= score(victim):
-            return None        # a guess never pushes out an expert worth more than it (measured: it halved decode)
-        if through:
-            if prefetch or not self.scratch:
-                return None if (prefetch or victim is None) else self._take(victim)
-            self.transient.add(key)
-            return self.scratch.pop()
-        return None if victim is None else self._take(victim)
+        exclude = protect | self.stepping | self.loading.keys() | self.pinned
+        while True:
+            try:
+                victim = self.policy.victim(exclude)
+            except LookupError:
+                victim = None
+            admit = getattr(self.policy, "admit", None)
+            through = key is not None and key not in self.pinned and (
+                victim is None or (admit is not None and not admit(key, victim)))
+            score = getattr(self.policy, "score", None)
+            if prefetch and victim is not None and score is not None and score(key) <= score(victim):
+                return None    # a guess never pushes out an expert worth more than it (measured: it halved decode)
+            if through and prefetch:
+                return None    # nor is read through a scratch slot (measured: the guesses then filled the disk's time)
+            if through:
+                if not self.scratch:
+                    self._reclaim(protect)
+                if self.scratch:
+                    self.transient.add(key)   # read through a scratch slot: used by its step, then taken back
+                    return self.scratch.pop()
+            if victim is None:
+                return None
+            if self.guard is None or self.guard(victim):
+                return self._take(victim)
+            exclude.add(victim)       # a running call may be reading it: choose again without it
+
+    def _reclaim(self, protect: set[Key]) -> None:
+        """Scratch slots back from experts read through them whose step went by (a fused call ran them without
+        asking `groups`), never one a running call may be reading (`guard`)."""
+        for key in [k for k in self.transient if k in self.built and k not in protect and k not in self.stepping
+                    and (self.guard is None or self.guard(k))]:
+            self._drop_transient(key)
+            if key in self.prefetched:
+                self.prefetched.discard(key)
+                self.pf_wasted += 1
+                self.telemetry.prefetch(wasted=1)
+
+    def _drop_transient(self, key: Key) -> None:
+        self.transient.discard(key)
+        del self.built[key]
+        self._notify(key, None)
+        self.scratch.append(self.where.pop(key))
 
     def _take(self, victim: Key) -> int:
         self._evict(victim)
@@ -511,10 +588,8 @@ class ExpertStore:
         """Experts read through (not kept) are done with: their scratch slots return."""
         for i in group:
             key = (layer, i)
-            if key in self.transient:
-                self.transient.discard(key)
-                self.built.pop(key, None)
-                self.scratch.append(self.where.pop(key))
+            if key in self.transient and key in self.built:
+                self._drop_transient(key)
 
     def _layout_scratch(self) -> None:
         """Reserve the last slots for read-through when the policy admits by value (a quarter, at most top_k)."""
@@ -530,6 +605,11 @@ class ExpertStore:
                 self._evict(key)
         self.free = [f for f in self.free if f not in want]
         self.scratch = sorted(want, reverse=True)
+
+    def collect(self) -> None:
+        """Take in the reads that completed in the background: their experts are in memory (listeners told)."""
+        if self.settings.io != "mmap":
+            self._settle()
 
     def _settle(self) -> None:
         """Finish reads that completed in the background (prefetches), so their slots are accounted."""
