@@ -461,18 +461,24 @@ class _Driver:
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         self.lock.acquire()                              # the engine thread's, but during calls
-        self.fd = os.eventfd(0, os.EFD_CLOEXEC)
-        store.on_read = self.poke
-        threading.Thread(target=_drive, args=(weakref.ref(self), self.lock, self.fd), name="colibri-read-ahead",
+        self.closed = False
+        self.wake = _Wake()
+        self.fd = self.wake.fd
+        store.on_read = self.wake.poke
+        store.on_close.append(self.close)
+        threading.Thread(target=_drive, args=(weakref.ref(self), self.lock, self.wake), name="colibri-read-ahead",
                          daemon=True).start()
-        weakref.finalize(self, _close_driver, self.fd)
+        weakref.finalize(self, self.wake.poke)         # gone without close: the thread wakes and ends
 
     def poke(self) -> None:
-        """Wake the driver (a read completed)."""
-        try:
-            os.eventfd_write(self.fd, 1)
-        except OSError:
-            pass
+        """Wake the driver."""
+        self.wake.poke()
+
+    def close(self) -> None:
+        """The store closes: the thread ends (between calls, when it is idle)."""
+        self.closed = True
+        self.store.on_read = None
+        self.wake.poke()
 
     def token(self) -> None:
         """A new token: no guess or need of it handled yet."""
@@ -527,21 +533,34 @@ class _Driver:
         store.collect()
 
 
-def _close_driver(fd: int) -> None:
-    """The driver is gone: its thread, woken, finds it so and ends; then the eventfd closes."""
-    try:
-        os.eventfd_write(fd, 1)
-    except OSError:
-        pass
+class _Wake:
+    """An eventfd the driver's thread sleeps on: poked by the kernel (its number), reads and calls; closed once,
+    by the thread as it ends (a poke after that does nothing, never writing to a number since reused)."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_CLOEXEC)
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def poke(self) -> None:
+        with self.lock:
+            if not self.closed:
+                os.eventfd_write(self.fd, 1)
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                os.close(self.fd)
 
 
-def _drive(ref: "weakref.ref[_Driver]", lock: threading.Lock, fd: int) -> None:
-    """The driver's thread: on each wake-up, work if a call runs; end once the driver is gone."""
+def _drive(ref: "weakref.ref[_Driver]", lock: threading.Lock, wake: _Wake) -> None:
+    """The driver's thread: on each wake-up, work if a call runs; end once the driver is closed or gone."""
     try:
         while True:
-            os.eventfd_read(fd)
+            os.eventfd_read(wake.fd)
             driver = ref()
-            if driver is None:
+            if driver is None or driver.closed:
                 return
             if not driver.active:
                 del driver
@@ -564,7 +583,7 @@ def _drive(ref: "weakref.ref[_Driver]", lock: threading.Lock, fd: int) -> None:
             finally:
                 lock.release()
     finally:
-        os.close(fd)
+        wake.close()
 
 
 class FasterChoice:

@@ -127,6 +127,7 @@ class ExpertStore:
         self.stepping: set[Key] = set()                # the experts of the layer step in progress, not yet computed
         self.listeners: list[Callable[[Key, ExpertWeights | None], None]] = []   # see add_listener
         self.on_read: Callable[[], None] | None = None   # called on a reader thread as each read completes
+        self.on_close: list[Callable[[], None]] = []   # called by close
         # while a fused call runs (its driver holds the store): whether an expert may give up its slot now (False:
         # the call may be reading it; see engine/models/fused.py)
         self.guard: Callable[[Key], bool] | None = None
@@ -415,6 +416,9 @@ class ExpertStore:
 
     def close(self) -> None:
         """Stop the readers (waiting for reads in flight) and drop the arena."""
+        for fn in self.on_close:
+            fn()
+        self.on_close = []
         if self.io is not None:
             for fut in list(self.loading.values()):
                 try:
