@@ -121,7 +121,8 @@ def server(served):
     from app.server import create_app
 
     live = Live(create_app(served, api_key=KEY))
-    yield live
+    whole_answer(live, MESSAGES, 2)   # the first decode starts the engine's own threads (its streamed model's
+    yield live                        # read-ahead): before the tests, which check that they leave none behind
     live.stop()
 
 
