@@ -366,6 +366,13 @@ def test_thread_choice_tries_the_other_count_less_often_while_it_keeps_losing():
     assert picks[-500:].count(1) > 450                          # the load came: one thread, found by a try
 
 
+def _container(tmp_path_factory, name: str):
+    """A 4-bit container of the FUSED case `name`."""
+    model_type, overrides = FUSED[name]
+    src = build_checkpoint(tmp_path_factory.mktemp(name), model_type, **overrides)
+    return convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+
+
 def _counting_stops(monkeypatch, store) -> list:
     """The layer steps a fused call stopped for (the store's `groups`, which the engine thread drives)."""
     stops = []
@@ -384,9 +391,7 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
     from engine.loader import StreamOptions
     from engine.stream.store import StoreSettings
 
-    model_type, overrides = FUSED["mixtral"]
-    src = build_checkpoint(tmp_path_factory.mktemp("w"), model_type, **overrides)
-    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    out = _container(tmp_path_factory, "mixtral")
     want, _ = _greedy(load_model(out).model, fused=True)
     slot = _slot_bytes(out)
     for n in (1, 2):
@@ -412,9 +417,7 @@ def test_an_error_of_the_driver_stops_the_call_and_reaches_the_caller(tmp_path_f
     from engine.loader import StreamOptions
     from engine.stream.store import StoreSettings
 
-    model_type, overrides = FUSED["mixtral"]
-    src = build_checkpoint(tmp_path_factory.mktemp("e"), model_type, **overrides)
-    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    out = _container(tmp_path_factory, "mixtral")
     slot = _slot_bytes(out)
     loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
     try:
@@ -442,9 +445,7 @@ def test_an_expert_leaving_is_not_read_over_while_a_thread_may_read_it(tmp_path_
     from engine.models import fused_kernel as fk
     from engine.stream.store import StoreSettings
 
-    model_type, overrides = FUSED["mixtral"]
-    src = build_checkpoint(tmp_path_factory.mktemp("h"), model_type, **overrides)
-    out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
+    out = _container(tmp_path_factory, "mixtral")
     loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
     try:
         model = loaded.model
