@@ -387,10 +387,20 @@ def _counting_stops(monkeypatch, store) -> list:
 
 def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_path_factory, monkeypatch, threads):
     """While a call runs, its driver thread reads the experts a layer lacks (and the guesses of later layers), and
-    the call waits for them where it is: most misses cost no stop, and the answer is the resident model's."""
+    the call waits for them where it is, running the layer's experts that are in memory meanwhile: most misses cost
+    no stop, and the answer is the resident model's."""
     from engine.loader import StreamOptions
+    from engine.models import fused
     from engine.stream.store import StoreSettings
 
+    some = []                                          # per call, the layers run in two parts (W_SOME)
+    end = fused._Driver.end
+
+    def counting_end(driver):
+        n = driver.n
+        some.append(int(np.count_nonzero(driver.post[driver.tail + n : driver.tail + 2 * n])))
+        end(driver)
+    monkeypatch.setattr(fused._Driver, "end", counting_end)
     out = _container(tmp_path_factory, "mixtral")
     want, _ = _greedy(load_model(out).model, fused=True)
     slot = _slot_bytes(out)
@@ -409,6 +419,8 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
         assert np.array_equal(got, want), n
         assert disk > 0
         assert len(stops) < disk / 2, (n, len(stops), disk)      # most misses were waited for in the call
+        assert sum(some) > 0, n                                  # some while others ran
+        some.clear()
 
 
 def test_an_error_of_the_driver_stops_the_call_and_reaches_the_caller(tmp_path_factory, monkeypatch):

@@ -138,7 +138,7 @@ class FusedDecode:
         self.flags = np.zeros((spec.n_layers, max(1, int(lay[:, fk.L_E].max()))), np.int64)   # see _held
         self._flat = self.flags.reshape(-1)                             # the same memory, as the kernel reads it
         g[fk.G_FLAGW] = self.flags.shape[1]
-        self.post = np.zeros(4 * spec.n_layers + 1 + 2 * spec.n_layers * MAX_GUESS, np.int64)   # see fused_kernel
+        self.post = np.zeros(fk.post_tail(spec.n_layers) + 2 * spec.n_layers, np.int64)   # see fused_kernel
         self.cur = np.full(max(1, numba.config.NUMBA_NUM_THREADS) * fk.LINE, -1, np.int64)
         self._driver: _Driver | None = None
         self.streamed_layers = [i for i in range(spec.n_layers) if lay[i, fk.L_STREAMED]]
@@ -452,8 +452,8 @@ class _Driver:
     def __init__(self, plan: FusedDecode, store) -> None:
         self.store = store
         self.post, self.cur = plan.post, plan.cur
+        self.tail = fk.post_tail(plan.lay.shape[0])
         self.release = plan._release
-        self.layers = list(plan.streamed_layers)
         self.n = plan.lay.shape[0]
         self.guessed = np.zeros(self.n, bool)
         self.needed = np.zeros(self.n, bool)
@@ -490,6 +490,7 @@ class _Driver:
         n = self.n
         self.post[:n] = 0                                # no layer decided yet in this call
         self.post[3 * n : 4 * n] = 0                     # nor refused
+        self.post[self.tail + n :] = 0                   # nor a second word said
         self.post[4 * n] = start
         self.cur[:] = -1
         self.store.guard = self.release
@@ -503,6 +504,7 @@ class _Driver:
         self.active = False
         self.lock.acquire()
         self.store.guard = None
+        self._guesses(read=False)                        # those the call did not wake the driver for: all in memory
         if self.error is not None:
             error, self.error = self.error, None
             raise error
@@ -515,22 +517,24 @@ class _Driver:
     def work(self) -> None:
         post, n, store = self.post, self.n, self.store
         ids0 = 4 * n + 1
-        for j in self.layers:                           # what a call waits for first
-            k = int(post[2 * n + j])
-            if k and not self.needed[j]:
-                self.needed[j] = True
-                ids = post[ids0 + (n + j) * MAX_GUESS : ids0 + (n + j) * MAX_GUESS + k].tolist()
-                if not store.need(j, ids):
-                    fk.set_flag(post, 3 * n + j, 1)      # the call stops there; the engine thread brings them
+        for j in np.flatnonzero((post[2 * n : 3 * n] != 0) & ~self.needed).tolist():   # what a call waits for first
+            self.needed[j] = True
+            ids = post[ids0 + (n + j) * MAX_GUESS : ids0 + (n + j) * MAX_GUESS + int(post[2 * n + j])].tolist()
+            if not store.need(j, ids):
+                fk.set_flag(post, 3 * n + j, 1)          # the call stops there; the engine thread brings them
         store.collect()
-        for j in self.layers:
-            k = int(post[n + j])
-            if k and not self.guessed[j]:
-                self.guessed[j] = True
-                ids = post[ids0 + j * MAX_GUESS : ids0 + j * MAX_GUESS + k].tolist()
-                # a guess for a layer the call already decided is scored, not read
-                store.prefetch(j, ids, read=post[j] == 0)
+        self._guesses()
         store.collect()
+
+    def _guesses(self, read: bool = True) -> None:
+        """Hand the store the read-ahead's guesses posted since the last look: read those not in memory (a guess
+        for a layer the call already decided is scored, not read)."""
+        post, n = self.post, self.n
+        ids0 = 4 * n + 1
+        for j in np.flatnonzero((post[n : 2 * n] != 0) & ~self.guessed).tolist():
+            self.guessed[j] = True
+            ids = post[ids0 + j * MAX_GUESS : ids0 + j * MAX_GUESS + int(post[n + j])].tolist()
+            self.store.prefetch(j, ids, read=read and post[j] == 0)
 
 
 class _Wake:

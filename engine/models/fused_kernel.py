@@ -46,17 +46,25 @@ ISCR = 192       # int64 scratch per thread
 # RUN_ACTIVE how many slots the experts step runs (listed from RUN_SLOTS); RUN_LAST 1 when these are the layer's
 # last, so that the call goes on; RUN_EXIT (written) the layer whose streamed experts the call stopped for, or L.
 RUN_START, RUN_RESUME, RUN_ACTIVE, RUN_EXIT, RUN_LAST, RUN_SLOTS = 0, 1, 2, 3, 4, 8
-# post [P_IDS + 2L * MAX_GUESS] int64 (P_IDS = 4L + 1), what a call and the store's driver tell each other while
-# the call runs (G_POST 1; see fused.py's _Driver, woken by a write to the eventfd G_WAKE after each post). Per layer l:
-# post[l] thread 0's word on its streamed experts (0 not yet, 1 all in memory: every thread runs them, 2 not: the
-# call stops there); post[L + l] how many experts the read-ahead guessed for it, the guesses at
-# post[P_IDS + l * MAX_GUESS]; post[2L + l] how many experts it needs that were not all in memory, those at
-# post[P_IDS + (L + l) * MAX_GUESS] (the call waits for them); post[3L + l] 1 when the driver cannot bring them
-# (the call stops). post[4L] the layer thread 0 decides now: the driver takes memory only from experts of earlier
-# layers. cur [threads * LINE] int64: per thread, the streamed layer whose experts it may be reading (-1: none);
-# the driver overwrites no expert of such a layer.
+# post [P_TAIL + 2L] int64 (P_IDS = 4L + 1, P_TAIL = P_IDS + 2L * MAX_GUESS), what a call and the store's driver tell
+# each other while the call runs (G_POST 1; see fused.py's _Driver, woken by a write to the eventfd G_WAKE after each
+# post). Per layer l: post[l] thread 0's word on its streamed experts (0 not yet, 1 all in memory: every thread runs
+# them, 2 not: the call stops there, 3 some: every thread runs the slots in the mask post[P_TAIL + l] while the others
+# are read, then thread 0's second word post[P_TAIL + L + l] says 1, they came, or 2, the call stops there);
+# post[L + l] how many experts the read-ahead guessed for it, the guesses at post[P_IDS + l * MAX_GUESS];
+# post[2L + l] how many experts it needs that were not all in memory, those at post[P_IDS + (L + l) * MAX_GUESS] (the
+# call waits for them); post[3L + l] 1 when the driver cannot bring them (the call stops). post[4L] the layer thread
+# 0 decides now: the driver takes memory only from experts of earlier layers. cur [threads * LINE] int64: per thread,
+# the streamed layer whose experts it may be reading (-1: none); the driver overwrites no expert of such a layer.
 MAX_GUESS = 64      # experts the read-ahead guess may hold (its integer scratch)
 FLAG_COMING = 2     # flags: a streamed expert being read, published once in memory (with G_POST: the call waits)
+W_ALL, W_STOP, W_SOME = 1, 2, 3   # thread 0's words on a streamed layer's experts (post[l], above)
+
+
+@njit(cache=True)
+def post_tail(layers):  # pragma: no cover - compiled
+    """Where the present-slot masks begin in `post` (its length is this plus 2 * layers)."""
+    return 4 * layers + 1 + 2 * layers * MAX_GUESS
 
 # -- synchronisation primitives -------------------------------------------------------------------
 
@@ -357,6 +365,49 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
 
 
 @njit(boundscheck=False)
+def _await(l, top_k, ids, flags, fw, post, layers):
+    """Thread 0, its layer's reads asked for: wait until every expert of the step is in memory (W_ALL) or the
+    driver says it cannot bring them (W_STOP), letting the reader and driver threads run meanwhile."""
+    while True:
+        word = W_ALL
+        for k in range(top_k):
+            if atomic_load(flags, U64(l * fw + ids[k])) != 1:
+                word = 0
+                break
+        if word != 0:
+            return word
+        if atomic_load(post, U64(3 * layers + l)) != 0:
+            return W_STOP
+        yield_cpu()
+
+
+@njit(boundscheck=False)
+def _heard(post, idx):
+    """Another thread: thread 0's word at post[idx], once written."""
+    spins = 0
+    word = atomic_load(post, U64(idx))
+    while word == 0:
+        if spins < STEAL:
+            spin_pause()
+            spins += 1
+        else:
+            yield_cpu()
+        word = atomic_load(post, U64(idx))
+    return word
+
+
+@njit(boundscheck=False)
+def _stop(l, x, h, state, hidden, cur, tid, run, sync, end):
+    """The call stops at streamed layer l for the caller to bring its experts: x and h kept to resume there."""
+    for i in range(hidden):
+        state[i] = x[i]
+        state[hidden + i] = h[i]
+    atomic_store(cur, U64(tid * LINE), -1)
+    run[RUN_EXIT] = l
+    atomic_store(sync, U64(end), 1)
+
+
+@njit(boundscheck=False)
 def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
             logits, sync, done, tcycles, run, state, flags, post, cur):
     hidden = g[G_HIDDEN]
@@ -373,6 +424,8 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
     active = iscr[io + 64:io + 128]                     # the slots the expert steps run
     guess = iscr[io + 128:io + ISCR]                    # the experts guessed for a later layer
     end = g[G_STEPS] * LINE                             # set when the call is done: a thread behind stops
+    layers, fw = g[G_LAYERS], g[G_FLAGW]
+    tail = post_tail(layers)
     start, resume = run[RUN_START], run[RUN_RESUME] != 0
     src = x0 if start == 0 and not resume else state
     for i in range(hidden):
@@ -388,6 +441,7 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
         n_exp = lay[l, L_E]
         streamed = lay[l, L_STREAMED] != 0
         iscr[io + 5] = 0                                # 1: this layer's streamed experts are all in memory
+        mask = 0                                        # with W_SOME: the slots whose experts were
         w = scr[2 * n_exp:2 * n_exp + top_k] if lay[l, L_MOE] != 0 else scr[:0]
         if resume and l == start:                       # this layer's attention and routing ran in an earlier call
             for i in range(hidden):
@@ -434,49 +488,37 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                 tcycles[1] += now - mark
                 mark = now
                 if streamed:
-                    layers, fw = g[G_LAYERS], g[G_FLAGW]
                     if g[G_POST] != 0:                  # flags change while the call runs: thread 0 decides
                         atomic_store(cur, U64(tid * LINE), l)
                         fence()                         # (before any flag is read: see in_use)
-                        if tid == 0:                    # 1: all in memory; 2: the call stops here
+                        if tid == 0:                    # (the words: W_ALL, W_STOP, W_SOME above)
                             atomic_store(post, U64(4 * layers), l)
-                            ids0 = 4 * layers + 1 + (layers + l) * MAX_GUESS
-                            word = 0
-                            asked = False
-                            t_wait = cycles()
-                            while word == 0:
-                                word = 1
+                            mask = 0
+                            for k in range(top_k):
+                                if atomic_load(flags, U64(l * fw + ids[k])) == 1:
+                                    mask |= 1 << k
+                            word = W_ALL if mask == (1 << top_k) - 1 else 0
+                            if word == 0:               # the driver reads the others (or says it cannot)
+                                ids0 = 4 * layers + 1 + (layers + l) * MAX_GUESS
                                 for k in range(top_k):
-                                    if atomic_load(flags, U64(l * fw + ids[k])) != 1:
-                                        word = 0
-                                        break
-                                if word != 0:
-                                    break
-                                if not asked:           # the driver reads them (or says it cannot)
-                                    for k in range(top_k):
-                                        post[ids0 + k] = ids[k]
-                                    atomic_store(post, U64(2 * layers + l), top_k)
-                                    wake(g[G_WAKE], lay[l, L_K:L_K + 1])
-                                    asked = True
-                                elif atomic_load(post, U64(3 * layers + l)) != 0:
-                                    word = 2
+                                    post[ids0 + k] = ids[k]
+                                atomic_store(post, U64(2 * layers + l), top_k)
+                                wake(g[G_WAKE], lay[l, L_K:L_K + 1])
+                                if mask != 0:           # meanwhile the threads run those in memory
+                                    post[tail + l] = mask
+                                    word = W_SOME
                                 else:
-                                    yield_cpu()
-                            waited = cycles() - t_wait
-                            tcycles[3] += waited        # (waiting for reads, not a phase of the layer)
-                            mark += waited
+                                    t_wait = cycles()
+                                    word = _await(l, top_k, ids, flags, fw, post, layers)
+                                    waited = cycles() - t_wait
+                                    tcycles[3] += waited    # (waiting for reads, not a phase of the layer)
+                                    mark += waited
                             atomic_store(post, U64(l), word)
                         else:
-                            word = atomic_load(post, U64(l))
-                            spins = 0
-                            while word == 0:
-                                if spins < STEAL:
-                                    spin_pause()
-                                    spins += 1
-                                else:
-                                    yield_cpu()
-                                word = atomic_load(post, U64(l))
-                        direct = word == 1
+                            word = _heard(post, l)
+                            if word == W_SOME:
+                                mask = post[tail + l]
+                        direct = word != W_STOP
                     else:
                         direct = True                   # every expert of the step in memory?
                         for k in range(top_k):
@@ -501,21 +543,19 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                                   lf[j, 1], scr, guess, U64(0), scr[2 * n_exp + top_k:], U64(0))
                         if g[G_POST] != 0:              # posted for the driver to read ahead; the call runs on
                             if tid == 0 and atomic_load(post, U64(layers + j)) == 0:
+                                absent = False
                                 for k in range(k_j):
                                     post[4 * layers + 1 + j * MAX_GUESS + k] = guess[k]
+                                    absent |= atomic_load(flags, U64(j * fw + guess[k])) != 1
                                 atomic_store(post, U64(layers + j), k_j)
-                                wake(g[G_WAKE], lay[j, L_K:L_K + 1])   # (top_k: a positive count)
+                                if absent:              # (else it is taken in after the call: nothing to read)
+                                    wake(g[G_WAKE], lay[j, L_K:L_K + 1])   # (top_k: a positive count)
                         else:                           # the caller reads ahead where the call stops
                             for k in range(k_j):
                                 if flags[j * fw + guess[k]] != 1:
                                     direct = False
                     if not direct:                      # the caller brings the experts in, then resumes here
-                        for i in range(hidden):
-                            state[i] = x[i]
-                            state[hidden + i] = h[i]
-                        atomic_store(cur, U64(tid * LINE), -1)
-                        run[RUN_EXIT] = l
-                        atomic_store(sync, U64(end), 1)
+                        _stop(l, x, h, state, hidden, cur, tid, run, sync, end)
                         return
                     iscr[io + 5] = 1
         slots = top_k if lay[l, L_MOE] != 0 else 1
@@ -524,17 +564,44 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
             slots = run[RUN_ACTIVE]
             for k in range(slots):
                 active[k] = run[RUN_SLOTS + k]
+        elif mask != 0:                                 # those in memory first (each slot's output apart)
+            slots = 0
+            for k in range(top_k):
+                if (mask >> k) & 1:
+                    active[slots] = k
+                    slots += 1
         else:
             for k in range(slots):
                 active[k] = k
-        n = slots * ((inter_ff + lay[l, L_ROWS_IN] - 1) // lay[l, L_ROWS_IN])
-        _step(S_GATE_UP, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
-              h, scr, ids, iscr, io, logits)
-        step, first = step + 1, first + n
-        n = slots * ((hidden + lay[l, L_ROWS_DOWN] - 1) // lay[l, L_ROWS_DOWN])
-        _step(S_DOWN, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
-              h, scr, ids, iscr, io, logits)
-        step, first = step + 1, first + n
+        for part in range(2 if mask != 0 else 1):
+            if part == 1:                               # then the others, once read
+                if tid == 0:
+                    t_wait = cycles()
+                    word = _await(l, top_k, ids, flags, fw, post, layers)
+                    waited = cycles() - t_wait
+                    tcycles[3] += waited
+                    mark += waited
+                    atomic_store(post, U64(tail + layers + l), word)
+                else:
+                    word = _heard(post, tail + layers + l)
+                if word == W_STOP:
+                    now = cycles()
+                    tcycles[2] += now - mark
+                    _stop(l, x, h, state, hidden, cur, tid, run, sync, end)
+                    return
+                slots = 0
+                for k in range(top_k):
+                    if not (mask >> k) & 1:
+                        active[slots] = k
+                        slots += 1
+            n = slots * ((inter_ff + lay[l, L_ROWS_IN] - 1) // lay[l, L_ROWS_IN])
+            _step(S_GATE_UP, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+                  eps, lb, h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n
+            n = slots * ((hidden + lay[l, L_ROWS_DOWN] - 1) // lay[l, L_ROWS_DOWN])
+            _step(S_DOWN, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
+                  lb, h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n
         if streamed and not direct and run[RUN_LAST] == 0:   # more of this layer's experts are still to come
             now = cycles()
             tcycles[2] += now - mark
