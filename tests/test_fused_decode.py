@@ -7,6 +7,7 @@ logits and routing bit for bit, with one thread or two, through a KV cache of se
 
 from __future__ import annotations
 
+import re
 import time
 
 import numba
@@ -481,5 +482,47 @@ def test_an_expert_leaving_is_not_read_over_while_a_thread_may_read_it(tmp_path_
         plan.cur[1 * fk.LINE] = -1                          # the thread moved on
         assert left.wait(5)
         t.join()
+    finally:
+        loaded.close()
+
+
+def test_a_corrupt_expert_a_running_call_used_is_refused_before_its_answer(tmp_path_factory):
+    """The driver's reads are checked after they land, while the call may already run them (the check is off its
+    path): the step raises once the call returns, before its logits are given, and the expert is not kept."""
+    import shutil
+
+    from engine.errors import ModelFormatError
+    from engine.formats.container import Container
+    from engine.loader import StreamOptions
+    from engine.stream.store import StoreSettings
+
+    out = _container(tmp_path_factory, "mixtral")
+    copy = tmp_path_factory.mktemp("bad") / "model"
+    shutil.copytree(out, copy)
+    extents = Container.open(copy, verify=False).extents
+    for key in [k for k in extents if isinstance(k, tuple) and k[0] == 1]:   # every expert of layer 1
+        x = extents[key]
+        with open(copy / x.file, "r+b") as f:
+            f.seek(x.offset + 100)
+            byte = f.read(1)
+            f.seek(x.offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    slot = _slot_bytes(out)
+    loaded = load_model(copy, stream=StreamOptions(StoreSettings(capacity=5 * slot, policy="lru"), 1))
+    try:
+        model = loaded.model
+        model.fused_decode = True
+        cache = KVCache(model.spec, 64)
+        token = PROMPT[0]
+        with pytest.raises(ModelFormatError, match="checksum mismatch in expert [0-9]+ of layer 1") as raised:
+            for _ in range(STEPS):
+                token = int(model.forward([token], cache)[-1].argmax())
+        assert model._fused._driver is not None
+        assert "account" in [entry.name for entry in raised.traceback]    # counted after the call: it ran them
+        e = int(re.search(r"expert ([0-9]+) of layer 1", str(raised.value)).group(1))
+        assert (1, e) not in loaded.store.built
+        with pytest.raises(ModelFormatError, match="checksum mismatch"):   # nor any other of them, read or not
+            for _ in range(STEPS):
+                token = int(model.forward([token], cache)[-1].argmax())
     finally:
         loaded.close()

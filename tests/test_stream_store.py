@@ -202,6 +202,10 @@ def test_a_corrupt_expert_is_refused_when_first_read(container, tmp_path):
         with pytest.raises(ModelFormatError, match="checksum mismatch in expert 3 of layer 1"):
             for _ in range(20):
                 _run(loaded, steps=4)
+        assert (1, 3) not in loaded.store.built          # not kept: the next step that wants it reads it again
+        with pytest.raises(ModelFormatError, match="checksum mismatch in expert 3 of layer 1"):
+            for _ in range(20):
+                _run(loaded, steps=4)
     finally:
         loaded.close()
 

@@ -31,7 +31,7 @@ import zlib
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -98,6 +98,7 @@ class ExpertStore:
         self.pinned: set[Key] = set()
         self.prefetched: set[Key] = set()              # read ahead and not yet used
         self.verified: set[Key] = set()
+        self.checks: dict[Key, cf.Future] = {}         # experts in memory whose checksum is still to be confirmed
         self.free: list[int] = []
         self.hits = {"pinned": 0, "cached": 0, "disk": 0}
         self.bytes_read = self.reads = 0
@@ -200,6 +201,7 @@ class ExpertStore:
         if started is not None:
             started()
         if ready:
+            self._confirm((layer, i) for i in ready)
             yield ready
             self._release(layer, ready)                  # those read ahead through scratch slots are done with
             protect.difference_update((layer, i) for i in ready)   # computed: their slots may be reused
@@ -221,6 +223,7 @@ class ExpertStore:
                 key = waiting.pop(fut)
                 self._finish(key, fut)
                 group[key[1]] = self.built[key]
+            self._confirm((layer, i) for i in group)
             yield group
             self._release(layer, group)
             if queue:                                    # slots ran short: consumed experts may now make room
@@ -232,6 +235,7 @@ class ExpertStore:
         `groups` (the fused decode step checks residency itself, see `add_listener`, and asks for the others with
         `need`): what `groups` counts for such a step."""
         ids = [int(i) for i in ids]
+        self._confirm([(layer, i) for i in ids])         # (the step ran them: its answer is not given if one fails)
         self._begin_step(layer, ids)
         for i in ids:
             key = (layer, i)
@@ -248,12 +252,13 @@ class ExpertStore:
         step = [(layer, int(i)) for i in ids]
         queue = []
         for key in step:
-            if key in self.built or key in self.missed:
+            if key in self.built:
                 continue
-            self.hits["disk"] += 1
-            self.telemetry.hit("disk")
-            self.missed.add(key)
-            self._count_prefetch_use(key)
+            if key not in self.missed:                   # (asked again in one token: counted once)
+                self.hits["disk"] += 1
+                self.telemetry.hit("disk")
+                self.missed.add(key)
+                self._count_prefetch_use(key)
             if key not in self.loading:
                 queue.append(key)
         self._start(queue, set(step), {})
@@ -428,6 +433,7 @@ class ExpertStore:
             self.io.close()
             self.io = None
         self.loading.clear()
+        self.checks.clear()
         self.built.clear()
         self.views.clear()
         self.where.clear()
@@ -476,24 +482,50 @@ class ExpertStore:
             self.telemetry.bytes_read(r.length)
 
     def _read(self, key: Key, r: Recipe, dest: np.ndarray) -> cf.Future:
-        """A future that completes when the extent is in `dest` and its checksum (first read only) holds."""
+        """A future that completes when the extent is in `dest`. On its first read the reader thread then checks
+        its checksum, off the path of the step that waits for it: `checks[key]` says whether it held, and the
+        expert counts as used only once it did (`_confirm`)."""
         done: cf.Future = cf.Future()
-        check = self.settings.verify and key not in self.verified
+        checked: cf.Future | None = None
+        if self.settings.verify and key not in self.verified:
+            checked = self.checks[key] = cf.Future()
 
         def finished(read: cf.Future) -> None:
             try:
                 read.result()
-                if check and zlib.crc32(memoryview(dest[: r.length])) != r.crc32:
-                    raise ModelFormatError(f"{r.file}: checksum mismatch in expert {key[1]} of layer {key[0]}; the "
-                                           "container is corrupt: convert the model again with `colibri convert`")
                 done.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
                 done.set_exception(exc)
+                if checked is not None:
+                    checked.set_result(True)             # nothing to check: the read's own error is raised
             if self.on_read is not None:
-                self.on_read()
+                self.on_read()                           # in memory: a waiting step goes on meanwhile
+            if checked is not None and not checked.done():
+                checked.set_result(zlib.crc32(memoryview(dest[: r.length])) == r.crc32)
 
         self.io.submit(r.file, r.offset, r.length, dest).add_done_callback(finished)
         return done
+
+    def _confirm(self, keys: Iterable[Key]) -> None:
+        """Raise if an expert of a step just computed (or about to be) was read with a checksum that does not hold;
+        it leaves memory first. Waits for checks still running (each about 0.2 ms a MB)."""
+        for key in keys:
+            checked = self.checks.pop(key, None)
+            if checked is None:
+                continue
+            if checked.result():
+                self.verified.add(key)
+                continue
+            if key in self.where:
+                self.pinned.discard(key)
+                if key in self.transient:
+                    self._drop_transient(key)
+                else:
+                    self._evict(key)
+            self.missed.clear()                          # the token is not given: its count starts over
+            r = self.recipes[key]
+            raise ModelFormatError(f"{r.file}: checksum mismatch in expert {key[1]} of layer {key[0]}; the "
+                                   "container is corrupt: convert the model again with `colibri convert`")
 
     def _finish(self, key: Key, fut: cf.Future) -> None:
         """A read completed: build the expert over its slot (or free the slot and raise)."""
@@ -502,6 +534,7 @@ class ExpertStore:
         try:
             fut.result()
         except BaseException:
+            self.checks.pop(key, None)
             slot = self.where.pop(key)
             if key in self.transient:
                 self.transient.discard(key)
@@ -511,7 +544,6 @@ class ExpertStore:
             self.prefetched.discard(key)
             self._notify(key, None)
             raise
-        self.verified.add(key)
         slot = self.where[key]
         r = self.recipes[key]
         views = self.views.get((slot, r.layout))
@@ -580,6 +612,7 @@ class ExpertStore:
 
     def _drop_transient(self, key: Key) -> None:
         self.transient.discard(key)
+        self.checks.pop(key, None)                      # (read again, it is checked again)
         del self.built[key]
         self._notify(key, None)
         self.scratch.append(self.where.pop(key))
@@ -626,6 +659,7 @@ class ExpertStore:
 
     def _evict(self, key: Key) -> None:
         self.policy.remove(key)
+        self.checks.pop(key, None)
         if self.built.pop(key, None) is not None:
             self._notify(key, None)
         self.free.append(self.where.pop(key))
