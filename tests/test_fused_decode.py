@@ -391,17 +391,17 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
     the call waits for them where it is, running the layer's experts that are in memory meanwhile: most misses cost
     no stop, and the answer is the resident model's."""
     from engine.loader import StreamOptions
-    from engine.models import fused
+    from engine.models.fused_driver import Driver
     from engine.stream.store import StoreSettings
 
     some = []                                          # per call, the layers run in two parts (W_SOME)
-    end = fused._Driver.end
+    end = Driver.end
 
     def counting_end(driver):
         n = driver.n
         some.append(int(np.count_nonzero(driver.post[driver.tail + n : driver.tail + 2 * n])))
         end(driver)
-    monkeypatch.setattr(fused._Driver, "end", counting_end)
+    monkeypatch.setattr(Driver, "end", counting_end)
     out = _container(tmp_path_factory, "mixtral")
     want, _ = _greedy(load_model(out).model, fused=True)
     slot = _slot_bytes(out)

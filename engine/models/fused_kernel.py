@@ -21,25 +21,20 @@ bitwise those of `Transformer.forward_batch` for the same token.
 
 from __future__ import annotations
 
-import platform
-
-import llvmlite.ir as ir
 import numba
 import numpy as np
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from engine.blocks.attention_kernel import attend_row, encode_i8_row
 from engine.blocks.row_kernels import norm_row, rope_row, route_row
+from engine.models.fused_sync import LINE, atomic_load, atomic_store, cycles, fence, spin_pause, wake, yield_cpu
+from engine.models.fused_sync import in_use, set_flag  # noqa: F401 - fused.py calls them through this module
 from engine.quant.experts import silu_rows
 from engine.quant.kernels import TILE, otf_rows, planes, tile_rows
 from engine.quant.simd import U64, address_as_voidptr, f32_to_f16, fma32
 
 F32 = np.float32
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 STEAL = 2000     # pauses (10-20 ns each) a thread waits for another's chunk before computing it itself
-LINE = 16        # int64 slots between two flags of `sync` (two cache lines)
 ISCR = 192       # int64 scratch per thread
 # run [8 + K] int64, what a call does (streamed experts: engine/models/fused.py): RUN_START the layer it starts at;
 # RUN_RESUME 0 to start that layer from its input (x0 at layer 0, else `state`), 1 to resume at its experts;
@@ -47,7 +42,7 @@ ISCR = 192       # int64 scratch per thread
 # last, so that the call goes on; RUN_EXIT (written) the layer whose streamed experts the call stopped for, or L.
 RUN_START, RUN_RESUME, RUN_ACTIVE, RUN_EXIT, RUN_LAST, RUN_SLOTS = 0, 1, 2, 3, 4, 8
 # post [P_TAIL + 2L] int64 (P_IDS = 4L + 1, P_TAIL = P_IDS + 2L * MAX_GUESS), what a call and the store's driver tell
-# each other while the call runs (G_POST 1; see fused.py's _Driver, woken by a write to the eventfd G_WAKE after each
+# each other while the call runs (G_POST 1; see fused_driver.Driver, woken by a write to the eventfd G_WAKE after each
 # post). Per layer l: post[l] thread 0's word on its streamed experts (0 not yet, 1 all in memory: every thread runs
 # them, 2 not: the call stops there, 3 some: every thread runs the slots in the mask post[P_TAIL + l] while the others
 # are read, then thread 0's second word post[P_TAIL + L + l] says 1, they came, or 2, the call stops there);
@@ -65,112 +60,6 @@ W_ALL, W_STOP, W_SOME = 1, 2, 3   # thread 0's words on a streamed layer's exper
 def post_tail(layers):  # pragma: no cover - compiled
     """Where the present-slot masks begin in `post` (its length is this plus 2 * layers)."""
     return 4 * layers + 1 + 2 * layers * MAX_GUESS
-
-# -- synchronisation primitives -------------------------------------------------------------------
-
-
-def _int64_array(arr) -> bool:
-    return isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-
-
-@intrinsic
-def atomic_load(typingctx, arr, idx):
-    """arr[idx] read with acquire ordering (int64 array): what was written before the matching store is visible."""
-    if not _int64_array(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        return builder.load_atomic(builder.gep(data, [args[1]]), "acquire", 8)
-    return types.int64(arr, idx), codegen
-
-
-@intrinsic
-def atomic_store(typingctx, arr, idx, val):
-    """arr[idx] = val with release ordering (int64 array): everything written before is visible with it."""
-    if not _int64_array(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        value = context.cast(builder, args[2], sig.args[2], types.int64)
-        builder.store_atomic(value, builder.gep(data, [args[1]]), "release", 8)
-        return context.get_dummy_value()
-    return types.none(arr, idx, val), codegen
-
-
-@intrinsic
-def fence(typingctx):
-    """A full memory barrier (sequentially consistent): stores before it are visible before loads after it."""
-    def codegen(context, builder, sig, args):
-        builder.fence("seq_cst")
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
-@intrinsic
-def wake(typingctx, fd, arr):
-    """write(fd, &arr[0], 8): one word to an eventfd (the driver's wake-up; int64 array holding a positive count)."""
-    if not _int64_array(arr):
-        return None
-
-    def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
-        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(32), i8p, ir.IntType(64)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "write")
-        data = context.make_array(sig.args[1])(context, builder, args[1]).data
-        fd32 = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), ir.IntType(32))
-        builder.call(fn, [fd32, builder.bitcast(data, i8p), ir.Constant(ir.IntType(64), 8)])
-        return context.get_dummy_value()
-    return types.none(fd, arr), codegen
-
-
-@intrinsic
-def yield_cpu(typingctx):
-    """sched_yield(): let the reader and driver threads run (a thread waiting for a read on a busy core)."""
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
-@njit(cache=True)
-def set_flag(flags, idx, value):  # pragma: no cover - compiled
-    """flags[idx] = value for a running step to see (released after what was written before; fenced)."""
-    atomic_store(flags, U64(idx), value)
-    fence()
-
-
-@njit(cache=True)
-def in_use(cur, threads, layer):  # pragma: no cover - compiled
-    """Whether a thread of a running step may be reading the streamed experts of `layer` (after set_flag)."""
-    fence()
-    for t in range(threads):
-        if atomic_load(cur, U64(t * LINE)) == layer:
-            return True
-    return False
-
-
-@intrinsic
-def spin_pause(typingctx):
-    """The CPU's spin-wait hint (x86 `pause`); nothing elsewhere."""
-    def codegen(context, builder, sig, args):
-        if _X86:
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-            builder.call(fn, [])
-        return context.get_dummy_value()
-    return types.none(), codegen
-
-
-@intrinsic
-def cycles(typingctx):
-    """The CPU's cycle counter (for splitting a step's wall time into phases)."""
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []), "llvm.readcyclecounter")
-        return builder.call(fn, [])
-    return types.int64(), codegen
-
 
 # -- layout of the plan (engine/models/fused.py builds it) -----------------------------------------
 # lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;

@@ -9,7 +9,7 @@ their reads finish. The next layers' experts are predicted and read ahead (`pref
 counts feed the usage history, which re-pins with hysteresis as the workload changes (Learn).
 
 The store never changes an answer: a slot's bytes are the container's bytes (CRC-32 checked on
-the first read), and the MoE block sums the experts' outputs in a fixed order whatever arrived
+the first read, before the step that ran the expert gives its answer), and the MoE block sums the experts' outputs in a fixed order whatever arrived
 first. I/O threads only fill slots and check sums.
 
 `--io mmap` is the baseline the others are measured against: experts are views of the mapped
@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import mmap
-import os
-import zlib
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -41,7 +39,9 @@ from engine.formats.container import Container
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.history import Repinner, UsageHistory
 from engine.stream.io import PAGE, IOPool, round_up
+from engine.stream.mapped import MappedExperts
 from engine.stream.policy import DEFAULT_HALF_LIFE_TOKENS, make_policy, tune_half_life, wants_admission
+from engine.stream.reads import SlotReads
 from engine.stream.store_types import Key, PrefetchStats, Recipe, StoreSettings, StoreStats, expert_names
 from engine.telemetry import NULL, Telemetry
 
@@ -50,8 +50,9 @@ LEARN_STEPS = 4096          # recent layer steps learn_policy replays (6 half-li
 MIN_LEARN_TOKENS = 32       # fewer tokens than this teach nothing about the half-life
 
 
-class ExpertStore:
-    """Routed experts of a container in a byte budget (an `ExpertSource` for the MoE blocks)."""
+class ExpertStore(SlotReads, MappedExperts):
+    """Routed experts of a container in a byte budget (an `ExpertSource` for the MoE blocks); its reads into slots
+    are in engine/stream/reads.py, its `--io mmap` mode in engine/stream/mapped.py."""
 
     def __init__(self, container: Container, spec: ModelSpec, settings: StoreSettings,
                  history: UsageHistory | None = None, telemetry: Telemetry = NULL):
@@ -481,87 +482,6 @@ class ExpertStore:
             self.reads += 1
             self.telemetry.bytes_read(r.length)
 
-    def _read(self, key: Key, r: Recipe, dest: np.ndarray) -> cf.Future:
-        """A future that completes when the extent is in `dest`. On its first read the reader thread then checks
-        its checksum, off the path of the step that waits for it: `checks[key]` says whether it held, and the
-        expert counts as used only once it did (`_confirm`)."""
-        done: cf.Future = cf.Future()
-        checked: cf.Future | None = None
-        if self.settings.verify and key not in self.verified:
-            checked = self.checks[key] = cf.Future()
-
-        def finished(read: cf.Future) -> None:
-            try:
-                read.result()
-                done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
-                done.set_exception(exc)
-                if checked is not None:
-                    checked.set_result(True)             # nothing to check: the read's own error is raised
-            if self.on_read is not None:
-                self.on_read()                           # in memory: a waiting step goes on meanwhile
-            if checked is not None and not checked.done():
-                checked.set_result(zlib.crc32(memoryview(dest[: r.length])) == r.crc32)
-
-        self.io.submit(r.file, r.offset, r.length, dest).add_done_callback(finished)
-        return done
-
-    def _confirm(self, keys: Iterable[Key]) -> None:
-        """Raise if an expert of a step just computed (or about to be) was read with a checksum that does not hold;
-        it leaves memory first. Waits for checks still running (each about 0.2 ms a MB)."""
-        for key in keys:
-            checked = self.checks.pop(key, None)
-            if checked is None:
-                continue
-            if checked.result():
-                self.verified.add(key)
-                continue
-            if key in self.where:
-                self.pinned.discard(key)
-                if key in self.transient:
-                    self._drop_transient(key)
-                else:
-                    self._evict(key)
-            self.missed.clear()                          # the token is not given: its count starts over
-            r = self.recipes[key]
-            raise ModelFormatError(f"{r.file}: checksum mismatch in expert {key[1]} of layer {key[0]}; the "
-                                   "container is corrupt: convert the model again with `colibri convert`")
-
-    def _finish(self, key: Key, fut: cf.Future) -> None:
-        """A read completed: build the expert over its slot (or free the slot and raise)."""
-        if self.loading.pop(key, None) is None and key in self.built:
-            return                                       # already taken in (by _settle)
-        try:
-            fut.result()
-        except BaseException:
-            self.checks.pop(key, None)
-            slot = self.where.pop(key)
-            if key in self.transient:
-                self.transient.discard(key)
-                self.scratch.append(slot)
-            else:
-                self.free.append(slot)
-            self.prefetched.discard(key)
-            self._notify(key, None)
-            raise
-        slot = self.where[key]
-        r = self.recipes[key]
-        views = self.views.get((slot, r.layout))
-        if views is None:     # building the tensors checks every buffer: about 0.2 ms an expert, so once a slot
-            data = self.arena[slot * self.slot_bytes : slot * self.slot_bytes + r.length]
-            e = r.build(data, self.names[key])
-            self.views[(slot, r.layout)] = (e.gate, e.up, e.down)
-            self.built[key] = e
-        else:                 # and layout: the same views over the slot's bytes, now holding this expert
-            self.built[key] = ExpertWeights(*views, self.names[key])
-        self._notify(key, self.built[key])             # (read through a scratch slot: until it is taken back)
-        if key in self.transient:
-            self.policy.access(key, self.now)           # counted, not kept
-            return
-        if key not in self.pinned:
-            self.policy.insert(key, self.now)
-            self.policy.access(key, self.now)
-
     def _slot(self, protect: set[Key], key: Key | None = None, prefetch: bool = False) -> int | None:
         """A slot for `key`: a free one, or a cached expert's (never a protected, pinned or loading one).
 
@@ -648,15 +568,6 @@ class ExpertStore:
         if self.settings.io != "mmap":
             self._settle()
 
-    def _settle(self) -> None:
-        """Finish reads that completed in the background (prefetches), so their slots are accounted."""
-        for key, fut in list(self.loading.items()):
-            if fut.done():
-                try:
-                    self._finish(key, fut)
-                except ColibriError:
-                    pass                                 # a failed prefetch: the real request reads again and raises
-
     def _evict(self, key: Key) -> None:
         self.policy.remove(key)
         self.checks.pop(key, None)
@@ -667,66 +578,6 @@ class ExpertStore:
             self.prefetched.discard(key)
             self.pf_wasted += 1
             self.telemetry.prefetch(wasted=1)
-
-    def _mmap_step(self, layer: int, ids: list[int]) -> dict[int, ExpertWeights]:
-        """Page-fault mode: views of the mapped extents; evicted extents are dropped from memory."""
-        tel = self.telemetry
-        out = {}
-        for i in ids:
-            key = (layer, i)
-            if key in self.built:
-                tier = "pinned" if key in self.pinned else "cached"
-                self.hits[tier] += 1
-                tel.hit(tier)
-                if key not in self.pinned:
-                    self.policy.access(key, self.now)
-            else:
-                self.hits["disk"] += 1
-                tel.hit("disk")
-                r = self.recipes[key]
-                m = self.maps[r.file]
-                self.built[key] = r.build(m[r.offset : r.offset + r.length], self.names[key])
-                self.where[key] = -1
-                self.bytes_read += r.length      # at most: page faults read what the kernels touch
-                self.reads += 1
-                tel.bytes_read(r.length)
-                if key not in self.pinned:
-                    self.policy.insert(key, self.now)
-                    self.policy.access(key, self.now)
-            out[i] = self.built[key]
-        return out
-
-    def _trim_mapped(self) -> None:
-        """Drop mapped experts (least valued first) until the cache holds no more than its slots."""
-        while len(self.built) > self.n_slots:
-            try:
-                victim = self.policy.victim(self.pinned)
-            except LookupError:
-                return
-            self._drop_mapped(victim)
-
-    def _drop_mapped(self, key: Key) -> None:
-        self.policy.remove(key)
-        self.built.pop(key, None)
-        self.where.pop(key, None)
-        r = self.recipes[key]
-        m = self.maps[r.file]
-        start = r.offset - r.offset % PAGE
-        end = round_up(r.offset + r.length, PAGE)
-        try:
-            m._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, len(m)) - start)
-        except (AttributeError, OSError, ValueError):
-            pass
-        # and out of the page cache: the budget holds for the file's pages too (else the baseline would be
-        # served from memory the budget does not allow, and no cheaper than reading)
-        try:
-            fd = os.open(r.file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, start, min(end, len(m)) - start, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except (AttributeError, OSError):
-            pass
 
     def _occupancy(self) -> dict[str, int]:
         pinned = sum(self.recipes[k].length for k in self.built if k in self.pinned)

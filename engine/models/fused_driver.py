@@ -1,0 +1,167 @@
+"""The thread that works the expert store while a fused decode call runs (engine/models/fused.py): it reads what
+the call waits for and what the read-ahead guessed, and publishes each read as it lands (see fused_kernel's `post`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.models import fused_kernel as fk
+
+if TYPE_CHECKING:
+    from engine.models.fused import FusedDecode
+
+MAX_GUESS = fk.MAX_GUESS
+
+
+class Driver:
+    """Reads ahead for a fused step while its calls run: the guesses the kernel posts go to the store's
+    `prefetch`, and reads that completed are collected (`collect`: the store publishes them through `_held`, so
+    later layers of the same call find them in memory). It holds the store only between `begin` and `end` (the
+    engine thread holds it otherwise) and sleeps on an eventfd that the kernel's posts, completed reads and
+    `begin` write to (no polling: on two cores a polling thread slowed every call); it ends with its plan."""
+
+    def __init__(self, plan: "FusedDecode", store) -> None:
+        self.store = store
+        self.post, self.cur = plan.post, plan.cur
+        self.tail = fk.post_tail(plan.lay.shape[0])
+        self.release = plan._release
+        self.n = plan.lay.shape[0]
+        self.guessed = np.zeros(self.n, bool)
+        self.needed = np.zeros(self.n, bool)
+        self.active = False
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.lock.acquire()                              # the engine thread's, but during calls
+        self.closed = False
+        self.wake = _Wake()
+        self.fd = self.wake.fd
+        store.on_read = self.wake.poke
+        store.on_close.append(self.close)
+        threading.Thread(target=_drive, args=(weakref.ref(self), self.lock, self.wake), name="colibri-read-ahead",
+                         daemon=True).start()
+        weakref.finalize(self, self.wake.poke)         # gone without close: the thread wakes and ends
+
+    def poke(self) -> None:
+        """Wake the driver."""
+        self.wake.poke()
+
+    def close(self) -> None:
+        """The store closes: the thread ends (between calls, when it is idle)."""
+        self.closed = True
+        self.store.on_read = None
+        self.wake.poke()
+
+    def token(self) -> None:
+        """A new token: no guess or need of it handled yet."""
+        self.guessed[:] = False
+        self.needed[:] = False
+
+    def begin(self, start: int) -> None:
+        """A call starts (at layer `start`): the driver may use the store until `end`."""
+        n = self.n
+        self.post[:n] = 0                                # no layer decided yet in this call
+        self.post[3 * n : 4 * n] = 0                     # nor refused
+        self.post[self.tail + n :] = 0                   # nor a second word said
+        self.post[4 * n] = start
+        self.cur[:] = -1
+        self.store.guard = self.release
+        self.active = True
+        self.lock.release()
+        self.poke()                                      # reads completed since the last call are taken in
+
+    def end(self) -> None:
+        """The call returned: wait for the driver to let go of the store; raise what it met."""
+        self.cur[:] = -1                                 # no thread reads an expert now
+        self.active = False
+        self.lock.acquire()
+        self.store.guard = None
+        self._guesses(read=False)                        # those the call did not wake the driver for: all in memory
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def refuse_all(self) -> None:
+        """Tell the running call that nothing it waits for will come (it stops where it waits)."""
+        for j in range(self.n):
+            fk.set_flag(self.post, 3 * self.n + j, 1)
+
+    def work(self) -> None:
+        post, n, store = self.post, self.n, self.store
+        ids0 = 4 * n + 1
+        for j in np.flatnonzero((post[2 * n : 3 * n] != 0) & ~self.needed).tolist():   # what a call waits for first
+            self.needed[j] = True
+            ids = post[ids0 + (n + j) * MAX_GUESS : ids0 + (n + j) * MAX_GUESS + int(post[2 * n + j])].tolist()
+            if not store.need(j, ids):
+                fk.set_flag(post, 3 * n + j, 1)          # the call stops there; the engine thread brings them
+        store.collect()
+        self._guesses()
+        store.collect()
+
+    def _guesses(self, read: bool = True) -> None:
+        """Hand the store the read-ahead's guesses posted since the last look: read those not in memory (a guess
+        for a layer the call already decided is scored, not read)."""
+        post, n = self.post, self.n
+        ids0 = 4 * n + 1
+        for j in np.flatnonzero((post[n : 2 * n] != 0) & ~self.guessed).tolist():
+            self.guessed[j] = True
+            ids = post[ids0 + j * MAX_GUESS : ids0 + j * MAX_GUESS + int(post[n + j])].tolist()
+            self.store.prefetch(j, ids, read=read and post[j] == 0)
+
+
+class _Wake:
+    """An eventfd the driver's thread sleeps on: poked by the kernel (its number), reads and calls; closed once,
+    by the thread as it ends (a poke after that does nothing, never writing to a number since reused)."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_CLOEXEC)
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def poke(self) -> None:
+        with self.lock:
+            if not self.closed:
+                os.eventfd_write(self.fd, 1)
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                os.close(self.fd)
+
+
+def _drive(ref: "weakref.ref[Driver]", lock: threading.Lock, wake: _Wake) -> None:
+    """The driver's thread: on each wake-up, work if a call runs; end once the driver is closed or gone."""
+    try:
+        while True:
+            os.eventfd_read(wake.fd)
+            driver = ref()
+            if driver is None or driver.closed:
+                return
+            if not driver.active:
+                del driver
+                continue
+            del driver
+            while not lock.acquire(timeout=0.5):         # the engine thread's between calls
+                if ref() is None:
+                    return
+            try:
+                driver = ref()
+                if driver is None:
+                    return
+                try:
+                    if driver.active and driver.error is None:
+                        driver.work()
+                except BaseException as exc:  # noqa: BLE001 - raised on the engine thread by `end`
+                    driver.error = exc
+                    driver.refuse_all()                  # the call stops at the next layer it waits at
+                del driver
+            finally:
+                lock.release()
+    finally:
+        wake.close()
