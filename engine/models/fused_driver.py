@@ -93,11 +93,9 @@ class Driver:
 
     def work(self) -> None:
         post, n, store = self.post, self.n, self.store
-        ids0 = 4 * n + 1
         for j in np.flatnonzero((post[2 * n : 3 * n] != 0) & ~self.needed).tolist():   # what a call waits for first
             self.needed[j] = True
-            ids = post[ids0 + (n + j) * MAX_GUESS : ids0 + (n + j) * MAX_GUESS + int(post[2 * n + j])].tolist()
-            if not store.need(j, ids):
+            if not store.need(j, self._posted(n + j, int(post[2 * n + j]))):
                 fk.set_flag(post, 3 * n + j, 1)          # the call stops there; the engine thread brings them
         store.collect()
         self._guesses()
@@ -107,11 +105,15 @@ class Driver:
         """Hand the store the read-ahead's guesses posted since the last look: read those not in memory (a guess
         for a layer the call already decided is scored, not read)."""
         post, n = self.post, self.n
-        ids0 = 4 * n + 1
         for j in np.flatnonzero((post[n : 2 * n] != 0) & ~self.guessed).tolist():
             self.guessed[j] = True
-            ids = post[ids0 + j * MAX_GUESS : ids0 + j * MAX_GUESS + int(post[n + j])].tolist()
-            self.store.prefetch(j, ids, read=read and post[j] == 0)
+            self.store.prefetch(j, self._posted(j, int(post[n + j])), read=read and post[j] == 0)
+
+    def _posted(self, row: int, count: int) -> list[int]:
+        """The first `count` expert ids of row `row` of the post's id rows (guesses for layer j at row j, a call's
+        needs for layer j at row L + j; see fused_kernel)."""
+        start = 4 * self.n + 1 + row * MAX_GUESS
+        return self.post[start : start + count].tolist()
 
 
 class _Wake:
