@@ -110,12 +110,13 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool = True,
-                    quantized: bool = False) -> Checkpoint:
+                    quantized: bool = False, huge_pages: bool = False) -> Checkpoint:
     """Open a Hugging Face folder, a Colibri container or a GGUF file, checking what can be checked.
 
     verify_experts=False leaves a container's expert extents unread (a streaming store checks each on its first read).
     quantized=True loads a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrices as QuantizedTensors (to run them), else
     every tensor reads as float32 (to convert or analyse them).
+    huge_pages=True maps a container's files on 2 MB pages (a model about to be held whole: Container.open).
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -128,7 +129,7 @@ def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool 
         tokenizer = Tokenizer.from_gguf_metadata(source.meta, str(path)) if "tokenizer.ggml.tokens" in source.meta else None
     else:
         if is_container(path):
-            source = Container.open(path, verify=verify, verify_experts=verify_experts)
+            source = Container.open(path, verify=verify, verify_experts=verify_experts, huge_pages=huge_pages)
             config, where = source.config, str(path / MANIFEST)
         else:
             config = read_json(path / "config.json", "config.json")
@@ -147,13 +148,15 @@ def load_model(path: str | Path, progress: Progress | None = None, stream: Strea
     (a container is needed: its experts lie in aligned extents, one read each).
     """
     _report(progress, 0.0, f"reading {Path(path).name}")
-    ckpt = open_checkpoint(path, verify_experts=stream is None, verify=stream is None, quantized=True)
+    ckpt = open_checkpoint(path, verify_experts=stream is None, verify=stream is None, quantized=True,
+                           huge_pages=stream is None)
     store, layers, history_path = None, None, None
     if stream is not None:
         # what is held is checked now; streamed experts or layers when the store first reads them, so that
         # opening a model larger than memory does not read all of it
         if _is_moe(ckpt.spec):
             _need_container(ckpt)
+            ckpt.source.advise_huge_pages(experts=False)     # the dense part, held (before verify reads it)
             ckpt.source.verify(experts=False)
             store = _open_store(ckpt, stream, telemetry)
             history_path = stream.history_path

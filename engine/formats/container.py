@@ -31,6 +31,7 @@ import numpy as np
 
 from engine.errors import ModelFormatError
 from engine.formats.safetensors_file import bf16_to_f32
+from engine.pages import advise_huge_pages
 
 FORMAT = "colibri-container"
 VERSION = 1
@@ -338,11 +339,13 @@ class Container:
     maps: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, folder: str | Path, verify: bool = True, verify_experts: bool = True) -> "Container":
+    def open(cls, folder: str | Path, verify: bool = True, verify_experts: bool = True,
+             huge_pages: bool = False) -> "Container":
         """Read and check the manifest, map the data files, verify sizes and checksums.
 
         verify_experts=False leaves the expert files unread (a streaming store checks each extent's CRC-32
         when it first reads it): opening a model larger than memory must not read all of it.
+        huge_pages=True maps every file on 2 MB pages (see advise_huge_pages): a model held whole.
         """
         folder = Path(folder)
         mpath = folder / MANIFEST
@@ -375,9 +378,20 @@ class Container:
                 what = "is missing" if size < 0 else f"is {size} bytes but the manifest needs {need}"
                 raise ModelFormatError(f"{path}: {what}; the container is truncated: convert the model again with `colibri convert`")
             self.maps[fname] = np.memmap(path, dtype=np.uint8, mode="r")
+        if huge_pages:
+            self.advise_huge_pages()
         if verify:
             self.verify(experts=verify_experts)
         return self
+
+    def advise_huge_pages(self, experts: bool = True) -> None:
+        """Ask for 2 MB pages (engine/pages.py) on the mapped files the kernels read weights through: all, or
+        with experts=False those without expert extents (the experts are streamed: read into a store's slots, or
+        with `--io mmap` by the baseline's 4 KB page faults). Pages read before the advice stay as they are."""
+        expert_files = {x.file for x in self.extents.values()}
+        for fname, m in self.maps.items():
+            if experts or fname not in expert_files:
+                advise_huge_pages(m._mmap)
 
     def verify(self, experts: bool = True, names: Iterable[str] | None = None) -> None:
         """Check tensors' CRC-32 (about 4 GB/s): all, those outside expert extents (experts=False), or `names`."""

@@ -36,6 +36,7 @@ import numpy as np
 from engine.blocks.ffn import ExpertWeights
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container
+from engine.pages import HUGE_PAGE, advise_huge_pages
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.history import Repinner, UsageHistory
 from engine.stream.io import PAGE, IOPool, round_up
@@ -117,14 +118,16 @@ class ExpertStore(SlotReads, MappedExperts):
             self.maps = {str(Path(container.path) / f): m for f, m in container.maps.items()}
         else:
             # room for every expert, reserved but not committed: the budget may grow later without moving
-            # experts, and only slots in use take memory (a shrink hands their pages back)
+            # experts, and only the budget's slots take memory (committed at load; a shrink hands pages back)
             self.max_slots = len(self.recipes)
             self._arena_map = mmap.mmap(-1, self.max_slots * self.slot_bytes,
                                         flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+            advise_huge_pages(self._arena_map)     # the kernels read slots as they read resident weights
             self.arena = np.frombuffer(self._arena_map, np.uint8)
             self.n_slots = min(self.n_slots, self.max_slots)
             self.io = IOPool(settings.io_threads, settings.direct)
             self.free = list(range(self.n_slots - 1, -1, -1))
+            self._commit(0, self.n_slots)
         self.views: dict[tuple[int, tuple], tuple] = {}   # (slot, layout) -> an expert's tensors over the slot
         self.stepping: set[Key] = set()                # the experts of the layer step in progress, not yet computed
         self.listeners: list[Callable[[Key, ExpertWeights | None], None]] = []   # see add_listener
@@ -383,6 +386,7 @@ class ExpertStore(SlotReads, MappedExperts):
                 self.pinned.discard(key)
                 self.policy.insert(key, self.now)
         else:
+            self._commit(self.n_slots, slots)
             self.free.extend(range(slots - 1, self.n_slots - 1, -1))
         self.n_slots = slots
         self.free.extend(f for f in self.scratch if f < slots)   # re-laid below
@@ -547,6 +551,16 @@ class ExpertStore(SlotReads, MappedExperts):
             key = (layer, i)
             if key in self.transient and key in self.built:
                 self._drop_transient(key)
+
+    def _commit(self, lo: int, hi: int) -> None:
+        """Fault in the pages of slots lo..hi - 1, not in use, now rather than at their first read mid-token: one
+        write a 2 MB page (the kernel zeroes it). Measured at 25% of mixtral-1.7b's experts, on 2 MB pages: cold
+        prompts at 74-78 tok/s with the first reads faulting, 102 with the pages committed at load (and 80-93 on
+        4 KB pages)."""
+        start, end = lo * self.slot_bytes, hi * self.slot_bytes
+        if end > start:
+            self.arena[start:end:HUGE_PAGE] = 0
+            self.arena[end - 1] = 0
 
     def _layout_scratch(self) -> None:
         """Reserve the last slots for read-through when the policy admits by value (a quarter, at most top_k)."""

@@ -1,0 +1,30 @@
+"""Transparent huge pages for the big mappings the kernels read weights through.
+
+A decode step streams every weight it uses once, from memory too large for any cache. On 4 KB pages
+that is one page-table walk per 4 KB (two levels of them in a virtual machine); on 2 MB pages, one
+per 2 MB. Linux hands out 2 MB pages where a mapping asks for them (MADV_HUGEPAGE), the page cache
+included on file systems with large folios (ext4 and xfs on recent kernels). Measured on 2 cores of
+a virtual machine, `mixtral-1.7b` at 4.5 bits: resident decode 90-91 tok/s in three loads with the
+advice, against 67-90 without, where it varied with what the page cache held.
+
+The advice changes where bytes sit, never which bytes: answers are the same.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
+HUGE_PAGE = 2 << 20   # bytes of a transparent huge page (x86-64, and arm64 with 4 KB base pages)
+
+
+def advise_huge_pages(m: mmap.mmap) -> bool:
+    """Ask for 2 MB pages over the whole of `m` before its pages are touched; whether the OS took the advice
+    (False where it has no such pages, or they are switched off: 4 KB pages then, as without it)."""
+    if _MADV_HUGEPAGE is None:
+        return False
+    try:
+        m.madvise(_MADV_HUGEPAGE)
+    except OSError:        # EINVAL: a kernel without transparent huge pages
+        return False
+    return True
