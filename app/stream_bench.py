@@ -211,6 +211,9 @@ def resident_decode(path: Path, prompts: list[list[int]], gen: int, log: Log = l
         log(f"resident: skipped ({size / 1e9:.1f} GB of weights, {0 if available is None else available / 1e9:.1f} "
             "GB available)")
         return None
+    # from a cold page cache, as a fresh load: the load reads (checks) every weight through maps on 2 MB pages, where
+    # pages an earlier run left in the cache would stay 4 KB ones (the `--io mmap` run's faults), slower to compute on
+    drop_caches(path)
     loaded = load_model(path)
     try:
         decode_s = sum(answer(loaded.model, ids, gen)[1] for ids in prompts)
