@@ -554,9 +554,9 @@ class ExpertStore(SlotReads, MappedExperts):
 
     def _commit(self, lo: int, hi: int) -> None:
         """Fault in the pages of slots lo..hi - 1, not in use, now rather than at their first read mid-token: one
-        write a 2 MB page (the kernel zeroes it). Measured at 25% of mixtral-1.7b's experts, on 2 MB pages: cold
-        prompts at 74-78 tok/s with the first reads faulting, 102 with the pages committed at load (and 80-93 on
-        4 KB pages)."""
+        write a 2 MB page (the kernel zeroes it). Measured by `colibri bench` at 25% of mixtral-1.7b's experts, on
+        2 MB pages: cold prompts at 70-78 tok/s with the first reads faulting, 87-108 with the pages committed at
+        load (76-93 on 4 KB pages, faulting)."""
         start, end = lo * self.slot_bytes, hi * self.slot_bytes
         if end > start:
             self.arena[start:end:HUGE_PAGE] = 0
