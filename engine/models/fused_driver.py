@@ -16,7 +16,6 @@ from engine.models import fused_kernel as fk
 if TYPE_CHECKING:
     from engine.models.fused import FusedDecode
 
-MAX_GUESS = fk.MAX_GUESS
 
 
 class Driver:
@@ -112,7 +111,7 @@ class Driver:
     def _posted(self, row: int, count: int) -> list[int]:
         """The first `count` expert ids of row `row` of the post's id rows (guesses for layer j at row j, a call's
         needs for layer j at row L + j; see fused_kernel)."""
-        start = 4 * self.n + 1 + row * MAX_GUESS
+        start = fk.post_ids(self.n, row)
         return self.post[start : start + count].tolist()
 
 

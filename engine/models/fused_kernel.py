@@ -57,9 +57,15 @@ W_ALL, W_STOP, W_SOME = 1, 2, 3   # thread 0's words on a streamed layer's exper
 
 
 @njit(cache=True)
+def post_ids(layers, row):  # pragma: no cover - compiled
+    """Where id row `row` of `post` begins (P_IDS + row * MAX_GUESS: guesses for layer l at row l, needs at L + l)."""
+    return 4 * layers + 1 + row * MAX_GUESS
+
+
+@njit(cache=True)
 def post_tail(layers):  # pragma: no cover - compiled
     """Where the present-slot masks begin in `post` (its length is this plus 2 * layers)."""
-    return 4 * layers + 1 + 2 * layers * MAX_GUESS
+    return post_ids(layers, 2 * layers)
 
 # -- layout of the plan (engine/models/fused.py builds it) -----------------------------------------
 # lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;
@@ -254,19 +260,23 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
 
 
 @njit(boundscheck=False)
-def _await(l, top_k, ids, flags, fw, post, layers):
+def _await(l, top_k, ids, flags, fw, post, layers, tcycles):
     """Thread 0, its layer's reads asked for: wait until every expert of the step is in memory (W_ALL) or the
-    driver says it cannot bring them (W_STOP), letting the reader and driver threads run meanwhile."""
+    driver says it cannot bring them (W_STOP), letting the reader and driver threads run meanwhile; that word and
+    the cycles waited (also added to tcycles[3], the step's time waiting for reads)."""
+    start = cycles()
     while True:
         word = W_ALL
         for k in range(top_k):
             if atomic_load(flags, U64(l * fw + ids[k])) != 1:
                 word = 0
                 break
+        if word == 0 and atomic_load(post, U64(3 * layers + l)) != 0:
+            word = W_STOP
         if word != 0:
-            return word
-        if atomic_load(post, U64(3 * layers + l)) != 0:
-            return W_STOP
+            waited = cycles() - start
+            tcycles[3] += waited
+            return word, waited
         yield_cpu()
 
 
@@ -388,7 +398,7 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                                     mask |= 1 << k
                             word = W_ALL if mask == (1 << top_k) - 1 else 0
                             if word == 0:               # the driver reads the others (or says it cannot)
-                                ids0 = 4 * layers + 1 + (layers + l) * MAX_GUESS
+                                ids0 = post_ids(layers, layers + l)
                                 for k in range(top_k):
                                     post[ids0 + k] = ids[k]
                                 atomic_store(post, U64(2 * layers + l), top_k)
@@ -397,11 +407,8 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                                     post[tail + l] = mask
                                     word = W_SOME
                                 else:
-                                    t_wait = cycles()
-                                    word = _await(l, top_k, ids, flags, fw, post, layers)
-                                    waited = cycles() - t_wait
-                                    tcycles[3] += waited    # (waiting for reads, not a phase of the layer)
-                                    mark += waited
+                                    word, waited = _await(l, top_k, ids, flags, fw, post, layers, tcycles)
+                                    mark += waited      # (waiting for reads, not a phase of the layer)
                             atomic_store(post, U64(l), word)
                         else:
                             word = _heard(post, l)
@@ -433,8 +440,9 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                         if g[G_POST] != 0:              # posted for the driver to read ahead; the call runs on
                             if tid == 0 and atomic_load(post, U64(layers + j)) == 0:
                                 absent = False
+                                ids0 = post_ids(layers, j)
                                 for k in range(k_j):
-                                    post[4 * layers + 1 + j * MAX_GUESS + k] = guess[k]
+                                    post[ids0 + k] = guess[k]
                                     absent |= atomic_load(flags, U64(j * fw + guess[k])) != 1
                                 atomic_store(post, U64(layers + j), k_j)
                                 if absent:              # (else it is taken in after the call: nothing to read)
@@ -465,10 +473,7 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
         for part in range(2 if mask != 0 else 1):
             if part == 1:                               # then the others, once read
                 if tid == 0:
-                    t_wait = cycles()
-                    word = _await(l, top_k, ids, flags, fw, post, layers)
-                    waited = cycles() - t_wait
-                    tcycles[3] += waited
+                    word, waited = _await(l, top_k, ids, flags, fw, post, layers, tcycles)
                     mark += waited
                     atomic_store(post, U64(tail + layers + l), word)
                 else:
