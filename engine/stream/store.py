@@ -73,6 +73,7 @@ class ExpertStore(SlotReads, MappedExperts):
         if not self.recipes:
             raise ColibriError(f"{container.path}: the model has no routed experts to stream")
         self.total_bytes = sum(r.length for r in self.recipes.values())
+        self._length = {k: r.length for k, r in self.recipes.items()}   # (summed over what is in memory, a token)
         self.slot_bytes = round_up(max(r.length for r in self.recipes.values()), PAGE)
         self.n_slots = settings.capacity // self.slot_bytes
         min_slots = max(layer.ffn.top_k for layer in spec.layers if isinstance(layer.ffn, MoESpec))
@@ -594,9 +595,10 @@ class ExpertStore(SlotReads, MappedExperts):
             self.telemetry.prefetch(wasted=1)
 
     def _occupancy(self) -> dict[str, int]:
-        pinned = sum(self.recipes[k].length for k in self.built if k in self.pinned)
-        cached = sum(self.recipes[k].length for k in self.built if k not in self.pinned)
-        disk = self.total_bytes - pinned - cached
+        held = sum(map(self._length.__getitem__, self.built))    # (every token: measured 0.2 ms as two generators)
+        pinned = sum(self._length[k] for k in self.pinned if k in self.built)
+        cached = held - pinned
+        disk = self.total_bytes - held
         return {"pinned": pinned, "cached": cached, "disk": disk}
 
     def _publish(self) -> None:
