@@ -15,7 +15,6 @@ from __future__ import annotations
 import mmap
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
-HUGE_PAGE = 2 << 20   # bytes of a transparent huge page (x86-64, and arm64 with 4 KB base pages)
 
 
 def advise_huge_pages(m: mmap.mmap) -> bool:

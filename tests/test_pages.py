@@ -51,6 +51,19 @@ def _file_flags(path: Path) -> set[str]:
     return set.union(*found)
 
 
+def _rss_at(address: int) -> int:
+    """Bytes of the mapping holding `address` that are in memory (its Rss line in /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split(None, 1)[0]
+        if "-" in first and not first.endswith(":"):
+            lo, hi = (int(v, 16) for v in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"nothing mapped at {address:#x}")
+
+
 def _flags_at(address: int) -> set[str]:
     found = [flags for lo, hi, p, flags in _mappings() if lo <= address < hi]
     assert found, f"nothing mapped at {address:#x}"
@@ -94,3 +107,21 @@ def test_the_mmap_baseline_reads_experts_on_small_pages(container):
     finally:
         loaded.close()
 
+
+
+def test_the_expert_cache_takes_its_pages_at_load_and_when_it_grows(container):
+    probe = load_model(container, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    slot = probe.store.slot_bytes
+    probe.close()
+    loaded = load_model(container, stream=StreamOptions(StoreSettings(capacity=3 * slot)))
+    try:
+        store = loaded.store
+        address = store.arena.__array_interface__["data"][0]
+        assert not store.built                                   # nothing read yet
+        assert _rss_at(address) >= 3 * slot                      # yet the cache's pages are in
+        store.set_capacity(6 * slot)
+        assert _rss_at(address) >= 6 * slot
+        store.set_capacity(2 * slot)                             # a shrink hands pages back
+        assert _rss_at(address) < 6 * slot
+    finally:
+        loaded.close()

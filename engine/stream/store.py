@@ -36,7 +36,7 @@ import numpy as np
 from engine.blocks.ffn import ExpertWeights
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container
-from engine.pages import HUGE_PAGE, advise_huge_pages
+from engine.pages import advise_huge_pages
 from engine.spec import ModelSpec, MoESpec
 from engine.stream.history import Repinner, UsageHistory
 from engine.stream.io import PAGE, IOPool, round_up
@@ -555,12 +555,12 @@ class ExpertStore(SlotReads, MappedExperts):
 
     def _commit(self, lo: int, hi: int) -> None:
         """Fault in the pages of slots lo..hi - 1, not in use, now rather than at their first read mid-token: one
-        write a 2 MB page (the kernel zeroes it). Measured by `colibri bench` at 25% of mixtral-1.7b's experts, on
-        2 MB pages: cold prompts at 70-78 tok/s with the first reads faulting, 87-108 with the pages committed at
-        load (76-93 on 4 KB pages, faulting)."""
+        write a 4 KB page (the kernel zeroes a page at its first write, 2 MB at once where it gives huge ones).
+        Measured by `colibri bench` at 25% of mixtral-1.7b's experts, on 2 MB pages: cold prompts at 70-78 tok/s
+        with the first reads faulting, 87-108 with the pages committed at load (76-93 on 4 KB pages, faulting)."""
         start, end = lo * self.slot_bytes, hi * self.slot_bytes
         if end > start:
-            self.arena[start:end:HUGE_PAGE] = 0
+            self.arena[start:end:PAGE] = 0
             self.arena[end - 1] = 0
 
     def _layout_scratch(self) -> None:
