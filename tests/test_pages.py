@@ -32,42 +32,40 @@ def _huge_pages_work() -> bool:
 pytestmark = pytest.mark.skipif(not _huge_pages_work(), reason="this kernel has no transparent huge pages")
 
 
-def _mappings() -> list[tuple[int, int, str, set[str]]]:
-    """This process's mappings from /proc/self/smaps: (start, end, path, VmFlags)."""
-    out, head = [], None
+def _mappings() -> list[tuple[int, int, str, int, set[str]]]:
+    """This process's mappings from /proc/self/smaps: (start, end, path, bytes in memory (Rss), VmFlags)."""
+    out, head, rss = [], None, 0
     for line in Path("/proc/self/smaps").read_text().splitlines():
         first = line.split(None, 5)
         if "-" in first[0] and len(first) >= 5 and not first[0].endswith(":"):
             lo, hi = (int(v, 16) for v in first[0].split("-"))
             head = (lo, hi, first[5] if len(first) > 5 else "")
+        elif line.startswith("Rss:"):
+            rss = int(line.split()[1]) * 1024
         elif line.startswith("VmFlags:") and head is not None:
-            out.append((*head, set(line.split()[1:])))
+            out.append((*head, rss, set(line.split()[1:])))
     return out
 
 
 def _file_flags(path: Path) -> set[str]:
-    found = [flags for lo, hi, p, flags in _mappings() if p == str(path.resolve())]
+    found = [flags for lo, hi, p, rss, flags in _mappings() if p == str(path.resolve())]
     assert found, f"{path} is not mapped"
     return set.union(*found)
 
 
+def _at(address: int) -> tuple[int, int, str, int, set[str]]:
+    found = [m for m in _mappings() if m[0] <= address < m[1]]
+    assert found, f"nothing mapped at {address:#x}"
+    return found[0]
+
+
 def _rss_at(address: int) -> int:
-    """Bytes of the mapping holding `address` that are in memory (its Rss line in /proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split(None, 1)[0]
-        if "-" in first and not first.endswith(":"):
-            lo, hi = (int(v, 16) for v in first.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("Rss:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"nothing mapped at {address:#x}")
+    """Bytes of the mapping holding `address` that are in memory."""
+    return _at(address)[3]
 
 
 def _flags_at(address: int) -> set[str]:
-    found = [flags for lo, hi, p, flags in _mappings() if lo <= address < hi]
-    assert found, f"nothing mapped at {address:#x}"
-    return found[0]
+    return _at(address)[4]
 
 
 @pytest.fixture(scope="module")

@@ -384,18 +384,23 @@ class Container:
             self.verify(experts=verify_experts)
         return self
 
+    @property
+    def expert_files(self) -> set[str]:
+        """The data files that hold expert extents."""
+        return {x.file for x in self.extents.values()}
+
     def advise_huge_pages(self, experts: bool = True) -> None:
         """Ask for 2 MB pages (engine/pages.py) on the mapped files the kernels read weights through: all, or
         with experts=False those without expert extents (the experts are streamed: read into a store's slots, or
         with `--io mmap` by the baseline's 4 KB page faults). Pages read before the advice stay as they are."""
-        expert_files = {x.file for x in self.extents.values()}
+        expert_files = self.expert_files
         for fname, m in self.maps.items():
             if experts or fname not in expert_files:
                 advise_huge_pages(m._mmap)
 
     def verify(self, experts: bool = True, names: Iterable[str] | None = None) -> None:
         """Check tensors' CRC-32 (about 4 GB/s): all, those outside expert extents (experts=False), or `names`."""
-        expert_files = {x.file for x in self.extents.values()}
+        expert_files = self.expert_files
         chosen = self.entries.values() if names is None else [self.entries[n] for n in names]
         for e in chosen:
             if not experts and e.file in expert_files:

@@ -14,7 +14,7 @@ waits where it is until the driver has read them in (`ExpertStore.need`); it pos
 guess of a later layer's experts, which the driver hands to `prefetch`; the driver publishes each
 read as it completes (`_held`: descriptors, then the layer's flag). The driver takes slots only
 from experts of layers the call has passed, and does not read over an expert while a thread of the
-call may still be reading it (`fused_kernel.in_use`). Where the driver cannot bring a layer's
+call may still be reading it (`fused_sync.in_use`). Where the driver cannot bring a layer's
 experts (no slot to be had yet) the call stops there and the engine thread brings them through
 `ExpertStore.groups`: in groups as their reads finish, each group run by a call of its own; as
 every call does without a driver (mmap mode, other systems).
@@ -37,6 +37,7 @@ from engine.errors import GenerationError
 from engine.kv import KVCache, KVPool
 from engine.models import fused_kernel as fk
 from engine.models.fused_driver import Driver
+from engine.models.fused_sync import in_use, set_flag
 from engine.quant.tensor import QuantizedTensor
 from engine.telemetry import Telemetry
 
@@ -275,16 +276,16 @@ class FusedDecode:
         idx = layer * self.flags.shape[1] + e
         if isinstance(expert, str):                     # its read started (READING): a call waits for it
             if self.flags[layer, e] == 0:
-                fk.set_flag(self._flat, idx, fk.FLAG_COMING)
+                set_flag(self._flat, idx, fk.FLAG_COMING)
             return
         if expert is None:
             flag = int(self.flags[layer, e])
             if flag == fk.FLAG_COMING:                  # its read failed: a call waiting for it stops there
-                fk.set_flag(self._flat, idx, 0)
-                fk.set_flag(self.post, 3 * self.lay.shape[0] + layer, 1)
+                set_flag(self._flat, idx, 0)
+                set_flag(self.post, 3 * self.lay.shape[0] + layer, 1)
             elif flag:                                  # (the driver asked `_release` first; between calls no
-                fk.set_flag(self._flat, idx, 0)        # thread is at any layer)
-                while fk.in_use(self.cur, len(self.cur) // fk.LINE, layer):
+                set_flag(self._flat, idx, 0)            # thread is at any layer)
+                while in_use(self.cur, len(self.cur) // fk.LINE, layer):
                     time.sleep(20e-6)
             return
         row = self._res0[layer] + 3 * e
@@ -292,10 +293,10 @@ class FusedDecode:
         for m, w in enumerate((expert.gate, expert.up, expert.down)):
             want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)
             if not isinstance(w, QuantizedTensor) or w.shape != want:
-                fk.set_flag(self._flat, idx, 0)        # the calls bring it as they go (_bring says what is wrong)
+                set_flag(self._flat, idx, 0)            # the calls bring it as they go (_bring says what is wrong)
                 return
             self.descs[row + m] = w.descriptor_row
-        fk.set_flag(self._flat, idx, 1)                # after its descriptors
+        set_flag(self._flat, idx, 1)                    # after its descriptors
 
     # --- running ---
 
@@ -422,9 +423,9 @@ class FusedDecode:
         if layer not in self.streamed_layers or self.flags[layer, e] != 1:
             return True
         idx = layer * self.flags.shape[1] + e
-        fk.set_flag(self._flat, idx, 0)                 # then no thread that looks finds it ...
-        if fk.in_use(self.cur, len(self.cur) // fk.LINE, layer):
-            fk.set_flag(self._flat, idx, 1)             # ... but one at its layer may have found it before
+        set_flag(self._flat, idx, 0)                    # then no thread that looks finds it ...
+        if in_use(self.cur, len(self.cur) // fk.LINE, layer):
+            set_flag(self._flat, idx, 1)                # ... but one at its layer may have found it before
             return False
         return True
 

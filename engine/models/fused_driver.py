@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine.models import fused_kernel as fk
+from engine.models.fused_sync import set_flag
 
 if TYPE_CHECKING:
     from engine.models.fused import FusedDecode
-
 
 
 class Driver:
@@ -88,14 +88,14 @@ class Driver:
     def refuse_all(self) -> None:
         """Tell the running call that nothing it waits for will come (it stops where it waits)."""
         for j in range(self.n):
-            fk.set_flag(self.post, 3 * self.n + j, 1)
+            set_flag(self.post, 3 * self.n + j, 1)
 
     def work(self) -> None:
         post, n, store = self.post, self.n, self.store
         for j in np.flatnonzero((post[2 * n : 3 * n] != 0) & ~self.needed).tolist():   # what a call waits for first
             self.needed[j] = True
             if not store.need(j, self._posted(n + j, int(post[2 * n + j]))):
-                fk.set_flag(post, 3 * n + j, 1)          # the call stops there; the engine thread brings them
+                set_flag(post, 3 * n + j, 1)             # the call stops there; the engine thread brings them
         store.collect()
         self._guesses()
         store.collect()

@@ -28,7 +28,6 @@ from numba import njit, prange
 from engine.blocks.attention_kernel import attend_row, encode_i8_row
 from engine.blocks.row_kernels import norm_row, rope_row, route_row
 from engine.models.fused_sync import LINE, atomic_load, atomic_store, cycles, fence, spin_pause, wake, yield_cpu
-from engine.models.fused_sync import in_use, set_flag  # noqa: F401 - fused.py calls them through this module
 from engine.quant.experts import silu_rows
 from engine.quant.kernels import TILE, otf_rows, planes, tile_rows
 from engine.quant.simd import U64, address_as_voidptr, f32_to_f16, fma32

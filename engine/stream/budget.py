@@ -95,7 +95,7 @@ def plan_memory(container: Container, spec: ModelSpec, total: int, ctx: int, pre
     if ctx < 1 or ctx > spec.max_position:
         raise ColibriError(f"--ctx {ctx}: the model supports 1 to {spec.max_position} tokens")
     kv, work = kv_bytes(spec, ctx, kv_bits), working_bytes(spec, ctx)
-    expert_files = {x.file for x in container.extents.values()}
+    expert_files = container.expert_files
     if any(isinstance(layer.ffn, MoESpec) for layer in spec.layers):
         dense = [n for n, e in container.entries.items() if e.file not in expert_files]
         resident = _stored_bytes(container, dense)

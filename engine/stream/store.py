@@ -9,8 +9,8 @@ their reads finish. The next layers' experts are predicted and read ahead (`pref
 counts feed the usage history, which re-pins with hysteresis as the workload changes (Learn).
 
 The store never changes an answer: a slot's bytes are the container's bytes (CRC-32 checked on
-the first read, before the step that ran the expert gives its answer), and the MoE block sums the experts' outputs in a fixed order whatever arrived
-first. I/O threads only fill slots and check sums.
+the first read, before the step that ran the expert gives its answer), and the MoE block sums the
+experts' outputs in a fixed order whatever arrived first. I/O threads only fill slots and check sums.
 
 `--io mmap` is the baseline the others are measured against: experts are views of the mapped
 files, read by page faults inside the kernels; evicted ones are dropped with MADV_DONTNEED so
@@ -72,8 +72,8 @@ class ExpertStore(SlotReads, MappedExperts):
                     self.recipes[(i, e)] = Recipe(container, i, e, names)
         if not self.recipes:
             raise ColibriError(f"{container.path}: the model has no routed experts to stream")
-        self.total_bytes = sum(r.length for r in self.recipes.values())
         self._length = {k: r.length for k, r in self.recipes.items()}   # (summed over what is in memory, a token)
+        self.total_bytes = sum(self._length.values())
         self.slot_bytes = round_up(max(r.length for r in self.recipes.values()), PAGE)
         self.n_slots = settings.capacity // self.slot_bytes
         min_slots = max(layer.ffn.top_k for layer in spec.layers if isinstance(layer.ffn, MoESpec))
