@@ -7,6 +7,7 @@ logits and routing bit for bit, with one thread or two, through a KV cache of se
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -422,6 +423,54 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
         assert len(stops) < disk / 2, (n, len(stops), disk)      # most misses were waited for in the call
         assert sum(some) > 0, n                                  # some while others ran
         some.clear()
+
+
+def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_factory, monkeypatch):
+    """The read-ahead's guesses are posted without waking the driver thread: what it reads from its eventfd adds
+    up to no more than the wake-ups of calls beginning, of reads completing (1 each) and of the kernel's posts of
+    needs (the experts asked for); awake, it hands the guesses posted by then to `prefetch`, which reads them. The
+    answer is the resident model's."""
+    import threading
+
+    from engine.loader import StreamOptions
+    from engine.models import fused_driver
+    from engine.stream.store import ExpertStore, StoreSettings
+
+    counts = {"woken": 0, "poked": 0, "asked": 0, "ahead": 0}
+    eventfd_read, poke, need, prefetch = os.eventfd_read, fused_driver._Wake.poke, ExpertStore.need, ExpertStore.prefetch
+
+    def woken(fd):
+        value = eventfd_read(fd)
+        counts["woken"] += value
+        return value
+
+    def poked(wake):
+        counts["poked"] += 1
+        poke(wake)
+
+    def asked(store, layer, ids):
+        counts["asked"] += len(ids)                     # what the kernel's post of these needs wrote
+        return need(store, layer, ids)
+
+    def reading_ahead(store, layer, ids, read=True):
+        counts["ahead"] += read and threading.current_thread().name == "colibri-read-ahead"
+        return prefetch(store, layer, ids, read)
+    monkeypatch.setattr(fused_driver.os, "eventfd_read", woken)
+    monkeypatch.setattr(fused_driver._Wake, "poke", poked)
+    monkeypatch.setattr(ExpertStore, "need", asked)
+    monkeypatch.setattr(ExpertStore, "prefetch", reading_ahead)
+    out = _container(tmp_path_factory, "mixtral")
+    want, _ = _greedy(load_model(out).model, fused=True)
+    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=5 * _slot_bytes(out), policy="lru"), 1))
+    try:
+        model = loaded.model
+        monkeypatch.setattr(model._ahead, "pick", lambda preferred, other: preferred)   # always reading ahead
+        got, _ = _greedy(model, fused=True)
+    finally:
+        loaded.close()
+    assert np.array_equal(got, want)
+    assert counts["asked"] > 0 and counts["ahead"] > 0, counts   # misses waited for, guesses read while awake
+    assert 0 < counts["woken"] <= counts["poked"] + counts["asked"], counts   # no wake-up of a guess's own
 
 
 def test_an_error_of_the_driver_stops_the_call_and_reaches_the_caller(tmp_path_factory, monkeypatch):

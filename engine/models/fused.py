@@ -11,7 +11,8 @@ token.
 With streamed experts (pread mode, Linux) a token runs in one call as a rule. While it runs, a
 driver thread (`fused_driver.Driver`) owns the store: thread 0 of the call posts the experts a layer lacks and
 waits where it is until the driver has read them in (`ExpertStore.need`); it posts the read-ahead's
-guess of a later layer's experts, which the driver hands to `prefetch`; the driver publishes each
+guess of a later layer's experts, which the driver hands to `prefetch` when it next wakes (for a need or a
+completed read: a guess alone does not wake it); the driver publishes each
 read as it completes (`_held`: descriptors, then the layer's flag). The driver takes slots only
 from experts of layers the call has passed, and does not read over an expert while a thread of the
 call may still be reading it (`fused_sync.in_use`). Where the driver cannot bring a layer's

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 class Driver:
     """Reads ahead for a fused step while its calls run: the guesses the kernel posts go to the store's
-    `prefetch`, and reads that completed are collected (`collect`: the store publishes them through `_held`, so
+    `prefetch` whenever the driver is awake (a guess does not wake it; a need or a completed read does), and reads
+    that completed are collected (`collect`: the store publishes them through `_held`, so
     later layers of the same call find them in memory). It holds the store only between `begin` and `end` (the
-    engine thread holds it otherwise) and sleeps on an eventfd that the kernel's posts, completed reads and
+    engine thread holds it otherwise) and sleeps on an eventfd that the kernel's posts of needs, completed reads and
     `begin` write to (no polling: on two cores a polling thread slowed every call); it ends with its plan."""
 
     def __init__(self, plan: "FusedDecode", store) -> None:
@@ -80,7 +81,7 @@ class Driver:
         self.active = False
         self.lock.acquire()
         self.store.guard = None
-        self._guesses(read=False)                        # those the call did not wake the driver for: all in memory
+        self._guesses(read=False)                        # those it did not take while awake: scored, not read
         if self.error is not None:
             error, self.error = self.error, None
             raise error
