@@ -139,6 +139,35 @@ def test_a_read_ahead_started_during_a_step_never_evicts_that_steps_experts(cont
         loaded.close()
 
 
+def test_a_read_into_a_laid_out_slot_is_handed_over_by_its_reader_thread(container):
+    """As a read completes, its reader thread hands the expert over (`on_arrival`) when the slot's tensors are
+    already laid out, before the store takes it in; the first read into a slot wakes the store's taker (`on_read`)
+    instead, which lays them out. What is handed over is the expert's own weights."""
+    import threading
+
+    resident = load_model(container).model.experts
+    loaded = _stream(container, TOP_K, policy="lru", prefetch_depth=0)
+    store = loaded.store
+    handed, woken = {}, []
+
+    def arrival(key, e):                               # (read now: the slot is read over later)
+        handed[key] = (threading.current_thread().name, e.gate.dequantize(), e.down.dequantize())
+    store.on_read = lambda: woken.append(threading.current_thread().name)
+    store.on_arrival = arrival
+    try:
+        store.experts(0, [0, 1])                       # the first reads into the two slots
+        first, first_handed = list(woken), dict(handed)
+        store.experts(0, [2, 3])                       # then the same slots, read over
+    finally:
+        loaded.close()
+    assert len(first) == 2 and not first_handed
+    assert set(handed) == {(0, 2), (0, 3)} and woken == first
+    for (layer, e), (thread, gate, down) in handed.items():
+        assert thread.startswith("colibri-io")
+        want = resident.per_layer[layer][e]
+        assert np.array_equal(gate, want.gate.dequantize()) and np.array_equal(down, want.down.dequantize())
+
+
 def test_history_pins_experts_on_the_next_start(container, resident, tmp_path):
     path = tmp_path / "usage.npz"
     loaded = _stream(container, 8, policy="learned", history_path=path)

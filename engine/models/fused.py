@@ -12,8 +12,9 @@ With streamed experts (pread mode, Linux) a token runs in one call as a rule. Wh
 driver thread (`fused_driver.Driver`) owns the store: thread 0 of the call posts the experts a layer lacks and
 waits where it is until the driver has read them in (`ExpertStore.need`); it posts the read-ahead's
 guess of a later layer's experts, which the driver hands to `prefetch` when it next wakes (for a need or a
-completed read: a guess alone does not wake it); the driver publishes each
-read as it completes (`_held`: descriptors, then the layer's flag). The driver takes slots only
+completed read: a guess alone does not wake it); each read is published as it completes (`_held`:
+descriptors, then the expert's flag), by its reader thread where its slot's tensors are laid out already, else
+by the driver (see `SlotReads._read`). The driver takes slots only
 from experts of layers the call has passed, and does not read over an expert while a thread of the
 call may still be reading it (`fused_sync.in_use`). Where the driver cannot bring a layer's
 experts (no slot to be had yet) the call stops there and the engine thread brings them through

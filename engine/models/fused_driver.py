@@ -1,5 +1,6 @@
 """The thread that works the expert store while a fused decode call runs (engine/models/fused.py): it reads what
-the call waits for and what the read-ahead guessed, and publishes each read as it lands (see fused_kernel's `post`).
+the call waits for and what the read-ahead guessed, and publishes the reads their reader threads could not (see
+fused_kernel's `post`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ if TYPE_CHECKING:
 class Driver:
     """Reads ahead for a fused step while its calls run: the guesses the kernel posts go to the store's
     `prefetch` whenever the driver is awake (a guess does not wake it; a need or a completed read does), and reads
-    that completed are collected (`collect`: the store publishes them through `_held`, so
-    later layers of the same call find them in memory). It holds the store only between `begin` and `end` (the
+    that completed are collected (`collect`: the store publishes them through `_held`, so later layers of the same
+    call find them in memory; most reads a reader thread publishes itself as it completes, see
+    `SlotReads._read`, and wakes the driver only for the others). It holds the store only between `begin` and `end` (the
     engine thread holds it otherwise) and sleeps on an eventfd that the kernel's posts of needs, completed reads and
     `begin` write to (no polling: on two cores a polling thread slowed every call); it ends with its plan."""
 
@@ -41,7 +43,8 @@ class Driver:
         self.closed = False
         self.wake = _Wake()
         self.fd = self.wake.fd
-        store.on_read = self.wake.poke
+        store.on_read = self.wake.poke                  # a read the store could not hand over itself
+        store.on_arrival = plan._held                    # (the others: see SlotReads._read)
         store.on_close.append(self.close)
         threading.Thread(target=_drive, args=(weakref.ref(self), self.lock, self.wake), name="colibri-read-ahead",
                          daemon=True).start()
@@ -55,6 +58,7 @@ class Driver:
         """The store closes: the thread ends (between calls, when it is idle)."""
         self.closed = True
         self.store.on_read = None
+        self.store.on_arrival = None
         self.wake.poke()
 
     def token(self) -> None:

@@ -3,7 +3,7 @@ path of the step that waits for it, and the expert built over its slot once the 
 
 A part of `ExpertStore` (engine/stream/store.py), which holds the state these methods use: `io`, `arena`,
 `recipes`, `names`, `where`, `built`, `loading`, `checks`, `verified`, `views`, `transient`, `scratch`, `free`,
-`pinned`, `policy`, `prefetched`, `missed`, `settings`, `on_read` and the listeners (`_notify`).
+`pinned`, `policy`, `prefetched`, `missed`, `settings`, `on_read`, `on_arrival` and the listeners (`_notify`).
 """
 
 from __future__ import annotations
@@ -25,27 +25,47 @@ class SlotReads:
     def _read(self, key: Key, r: Recipe, dest: np.ndarray) -> cf.Future:
         """A future that completes when the extent is in `dest`. On its first read the reader thread then checks
         its checksum, off the path of the step that waits for it: `checks[key]` says whether it held, and the
-        expert counts as used only once it did (`_confirm`)."""
+        expert counts as used only once it did (`_confirm`).
+
+        As the read completes, and before its future is done (so before the store may take the expert in, and then
+        out), the reader thread hands the expert built over its slot to `on_arrival` when the slot's views are
+        already built (`_finish` builds them once a slot and layout). Otherwise it calls `on_read`, which wakes the
+        thread that takes reads in. (A fused call waits for the expert: measured at 25% of mixtral-1.7b's experts,
+        the driver woken for every completed read took 53-59 us, median, from the bytes in to the expert handed
+        over, and each wake-up took time from the compute threads.)"""
         done: cf.Future = cf.Future()
         checked: cf.Future | None = None
         if self.settings.verify and key not in self.verified:
             checked = self.checks[key] = cf.Future()
 
         def finished(read: cf.Future) -> None:
+            handed = False
             try:
                 read.result()
+                handed = self._hand_over(key, r)
                 done.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
                 done.set_exception(exc)
                 if checked is not None:
                     checked.set_result(True)             # nothing to check: the read's own error is raised
-            if self.on_read is not None:
+            if self.on_read is not None and not handed:
                 self.on_read()                           # in memory: a waiting step goes on meanwhile
             if checked is not None and not checked.done():
                 checked.set_result(zlib.crc32(memoryview(dest[: r.length])) == r.crc32)
 
         self.io.submit(r.file, r.offset, r.length, dest).add_done_callback(finished)
         return done
+
+    def _hand_over(self, key: Key, r: Recipe) -> bool:
+        """On the reader thread, a read of `key` in: hand the expert over its slot to `on_arrival` if the slot's
+        views are built; whether it was."""
+        arrival = self.on_arrival
+        slot = self.where.get(key)
+        views = self.views.get((slot, r.layout)) if arrival is not None and slot is not None else None
+        if views is None:
+            return False
+        arrival(key, ExpertWeights(*views, self.names[key]))
+        return True
 
     def _confirm(self, keys: Iterable[Key]) -> None:
         """Raise if an expert of a step just computed (or about to be) was read with a checksum that does not hold;

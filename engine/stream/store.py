@@ -132,7 +132,10 @@ class ExpertStore(SlotReads, MappedExperts):
         self.views: dict[tuple[int, tuple], tuple] = {}   # (slot, layout) -> an expert's tensors over the slot
         self.stepping: set[Key] = set()                # the experts of the layer step in progress, not yet computed
         self.listeners: list[Callable[[Key, ExpertWeights | None], None]] = []   # see add_listener
-        self.on_read: Callable[[], None] | None = None   # called on a reader thread as each read completes
+        self.on_read: Callable[[], None] | None = None   # called on a reader thread as a read completes (see _read)
+        # called on a reader thread with an expert as its read completes, before the store takes it in: a running
+        # fused call waiting for it goes on without the driver waking (see _read)
+        self.on_arrival: Callable[[Key, ExpertWeights], None] | None = None
         self.on_close: list[Callable[[], None]] = []   # called by close
         # while a fused call runs (its driver holds the store): whether an expert may give up its slot now (False:
         # the call may be reading it; see engine/models/fused.py)
@@ -240,6 +243,8 @@ class ExpertStore(SlotReads, MappedExperts):
         `groups` (the fused decode step checks residency itself, see `add_listener`, and asks for the others with
         `need`): what `groups` counts for such a step."""
         ids = [int(i) for i in ids]
+        if self.loading:
+            self._settle()                               # reads handed over to the call as they completed
         self._confirm([(layer, i) for i in ids])         # (the step ran them: its answer is not given if one fails)
         self._begin_step(layer, ids)
         for i in ids:
@@ -476,9 +481,9 @@ class ExpertStore(SlotReads, MappedExperts):
             r = self.recipes[key]
             dest = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
             self.where[key] = slot
+            self._notify(key, READING)                   # (before the read: it may be handed over as it completes)
             fut = self._read(key, r, dest)
             self.loading[key] = fut
-            self._notify(key, READING)
             if prefetch:
                 self.prefetched.add(key)
             else:
