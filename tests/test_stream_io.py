@@ -136,6 +136,34 @@ def test_truncated_file_names_file_and_offset(data_file, pool_mode, offset, leng
     assert "truncated" in message and "re-convert" in message
 
 
+def test_read_here_reads_on_the_calling_thread_into_a_done_future(data_file, pool_mode, tmp_path):
+    """`read_here` reads as a reader thread would, on the caller's thread: the future is done when it returns, with
+    the bytes in or the read's error; after close it refuses, as submit does."""
+    path, data = data_file
+    threads = []
+    real = IOPool._read
+
+    def reading(pool, *args):
+        threads.append(threading.current_thread())
+        return real(pool, *args)
+    pool = IOPool(2, direct=pool_mode)
+    try:
+        pool._read = reading.__get__(pool)
+        dest = aligned_empty(3 * PAGE)
+        fut = pool.read_here(path, PAGE, 2 * PAGE + 7, dest)
+        assert fut.done() and fut.result().nbytes == 2 * PAGE + 7
+        np.testing.assert_array_equal(dest[: 2 * PAGE + 7], data[PAGE : 3 * PAGE + 7])
+        missing = pool.read_here(str(tmp_path / "nope.bin"), 0, 10, aligned_empty(10))
+        assert missing.done() and isinstance(missing.exception(), FileNotFoundError)
+        assert threads == [threading.current_thread()] * 2
+        with pytest.raises(ValueError, match="holds 10 bytes"):
+            pool.read_here(path, 0, 11, np.empty(10, np.uint8))
+    finally:
+        pool.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        pool.read_here(path, 0, 8, aligned_empty(8))
+
+
 def test_missing_file_fails_on_the_future(tmp_path):
     with IOPool(1) as pool:
         with pytest.raises(FileNotFoundError):

@@ -134,8 +134,26 @@ class IOPool:
 
     def submit(self, path: str, offset: int, length: int, dest: np.ndarray) -> concurrent.futures.Future[ReadDone]:
         """Read file bytes [offset, offset+length) into dest[:length] on a reader thread."""
+        flat = self._check("submit", path, offset, length, dest)
+        return self._executor.submit(self._read, os.fspath(path), offset, length, flat)
+
+    def read_here(self, path: str, offset: int, length: int, dest: np.ndarray) -> concurrent.futures.Future[ReadDone]:
+        """The same read on the calling thread, as a future that is done (with the read's error, if any) when this
+        returns: for a thread that would only wait for it, it saves a reader thread's wake-up (on two busy cores,
+        submit to the read's start took 140-260 us, median)."""
+        flat = self._check("read_here", path, offset, length, dest)
+        fut: concurrent.futures.Future[ReadDone] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        try:
+            fut.set_result(self._read(os.fspath(path), offset, length, flat))
+        except BaseException as exc:  # noqa: BLE001 - handed over in the future, as a reader thread's would be
+            fut.set_exception(exc)
+        return fut
+
+    def _check(self, name: str, path: str, offset: int, length: int, dest: np.ndarray) -> np.ndarray:
+        """dest as a flat view, once the read's arguments hold (else ValueError, RuntimeError after close)."""
         if self._closed:
-            raise RuntimeError("IOPool.submit after close(): open a new IOPool")
+            raise RuntimeError(f"IOPool.{name} after close(): open a new IOPool")
         if offset < 0 or length < 0:
             raise ValueError(f"{path}: offset and length must be >= 0, got offset={offset} length={length}")
         if not isinstance(dest, np.ndarray) or dest.dtype != np.uint8 or not dest.flags.c_contiguous:
@@ -145,7 +163,7 @@ class IOPool:
         flat = dest.reshape(-1)  # [dest.size] view, no copy (contiguous)
         if flat.size < length:
             raise ValueError(f"{path}: dest holds {flat.size} bytes, the read needs {length}")
-        return self._executor.submit(self._read, os.fspath(path), offset, length, flat)
+        return flat
 
     def read(self, path: str, offset: int, length: int, dest: np.ndarray) -> ReadDone:
         """submit(...).result(): read on a reader thread and wait for it."""

@@ -22,10 +22,11 @@ from engine.stream.store_types import Key, Recipe
 class SlotReads:
     """The store's reads into slots (mixed into ExpertStore)."""
 
-    def _read(self, key: Key, r: Recipe, dest: np.ndarray) -> cf.Future:
+    def _read(self, key: Key, r: Recipe, dest: np.ndarray, here: bool = False) -> cf.Future:
         """A future that completes when the extent is in `dest`. On its first read the reader thread then checks
         its checksum, off the path of the step that waits for it: `checks[key]` says whether it held, and the
-        expert counts as used only once it did (`_confirm`).
+        expert counts as used only once it did (`_confirm`). With `here` the read runs on this thread instead
+        (`IOPool.read_here`), and so do the steps below.
 
         As the read completes, and before its future is done (so before the store may take the expert in, and then
         out), the reader thread hands the expert built over its slot to `on_arrival` when the slot's views are
@@ -53,7 +54,8 @@ class SlotReads:
             if checked is not None and not checked.done():
                 checked.set_result(zlib.crc32(memoryview(dest[: r.length])) == r.crc32)
 
-        self.io.submit(r.file, r.offset, r.length, dest).add_done_callback(finished)
+        read = self.io.read_here if here else self.io.submit   # (here: on this thread, done on return)
+        read(r.file, r.offset, r.length, dest).add_done_callback(finished)
         return done
 
     def _hand_over(self, key: Key, r: Recipe) -> bool:

@@ -258,7 +258,8 @@ class ExpertStore(SlotReads, MappedExperts):
 
     def need(self, layer: int, ids: Sequence[int]) -> bool:
         """Start reading the experts of a layer step that are not in memory (a fused call waits for them, see
-        `add_listener`); False when some cannot have a slot now (the call stops and `groups` brings them)."""
+        `add_listener`), the last of them on this thread (it returns once that one is in); False when some cannot
+        have a slot now (the call stops and `groups` brings them)."""
         step = [(layer, int(i)) for i in ids]
         queue = []
         for key in step:
@@ -271,7 +272,7 @@ class ExpertStore(SlotReads, MappedExperts):
                 self._count_prefetch_use(key)
             if key not in self.loading:
                 queue.append(key)
-        self._start(queue, set(step), {})
+        self._start(queue, set(step), {}, here=True)     # (the caller, the driver, would only wait for them)
         return not queue
 
     def _count_held(self, key: Key) -> None:
@@ -470,8 +471,10 @@ class ExpertStore(SlotReads, MappedExperts):
             queue = [k for k in keys if k in self.pinned and k not in self.where]
             self._start(queue, set(queue), {}, prefetch=False)
 
-    def _start(self, queue: list[Key], protect: set[Key], waiting: dict, prefetch: bool = False) -> None:
-        """Start reads for queued keys while slots can be found; leaves the rest queued (in order)."""
+    def _start(self, queue: list[Key], protect: set[Key], waiting: dict, prefetch: bool = False,
+               here: bool = False) -> None:
+        """Start reads for queued keys while slots can be found; leaves the rest queued (in order). With `here`, the
+        last key is read on this thread, after the others went to the reader threads (see IOPool.read_here)."""
         while queue:
             key = queue[0]
             slot = self._slot(protect, key, prefetch)
@@ -482,7 +485,7 @@ class ExpertStore(SlotReads, MappedExperts):
             dest = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
             self.where[key] = slot
             self._notify(key, READING)                   # (before the read: it may be handed over as it completes)
-            fut = self._read(key, r, dest)
+            fut = self._read(key, r, dest, here and len(queue) == 0)
             self.loading[key] = fut
             if prefetch:
                 self.prefetched.add(key)
