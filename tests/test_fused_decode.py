@@ -448,9 +448,9 @@ def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_fac
         counts["poked"] += 1
         poke(wake)
 
-    def asked(store, layer, ids):
+    def asked(store, layer, ids, *meanwhile):
         counts["asked"] += len(ids)                     # what the kernel's post of these needs wrote
-        return need(store, layer, ids)
+        return need(store, layer, ids, *meanwhile)
 
     def reading_ahead(store, layer, ids, read=True):
         counts["ahead"] += read and threading.current_thread().name == "colibri-read-ahead"
@@ -487,7 +487,7 @@ def test_an_error_of_the_driver_stops_the_call_and_reaches_the_caller(tmp_path_f
         cache = KVCache(model.spec, 64)
         token = int(model.forward(PROMPT, cache)[-1].argmax())
 
-        def broken(layer, ids):
+        def broken(layer, ids, meanwhile):
             raise OSError("the disk went away")
         monkeypatch.setattr(loaded.store, "need", broken)
         with pytest.raises(OSError, match="went away"):

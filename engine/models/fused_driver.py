@@ -99,7 +99,9 @@ class Driver:
         post, n, store = self.post, self.n, self.store
         for j in np.flatnonzero((post[2 * n : 3 * n] != 0) & ~self.needed).tolist():   # what a call waits for first
             self.needed[j] = True
-            if not store.need(j, self._posted(n + j, int(post[2 * n + j]))):
+            # the read-ahead's guesses (posted before these needs) go to the readers before the driver reads the
+            # last need itself: once it is in, the call may decide their layers before the driver is back
+            if not store.need(j, self._posted(n + j, int(post[2 * n + j])), self._guesses):
                 set_flag(post, 3 * n + j, 1)             # the call stops there; the engine thread brings them
         store.collect()
         self._guesses()

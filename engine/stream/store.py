@@ -256,10 +256,11 @@ class ExpertStore(SlotReads, MappedExperts):
             else:
                 self._count_held(key)
 
-    def need(self, layer: int, ids: Sequence[int]) -> bool:
+    def need(self, layer: int, ids: Sequence[int], meanwhile: Callable[[], None] = lambda: None) -> bool:
         """Start reading the experts of a layer step that are not in memory (a fused call waits for them, see
-        `add_listener`), the last of them on this thread (it returns once that one is in); False when some cannot
-        have a slot now (the call stops and `groups` brings them)."""
+        `add_listener`), the last of them on this thread (it returns once that one is in; `meanwhile()` is called
+        once, before that read or at the end); False when some cannot have a slot now (the call stops and `groups`
+        brings them)."""
         step = [(layer, int(i)) for i in ids]
         queue = []
         for key in step:
@@ -272,7 +273,10 @@ class ExpertStore(SlotReads, MappedExperts):
                 self._count_prefetch_use(key)
             if key not in self.loading:
                 queue.append(key)
-        self._start(queue, set(step), {}, here=True)     # (the caller, the driver, would only wait for them)
+        called = []
+        self._start(queue, set(step), {}, here=lambda: called.append(meanwhile()))   # (the driver would only wait)
+        if not called:
+            meanwhile()
         return not queue
 
     def _count_held(self, key: Key) -> None:
@@ -472,9 +476,10 @@ class ExpertStore(SlotReads, MappedExperts):
             self._start(queue, set(queue), {}, prefetch=False)
 
     def _start(self, queue: list[Key], protect: set[Key], waiting: dict, prefetch: bool = False,
-               here: bool = False) -> None:
+               here: Callable[[], None] | None = None) -> None:
         """Start reads for queued keys while slots can be found; leaves the rest queued (in order). With `here`, the
-        last key is read on this thread, after the others went to the reader threads (see IOPool.read_here)."""
+        last key is read on this thread (see IOPool.read_here), after the others went to the reader threads and
+        `here()` was called."""
         while queue:
             key = queue[0]
             slot = self._slot(protect, key, prefetch)
@@ -485,7 +490,10 @@ class ExpertStore(SlotReads, MappedExperts):
             dest = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
             self.where[key] = slot
             self._notify(key, READING)                   # (before the read: it may be handed over as it completes)
-            fut = self._read(key, r, dest, here and len(queue) == 0)
+            inline = here is not None and not queue
+            if inline:
+                here()
+            fut = self._read(key, r, dest, inline)
             self.loading[key] = fut
             if prefetch:
                 self.prefetched.add(key)
