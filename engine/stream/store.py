@@ -273,10 +273,7 @@ class ExpertStore(SlotReads, MappedExperts):
                 self._count_prefetch_use(key)
             if key not in self.loading:
                 queue.append(key)
-        called = []
-        self._start(queue, set(step), {}, here=lambda: called.append(meanwhile()))   # (the driver would only wait)
-        if not called:
-            meanwhile()
+        self._start(queue, set(step), {}, here=meanwhile)   # (the caller, the driver, would only wait for them)
         return not queue
 
     def _count_held(self, key: Key) -> None:
@@ -478,13 +475,14 @@ class ExpertStore(SlotReads, MappedExperts):
     def _start(self, queue: list[Key], protect: set[Key], waiting: dict, prefetch: bool = False,
                here: Callable[[], None] | None = None) -> None:
         """Start reads for queued keys while slots can be found; leaves the rest queued (in order). With `here`, the
-        last key is read on this thread (see IOPool.read_here), after the others went to the reader threads and
-        `here()` was called."""
+        last key is read on this thread (see IOPool.read_here), after the others went to the reader threads; `here()`
+        is called once, before that read (or on return, when none is left for this thread)."""
+        inline = False
         while queue:
             key = queue[0]
             slot = self._slot(protect, key, prefetch)
             if slot is None:
-                return
+                break
             queue.pop(0)
             r = self.recipes[key]
             dest = self.arena[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
@@ -502,6 +500,8 @@ class ExpertStore(SlotReads, MappedExperts):
             self.bytes_read += r.length
             self.reads += 1
             self.telemetry.bytes_read(r.length)
+        if here is not None and not inline:
+            here()
 
     def _slot(self, protect: set[Key], key: Key | None = None, prefetch: bool = False) -> int | None:
         """A slot for `key`: a free one, or a cached expert's (never a protected, pinned or loading one).
