@@ -55,6 +55,31 @@ def test_record_rejects_ids_outside_the_model():
         h.record(2, np.array([0]))
 
 
+def test_record_steps_counts_as_record_does_step_by_step():
+    rng = np.random.default_rng(5)
+    one, many = (UsageHistory(4, 16, "m", half_life_tokens=3.0) for _ in range(2))
+    for _ in range(20):
+        layers = [int(layer) for layer in rng.permutation(4)[:3]]
+        steps = [sorted(int(e) for e in rng.choice(16, size=4, replace=False)) for _ in layers]
+        for layer, ids in zip(layers, steps):
+            one.record(layer, np.asarray(ids))
+        many.record_steps(layers, steps)
+        one.end_token()
+        many.end_token()
+    np.testing.assert_array_equal(one.counts, many.counts)
+    assert one.counts.sum() > 0
+    with pytest.raises(ValueError, match="expert ids"):
+        many.record_steps([0, 1], [[0], [16]])
+    with pytest.raises(ValueError, match="layers"):
+        many.record_steps([0, 4], [[0], [1]])
+    many.record_steps([], [])                                # a token with no streamed step
+    np.testing.assert_array_equal(one.counts, many.counts)
+    one.record(2, np.array([3]))
+    one.record(2, np.array([3]))
+    many.record_steps([2, 2], [[3], [3]])                    # each occurrence counts, as in `record`
+    np.testing.assert_array_equal(one.counts, many.counts)
+
+
 def test_save_load_roundtrip_is_exact(tmp_path):
     h = _history()
     path = tmp_path / "usage.npz"

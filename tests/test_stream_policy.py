@@ -187,6 +187,36 @@ def test_victim_is_never_excluded(name):
         policy.victim(frozenset())
 
 
+@pytest.mark.parametrize("name, half_life", [("lru", 4.0), ("lfru", 4.0), ("learned", 4.0), ("learned", 0.5)])
+def test_access_many_is_access_one_by_one(name, half_life):
+    """A step's uses given at once leave the policy as one `access` each would: the same victims, step by step,
+    through evictions, re-insertions and (half_life 0.5: a rescale every 128 steps) the counts' rescaling."""
+    trace, prior = routing_trace(2, 16, 3, 200, skew=1.2, seed=3)
+    one, many = (make_policy(name, prior=prior, half_life=half_life) for _ in range(2))
+    cached: set = set()
+    victims = []
+    for now, (layer, ids) in enumerate(trace):
+        keys = [(layer, e) for e in ids]
+        for key in keys:
+            if key not in cached:
+                if len(cached) == 8:
+                    victim = one.victim(frozenset(keys))
+                    assert many.victim(frozenset(keys)) == victim
+                    victims.append(victim)
+                    cached.discard(victim)
+                    one.remove(victim)
+                    many.remove(victim)
+                cached.add(key)
+                one.insert(key, now)
+                many.insert(key, now)
+        for key in keys:
+            one.access(key, now)
+        many.access_many(keys, now)
+    assert len(victims) > 100
+    if name != "lru":
+        assert all(one.score(k) == many.score(k) for k in cached)
+
+
 def test_lfru_evicts_the_lowest_decayed_count_then_the_older_use():
     policy = LFRU(half_life=10.0)
     for key, uses in (((0, 0), [0, 1, 2]), ((0, 1), [3]), ((0, 2), [4])):

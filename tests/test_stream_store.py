@@ -168,6 +168,55 @@ def test_a_read_into_a_laid_out_slot_is_handed_over_by_its_reader_thread(contain
         assert np.array_equal(gate, want.gate.dequantize()) and np.array_equal(down, want.down.dequantize())
 
 
+def test_account_steps_counts_as_account_does_step_by_step(container, tmp_path):
+    """The fused decode counts a token's layer steps in one call: the store ends as one `account` a step would
+    leave it (hits, telemetry, the prediction's score, prefetches used, the policy's scores, the usage history)."""
+    rng = np.random.default_rng(11)
+    tokens = [[(layer, sorted(int(e) for e in rng.choice(N_EXPERTS, TOP_K, replace=False))) for layer in range(LAYERS)]
+              for _ in range(6)]
+    seen = []
+    for side in ("one", "many"):
+        telemetry = Telemetry(LAYERS, N_EXPERTS)
+        loaded = _stream(container, LAYERS * N_EXPERTS, policy="learned", history_path=tmp_path / f"{side}.npz",
+                         telemetry=telemetry)
+        store = loaded.store
+        try:
+            for layer in range(LAYERS):                  # every expert in memory (one is read ahead, unused yet)
+                for _ in store.groups(layer, list(range(1, N_EXPERTS))):
+                    pass
+            store.prefetch(0, [0], read=True)
+            while store.loading:
+                store.collect()
+            before, predicted = dict(store.hits), list(store.pf_counts)
+            pinned_uses = 0                              # (the usage history pins experts as the tokens go)
+            for steps in tokens:
+                pinned_uses += sum((layer, e) in store.pinned for layer, ids in steps for e in ids)
+                store.prefetch(1, [steps[1][1][0], 7 - steps[1][1][0]], read=False)   # one right, one maybe
+                if side == "one":
+                    for layer, ids in steps:
+                        store.account(layer, ids)
+                else:
+                    store.account_steps(steps)
+                store.end_token()
+                telemetry.end_token()
+            keys = [(layer, e) for layer in range(LAYERS) for e in range(N_EXPERTS)]
+            hits = {tier: n - before[tier] for tier, n in store.hits.items()}
+            pf_counts = [n - m for n, m in zip(store.pf_counts, predicted)]
+            assert hits["pinned"] == pinned_uses
+            seen.append((hits, store.now, list(store.recent), pf_counts, store.pf_used,
+                         [store.policy.score(k) for k in keys], store.history.counts.tolist(),
+                         dict(telemetry.snapshot().hits)))
+        finally:
+            loaded.close()
+    assert seen[0] == seen[1]
+    hits, now, recent, pf_counts = seen[0][:4]
+    assert 0 < hits["pinned"] < hits["pinned"] + hits["cached"]
+    assert hits["pinned"] + hits["cached"] == 6 * LAYERS * TOP_K == seen[0][7]["pinned"] + seen[0][7]["cached"] and hits["disk"] == 0 and now > 6 * LAYERS and recent[-1] == (2, tuple(tokens[-1][2][1]))
+    first = int(0 in tokens[0][0][1])                     # the read ahead of expert 0 of layer 0, scored and used
+    right = sum(len({steps[1][1][0], 7 - steps[1][1][0]} & set(steps[1][1])) for steps in tokens)
+    assert pf_counts == [12 + 1, 12 + TOP_K, right + first] and seen[0][4] == int(any(0 in steps[0][1] for steps in tokens))
+
+
 def test_history_pins_experts_on_the_next_start(container, resident, tmp_path):
     path = tmp_path / "usage.npz"
     loaded = _stream(container, 8, policy="learned", history_path=path)

@@ -327,7 +327,7 @@ class FusedDecode:
         `predict(layer, x)` is called where a call stops at `layer` with its hidden state x [hidden] (after
         attention), to start the reads of later layers. A streamed layer whose experts are all in memory (and the
         `ahead`-th layer's guessed ones too, `extra` beyond its top-k) runs on without stopping; the store counts
-        it afterwards, in order (`ExpertStore.account`)."""
+        it afterwards, in order (`ExpertStore.account_steps`)."""
         self.g[fk.G_AHEAD] = ahead if predict is not None else 0
         driver = self._driver if predict is not None and source is not None else None
         self.g[fk.G_POST] = int(driver is not None)
@@ -413,9 +413,10 @@ class FusedDecode:
     def _account(self, source, rids: np.ndarray, lo: int, hi: int) -> int:
         """Have the store count the streamed layers lo .. hi - 1, run without stopping (their experts were all in
         memory); returns hi."""
-        for i in self.streamed_layers:
-            if lo <= i < hi:
-                source.account(i, sorted({int(e) for e in rids[i, : int(self.lay[i, fk.L_K])]}))
+        steps = [(i, sorted(set(rids[i, : int(self.lay[i, fk.L_K])].tolist())))
+                 for i in self.streamed_layers if lo <= i < hi]
+        if steps:
+            source.account_steps(steps)
         return hi
 
     def _release(self, key: tuple[int, int]) -> bool:

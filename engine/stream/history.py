@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +58,16 @@ class UsageHistory:
         if flat.size and (flat.min() < 0 or flat.max() >= self.n_experts):
             raise ValueError(f"expert ids {flat.min()}..{flat.max()} outside 0..{self.n_experts - 1}")
         np.add.at(self._raw[layer], flat, self._inc)
+
+    def record_steps(self, layers: Sequence[int], ids: Sequence[Sequence[int]]) -> None:
+        """`record` for several layer steps at once: step j routed `ids[j]` in layer `layers[j]`."""
+        rows = np.repeat(np.asarray(layers, np.int64), [len(i) for i in ids])
+        flat = np.fromiter((e for step in ids for e in step), np.int64, count=len(rows))
+        if rows.size and (rows.min() < 0 or rows.max() >= self.n_layers):
+            raise ValueError(f"layers {rows.min()}..{rows.max()} outside 0..{self.n_layers - 1}")
+        if flat.size and (flat.min() < 0 or flat.max() >= self.n_experts):
+            raise ValueError(f"expert ids {flat.min()}..{flat.max()} outside 0..{self.n_experts - 1}")
+        np.add.at(self._raw, (rows, flat), self._inc)
 
     def end_token(self, n: int = 1) -> None:
         """`n` tokens have passed: every count decays by 0.5 ** (n / half_life_tokens)."""

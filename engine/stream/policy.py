@@ -43,6 +43,9 @@ class Policy(Protocol):
     def access(self, key: Key, now: int) -> None:
         """`key` was used at step `now` (a hit, just loaded, or streamed through)."""
 
+    def access_many(self, keys: Sequence[Key], now: int) -> None:
+        """`access` of each of `keys` at step `now` (the uses of one layer step), in order."""
+
     def insert(self, key: Key, now: int) -> None:
         """`key` entered the cache."""
 
@@ -65,6 +68,13 @@ class LRU:
         """Mark a cached key as the most recent; uses of keys not cached are ignored."""
         if key in self._order:
             self._order.move_to_end(key)
+
+    def access_many(self, keys: Sequence[Key], now: int) -> None:
+        """`access` of each of `keys`, in order."""
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
 
     def insert(self, key: Key, now: int) -> None:
         """Add `key` as the most recent."""
@@ -136,6 +146,24 @@ class LFRU:
         self._last[key] = now
         if key in self._cached:
             self._push(key)
+
+    def access_many(self, keys: Sequence[Key], now: int) -> None:
+        """`access` of each of `keys` at step `now`, in order: the same counts and heap entries, the step's increment
+        worked out once (at 25% of mixtral-1.7b's experts a fused token counts 128 uses, about 0.3 ms of Python
+        one by one, on the path between two tokens)."""
+        if (now - self._base) / self.half_life > _RENORM_EXPONENT:
+            for key in keys:                # the first rescales, as `access` does
+                self.access(key, now)
+            return
+        inc = 2.0 ** ((now - self._base) / self.half_life)
+        count, last, cached, heap, weight = self._count, self._last, self._cached, self._heap, self._weight
+        for key in keys:
+            c = count[key] = count.get(key, 0.0) + inc
+            last[key] = now
+            if key in cached:
+                heapq.heappush(heap, (c * weight(key), now, key))
+        if len(heap) > 4 * len(cached) + 64:
+            self._rebuild()
 
     def insert(self, key: Key, now: int) -> None:
         """`key` entered the cache (its past uses still count)."""

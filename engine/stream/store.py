@@ -242,19 +242,44 @@ class ExpertStore(SlotReads, MappedExperts):
         """Count a layer step whose experts were all in memory when computed, without asking for them through
         `groups` (the fused decode step checks residency itself, see `add_listener`, and asks for the others with
         `need`): what `groups` counts for such a step."""
-        ids = [int(i) for i in ids]
+        self.account_steps([(layer, ids)])
+
+    def account_steps(self, steps: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """`account` for several layer steps, in order: one call for a fused token's streamed layers. (At 25% of
+        mixtral-1.7b's experts, with the usage history on, sixteen calls of `account` took 0.47-0.56 ms a token on
+        the engine thread between two tokens, this 0.31-0.36 ms: the policy's increment once a step, the hits and
+        the history's counts once a token.)"""
+        steps = [(int(layer), [int(i) for i in ids]) for layer, ids in steps]
         if self.loading:
             self._settle()                               # reads handed over to the call as they completed
-        self._confirm([(layer, i) for i in ids])         # (the step ran them: its answer is not given if one fails)
-        self._begin_step(layer, ids)
-        for i in ids:
-            key = (layer, i)
-            if key in self.missed:
-                self.missed.discard(key)
-                if key in self.built and key not in self.pinned:
-                    self.policy.access(key, self.now)
-            else:
-                self._count_held(key)
+        if self.checks:                                  # (the steps ran them: their answer is not given if one fails)
+            self._confirm([(layer, i) for layer, ids in steps for i in ids])
+        missed, built, pinned, prefetched = self.missed, self.built, self.pinned, self.prefetched
+        held = {"pinned": 0, "cached": 0}
+        for layer, ids in steps:
+            self._begin_step(layer, ids, record=False)
+            used = []                                    # the policy's accesses, in the order `account` made them
+            for i in ids:
+                key = (layer, i)
+                if key in missed:
+                    missed.discard(key)
+                    if key in built and key not in pinned:
+                        used.append(key)
+                    continue
+                if key in pinned:                        # (what _count_held does, its counters summed)
+                    held["pinned"] += 1
+                else:
+                    held["cached"] += 1
+                    used.append(key)
+                if key in prefetched:
+                    self._count_prefetch_use(key)
+            self.policy.access_many(used, self.now)
+        for tier, n in held.items():
+            if n:
+                self.hits[tier] += n
+                self.telemetry.hit(tier, n)
+        if self.history is not None and steps:
+            self.history.record_steps([layer for layer, _ in steps], [ids for _, ids in steps])
 
     def need(self, layer: int, ids: Sequence[int], meanwhile: Callable[[], None] = lambda: None) -> bool:
         """Start reading the experts of a layer step that are not in memory (a fused call waits for them, see
@@ -291,14 +316,16 @@ class ExpertStore(SlotReads, MappedExperts):
             self.pf_used += 1
             self.telemetry.prefetch(used=1)
 
-    def _begin_step(self, layer: int, ids: list[int]) -> None:
+    def _begin_step(self, layer: int, ids: list[int], record: bool = True) -> None:
+        """A layer step begins: the policy's clock, the prediction's score, the recent steps and trace, and the usage
+        history (unless `record` is False: the caller records its steps together)."""
         self.now += 1
         self._score_prediction(layer, ids)
         step = (layer, tuple(ids))
         self.recent.append(step)
         if self.trace is not None:
             self.trace.append(step)
-        if self.history is not None:
+        if record and self.history is not None:
             self.history.record(layer, np.asarray(ids))
 
     def add_listener(self, fn: Callable[[Key, ExpertWeights | None], None]) -> bool:
