@@ -118,6 +118,57 @@ def test_prefetch_predicts_and_is_counted(container):
     assert snap.hits["disk"] == stats.hits["disk"]
 
 
+def test_each_ranks_absent_guesses_are_scored_by_their_step(container):
+    """How often a guess's expert not in memory was used by its step, rank by rank: the first rank guessed right
+    every time, the second never."""
+    from engine.stream.store import THROUGH_PRECISION
+
+    loaded = _stream(container, LAYERS * N_EXPERTS, policy="learned")
+    store = loaded.store
+    try:
+        for _ in range(100):
+            assert (1, 6) not in store.where and (1, 7) not in store.where     # (nothing reads them)
+            store.prefetch(1, [6, 7], read=False)
+            store.account(1, [0, 6])
+        assert store.rank_precision[0] > THROUGH_PRECISION > store.rank_precision[1] == 0.0
+        assert store.stats().prefetch.precision == pytest.approx(0.5)
+    finally:
+        loaded.close()
+
+
+@pytest.mark.parametrize("learned", [1.0, 0.0])
+def test_a_refused_guess_at_a_rank_mostly_right_is_read_through_a_scratch_slot(container, learned):
+    """A guess whose expert is worth less than every cached one is not read (it would push out an expert worth
+    more) unless its rank's absent guesses were mostly used: then it is read through a scratch slot, found in
+    memory by its step, and not kept. Either way no cached expert leaves for it."""
+    loaded = _stream(container, 8, policy="learned")          # 6 cached and 2 scratch slots
+    store = loaded.store
+    try:
+        for _ in range(4):                                     # layer 0's experts 0-5 cached, used often
+            for ids in ([0, 1], [2, 3], [4, 5]):
+                for _ in store.groups(0, ids):
+                    pass
+        cached = {k for k in store.built if k not in store.transient}
+        assert cached == {(0, e) for e in range(6)}
+        store.rank_precision[0] = learned                      # (as 64 guesses of that rank would have taught)
+        store.prefetch(1, [6, 7])
+        read = store.where.keys() - cached
+        while store.loading:
+            store.collect()
+        assert {k for k in store.built if k not in store.transient} == cached
+        if not learned:
+            assert not read and store.pf_issued == 0
+            return
+        assert read == {(1, 6)} and (1, 6) in store.transient and store.pf_issued == 1   # rank 1: not learned
+        missed = store.hits["disk"]
+        for _ in store.groups(1, [6, 0]):
+            pass
+        assert store.hits["disk"] == missed + 1 and store.pf_used == 1   # (1, 0) read; (1, 6) was in memory
+        assert (1, 6) not in store.built and not store.transient and len(store.scratch) == 2
+    finally:
+        loaded.close()
+
+
 def test_a_read_ahead_started_during_a_step_never_evicts_that_steps_experts(container):
     """The fused decode step starts the next layer's reads while a layer's experts are being brought in and
     computed (the `started` callback): those reads must take other slots, never the step's own."""
