@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from app import settings
+from app.config import settings
 from engine import __version__
 from engine.errors import ColibriError
 
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command named in ARGV (default: sys.argv[1:]) and return the process's exit code."""
-    from app.runtime import prepare_process
+    from app.config.runtime import prepare_process
 
     prepare_process()
     parser = build_parser()

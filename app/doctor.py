@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.sizes import format_size
+from app.config.sizes import format_size
 
 VERDICTS = ("ok", "warn", "fail")
 PROBE_BYTES = 64 * 10**6         # the scratch file timed for disk reads: ~50 ms at SSD speed, < 1 s on a disk
@@ -287,7 +287,7 @@ def scratch_file(folder: Path, nbytes: int) -> Iterator[Path]:
 
 def measure_disk_read(folder: Path, nbytes: int = PROBE_BYTES) -> float:
     """Cold read speed (GB/s) of a scratch file in `folder`, read as expert streaming reads (O_DIRECT where allowed)."""
-    from engine.stream.io import measure_read_bandwidth
+    from engine.offload.io import measure_read_bandwidth
 
     with scratch_file(folder, nbytes) as path:
         return measure_read_bandwidth(str(path), nbytes) / 1e9
@@ -295,7 +295,7 @@ def measure_disk_read(folder: Path, nbytes: int = PROBE_BYTES) -> float:
 
 def direct_io_works(folder: Path) -> bool:
     """Whether files in `folder` can be read with O_DIRECT (around the page cache)."""
-    from engine.stream.io import PAGE, DirectIOUnavailable, IOPool, aligned_empty
+    from engine.offload.io import PAGE, DirectIOUnavailable, IOPool, aligned_empty
 
     with scratch_file(folder, PAGE) as path:
         try:
@@ -392,7 +392,7 @@ def check_numba() -> Check:
 
     asked = numba.config.THREADING_LAYER
     try:
-        from app.bench import reduction_kernel   # any parallel kernel starts the threading layer
+        from app.bench.decode import reduction_kernel   # any parallel kernel starts the threading layer
 
         reduction_kernel()(np.ones(1024, np.float32))
     except Exception as exc:   # e.g. NUMBA_THREADING_LAYER names a layer that cannot load
@@ -442,7 +442,7 @@ def gui_probe(env: Mapping[str, str], timeout: float = GUI_PROBE_SECONDS) -> dic
     Without a display Qt runs offscreen (no OpenGL context is tried), which still shows whether
     PySide6 and its libraries load.
     """
-    from app.commands.gui import display_problem
+    from app.config.runtime import display_problem
 
     env = dict(env)
     gl = display_problem(env) is None and not env.get("QT_QPA_PLATFORM", "").startswith(("offscreen", "minimal"))
@@ -463,7 +463,7 @@ def gui_probe(env: Mapping[str, str], timeout: float = GUI_PROBE_SECONDS) -> dic
 
 def check_display(env: Mapping[str, str] | None = None) -> Check:
     """Whether a window can open: DISPLAY, WAYLAND_DISPLAY or QT_QPA_PLATFORM."""
-    from app.commands.gui import display_problem
+    from app.config.runtime import display_problem
 
     env = os.environ if env is None else env
     problem = display_problem(dict(env))
@@ -552,7 +552,7 @@ def _guarded(name: str, fn: Callable[[], Check]) -> Check:
 
 def iter_checks(models: Path | None = None, env: Mapping[str, str] | None = None) -> Iterator[Check]:
     """Each check's result as soon as it is known (models: the folder to test, default the models folder)."""
-    from app.paths import models_dir
+    from app.config.paths import models_dir
 
     folder = functools.cache(lambda: Path(models) if models is not None else models_dir())
     for name, fn in _steps(folder, os.environ if env is None else env):

@@ -1,7 +1,7 @@
 """numba's on-disk cache for the engine's kernels, stamped with every engine source, not one file.
 
 numba keys a cached function on the content of its own file. The engine's kernels link functions
-from other files (every one links engine/quant/simd.py; the fused decode step links the matmul
+from other files (every one links engine/kernels/simd.py; the fused decode step links the matmul
 kernels), so after an edit or an upgrade that changed only a linked file numba would load the old
 machine code and run it: wrong answers, silently (it happened: the fused step kept decoding a
 new 4-bit layout with the old 2-bit loop). `install()` puts locators first in numba's list that

@@ -9,7 +9,7 @@
   blocks instead of computing them again. Blocks are reference counted; unused indexed blocks stay
   cached and are evicted least recently used first when the pool needs room.
 - `KVCache` is one sequence: its block table, its tokens, its length. Attention reads the blocks
-  directly through the table (`engine.blocks.attention_kernel`).
+  directly through the table (`engine.kernels.attention`).
 - Past `max_len`, a sequence fails (`overflow="error"`, the default), or evicts whole blocks:
   the oldest (`"slide"`), or the block whose tokens drew the least attention so far while keeping
   the first tokens (attention sinks) and the recent window (`"retain"`). Either way the positions
@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.blocks.attention_kernel import attend_latent, attend_paged
+from engine.kernels.attention import attend_latent, attend_paged
 from engine.errors import ColibriError, GenerationError
 from engine.spec import AttentionSpec, MLASpec, ModelSpec, RopeSpec
 
@@ -467,7 +467,7 @@ class KVCache:
                 self._grow_scores(self.length)
         return self.length
 
-    # --- saved sessions (engine.session) ---
+    # --- saved sessions (engine.generation.session) ---
 
     @property
     def digests(self) -> tuple[bytes, ...]:

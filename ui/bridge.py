@@ -3,7 +3,7 @@
 
 The bridge owns the service: views send requests through `bridge.service` and never touch the
 engine. The service is a local `EngineService` unless a factory makes another with the same
-interface (`app.remote.RemoteService`: a Colibri server on another machine). Snapshots arrive at
+interface (`app.service.remote.RemoteService`: a Colibri server on another machine). Snapshots arrive at
 most SNAPSHOT_HZ times a second; views store them and redraw on their own timers, so a fast model
 never makes the UI paint once per token.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from PySide6.QtCore import QObject, Qt, Signal
 
-from app.remote import ConnectionChanged, RemoteService
-from app.service import (
+from app.service.remote import ConnectionChanged, RemoteService
+from app.service.local import (
     AtlasFailed, AtlasProgress, AtlasReady, EngineService, Generation, LoadFailed, LoadProgress, ModelLoaded,
     ModelUnloaded, ServiceEvent, SettingsApplied,
 )
@@ -30,17 +30,17 @@ class Bridge(QObject):
     """Service events as typed Qt signals on the main thread; `close` stops the engine thread."""
 
     loadProgress = Signal(int, float, str)      # request, fraction, message
-    modelLoaded = Signal(object)                # app.service.ModelLoaded
-    loadFailed = Signal(object)                 # app.service.LoadFailed
+    modelLoaded = Signal(object)                # app.service.local.ModelLoaded
+    loadFailed = Signal(object)                 # app.service.local.LoadFailed
     modelUnloaded = Signal(int)                 # request
     generation = Signal(int, object)            # request, engine event (TokenEvent, DoneEvent, ...)
-    settingsApplied = Signal(object)            # app.service.SettingsApplied
+    settingsApplied = Signal(object)            # app.service.local.SettingsApplied
     atlasProgress = Signal(int, float, str)
-    atlasReady = Signal(object)                 # app.service.AtlasReady
-    atlasFailed = Signal(object)                # app.service.AtlasFailed
+    atlasReady = Signal(object)                 # app.service.local.AtlasReady
+    atlasFailed = Signal(object)                # app.service.local.AtlasFailed
     snapshot = Signal(object)                   # engine.telemetry.Snapshot
-    tiers = Signal(object)                      # int8 [layers, experts] (app.service TIER_* codes) or None
-    connection = Signal(object)                 # app.remote.ConnectionChanged (a remote service's telemetry stream)
+    tiers = Signal(object)                      # int8 [layers, experts] (app.service.local TIER_* codes) or None
+    connection = Signal(object)                 # app.service.remote.ConnectionChanged (a remote service's telemetry stream)
 
     _event = Signal(object)                     # emitted on the engine thread, received on the main thread
     _snapshot = Signal(object)

@@ -19,9 +19,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.conversations import Conversation, ConversationStore, Sampling, Turn
-from app.service import ModelInfo
+from app.service.local import ModelInfo
 from engine.events import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 from ui.bridge import Bridge
 from ui.theme import chat_colors
 

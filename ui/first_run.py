@@ -3,7 +3,7 @@
 The demo is the derived MoE (`colibri pull smollm2-moe`: SmolLM2-135M upcycled into 8 experts,
 then converted into a 4-bit container whose experts stream; a few minutes once). The packaged app
 ships the SmolLM2 GGUF it is derived from in its `models/` folder, copied into the user's models
-folder first, so no network is needed. A pull runs app.pull.pull on a worker thread behind a
+folder first, so no network is needed. A pull runs app.hub.pull.pull on a worker thread behind a
 progress dialog; Cancel raises from the pull's log callback at its next message (the upcycling
 logs every tenth, the conversion every 64 tensors), and the worker is always joined before the
 dialog goes away. Half-made models are cleaned, or resumed, by the next pull.
@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
     QDialog, QHBoxLayout, QLabel, QLineEdit, QProgressDialog, QPushButton, QVBoxLayout, QWidget,
 )
 
-from app import pull as pulls
+from app.hub import pull as pulls
 from engine.errors import ColibriError
 from ui.models import BackgroundJob, JobStep
 
@@ -63,7 +63,7 @@ def seed_from_bundle(bundle: Path | None, models_dir: Path, log=lambda m: None) 
 
 
 class PullJob(BackgroundJob):
-    """app.pull.pull(NAME) on a worker thread, after seeding the models folder from the bundle."""
+    """app.hub.pull.pull(NAME) on a worker thread, after seeding the models folder from the bundle."""
 
     thread_name = "colibri-pull"
     cancelled_message = "cancelled; asking again starts over where it can"
@@ -78,7 +78,7 @@ class PullJob(BackgroundJob):
         return int(m[1]) if m else None
 
     def _work(self, log) -> Path:
-        from app.paths import models_dir
+        from app.config.paths import models_dir
 
         root = self.models_dir or models_dir()
         if self.name in pulls.DERIVED or self.name in pulls.ALIASES:

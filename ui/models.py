@@ -1,6 +1,6 @@
 """Models: open a folder or a GGUF file, the recent models, and converting one into a container.
 
-A conversion (app.convert) runs on a worker thread behind a progress dialog; Cancel raises from
+A conversion (app.hub.convert) runs on a worker thread behind a progress dialog; Cancel raises from
 the conversion's log callback at its next message, so it stops between tensors (the partial
 output resumes next time). The worker is always joined before the dialog goes away.
 """
@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
     QProgressDialog, QPushButton, QRadioButton, QSpinBox, QWidget,
 )
 
-from app.convert import ConvertSettings, convert
+from app.hub.convert import ConvertSettings, convert
 from engine.errors import ColibriError
 
 RECENT_KEY = "models/recent"
@@ -148,7 +148,7 @@ class BackgroundJob(QObject):
 
 
 class ConvertJob(BackgroundJob):
-    """app.convert.convert on a worker thread."""
+    """app.hub.convert.convert on a worker thread."""
 
     thread_name = "colibri-convert"
     cancelled_message = "the conversion was cancelled; running it again resumes it"
@@ -221,7 +221,7 @@ class ConvertDialog(QDialog):
     def settings(self) -> ConvertSettings:
         """The conversion asked for; ColibriError naming a bad field."""
         if self.by_budget.isChecked():
-            from app.sizes import parse_size
+            from app.config.sizes import parse_size
 
             return ConvertSettings(budget=parse_size(self.budget.text(), "budget"))
         return ConvertSettings(bits=self.bits.value())
@@ -343,7 +343,7 @@ class ModelActions(QObject):
 
     def show_convert(self, source: str | None = None) -> ConvertDialog:
         """Open the conversion dialog (non-blocking) for source, or the current model."""
-        from app.paths import models_dir
+        from app.config.paths import models_dir
 
         if self.convert_dialog is not None:
             self.convert_dialog.cancel_job()

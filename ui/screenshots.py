@@ -27,7 +27,7 @@ QUESTION = "Write a short Python function that checks whether a word is a palind
 
 def pick_model(arg: str | None) -> Path:
     """The model to show: the argument, else the derived MoE (a streaming container), else the SmolLM2 GGUF."""
-    from app.pull import resolve_model
+    from app.hub.pull import resolve_model
 
     if arg:
         return resolve_model(arg)
@@ -60,7 +60,7 @@ def shoot(model: Path, out: Path, tokens: int) -> int:
     from PySide6.QtWidgets import QApplication
 
     from app.conversations import ConversationStore
-    from app.service import SettingsChange
+    from app.service.local import SettingsChange
     from ui.app import MainWindow, configure
     from ui.theme import follow_scheme
 
@@ -115,7 +115,7 @@ def shoot(model: Path, out: Path, tokens: int) -> int:
 
 
 def _atlas(app, window, model: Path) -> None:
-    """Compute the atlas of the loaded model; a container's atlas is its source folder's (app.atlas binds to those)."""
+    """Compute the atlas of the loaded model; a container's atlas is its source folder's (app.atlas.build binds to those)."""
     failed = []
     window.bridge.atlasFailed.connect(failed.append)
     window.error_dialog = None

@@ -1,7 +1,7 @@
 """`colibri gui MODEL --self-test PROMPT`: the real window loads MODEL, sends PROMPT through the chat,
 prints what happened and when as one JSON line on stdout, and quits.
 
-The packaged app's check (tests/test_package.py) uses it: nothing else exercises the bundle
+The packaged app's check (tests/packaging/test_package.py) uses it: nothing else exercises the bundle
 end to end without a person at the window. Times are seconds since the process started.
 """
 

@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QIcon, QPalette
 from PySide6.QtWidgets import QApplication
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"   # beside the packages, as app/probes.py finds it
+ASSETS = Path(__file__).resolve().parent.parent / "assets"   # beside the packages, as app/atlas/probes.py finds it
 ICON = ASSETS / "icon.svg"
 ACCENT = QColor(20, 150, 130)   # the hummingbird's teal
 

@@ -7,7 +7,7 @@ import sys
 import time
 
 from engine.errors import ColibriError
-from engine.sampling import SamplingParams
+from engine.generation.sampling import SamplingParams
 
 
 def add_model_argument(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -16,11 +16,11 @@ def add_model_argument(parser: argparse.ArgumentParser, required: bool) -> None:
     if required:
         parser.add_argument("model", metavar="MODEL", help=help_text)
     else:
-        from app.pull import DEFAULT_MODEL
+        from app.hub.pull import DEFAULT_MODEL
 
         parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
                             help=help_text + f" (default: {DEFAULT_MODEL}, prepared on first use)")
-        # the settings read the default model's own colibri.toml when MODEL is left out (app.settings.resolve)
+        # the settings read the default model's own colibri.toml when MODEL is left out (app.config.settings.resolve)
         parser.set_defaults(default_model=DEFAULT_MODEL)
 
 
@@ -60,10 +60,10 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def load(model_arg: str | None, quiet: bool = False, args: argparse.Namespace | None = None, telemetry=None):
     """Resolve MODEL and load it, reporting progress on stderr (a terminal gets a live line).
 
-    With the memory flags in `args` (app.streaming) and --max-memory given, the model streams.
+    With the memory flags in `args` (app.service.loading) and --max-memory given, the model streams.
     """
-    from app.pull import resolve_model
-    from app.streaming import stream_options
+    from app.hub.pull import resolve_model
+    from app.service.loading import stream_options
     from engine.loader import load_model
     from engine.telemetry import NULL
 

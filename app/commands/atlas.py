@@ -25,9 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.atlas import report_text, run_atlas
+    from app.atlas.build import report_text, run_atlas
     from app.commands.moefy import progress_printer
-    from app.pull import resolve_model
+    from app.hub.pull import resolve_model
 
     model = resolve_model(args.model)
     sidecar, atlas = run_atlas(model, args.out, args.probes, progress_printer("atlas"))

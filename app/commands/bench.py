@@ -1,4 +1,4 @@
-"""`colibri bench MODEL`: prompt and decode speed, bytes per token and the RAM roofline (see app.bench)."""
+"""`colibri bench MODEL`: prompt and decode speed, bytes per token and the RAM roofline (see app.bench.decode)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from app.commands._common import add_model_argument, load
-from app.streaming import add_memory_arguments
+from app.service.loading import add_memory_arguments
 from engine.errors import ColibriError
 
 
@@ -70,10 +70,10 @@ def format_table(r) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.bench import bench_model, check_threads
+    from app.bench.decode import bench_model, check_threads
 
     if args.replay is not None:
-        from app.stream_bench import format_replay, load_trace, replay
+        from app.bench.offload import format_replay, load_trace, replay
 
         print(format_replay(replay(load_trace(args.replay))))
         return 0
@@ -108,10 +108,10 @@ KV_PARTS = ("prefix", "batch", "blocks", "int8", "retention")
 
 
 def _kv(args: argparse.Namespace) -> int:
-    """The KV cache bench (app.kv_bench)."""
-    from app.bench import thread_limits
-    from app.kv_bench import run_kv_bench
-    from app.probes import heldout_text
+    """The KV cache bench (app.bench.kv)."""
+    from app.bench.decode import thread_limits
+    from app.bench.kv import run_kv_bench
+    from app.atlas.probes import heldout_text
 
     parts = set(KV_PARTS) if args.kv == "all" else {p.strip() for p in args.kv.split(",") if p.strip()}
     unknown = parts - set(KV_PARTS)
@@ -136,14 +136,14 @@ def _stream(args: argparse.Namespace) -> int:
     import dataclasses
     import tempfile
 
-    from app.bench import check_threads, thread_limits
-    from app.budget import process_rss
-    from app.pull import resolve_model
-    from app.stream_bench import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, resident_decode,
+    from app.bench.decode import check_threads, thread_limits
+    from app.plan.budget import process_rss
+    from app.hub.pull import resolve_model
+    from app.bench.offload import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, resident_decode,
                                   run_workload, save_trace, workload)
-    from app.streaming import stream_options
+    from app.service.loading import stream_options
     from engine.loader import open_checkpoint
-    from engine.stream.io import PAGE, round_up
+    from engine.offload.io import PAGE, round_up
 
     if args.chats < 1 or args.gen < 1:
         raise ColibriError("--chats and --gen must be at least 1")

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
-from app.streaming import add_memory_arguments, kv_pool
+from app.service.loading import add_memory_arguments, kv_pool
 from engine.errors import ColibriError
 
 HELP = "commands: /reset forgets the conversation, /exit leaves; Ctrl-C stops an answer"
@@ -64,14 +64,14 @@ class ChatSession:
 
     def session_file(self, path):
         """The session file at path, bound to this model and these KV settings."""
-        from app.atlas import model_hash
-        from engine.session import KVSettings, SessionFile
+        from app.atlas.build import model_hash
+        from engine.generation.session import KVSettings, SessionFile
 
         return SessionFile(path, model_hash(self.loaded.path), KVSettings.of(self.cache))
 
     def save(self, sessions) -> None:
         """Write the conversation and its KV cache (only what is new since the last save)."""
-        from engine.session import SessionState
+        from engine.generation.session import SessionState
 
         sessions.save(self.cache, SessionState(sampling=self.sampling, extra={"messages": self.messages}))
 
@@ -85,8 +85,8 @@ class ChatSession:
     def answer(self, text: str, cancel: threading.Event):
         """Add a user turn and stream the answer's events; the answer joins the history when done."""
         from engine.events import DoneEvent
-        from engine.generate import GenerationRequest
-        from engine.scheduler import Scheduler
+        from engine.generation.generate import GenerationRequest
+        from engine.generation.scheduler import Scheduler
 
         self.messages.append({"role": "user", "content": text})
         ids = self.loaded.tokenizer.encode_chat(self.messages, add_generation_prompt=True)

@@ -1,6 +1,6 @@
 """`colibri config show [COMMAND] [MODEL] [OPTIONS]`: the merged settings of a command and where each came from.
 
-Read-only: it merges exactly as the command would (app.settings), without loading a model.
+Read-only: it merges exactly as the command would (app.config.settings), without loading a model.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from engine.errors import ColibriError
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `config` command and its `show` action."""
-    from app.settings import ORDER, PROFILES, SETTINGS_COMMANDS
+    from app.config.settings import ORDER, PROFILES, SETTINGS_COMMANDS
 
     parser = subparsers.add_parser(
         "config",
@@ -54,7 +54,7 @@ def parse_loosely(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.
 
 
 def _show(args: argparse.Namespace) -> int:
-    from app import settings
+    from app.config import settings
     from app.cli import build_parser
 
     command, rest = args.target or "run", list(args.rest)
@@ -97,7 +97,7 @@ def _shown(value) -> str:
 
 def as_text(resolved) -> str:
     """The aligned table: key, value, source; a header names the order, the profile and the files read."""
-    from app.settings import ORDER, PROFILES, user_file
+    from app.config.settings import ORDER, PROFILES, user_file
 
     lines = [f"# colibri {resolved.command}: {ORDER}"]
     if resolved.profile is not None:

@@ -36,13 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.budget import process_rss, split_budget
-    from app.convert import ConvertSettings, convert
-    from app.sizes import format_size, parse_size
+    from app.plan.budget import process_rss, split_budget
+    from app.hub.convert import ConvertSettings, convert
+    from app.config.sizes import format_size, parse_size
     from engine.loader import open_checkpoint
-    from engine.planner import parse_keep_bits
+    from engine.plan.planner import parse_keep_bits
 
-    from app.pull import resolve_model
+    from app.hub.pull import resolve_model
 
     args.src = resolve_model(args.src)
     baseline = process_rss()

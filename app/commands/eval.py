@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from app.commands._common import load
-    from app.evaluate import evaluate
+    from app.bench.evaluate import evaluate
 
     try:
         text = args.text.read_text(encoding="utf-8")

@@ -12,7 +12,8 @@ import os
 import sys
 
 from app.commands._common import add_model_argument
-from app.streaming import add_memory_arguments, load_options
+from app.config.runtime import display_problem
+from app.service.loading import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
 
@@ -43,18 +44,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_run)
 
 
-def display_problem(env: dict[str, str] | None = None, platform: str | None = None) -> str | None:
-    """Why no window can open here, or None when one can."""
-    env = os.environ if env is None else env
-    platform = sys.platform if platform is None else platform
-    if not platform.startswith("linux") or env.get("QT_QPA_PLATFORM"):
-        return None
-    if env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"):
-        return None
-    return ("no display: neither DISPLAY nor WAYLAND_DISPLAY is set, so no window can open; chat in the terminal "
-            "with `colibri chat`, or run the app under a virtual display: `xvfb-run colibri gui`")
-
-
 def _run(args: argparse.Namespace) -> int:
     problem = display_problem()
     if args.check_display:
@@ -70,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.self_test is not None and not (args.model or args.remote):
         raise ColibriError("--self-test needs a MODEL to open (or --remote URL)")
     if args.remote:
-        from app.remote import Endpoint
+        from app.service.remote import Endpoint
 
         Endpoint.parse(args.remote)     # a malformed address is refused before any window opens
     options = load_options(args)
@@ -85,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main() -> int:
     """The `colibri-gui` program: `colibri gui` with the same arguments."""
-    from app.runtime import prepare_process
+    from app.config.runtime import prepare_process
 
     prepare_process()   # before anything imports numba (cli_main does it again, harmlessly)
     from app.cli import main as cli_main

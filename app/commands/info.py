@@ -25,7 +25,7 @@ def _fmt(entry) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.sizes import format_size
+    from app.config.sizes import format_size
     from engine.formats.container import Container
 
     c = Container.open(args.path, verify=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.plan import Prediction
+    from app.plan.plan import Prediction
 
 BITS = (2, 3, 4, 5, 6, 8)
 
@@ -52,8 +52,8 @@ def _log(message: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.budget import process_rss
-    from app.plan import BudgetTooSmall, describe
+    from app.plan.budget import process_rss
+    from app.plan.plan import BudgetTooSmall, describe
 
     baseline = process_rss()   # before any model is opened: the interpreter's and libraries' own share
     try:
@@ -69,8 +69,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _source(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     """(the model on this machine, None) or (None, the config.json to plan from alone)."""
-    from app.plan import fetch_config
-    from app.pull import ALIASES, DERIVED, _is_repo_id, resolve_model
+    from app.plan.plan import fetch_config
+    from app.config.catalog import ALIASES, DERIVED, is_repo_id
+    from app.hub.pull import resolve_model
     from engine.errors import ColibriError
 
     if args.config_only is not None:
@@ -81,7 +82,7 @@ def _source(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     try:
         return resolve_model(args.model), None
     except ColibriError:
-        if args.model in ALIASES or args.model in DERIVED or not _is_repo_id(args.model):
+        if args.model in ALIASES or args.model in DERIVED or not is_repo_id(args.model):
             raise
     _log(f"{args.model} is not pulled: planning from its config.json alone")
     return None, fetch_config(args.model)
@@ -91,8 +92,8 @@ def _threads(args: argparse.Namespace) -> int:
     """--threads, or the physical cores capped at what numba started with (what `colibri run` uses)."""
     import numba
 
-    from app.bench import check_threads
-    from app.settings import physical_cores
+    from app.bench.decode import check_threads
+    from app.config.settings import physical_cores
 
     if args.threads is None:
         return min(physical_cores(), numba.config.NUMBA_NUM_THREADS)
@@ -101,9 +102,8 @@ def _threads(args: argparse.Namespace) -> int:
 
 
 def _measurer(args: argparse.Namespace, folder: Path):
-    """The function that measures this machine for a planned Work (app.plan.measure_rates, with these flags)."""
-    from app import plan
-
+    """The function that measures this machine for a planned Work (app.plan.plan.measure_rates, with these flags)."""
+    from app.plan import plan
     threads = _threads(args)
     _log(f"measuring this machine's speeds ({threads} thread{'s' if threads != 1 else ''}) ...")
     return lambda work: plan.measure_rates(work, args.ctx, threads, folder)
@@ -111,9 +111,9 @@ def _measurer(args: argparse.Namespace, folder: Path):
 
 def _plan_from_config(args: argparse.Namespace, config: Path, baseline: int) -> Prediction:
     """Fixed widths from config.json alone; speeds measured now, the disk's in the models folder."""
-    from app.paths import models_dir
-    from app.plan import config_checkpoint, config_layout, predict, split_for
-    from app.sizes import parse_size
+    from app.config.paths import models_dir
+    from app.plan.plan import config_checkpoint, config_layout, predict, split_for
+    from app.config.sizes import parse_size
 
     ckpt = config_checkpoint(config)
     split = split_for(ckpt.spec, parse_size(args.max_memory, "--max-memory"), args.ctx, baseline)
@@ -125,11 +125,11 @@ def _plan_from_config(args: argparse.Namespace, config: Path, baseline: int) -> 
 
 def _plan_calibrated(args: argparse.Namespace, path: Path, baseline: int) -> Prediction:
     """Widths from each matrix's error measured on calibration text; the disk measured where the model lies."""
-    from app.calibrate import calibration_sequences
-    from app.convert import ConvertSettings
-    from app.plan import calibrated_floor, calibrated_layout, predict, split_for
-    from app.sizes import parse_size
-    from engine.calibration import collect_stats
+    from app.hub.calibrate import calibration_sequences
+    from app.hub.convert import ConvertSettings
+    from app.plan.plan import calibrated_floor, calibrated_layout, predict, split_for
+    from app.config.sizes import parse_size
+    from engine.plan.calibration import collect_stats
     from engine.formats.container import is_container
     from engine.loader import open_checkpoint
     from engine.models.transformer import Transformer
@@ -138,7 +138,7 @@ def _plan_calibrated(args: argparse.Namespace, path: Path, baseline: int) -> Pre
     settings = ConvertSettings(group=args.group_size)
     split = split_for(ckpt.spec, parse_size(args.max_memory, "--max-memory"), args.ctx, baseline)
     if is_container(path):                                       # quantized already: its widths are given
-        from app.plan import container_layout
+        from app.plan.plan import container_layout
 
         layout = container_layout(ckpt, split)
         _log(f"{path} is a Colibri container: its own widths, no calibration")

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.pull import pull
+    from app.hub.pull import pull
 
     path = pull(args.name, models_dir=args.models_dir)
     print(path)

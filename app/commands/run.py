@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
-from app.streaming import add_memory_arguments, kv_cache
+from app.service.loading import add_memory_arguments, kv_cache
 from engine.errors import ColibriError
 
 
@@ -91,7 +91,7 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from engine.events import DoneEvent, ErrorEvent, PromptLogitsEvent, TokenEvent
-    from engine.generate import GenerationRequest, stream_generate
+    from engine.generation.generate import GenerationRequest, stream_generate
     from engine.kv import KVCache
 
     sampling = sampling_from_args(args)
@@ -106,7 +106,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _answer(args: argparse.Namespace, loaded, sampling) -> int:
     from engine.events import DoneEvent, ErrorEvent, PromptLogitsEvent, TokenEvent
-    from engine.generate import GenerationRequest, stream_generate
+    from engine.generation.generate import GenerationRequest, stream_generate
     from engine.kv import KVCache
 
     ids = prompt_ids(args, loaded.tokenizer)
@@ -119,7 +119,7 @@ def _answer(args: argparse.Namespace, loaded, sampling) -> int:
     if args.speculative:
         import dataclasses
 
-        from engine.speculative import SpeculationController, SpeculativeSettings
+        from engine.generation.speculative import SpeculationController, SpeculativeSettings
 
         draft_model = None
         if args.draft_model is not None:

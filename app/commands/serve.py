@@ -1,4 +1,4 @@
-"""`colibri serve MODEL`: the model behind an OpenAI-compatible HTTP API (see app.server)."""
+"""`colibri serve MODEL`: the model behind an OpenAI-compatible HTTP API (see app.server.app)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ipaddress
 import sys
 
 from app.commands._common import add_model_argument
-from app.streaming import add_memory_arguments
+from app.service.loading import add_memory_arguments
 from engine.errors import ColibriError
 
 
@@ -61,9 +61,9 @@ def is_loopback(host: str) -> bool:
 def _run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.server import create_app
-    from app.service import EngineService
-    from app.streaming import load_options
+    from app.server.app import create_app
+    from app.service.local import EngineService
+    from app.service.loading import load_options
 
     _check(args)
     if not is_loopback(args.host):

@@ -1,4 +1,4 @@
-"""`colibri synth SHAPE OUT`: write a random-weight checkpoint of a real architecture (see app.synth)."""
+"""`colibri synth SHAPE OUT`: write a random-weight checkpoint of a real architecture (see app.bench.synth)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from engine.errors import ColibriError
 
 
 def _shapes_help() -> str:
-    from app.synth import SHAPES
+    from app.bench.synth import SHAPES
 
     lines = [f"  {s.name:<13} {s.config['architectures'][0]}: {s.summary}" for s in SHAPES.values()]
     return "shapes (`colibri synth --list` adds their sizes):\n" + "\n".join(lines)
 
 
 def _shapes_text() -> str:
-    from app.synth import SHAPES, plan_checkpoint
+    from app.bench.synth import SHAPES, plan_checkpoint
 
     rows = []
     for shape in SHAPES.values():
@@ -71,7 +71,7 @@ class _Reporter:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.synth import DTYPES, get_shape, write_checkpoint
+    from app.bench.synth import DTYPES, get_shape, write_checkpoint
 
     if args.list:
         print(_shapes_text())

@@ -15,8 +15,9 @@ import numpy as np
 
 from engine.blocks.linear import Probe, is_quantized, linear, linear_many
 from engine.blocks.norm import activation, silu
-from engine.blocks.row_kernels import SIGMOID, SOFTMAX, route_rows, silu_product
-from engine.quant import expert_outputs, matmul_f32, weighted_sum
+from engine.kernels.rows import SIGMOID, SOFTMAX, route_rows, silu_product
+from engine.kernels.experts import expert_outputs, weighted_sum
+from engine.kernels.fp32 import matmul_f32
 from engine.telemetry import NULL, Telemetry
 from engine.spec import MLPSpec, MoESpec
 from engine.weights import Weights
@@ -77,7 +78,7 @@ class MLP:
 
 
 class ExpertSource(Protocol):
-    """Where the MoE block gets routed experts from: resident, or streamed by engine.stream.ExpertStore."""
+    """Where the MoE block gets routed experts from: resident, or streamed by engine.offload.ExpertStore."""
 
     def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         """The weights of the given experts of one layer."""
@@ -114,7 +115,7 @@ class Routing:
 def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Choose top-k experts per token from router logits [T, E] -> (ids [T, K], weights [T, K]).
 
-    Without expert groups, one compiled row at a time (engine.blocks.row_kernels.route_row: the fused
+    Without expert groups, one compiled row at a time (engine.kernels.rows.route_row: the fused
     decode step routes with the same function); with groups (DeepSeek), in numpy.
     """
     if spec.n_group == 1 and spec.scoring in ("softmax", "sigmoid"):

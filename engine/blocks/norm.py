@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.blocks.row_kernels import rms_norm_rows
+from engine.kernels.rows import rms_norm_rows
 from engine.errors import ModelFormatError
 
 

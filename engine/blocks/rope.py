@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.blocks.row_kernels import rope_rows
+from engine.kernels.rows import rope_rows
 from engine.spec import RopeSpec
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.formats.gguf_meta import gguf_metadata, open_gguf
-from engine.quant.layout import BLOCK
+from engine.kernels.layout import BLOCK
 from engine.quant.tensor import QuantizedTensor
 
 # GGUF architecture -> (Hugging Face architecture, its MoE variant when the file has experts)

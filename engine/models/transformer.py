@@ -21,14 +21,15 @@ from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
-from engine.models.fused import FasterChoice, FusedDecode, record
+from engine.fused.plan import FusedDecode, record
+from engine.tuning import FasterChoice
 from engine.spec import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource, Weights
 
 
 class LayerSource(Protocol):
-    """Where streamed decoder layers come from (engine.stream.layers.LayerStore)."""
+    """Where streamed decoder layers come from (engine.offload.layers.LayerStore)."""
 
     def streams(self, i: int) -> bool:
         """Whether layer i is streamed rather than held."""
@@ -144,7 +145,7 @@ class Transformer:
         if layers is not None:
             layers.bind(self._build_layer)
         # one decoded token of one sequence runs as one fused parallel step when the layers allow it
-        # (engine/models/fused.py: the same bits as the blocks one at a time); False runs the blocks
+        # (engine/fused/plan.py: the same bits as the blocks one at a time); False runs the blocks
         self.fused_decode = True
         self._fused: FusedDecode | None | bool = False           # False: not built yet
         # whether a fused decode step reads ahead: it costs disk time and cache slots for the guesses that miss

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.quant.simd import U64
+from engine.kernels.simd import U64
 
 # Clip-ratio grids: fewer bits clip harder. Ratios multiply the absmax scale (symmetric) or the
 # min-max range (asymmetric); ratios above 1 let rounding land better on the extremes.

@@ -1,6 +1,6 @@
 """`QuantizedTensor`: one group-wise quantized weight matrix, and `quantize` / `weighted_error`.
 
-The tensor holds its storage arrays (layout in `engine/quant/layout.py`) as read-only views, so
+The tensor holds its storage arrays (layout in `engine/kernels/layout.py`) as read-only views, so
 nothing can change weights under a running model and a memory-mapped tensor is never copied.
 Kernels reach the arrays through `descriptor` (addresses and sizes), the same way for a memory
 map, a cache buffer or a freshly quantized array.
@@ -14,20 +14,20 @@ from typing import Sequence
 import numba
 import numpy as np
 
-from engine.quant import kernels, search
-from engine.quant.layout import (
+from engine.kernels import matmul
+from engine.kernels.layout import (
     BITS, BLOCK, FORMATS, GROUPS, ROWS16_FLAG, ROWS16_ROWS, f16_bits, f16_values, from_rows16, pack_codes, rows16_allowed,
-    to_rows16, unpack_codes,
+    check_activations, to_rows16, unpack_codes,
 )
+from engine.quant import search
 
 META_KIND = "colibri.quant"
 META_VERSION = 1
 LAYOUT = "planes32-v1"          # meta "layout" of the plane layout
-LAYOUT_ROWS16 = "rows16-v1"     # and of the rows16 layout (engine/quant/layout.py)
+LAYOUT_ROWS16 = "rows16-v1"     # and of the rows16 layout (engine/kernels/layout.py)
 LAYOUTS = {"planes": LAYOUT, "rows16": LAYOUT_ROWS16}
 _LAYOUT_NAMES = {meta: name for name, meta in LAYOUTS.items()}
 F16_MAX = 65504.0
-DESCRIPTOR_FIELDS = 13  # see QuantizedTensor.descriptor
 
 
 def _check_format(bits: int, group: int) -> None:
@@ -70,19 +70,6 @@ def _storage(name: str, arr: np.ndarray, dtype, shape: tuple[int, int]) -> np.nd
     return _readonly(arr.reshape(shape))
 
 
-def check_activations(x: np.ndarray, n_in: int) -> np.ndarray:
-    """x as a C-contiguous float32 [T, n_in] array, or a ValueError naming what is wrong."""
-    if not isinstance(x, np.ndarray):
-        raise ValueError(f"activations must be a numpy array, got {type(x).__name__}")
-    if x.dtype != np.float32:
-        raise ValueError(f"activations must be float32, got {x.dtype}: convert with x.astype(np.float32)")
-    if x.ndim != 2 or x.shape[1] != n_in:
-        raise ValueError(f"activations have shape {list(x.shape)}, expected [T, {n_in}]")
-    if not x.flags.writeable:  # a read-only array is another numba type: copying beats compiling the kernels twice
-        return x.copy()
-    return np.ascontiguousarray(x)
-
-
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
     """A [out, in] weight matrix in group-wise `bits`-bit codes with fp16 scales (and offsets)."""
@@ -123,7 +110,7 @@ class QuantizedTensor:
         for arr in self._flat:
             row += [arr.ctypes.data, arr.size]
         set_(self, "_descriptor", tuple(int(v) for v in row))
-        set_(self, "_table", np.array([row], np.int64))  # [1, 13]: a one-matrix table for kernels.run_items
+        set_(self, "_table", np.array([row], np.int64))  # [1, 13]: a one-matrix table for matmul.run_items
         set_(self, "_rows", np.array([out], np.int64))
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
@@ -131,8 +118,8 @@ class QuantizedTensor:
         x = check_activations(x, self.shape[1])
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
         if x.shape[0]:
-            items, pieces, tokens = kernels.matmul_items(self._rows, x.shape[0], numba.get_num_threads())
-            kernels.run_items(self._table, items, pieces, x.reshape(-1), tokens, tokens, out.reshape(-1))
+            items, pieces, tokens = matmul.matmul_items(self._rows, x.shape[0], numba.get_num_threads())
+            matmul.run_items(self._table, items, pieces, x.reshape(-1), tokens, tokens, out.reshape(-1))
         return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -142,7 +129,7 @@ class QuantizedTensor:
             raise IndexError(f"row ids must lie in 0 .. {self.shape[0] - 1}")
         out = np.empty((ids.size, self.shape[1]), np.float32)
         if ids.size:
-            kernels.gather_rows(self._table[0], ids, out.reshape(-1))
+            matmul.gather_rows(self._table[0], ids, out.reshape(-1))
         return out
 
     def dequantize(self) -> np.ndarray:
@@ -255,8 +242,8 @@ def matmul_many(x: np.ndarray, tensors: Sequence[QuantizedTensor]) -> list[np.nd
     flat = np.empty(t_count * int(rows.sum()), np.float32)
     if t_count:
         table = np.array([t.descriptor for t in tensors], np.int64)
-        items, pieces, tokens = kernels.matmul_items(rows, t_count, numba.get_num_threads())
-        kernels.run_items(table, items, pieces, x.reshape(-1), tokens, tokens, flat)
+        items, pieces, tokens = matmul.matmul_items(rows, t_count, numba.get_num_threads())
+        matmul.run_items(table, items, pieces, x.reshape(-1), tokens, tokens, flat)
     ends = np.cumsum(rows * t_count)
     return [flat[e - r * t_count:e].reshape(t_count, r) for e, r in zip(ends, rows)]
 

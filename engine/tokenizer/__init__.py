@@ -4,6 +4,6 @@ Built from a Hugging Face folder (tokenizer.json and friends) or from a GGUF fil
 """
 
 from engine.tokenizer.core import Tokenizer
-from engine.tokenizer.stream import StreamDecoder
+from engine.tokenizer.detokenize import StreamDecoder
 
 __all__ = ["StreamDecoder", "Tokenizer"]

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as Backend
 
 from engine.errors import TokenizerError
 from engine.tokenizer.chat_template import render_chat, select_template
-from engine.tokenizer.stream import StreamDecoder
+from engine.tokenizer.detokenize import StreamDecoder
 
 # Decoders whose output, past one token of context, is the plain concatenation of each token's text
 _WINDOW_SAFE_DECODERS = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip", "Sequence"}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pyqtgraph as pg
 from PySide6.QtGui import QColor, QPalette
 
-from engine.stream.budget import format_bytes
+from engine.offload.budget import format_bytes
 from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN
 
 RGB = tuple[int, int, int]

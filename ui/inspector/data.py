@@ -2,7 +2,7 @@
 
 Tiers are an int8 grid [L, E]: -1 no expert there (a dense layer, or a layer with fewer experts),
 0 disk, 1 cached, 2 pinned, 3 resident (a model held whole in memory). `tiers_from_store` reads
-them from an `engine.stream.store.ExpertStore`; `resident_tiers` makes them for a resident model.
+them from an `engine.offload.store.ExpertStore`; `resident_tiers` makes them for a resident model.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def tiers_from_store(store: Any) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class AtlasData:
-    """An atlas sidecar (`app.atlas`) as arrays, one row per expert, positions scaled to the unit ball."""
+    """An atlas sidecar (`app.atlas.build`) as arrays, one row per expert, positions scaled to the unit ball."""
 
     keys: np.ndarray             # [N, 2] int64 (layer, expert)
     positions: np.ndarray        # [N, 3] float32, centred, max radius 1
@@ -70,7 +70,7 @@ class AtlasData:
 
     @classmethod
     def from_dict(cls, atlas: Mapping[str, Any]) -> AtlasData:
-        """Arrays of an atlas dict as `app.atlas.build_atlas` writes it; ValueError naming what is missing."""
+        """Arrays of an atlas dict as `app.atlas.build.build_atlas` writes it; ValueError naming what is missing."""
         try:
             topic_rows = atlas["probes"]["topics"]
             topics = tuple(str(t["topic"]) for t in topic_rows)

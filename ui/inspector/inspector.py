@@ -100,7 +100,7 @@ class Inspector(QWidget):
         self._dirty = True
 
     def set_atlas(self, atlas: dict | None) -> None:
-        """The model's atlas as `app.atlas` reads it (None: offer to compute one); ValueError if unreadable."""
+        """The model's atlas as `app.atlas.build` reads it (None: offer to compute one); ValueError if unreadable."""
         data = AtlasData.from_dict(atlas) if atlas is not None else None
         self._atlas = data
         self.atlas.set_atlas(data)

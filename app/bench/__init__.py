@@ -1,0 +1,1 @@
+"""Measurements: decode, KV cache, offload, evaluation, and random checkpoints to measure on."""

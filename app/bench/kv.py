@@ -1,0 +1,255 @@
+"""`colibri bench MODEL --kv`: what the paged KV cache buys, measured.
+
+- prefix reuse: time to first token of 50-token questions after an 800-token system prompt, with
+  the prompt's blocks cached against computed afresh, and against the ideal (the ratio of tokens
+  prefilled);
+- batching: throughput (prompt and answer) of 1, 2, 4, 8 chats together against the same chats one
+  after another;
+- block size: the attention kernel's decode and prefill time at a long context for each block size;
+- int8 KV: its error against float32 on held-out text (KL divergence and top-1 agreement);
+- retention: a fact stated early in a document longer than the context, asked about at the end,
+  with `--overflow retain` against `slide` (and the full context as the reference).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from app.bench.decode import random_prompt
+from engine.generation.generate import GenerationRequest
+from engine.kv import BLOCK_SIZE, KVCache, KVPool, blocks_for
+from engine.generation.sampling import SamplingParams
+from engine.generation.scheduler import Scheduler
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class KVReport:
+    """Every figure of the KV bench (None where a part was skipped)."""
+
+    ttft_uncached_s: float = 0.0
+    ttft_cached_s: float = 0.0
+    ideal_fraction: float = 0.0          # prefilled tokens cached / uncached
+    batch: dict[int, tuple[float, float]] = field(default_factory=dict)   # chats -> (sequential, batched) tok/s
+    blocks: dict[int, tuple[float, float]] = field(default_factory=dict)  # block size -> (decode us, prefill ms)
+    int8_kl: float | None = None
+    int8_top1: float | None = None
+    int8_bytes_ratio: float | None = None
+    retention: dict[str, tuple[int, int]] = field(default_factory=dict)  # mode -> (found, trials)
+    retention_ppl: dict[str, float] = field(default_factory=dict)        # mode -> perplexity past the context
+
+    @property
+    def ttft_ideal_s(self) -> float:
+        return self.ttft_uncached_s * self.ideal_fraction
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.ttft_uncached_s:
+            share = self.ttft_ideal_s / self.ttft_cached_s if self.ttft_cached_s else 0.0
+            out.append(f"prefix reuse  TTFT {self.ttft_uncached_s:.3f} s uncached -> {self.ttft_cached_s:.3f} s cached; "
+                       f"ideal {self.ttft_ideal_s:.3f} s (prefill ratio {self.ideal_fraction:.3f}): "
+                       f"{share * 100:.0f}% of the ideal")
+        for n, (seq, bat) in sorted(self.batch.items()):
+            out.append(f"batching      {n} chats: {seq:6.1f} tok/s one after another, {bat:6.1f} tok/s together "
+                       f"= {bat / seq:.2f}x")
+        for b, (dec, pre) in sorted(self.blocks.items()):
+            out.append(f"block size    {b:4d}: decode attention {dec:8.1f} us/layer, prefill chunk {pre:7.2f} ms/layer")
+        if self.int8_kl is not None:
+            out.append(f"int8 KV       KL {self.int8_kl:.5f} nats/token, top-1 agreement {self.int8_top1 * 100:.1f}%, "
+                       f"{self.int8_bytes_ratio * 100:.0f}% of the float32 bytes")
+        for mode, (found, trials) in self.retention.items():
+            out.append(f"retention     {mode:6s}: the early fact recalled in {found}/{trials} long documents")
+        for mode, ppl in self.retention_ppl.items():
+            out.append(f"retention     {mode:6s}: perplexity {ppl:.2f} on text four times the context")
+        return out
+
+
+def _ttft(loaded, pool: KVPool, prompt: list[int], ctx: int) -> float:
+    sched = Scheduler(loaded.model, pool, max_len=ctx)
+    t0 = time.perf_counter()
+    seq = sched.submit(GenerationRequest(prompt=tuple(prompt), max_tokens=1))
+    sched.run()
+    assert seq.done
+    return time.perf_counter() - t0
+
+
+def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50, trials: int = 3,
+                block: int = BLOCK_SIZE, log: Log = print) -> None:
+    """TTFT of question after system prompt: computed afresh each time against with the system prompt cached."""
+    ctx = system + question + 8
+    sys_ids = random_prompt(loaded, system, seed=1)
+    questions = [random_prompt(loaded, question, seed=10 + i) for i in range(trials + 1)]
+    fresh = []
+    for q in questions[1:]:
+        pool = KVPool(loaded.spec, blocks_for(ctx, block) + 2, block)
+        fresh.append(_ttft(loaded, pool, sys_ids + q, ctx))
+    pool = KVPool(loaded.spec, 4 * (blocks_for(ctx, block) + 2), block)
+    _ttft(loaded, pool, sys_ids + questions[0], ctx)           # the first question computes the system prompt
+    cached = [_ttft(loaded, pool, sys_ids + q, ctx) for q in questions[1:]]
+    held = (system // block) * block
+    report.ttft_uncached_s = float(np.median(fresh))
+    report.ttft_cached_s = float(np.median(cached))
+    report.ideal_fraction = (system + question - held) / (system + question)
+    log(report.lines()[0])
+
+
+def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, gen: int = 32, log: Log = print) -> None:
+    """Decode throughput of n chats together against one after another (greedy, distinct prompts)."""
+    ctx = prompt + gen + 8
+    warm = Scheduler(loaded.model, KVPool(loaded.spec, 2 * (blocks_for(ctx) + 2), prefix_cache=False), max_len=ctx,
+                     max_batch=2)
+    for seed in (98, 99):                   # compile every kernel shape and fill caches before timing
+        warm.submit(GenerationRequest(prompt=tuple(random_prompt(loaded, prompt, seed=seed)), max_tokens=4))
+    warm.run()
+    for n in counts:
+        prompts = [random_prompt(loaded, prompt, seed=100 + i) for i in range(n)]
+        rates = []
+        for together in (False, True):
+            pool = KVPool(loaded.spec, n * (blocks_for(ctx) + 2), prefix_cache=False)
+            sched = Scheduler(loaded.model, pool, max_len=ctx, max_batch=n if together else 1)
+            for p in prompts:
+                sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=gen, stop_ids=frozenset()))
+            t0 = time.perf_counter()
+            sched.run()
+            rates.append(n * gen / (time.perf_counter() - t0))
+        report.batch[n] = (rates[0], rates[1])
+        log(report.lines()[-1])
+
+
+def block_sizes(loaded, report: KVReport, sizes=(8, 16, 32, 64, 128), context: int = 2048, chunk: int = 256,
+                log: Log = print) -> None:
+    """The attention kernel alone, on the model's first layer shapes, at `context` positions."""
+    from engine.kernels.attention import attend_paged
+    from engine.spec import MLASpec
+
+    attn = loaded.spec.layers[0].attn
+    if isinstance(attn, MLASpec):
+        log("block size    (skipped: latent attention)")
+        return
+    rng = np.random.default_rng(0)
+    h, hkv, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    for b in sizes:
+        n = blocks_for(context, b)
+        kb = rng.standard_normal((n, hkv, b, d)).astype(np.float32)
+        vb = rng.standard_normal((n, hkv, b, d)).astype(np.float32)
+        ones = np.ones((n, hkv, b), np.float32)
+        table = rng.permutation(n).astype(np.int32)
+        q1 = rng.standard_normal((1, h, d)).astype(np.float32)
+        qc = rng.standard_normal((chunk, h, d)).astype(np.float32)
+        attend_paged(q1, kb, ones, vb, ones, table, np.array([context - 1]), 0.1)
+        t0 = time.perf_counter()
+        for _ in range(50):
+            attend_paged(q1, kb, ones, vb, ones, table, np.array([context - 1]), 0.1)
+        dec = (time.perf_counter() - t0) / 50 * 1e6
+        pos = np.arange(context - chunk, context)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            attend_paged(qc, kb, ones, vb, ones, table, pos, 0.1)
+        report.blocks[b] = (dec, (time.perf_counter() - t0) / 3 * 1e3)
+        log(report.lines()[-1])
+
+
+def int8_error(loaded, report: KVReport, text: str, tokens: int = 512, log: Log = print) -> None:
+    """KL(float32 KV || int8 KV) per token and top-1 agreement over `tokens` positions of text."""
+    ids = loaded.tokenizer.encode(text)[:tokens] if loaded.tokenizer is not None else random_prompt(loaded, tokens)
+    exact = loaded.model.forward(ids, KVCache(loaded.spec, len(ids)), all_logits=True).astype(np.float64)
+    pool = KVPool(loaded.spec, blocks_for(len(ids)) + 1, bits=8)
+    approx = loaded.model.forward(ids, KVCache(loaded.spec, len(ids), pool=pool), all_logits=True).astype(np.float64)
+
+    def log_softmax(x):
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+    p, q = log_softmax(exact), log_softmax(approx)
+    report.int8_kl = float((np.exp(p) * (p - q)).sum(axis=1).mean())
+    report.int8_top1 = float((exact.argmax(1) == approx.argmax(1)).mean())
+    report.int8_bytes_ratio = pool.block_bytes / KVPool(loaded.spec, 1).block_bytes
+    log(report.lines()[-1])
+
+
+FILLER = ("The committee met again on Tuesday to review the quarterly figures. Sales in the northern region were "
+          "flat, while the southern offices reported a modest rise. Several members asked for clearer charts, and "
+          "the chair promised a revised format for the next meeting. The discussion then turned to travel budgets, "
+          "office supplies and the schedule for the summer holidays. ")
+NAMES = ("Marlow", "Quince", "Ardent", "Bellweather", "Corvid", "Dunmore", "Elsworth", "Fennick")
+
+
+def retention(loaded, report: KVReport, ctx: int = 512, doc_tokens: int = 1400, trials: int = 8,
+              log: Log = print) -> None:
+    """A fact in the first lines of a document longer than the context, asked about at its end: is it recalled?
+
+    Greedy answers of 12 tokens; a trial counts when the answer contains the secret word. The full
+    context (no eviction) is the reference of what the model can do at all.
+    """
+    tok = loaded.tokenizer
+    filler = tok.encode(FILLER, add_special_tokens=False)
+    found: dict[str, int] = {"full": 0, "retain": 0, "slide": 0}
+    for i in range(trials):
+        word = NAMES[i % len(NAMES)] + str(17 + 7 * i)
+        fact = f" Remember this: the password for the archive is {word}. "
+        body = []
+        while len(body) < doc_tokens:
+            body += filler
+        lead = 100 + 40 * i                              # the fact sits past the sinks, at varying depth
+        doc = tok.decode(body[:lead]) + fact + tok.decode(body[lead:doc_tokens])
+        messages = [{"role": "user", "content": doc + "\n\nWhat is the password for the archive?"}]
+        ids = tok.encode_chat(messages, add_generation_prompt=True)
+        for mode in found:
+            size = len(ids) + 16 if mode == "full" else ctx
+            pool = KVPool(loaded.spec, blocks_for(size) + 2)
+            cache = KVCache(loaded.spec, size, pool=pool, overflow="error" if mode == "full" else mode,
+                            sink_tokens=32, recent_tokens=ctx // 4)
+            sched = Scheduler(loaded.model, pool, max_len=size, tokenizer=tok, stop_ids=loaded.stop_ids)
+            seq = sched.submit(GenerationRequest(prompt=tuple(ids), max_tokens=12,
+                                                 sampling=SamplingParams(temperature=0.0)), cache=cache)
+            sched.run()
+            text = "".join(getattr(e, "text", "") for e in seq.drain())
+            found[mode] += word.lower() in text.lower()
+    for mode, n in found.items():
+        report.retention[mode] = (n, trials)
+        log(report.lines()[-1])
+
+
+def retention_perplexity(loaded, report: KVReport, text: str, ctx: int = 256, chunk: int = 32,
+                         log: Log = print) -> None:
+    """Perplexity of held-out text read `chunk` tokens at a time through a context of `ctx` tokens,
+    with each overflow mode, against the whole text in context (StreamingLLM's measure)."""
+    ids = loaded.tokenizer.encode(text)[: 4 * ctx]
+    for mode in ("full", "retain", "slide"):
+        size = len(ids) + 1 if mode == "full" else ctx
+        cache = KVCache(loaded.spec, size, pool=KVPool(loaded.spec, blocks_for(size) + 2),
+                        overflow="error" if mode == "full" else mode, sink_tokens=16, recent_tokens=ctx // 4)
+        nll, n = 0.0, 0
+        for start in range(0, len(ids) - 1, chunk):
+            piece = ids[start : start + chunk]
+            logits = loaded.model.forward(piece, cache, all_logits=True).astype(np.float64)
+            targets = ids[start + 1 : start + 1 + len(piece)]
+            rows = logits[: len(targets)]
+            rows = rows - rows.max(axis=1, keepdims=True)
+            logp = rows - np.log(np.exp(rows).sum(axis=1, keepdims=True))
+            nll -= float(logp[np.arange(len(targets)), targets].sum())
+            n += len(targets)
+        report.retention_ppl[mode] = float(np.exp(nll / n))
+        log(report.lines()[-1])
+
+
+def run_kv_bench(loaded: Any, parts: set[str], heldout: str, log: Log = print) -> KVReport:
+    """The parts asked for (prefix, batch, blocks, int8, retention) on a loaded model."""
+    report = KVReport()
+    if "prefix" in parts:
+        prefix_ttft(loaded, report, log=log)
+    if "batch" in parts:
+        batching(loaded, report, log=log)
+    if "blocks" in parts:
+        block_sizes(loaded, report, log=log)
+    if "int8" in parts:
+        int8_error(loaded, report, heldout, log=log)
+    if "retention" in parts and loaded.tokenizer is not None and loaded.tokenizer.has_chat_template:
+        retention_perplexity(loaded, report, heldout, log=log)
+        retention(loaded, report, log=log)
+    return report

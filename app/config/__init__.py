@@ -1,0 +1,1 @@
+"""Settings, paths, sizes and process setup that every command shares."""

@@ -1,0 +1,324 @@
+"""`colibri convert`: a Hugging Face folder or GGUF file -> a Colibri container, planned or uniform.
+
+Steps: open the source; when planning (a budget) or when calibration text is given, run the
+model in float32 over calibration text to measure what each matrix sees; measure every matrix's
+error in each storage format, put the errors in one unit (output KL, measured by quantizing
+groups of matrices: engine/plan/sensitivity.py) and let the planner fit the budget (or take one width
+for all); quantize and write tensor by tensor, each routed expert in one aligned extent. The
+calibration tokens and statistics and the plan are kept in OUT.partial, so an interrupted
+conversion resumes without redoing them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from app.hub.calibrate import calibration_sequences
+from app.config.sizes import format_size
+from engine.plan.calibration import ActivationStats, collect_stats
+from engine.errors import ColibriError
+from engine.formats.container import ContainerWriter, is_container
+from engine.formats.gguf_model import GGUFModel
+from engine.loader import Checkpoint, open_checkpoint
+from engine.models.transformer import Transformer, expected_shapes
+from engine.plan.planner import (FLOAT_BITS, GROUP_OPTIONS, Format, Plan, TensorPlan, allocate, forced_bits, formats_for,
+                            group_for, measure_options, scaled)
+from engine.plan.sensitivity import PROBE_BITS, Resident, Sensitivity, measure_sensitivity
+from engine.spec import MoESpec
+
+Log = Callable[[str], None]
+_EXPERT = ".experts."
+# Above this many planned weights the sensitivity pass (one run of the layers from each matrix's own
+# on, over 256 calibration tokens) is skipped unless asked for: errors are then compared unscaled.
+SENSITIVITY_MAX_WEIGHTS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class ConvertSettings:
+    """What the user asked of a conversion."""
+
+    bits: int | None = None                 # one width for every planned matrix
+    budget: int | None = None               # bytes for all weights: the planner fits them
+    group: int = 32                         # with --bits: the group; with a budget: the smallest group offered
+    keep: tuple[tuple[str, int], ...] = ()  # (glob, bits) forced widths
+    calib: Path | None = None               # calibration text file (default: the model writes some)
+    calib_tokens: int = 4096
+    sensitivity: bool | None = None         # measure errors in output KL: None = when the model is small enough
+
+    def key(self) -> dict:
+        """The settings as they bind a resumable conversion."""
+        return {"bits": self.bits, "budget": self.budget, "group": self.group, "keep": [list(k) for k in self.keep],
+                "calib": _file_digest(self.calib) if self.calib else None, "calib_tokens": self.calib_tokens,
+                "sensitivity": self.sensitivity}
+
+
+@dataclass
+class Matrices:
+    """The weights a conversion plans: names, shapes, and who they are."""
+
+    planned: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> shape
+    float32: dict[str, tuple[int, ...]] = field(default_factory=dict)   # kept as float32
+    experts: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (layer, expert) -> names
+
+
+def classify(ckpt: Checkpoint) -> Matrices:
+    """Split the model's tensors into planned matrices and float32 ones; group routed experts."""
+    m = Matrices()
+    for name, shape in expected_shapes(ckpt.spec).items():
+        # routers, the shared expert's gate and MLA's kv_b (used whole) stay float32
+        keep_float = len(shape) != 2 or (
+            _EXPERT not in name and name.endswith((".gate.weight", ".shared_expert_gate.weight", "kv_b_proj.weight"))
+        )
+        (m.float32 if keep_float else m.planned)[name] = shape
+    for i, layer in enumerate(ckpt.spec.layers):
+        if isinstance(layer.ffn, MoESpec):
+            for e in range(layer.ffn.n_experts):
+                prefix = f"model.layers.{i}.{layer.ffn.prefix}.experts.{e}."
+                m.experts[(i, e)] = [n for n in m.planned if n.startswith(prefix)]
+    return m
+
+
+def _file_digest(path: Path) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError as exc:
+        raise ColibriError(f"--calib {path}: cannot read ({exc.strerror})") from None
+
+
+def _source_key(path: Path) -> dict:
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return {"path": str(path.resolve()), "files": [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in files]}
+
+
+def _importance_name(name: str, ckpt: Checkpoint) -> str:
+    """The probe name whose inputs a matrix sees (a tied embedding is the output head's matrix)."""
+    if name == "model.embed_tokens.weight" and ckpt.spec.tie_embeddings:
+        return "lm_head.weight"
+    return name
+
+
+def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats: ActivationStats | None, log: Log,
+              sequences: Sequence[Sequence[int]] | None = None) -> Plan:
+    """One format per planned matrix: forced widths, then uniform --bits or the budget's allocation.
+
+    With calibration `sequences` (and settings.sensitivity not False) the errors are first
+    scaled into output KL by the sensitivity pass.
+    """
+    from engine.quant import quantize, weighted_error
+
+    other = sum(int(np.prod(s)) * 4 for s in mats.float32.values())
+    forced = {n: b for n in mats.planned if (b := forced_bits(n, list(settings.keep))) is not None}
+    vocab = ckpt.spec.vocab_size
+
+    def usage_and_importance(name: str) -> tuple[float, np.ndarray | None]:
+        if stats is None:
+            return 1.0, None
+        if name == "model.embed_tokens.weight" and not ckpt.spec.tie_embeddings:
+            return 1.0 / vocab, None  # a token reads one row
+        probe = _importance_name(name, ckpt)
+        return stats.usage(probe), stats.importance(probe)
+
+    if settings.budget is None:
+        bits = settings.bits or 4
+        tensors = {}
+        for name, shape in mats.planned.items():
+            b = forced.get(name, bits)
+            g = group_for(shape[1], settings.group)
+            tensors[name] = TensorPlan(name, shape, b, g, _bytes_at(shape, b, g), 0.0, usage_and_importance(name)[0])
+        return Plan(tensors, None, other)
+
+    source = Resident(ckpt.source) if _wants_sensitivity(mats, settings, sequences, stats, log) else ckpt.source
+    groups = tuple(g for g in GROUP_OPTIONS if g >= settings.group)
+    options, t0 = {}, time.perf_counter()
+    for k, (name, shape) in enumerate(mats.planned.items()):
+        usage, importance = usage_and_importance(name)
+        b = forced.get(name)
+        formats = [] if b == FLOAT_BITS else _formats(shape[1], (b,) if b else None, groups, settings.group)
+        w = np.asarray(source.load(name), np.float32)
+        options[name] = [o for o in measure_options(w, importance, usage, formats, quantize, weighted_error)
+                         if b is None or o.bits == b]
+        if (k + 1) % 50 == 0 or k + 1 == len(mats.planned):
+            log(f"measured {k + 1}/{len(mats.planned)} matrices ({time.perf_counter() - t0:.0f} s)")
+    sens = None
+    if isinstance(source, Resident):
+        sens = _sensitivity(ckpt, mats, source, sequences, usage_and_importance, log)
+        options = {n: scaled(o, sens.scales[n]) for n, o in options.items()}
+    chosen = allocate(options, settings.budget - other)
+    tensors = {}
+    for name, opt in chosen.items():
+        shape = mats.planned[name]
+        g = opt.group or group_for(shape[1], settings.group)
+        tensors[name] = TensorPlan(name, shape, opt.bits, g, opt.nbytes, opt.error, usage_and_importance(name)[0],
+                                   opt.asymmetric if opt.bits != FLOAT_BITS else None,
+                                   sens.scales[name] if sens else 1.0)
+    return Plan(tensors, settings.budget, other, sens.to_json() if sens else None)
+
+
+def _formats(in_features: int, bits: tuple[int, ...] | None, groups: tuple[int, ...], group: int) -> list[Format]:
+    """The formats offered to a matrix: the groups asked for, or the largest group that divides its rows."""
+    kw = {} if bits is None else {"bits_options": bits}
+    if any(in_features % g == 0 for g in groups):
+        return formats_for(in_features, groups=groups, **kw)
+    return formats_for(in_features, groups=(group_for(in_features, group),), **kw)
+
+
+def _wants_sensitivity(mats: Matrices, settings: ConvertSettings, sequences, stats, log: Log) -> bool:
+    """Whether to run the sensitivity pass (and say why not when it is skipped)."""
+    if settings.sensitivity is False or sequences is None or stats is None:
+        return False
+    weights = sum(s[0] * s[1] for s in mats.planned.values())
+    if settings.sensitivity is None and weights > SENSITIVITY_MAX_WEIGHTS:
+        log(f"sensitivity pass skipped: {weights / 1e9:.1f} G weights is above {SENSITIVITY_MAX_WEIGHTS / 1e9:.0f} G "
+            "(it runs the model once per matrix); errors are compared unscaled, per matrix")
+        return False
+    return True
+
+
+def _sensitivity(ckpt: Checkpoint, mats: Matrices, source: Resident, sequences, usage_and_importance,
+                 log: Log) -> Sensitivity:
+    """Each planned matrix's output KL per unit of weighted error (engine/plan/sensitivity.py)."""
+    from engine.quant import quantize
+
+    def probe(name: str) -> tuple[np.ndarray, float]:
+        # the better of the probe width's two forms (zero points or not), as the planner would store it: a form
+        # that fits a matrix badly (symmetric codes on a massive-activation channel) would misstate its scale
+        usage, importance = usage_and_importance(name)
+        w = source.load(name)
+        best = None
+        for asymmetric in (False, True):
+            dq = quantize(w, PROBE_BITS, group_for(w.shape[1], 64), importance=importance,
+                          asymmetric=asymmetric).dequantize()                                        # [out, in]
+            d2 = np.einsum("rc,rc->c", w - dq, w - dq, dtype=np.float64)                              # [in]
+            err = float((d2.sum() if importance is None else d2 @ importance.astype(np.float64)) * usage)
+            if best is None or err < best[1]:
+                best = (dq, err)
+        return best
+
+    t0 = time.perf_counter()
+    sens = measure_sensitivity(ckpt.spec, source, list(mats.planned), probe, sequences, log)
+    top = sorted(sens.groups, key=lambda g: -g.kl)[:4]
+    log(f"sensitivity: {time.perf_counter() - t0:.0f} s; largest KL at {PROBE_BITS} bits: "
+        + ", ".join(f"{g.label} {g.kl:.3f}" for g in top))
+    return sens
+
+
+def _bytes_at(shape: tuple[int, int], bits: int, group: int) -> int:
+    """Storage bytes of a matrix at a width (measured on one row: layouts are per row)."""
+    if bits == FLOAT_BITS:
+        return shape[0] * shape[1] * 4
+    from engine.quant import quantize
+
+    row = quantize(np.zeros((1, shape[1]), np.float32), bits, group)
+    return row.nbytes * shape[0]
+
+
+def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: ActivationStats | None):
+    """(the tensor to write, its kind): quantized per plan, or float32."""
+    w = np.asarray(ckpt.source.load(name), dtype=np.float32)
+    if tp is None or tp.bits == FLOAT_BITS:
+        return w, "f32"
+    from engine.quant import quantize
+
+    importance = stats.importance(_importance_name(name, ckpt)) if stats is not None else None
+    return quantize(w, tp.bits, tp.group, importance=importance, asymmetric=tp.asymmetric), "quant"
+
+
+def _small_files(ckpt: Checkpoint, partial: Path) -> list[Path]:
+    """config.json, tokenizer and generation files to copy (written out for a GGUF source)."""
+    src = ckpt.path
+    if isinstance(ckpt.source, GGUFModel):
+        (partial / "config.json").write_text(json.dumps(ckpt.config, indent=1))
+        if ckpt.stop_ids:
+            (partial / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(ckpt.stop_ids)}))
+        if ckpt.tokenizer is not None:
+            ckpt.tokenizer.save(partial)
+        return []
+    names = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+    return [src / n for n in names if (src / n).is_file()]
+
+
+def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -> Path:
+    """Convert SRC into the container OUT; resumes an interrupted conversion of the same settings."""
+    if settings.bits is None and settings.budget is None:
+        raise ColibriError("give --bits B (one width for all) or --budget SIZE (the planner fits the model)")
+    if Path(src).is_dir() and is_container(src):
+        raise ColibriError(f"{src} is already a Colibri container; convert the model it was made from (for the "
+                           "default MoE: `colibri convert smollm2-moe-bf16 OUT ...`)")
+    ckpt = open_checkpoint(src)
+    mats = classify(ckpt)
+    writer = ContainerWriter(out, {"source": _source_key(Path(src)), "settings": settings.key()})
+    partial = writer.partial
+    if writer.resumed:
+        log(f"resuming: {writer.resumed} tensors/experts already written")
+
+    stats = seqs = None
+    stats_path, seqs_path = partial / "calibration.npz", partial / "calibration_tokens.json"
+    if settings.budget is not None or settings.calib is not None:
+        if stats_path.is_file() and seqs_path.is_file():
+            stats = ActivationStats.load(str(stats_path))
+            seqs = json.loads(seqs_path.read_text())
+        else:
+            stats, seqs = _calibrate(ckpt, settings, log)
+            seqs_path.write_text(json.dumps(seqs))
+            stats.save(str(stats_path))
+    plan_path = partial / "plan.json"
+    if plan_path.is_file():
+        plan = _plan_from_json(json.loads(plan_path.read_text()))
+    else:
+        plan = make_plan(ckpt, mats, settings, stats, log, seqs)
+        plan_path.write_text(json.dumps(plan.to_json()))
+    log(f"plan: {plan.bits_per_weight:.2f} bits per weight, {format_size(plan.total_bytes)} of weights")
+
+    total = len(mats.float32) + len(mats.planned)
+    done, t0 = 0, time.perf_counter()
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if done % 64 < n or done == total:
+            log(f"written {done}/{total} tensors ({time.perf_counter() - t0:.0f} s)")
+
+    in_experts = {n for names in mats.experts.values() for n in names}
+    for name in list(mats.float32) + [n for n in mats.planned if n not in in_experts]:
+        if not writer.has(name):
+            tensor, kind = _store(ckpt, name, plan.tensors.get(name), stats)
+            writer.add_dense(name, tensor, kind)
+        tick(1)
+    for (layer, expert), names in mats.experts.items():
+        if not writer.has_expert(layer, expert):
+            parts = {n: _store(ckpt, n, plan.tensors[n], stats) for n in names}
+            writer.add_expert(layer, expert, {n: p[0] for n, p in parts.items()}, {n: p[1] for n, p in parts.items()})
+        tick(len(names))
+    manifest = {
+        "config": ckpt.config,
+        "source": {"path": str(Path(src).resolve()), "architecture": ckpt.spec.architecture},
+        "plan": plan.to_json(),
+        "calibration_tokens": stats.tokens if stats is not None else 0,
+    }
+    for f in ("calibration.npz", "calibration_tokens.json", "plan.json"):
+        (partial / f).unlink(missing_ok=True)
+    return writer.finish(manifest, _small_files(ckpt, partial))
+
+
+def _calibrate(ckpt: Checkpoint, settings: ConvertSettings, log: Log) -> tuple[ActivationStats, list[list[int]]]:
+    """Build the float32 model and measure activation statistics over calibration text; and the tokens."""
+    model = Transformer(ckpt.spec, ckpt.source)
+    seqs = calibration_sequences(model, ckpt.tokenizer, ckpt.stop_ids, settings.calib, settings.calib_tokens, log)
+    seqs = [[int(t) for t in s] for s in seqs]
+    log(f"calibrating on {sum(len(s) for s in seqs)} tokens ...")
+    return collect_stats(model, seqs), seqs
+
+
+def _plan_from_json(d: dict) -> Plan:
+    tensors = {n: TensorPlan(n, tuple(t["shape"]), t["bits"], t["group"], t["nbytes"], t["error"], t["usage"],
+                             t.get("asymmetric"), t.get("sensitivity", 1.0))
+               for n, t in d["tensors"].items()}
+    return Plan(tensors, d["budget"], d["other_bytes"], d.get("sensitivity"))

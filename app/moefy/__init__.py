@@ -1,0 +1,1 @@
+"""`colibri moefy`: a dense model upcycled into a Mixtral-architecture MoE."""

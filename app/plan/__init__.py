@@ -1,0 +1,1 @@
+"""What a model becomes under a memory budget: the budget split, planning, speed prediction."""

@@ -1,0 +1,1 @@
+"""`colibri serve`: the HTTP server and its adapter onto the engine service."""

@@ -1,0 +1,1 @@
+"""The fused decode step: one token through every layer in one parallel region."""

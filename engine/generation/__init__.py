@@ -1,0 +1,1 @@
+"""Generation: samplers, the generator chain, batching, speculation, saved sessions."""

@@ -1,0 +1,1 @@
+"""numba kernels and their SIMD helpers: matmuls, the packed layouts, rows, attention, experts."""

@@ -1,0 +1,138 @@
+"""Integer lanes for the rows16 kernels (engine/kernels/rows16.py): byte dot products and 8-bit activations.
+
+64 bytes are held as numba type i32x16 (lane j holds bytes 4j .. 4j + 3). `vdot_bcast` adds to each
+int32 lane the four products of its bytes (unsigned weight codes) with the same four signed
+activation bytes: one `vpdpbusd` with a broadcast operand where the CPU has AVX512-VNNI, widening
+multiplies and adds elsewhere. Integer sums are exact, so both give the same lanes.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from engine.kernels.simd import (
+    _F32, _I32, _VF, _VI, HAS_AVX512, LANES, _as_i32, _elem_ptr, _host_has, _ivec, _load_vec, _splat_i32, f32x16, i32x16,
+)
+
+HAS_VNNI = HAS_AVX512 and _host_has("avx512vnni")
+
+_I8 = ir.IntType(8)
+_V64 = ir.VectorType(_I8, 64)
+
+
+def _dot4(builder, acc, w, q):
+    """acc + per lane the sum of 4 products unsigned w byte * signed q byte (w, q: <64 x i8>)."""
+    if HAS_VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI, _V64, _V64]),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(fn, [acc, w, q])
+    wide = ir.VectorType(_I32, 64)
+    p = builder.mul(builder.zext(w, wide), builder.sext(q, wide))
+    for k in range(4):
+        acc = builder.add(acc, builder.shuffle_vector(p, p, _ivec([4 * j + k for j in range(LANES)])))
+    return acc
+
+
+@intrinsic
+def vizero(typingctx):
+    """16 integer lanes of 0."""
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI, [ir.Constant(_I32, 0)] * LANES)
+    return i32x16(), codegen
+
+
+@intrinsic
+def vnibbles(typingctx, a, off):
+    """(low nibbles, high nibbles) of the 64 bytes a[off : off + 64], each as 64 bytes (uint8 array)."""
+    if not (isinstance(a, types.Array) and a.dtype == types.uint8 and a.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        raw = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), _V64, 1)
+        mask = ir.Constant(_V64, [ir.Constant(_I8, 15)] * 64)
+        low = builder.and_(raw, mask)
+        i16 = ir.VectorType(ir.IntType(16), 32)   # shifted as 16-bit words (bytes have no shift); the mask drops
+        four = ir.Constant(i16, [ir.Constant(ir.IntType(16), 4)] * 32)   # what crossed in from the next byte
+        high = builder.and_(builder.bitcast(builder.lshr(builder.bitcast(raw, i16), four), _V64), mask)
+        return cgutils.make_anonymous_struct(builder, [builder.bitcast(low, _VI), builder.bitcast(high, _VI)])
+    return types.UniTuple(i32x16, 2)(a, off), codegen
+
+
+@intrinsic
+def vbytes(typingctx, a, off):
+    """The 64 bytes a[off : off + 64] as they are (uint8 array)."""
+    if not (isinstance(a, types.Array) and a.dtype == types.uint8 and a.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), _VI, 1)
+    return i32x16(a, off), codegen
+
+
+@intrinsic
+def vdot_bcast(typingctx, acc, w, q, qoff):
+    """acc plus, per lane j, sum over b < 4 of byte 4j + b of w (unsigned) times q[qoff + b] (signed int8)."""
+    if not (isinstance(q, types.Array) and q.dtype == types.int8 and q.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[2], args[2], args[3]), _I32.as_pointer())
+        chunk = builder.bitcast(_splat_i32(builder, builder.load(ptr, align=1)), _V64)
+        return _dot4(builder, args[0], builder.bitcast(args[1], _V64), chunk)
+    return i32x16(i32x16, i32x16, q, qoff), codegen
+
+
+@intrinsic
+def vsub_splat(typingctx, v, s):
+    """Integer lanes minus the integer s (taken modulo 2**32, as the lanes are)."""
+    if not isinstance(s, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sub(args[0], _splat_i32(builder, _as_i32(builder, args[1])))
+    return i32x16(i32x16, s), codegen
+
+
+@intrinsic
+def vitof(typingctx, v):
+    """Signed integer lanes -> float32 (exact below 2**24)."""
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], _VF)
+    return f32x16(i32x16), codegen
+
+
+@intrinsic
+def quant_block(typingctx, x, xoff, q, qoff):
+    """Quantize the 32 float32 x[xoff : xoff + 32] to signed bytes q[qoff : qoff + 32]; return (d, sum of q).
+
+    amax = the largest magnitude, d = amax / 127 and q = rint(x * (127 / amax)) (round half to even), all in
+    float32; an all-zero block gives d = 0 and zero bytes (`quantize_activations` is the numpy twin).
+    """
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and isinstance(q, types.Array)
+            and q.dtype == types.int8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v32 = ir.VectorType(_F32, 32)
+
+        def call(name, ret, *vals):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [v.type for v in vals]), name)
+            return builder.call(fn, list(vals))
+
+        xv = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), v32, 4)
+        amax = call("llvm.vector.reduce.fmax.v32f32", _F32, call("llvm.fabs.v32f32", v32, xv))
+        zero = ir.Constant(_F32, 0.0)
+        inv = builder.select(builder.fcmp_ordered(">", amax, zero), builder.fdiv(ir.Constant(_F32, 127.0), amax), zero)
+        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, ir.Undefined), inv, ir.Constant(_I32, 0)),
+                                       ir.Constant(v32, ir.Undefined), _ivec([0] * 32))
+        r = call("llvm.rint.v32f32", v32, builder.fmul(xv, splat))
+        qv = builder.fptosi(r, ir.VectorType(_I8, 32))
+        ptr = _elem_ptr(context, builder, sig.args[2], args[2], args[3])
+        builder.store(qv, builder.bitcast(ptr, ir.VectorType(_I8, 32).as_pointer()), align=1)
+        total = call("llvm.vector.reduce.add.v32i32", _I32, builder.sext(qv, ir.VectorType(_I32, 32)))
+        d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
+        return cgutils.make_anonymous_struct(builder, [d, total])
+    return types.Tuple((types.float32, types.int32))(x, xoff, q, qoff), codegen

@@ -1,0 +1,1 @@
+"""Choosing bit widths: calibration statistics, sensitivity in output KL, the planner."""

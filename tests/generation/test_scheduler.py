@@ -1,0 +1,117 @@
+"""Batching: sequences decoded together give exactly the tokens they give alone."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from support.reference import build_checkpoint
+from support.families import FAMILIES
+
+from app.hub.convert import ConvertSettings, convert
+from engine.events import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
+from engine.generation.generate import GenerationRequest, stream_generate
+from engine.kv import KVCache, KVPool
+from engine.loader import load_model
+from engine.generation.sampling import SamplingParams
+from engine.generation.scheduler import Scheduler
+
+PROMPTS = [
+    [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23],
+    [5, 17, 99, 3, 42, 42, 7, 150, 9, 31],                     # shares a prefix with the first
+    [120, 6, 18, 44, 2, 90, 71, 33, 8, 101, 19, 60, 2, 77, 140, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+    [7],
+]
+
+
+@pytest.fixture(scope="module", params=["mixtral", "deepseek_v3"])
+def tiny(request, tmp_path_factory):
+    model_type, overrides = FAMILIES[request.param]
+    src = build_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    return load_model(convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None))
+
+
+def _alone(loaded, prompt, sampling, max_tokens=10) -> DoneEvent:
+    request = GenerationRequest(prompt=tuple(prompt), max_tokens=max_tokens, sampling=sampling)
+    return list(stream_generate(loaded.model, None, request, cache=KVCache(loaded.spec, 64)))[-1]
+
+
+def _events(seq) -> list:
+    return list(seq.drain())
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9, seed=3),
+                                      SamplingParams(temperature=0.0, frequency_penalty=1.5, repetition_penalty=1.2)])
+def test_batched_equals_sequential(tiny, sampling):
+    want = [_alone(tiny, p, sampling).tokens for p in PROMPTS]
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=64, prefill_chunk=8)
+    seqs = [sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=10, sampling=sampling)) for p in PROMPTS]
+    sched.run()
+    got = [[e for e in _events(s) if isinstance(e, DoneEvent)][0].tokens for s in seqs]
+    assert got == want
+    assert sched.steps < sum(10 + -(-len(p) // 8) for p in PROMPTS)    # really batched
+    assert sched.pool.used_blocks == 0                                  # every sequence gave its blocks back
+
+
+def test_requests_join_between_steps_and_long_prompts_are_chunked(tiny):
+    greedy = SamplingParams(temperature=0.0)
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=64, prefill_chunk=4)
+    first = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[0]), max_tokens=12, sampling=greedy))
+    for _ in range(5):                                   # 3 prompt chunks, then decoding
+        sched.step()
+    assert first.pending is not None
+    late = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[2]), max_tokens=4, sampling=greedy))
+    decoded_while_prefilling = 0
+    while late.pending is None and not late.done:
+        before = len(first.tokens)
+        sched.step()
+        decoded_while_prefilling += len(first.tokens) - before
+    assert decoded_while_prefilling >= 5                 # the 25-token prompt went in 4-token chunks beside decoding
+    sched.run()
+    progress = [e for e in _events(late) if isinstance(e, ProgressEvent)]
+    assert [p.done for p in progress] == [4, 8, 12, 16, 20, 24, 25]
+    assert [e for e in _events(first) if isinstance(e, DoneEvent)][0].tokens == _alone(tiny, PROMPTS[0], greedy, 12).tokens
+
+
+def test_a_shared_prefix_is_computed_once(tiny):
+    pool = KVPool(tiny.spec, 64, block_size=4)
+    sched = Scheduler(tiny.model, pool, max_len=64)
+    a = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[0]), max_tokens=2))
+    sched.run()
+    b = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[1]), max_tokens=2))
+    sched.run()
+    assert a.reused == 0 and b.reused == 8               # two full blocks of the common 8 tokens
+    assert [e for e in _events(b) if isinstance(e, DoneEvent)][0].tokens == \
+        _alone(tiny, PROMPTS[1], SamplingParams(), 2).tokens
+
+
+def test_cancel_and_errors_leave_the_others_running(tiny):
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=32)
+    cancel = threading.Event()
+    a = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[0]), max_tokens=20), cancel)
+    bad = sched.submit(GenerationRequest(prompt=(5, 999), max_tokens=3))      # outside the vocabulary
+    long = sched.submit(GenerationRequest(prompt=tuple(range(1, 40)), max_tokens=3))
+    c = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[3]), max_tokens=3))
+    sched.step()
+    sched.step()
+    cancel.set()
+    sched.run()
+    failed = _events(bad)[-1]
+    assert isinstance(failed, ErrorEvent) and "outside the vocabulary" in failed.message
+    assert [e for e in _events(long) if isinstance(e, ErrorEvent)][0].message.startswith("the prompt has 39 tokens")
+    assert [e for e in _events(a) if isinstance(e, DoneEvent)][0].finish_reason == "cancelled"
+    assert [e for e in _events(c) if isinstance(e, DoneEvent)][0].finish_reason == "length"
+    assert sched.pool.used_blocks == 0
+
+
+def test_tokens_stream_as_events(tiny):
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64), max_len=64)
+    seq = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[0]), max_tokens=4))
+    sched.run()
+    events = _events(seq)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.index for t in tokens] == [0, 1, 2, 3]
+    assert isinstance(events[-1], DoneEvent) and events[-1].tokens == tuple(t.token_id for t in tokens)
+    assert np.isfinite(events[-1].stats.ttft_s)

@@ -1,0 +1,116 @@
+"""First run of the desktop app (pytest-qt): with no model to open it offers the demo, a folder or GGUF,
+or a pull by name; the pull runs behind a progress dialog that cancels, and what it made opens.
+The pull itself is replaced by a fake here (the real one is tested in test_pull.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
+from support.qt import LOAD_TIMEOUT_MS
+
+from app.hub import pull as pulls
+def test_with_no_model_anywhere_the_first_run_choices_are_offered(qtbot, make_window, tmp_path, monkeypatch):
+    from ui.app import startup_model
+
+    monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
+    window = make_window()
+    assert startup_model(None, window) is None
+    dlg = window.show_first_run()
+    assert dlg.isVisible() and dlg.demo_button.isEnabled()
+    assert dlg.bundle is None   # not a packaged app: the demo's source is downloaded when asked
+    with qtbot.waitSignal(dlg.finished):
+        dlg.close_button.click()
+    assert not dlg.isVisible()
+
+
+def test_a_prepared_demo_or_a_recent_model_opens_without_asking(make_window, tmp_path, monkeypatch, models):
+    from ui.app import startup_model
+
+    monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
+    window = make_window()
+    demo = tmp_path / "models" / pulls.DERIVED[pulls.DEFAULT_MODEL].folder
+    demo.mkdir(parents=True)
+    (demo / "config.json").write_text("{}")
+    assert startup_model(None, window) == str(demo)
+    window.models.add_recent(models[0])
+    assert startup_model(None, window) == str(models[0])
+    assert startup_model("given", window) == "given"
+
+
+def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_window, models, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_pull(name, models_dir=None, log=print):
+        calls.append((name, models_dir))
+        for percent in (0, 40, 90):
+            log(f"  {name}: {percent:3d}% writing experts")
+            time.sleep(0.05)
+        return models[0]
+
+    monkeypatch.setattr(pulls, "pull", fake_pull)
+    window = make_window()
+    dlg = window.show_first_run(models_dir=tmp_path / "models")
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+        dlg.demo_button.click()
+        assert dlg.progress_dialog is not None and dlg.progress_dialog.isVisible()
+        assert not dlg.demo_button.isEnabled()
+    assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models")]
+    assert window.info.name == models[0].name and not dlg.isVisible() and dlg.progress_dialog is None
+    assert not dlg.job.running
+
+
+def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_window, tmp_path, monkeypatch):
+    started = threading.Event()
+
+    def endless_pull(name, models_dir=None, log=print):
+        started.set()
+        while True:     # the real preparation logs as it goes; Cancel raises from the log callback
+            log(f"  {name}:  10% calibrating")
+            time.sleep(0.02)
+
+    monkeypatch.setattr(pulls, "pull", endless_pull)
+    window = make_window()
+    dlg = window.show_first_run(models_dir=tmp_path / "models")
+    job = dlg.start_pull(pulls.DEFAULT_MODEL)
+    assert started.wait(10)
+    with qtbot.waitSignal(job.failed, timeout=10_000) as failed:
+        dlg.progress_dialog.canceled.emit()     # what its Cancel button does
+    assert failed.args[1] is True and "Cancelled" in dlg.error.text()
+    assert not job.running and dlg.progress_dialog is None and dlg.demo_button.isEnabled()
+    assert window.info is None
+    dlg.reject()
+
+
+def test_a_failed_pull_by_name_shows_why_and_the_dialog_stays(qtbot, make_window, tmp_path, monkeypatch):
+    from engine.errors import ColibriError
+
+    def failing_pull(name, models_dir=None, log=print):
+        raise ColibriError(f"{name}: the hub cannot be reached; pull it where there is a network")
+
+    monkeypatch.setattr(pulls, "pull", failing_pull)
+    window = make_window()
+    dlg = window.show_first_run(models_dir=tmp_path / "models")
+    dlg.pull_button.click()
+    assert "type a model name" in dlg.error.text() and dlg.job is None
+    dlg.name_edit.setText("org/model")
+    dlg.pull_button.click()
+    job = dlg.job
+    qtbot.waitUntil(lambda: not job.running and "hub cannot be reached" in dlg.error.text(), timeout=10_000)
+    assert dlg.isVisible() and dlg.demo_button.isEnabled()
+    dlg.reject()
+
+
+def test_the_gguf_shipped_in_the_bundle_seeds_the_models_folder(tmp_path):
+    from ui.first_run import seed_from_bundle
+
+    bundle, root = tmp_path / "bundle", tmp_path / "models"
+    name = "smollm2-135m"
+    gguf = bundle / name / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"GGUF fake")
+    assert seed_from_bundle(bundle, root)
+    assert pulls.pulled_alias(name, root) == root / name / gguf.name   # the pull finds it: no download
+    assert not seed_from_bundle(bundle, root)                           # once only
+    assert not seed_from_bundle(None, root)

@@ -1,0 +1,18 @@
+"""Model-family configurations the parity, tenet, KV and batching tests share (tiny, 32-divisible widths)."""
+
+# multi-head latent attention's extra sizes, on top of a tiny DeepSeek config
+MLA = dict(num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+           moe_intermediate_size=32)
+
+# one of each MoE family (the parity cases' shapes, with widths the 32-wide quantization groups divide)
+FAMILIES = {
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+                                    num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen3_moe": ("qwen3_moe", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16,
+                                    norm_topk_prob=True, mlp_only_layers=[0])),
+    "olmoe": ("olmoe", dict(num_experts=8, num_experts_per_tok=3, clip_qkv=0.8, norm_topk_prob=True)),
+    "deepseek_v3": ("deepseek_v3", dict(MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                                        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                        n_shared_experts=1)),
+}

@@ -1,0 +1,105 @@
+"""A plain numpy reference of the quantized kernels' arithmetic, exact to the bit, checked by tests/kernels/test_reference.py.
+
+The kernels compute y[t, r] with fused multiply-adds in 16 lanes (lane j takes k = j, j + 16, ...)
+and a fixed reduction tree (engine/kernels/matmul.py). numpy has no fused multiply-add, so
+`fma32` emulates it: the product of two float32 is exact in float64, the float64 sum is
+corrected by its exact rounding error (two-sum), and the one case where rounding float64 to
+float32 would round twice (a float64 sum exactly halfway between two float32) is broken by the
+sign of that error. With it, `lane_dot` reproduces the kernels bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from engine.kernels.layout import f16_values, from_rows16, quantize_activations, unpack_codes
+from engine.kernels.simd import fma32 as hw_fma32
+
+LANES = 16
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """a * b + c rounded once to float32 (round to nearest even), elementwise with broadcasting."""
+    a, b, c = (np.asarray(v, np.float32) for v in (a, b, c))
+    p = a.astype(np.float64) * b.astype(np.float64)            # exact: 24 + 24 bits < 53
+    cd = c.astype(np.float64)
+    s = p + cd
+    bv = s - p
+    err = (p - (s - bv)) + (cd - bv)                           # s + err == p + c exactly
+    r = s.astype(np.float32)
+    rd = r.astype(np.float64)
+    toward = np.where(s > rd, np.float32(np.inf), np.float32(-np.inf))
+    other = np.nextafter(r, toward)
+    tie = (s != rd) & (s == (rd + other.astype(np.float64)) / 2) & (err != 0)
+    hi = np.maximum(r, other)
+    lo = np.minimum(r, other)
+    return np.where(tie, np.where(err > 0, hi, lo), r).astype(np.float32)
+
+
+def lane_sum(v: np.ndarray) -> np.ndarray:
+    """Sum over the last axis (16 lanes) by the kernels' tree: halves added lane-wise."""
+    while v.shape[-1] > 1:
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    return v[..., 0]
+
+
+def lane_dot(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x [T, K] @ w [R, K].T -> [T, R] float32, by exactly the kernels' sequence of operations."""
+    w = np.asarray(w, np.float32)
+    x = np.asarray(x, np.float32)
+    k = w.shape[1]
+    k16 = k // LANES
+    lanes = np.zeros((x.shape[0], w.shape[0], LANES), np.float32)                   # [T, R, 16]
+    for i in range(k16):
+        s = slice(i * LANES, (i + 1) * LANES)
+        lanes = fma32(w[None, :, s], x[:, None, s], lanes)
+    y = lane_sum(lanes)                                                               # [T, R]
+    for j in range(k16 * LANES, k):
+        y = fma32(w[None, :, j], x[:, None, j], y)
+    return y
+
+
+def rows16_dot(q, x: np.ndarray) -> np.ndarray:
+    """x [T, K] times a rows16 QuantizedTensor -> [T, R] by its kernels' arithmetic (engine/kernels/rows16.py): per
+    32-block an exact integer sum of codes (less their offset) times 8-bit activations, then one fused
+    multiply-add by d_w * d_x (a float32 product), blocks in order from +0.0."""
+    a, scales = from_rows16(q.a, q.scales)
+    u = unpack_codes(a, q.b, q.bits, q.shape[1]).astype(np.int64)                     # [R, K]
+    offset = 1 << (q.bits - 1)
+    d = f16_values(scales)                                                             # [R, groups]
+    xq, dx, sums = quantize_activations(np.asarray(x, np.float32))
+    acc = np.zeros((x.shape[0], q.shape[0]), np.float32)
+    for kb in range(q.shape[1] // 32):
+        k = slice(32 * kb, 32 * kb + 32)
+        isum = xq[:, k].astype(np.int64) @ u[:, k].T - offset * sums[:, kb][:, None]   # [T, R], exact
+        scale = d[None, :, 32 * kb // q.group] * dx[:, kb][:, None]                    # float32 products
+        acc = fma32(isum.astype(np.float32), scale, acc)
+    return acc
+
+
+def quant_dot(q, x: np.ndarray) -> np.ndarray:
+    """x [T, K] times a QuantizedTensor by exactly its kernels' operations, whatever its layout."""
+    return rows16_dot(q, x) if q.layout == "rows16" else lane_dot(q.dequantize(), x)
+
+
+@njit(cache=True)
+def _hw_fma(a, b, c, out):
+    for i in range(a.shape[0]):
+        out[i] = hw_fma32(a[i], b[i], c[i])
+
+
+def hardware_fma(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """The CPU's fused multiply-add (the kernels' primitive), for checking the emulation."""
+    out = np.empty(a.shape, np.float32)
+    _hw_fma(a.astype(np.float32), b.astype(np.float32), c.astype(np.float32), out)
+    return out
+
+
+def weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, cols)) * 0.05).astype(np.float32)
+
+
+def acts(t: int, cols: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((t, cols)).astype(np.float32)

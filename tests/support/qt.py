@@ -1,0 +1,123 @@
+"""Fixtures of the GUI tests: a main window on temporary settings and conversations, the tiny chat
+models, and a check that fails any test leaving a thread, an active timer or a window behind.
+
+Import them into a test module (`from qt_support import *`): pytest finds fixtures by name there.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import pytest
+
+from support.tiny_chat import tiny_models
+
+__all__ = ["no_leftovers", "models", "make_window", "window", "wait_until"]
+
+LOAD_TIMEOUT_MS = 180_000
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(qapp, monkeypatch):
+    """Fail the test if it leaves a thread running, a timer active, or a top-level widget alive."""
+    import shiboken6
+    from PySide6.QtCore import QEvent, QTimer
+    from PySide6.QtWidgets import QApplication, QDialog, QMainWindow
+
+    timers: list[weakref.ref] = []
+    init = QTimer.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        timers.append(weakref.ref(self))
+
+    monkeypatch.setattr(QTimer, "__init__", tracking_init)
+    threads = set(threading.enumerate())
+    yield
+    monkeypatch.undo()
+    for _ in range(3):  # deleteLater'd widgets go now, and Python-owned ones caught in reference cycles
+        QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+        QApplication.processEvents()
+        gc.collect()
+    deadline = time.monotonic() + 10
+    while True:
+        alive = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    active = [t for t in (r() for r in timers) if t is not None and shiboken6.isValid(t) and t.isActive()]
+    # windows: anything shown, and main windows or dialogs even hidden (pyqtgraph's never-shown context
+    # menus are parentless QMenus that live as long as the interpreter's garbage: not windows)
+    widgets = [w for w in QApplication.topLevelWidgets() if shiboken6.isValid(w) and type(w).__name__ != "QTipLabel"
+               and (w.isVisible() or isinstance(w, (QMainWindow, QDialog)))]
+    left = [f"{type(w).__name__} {w.objectName() or w.windowTitle()!r} parent={type(w.parent()).__name__}"
+            for w in widgets]
+    timers_left = [(t.objectName(), t.interval(), type(t.parent()).__name__) for t in active]
+    for t in active:
+        t.stop()
+    for w in widgets:
+        w.close()
+        w.deleteLater()
+    QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+    assert not alive, f"threads left running: {alive}"
+    assert not timers_left, f"timers left active: {timers_left}"
+    assert not left, f"windows left open: {left}"
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> tuple[Path, Path]:
+    """(Hugging Face folder, container) of the tiny chat MoE."""
+    return tiny_models(tmp_path_factory.getbasetemp() / "tiny-chat")
+
+
+def wait_until(qtbot, condition, timeout_ms: int = LOAD_TIMEOUT_MS) -> None:
+    """Run the event loop until condition() holds."""
+    qtbot.waitUntil(condition, timeout=timeout_ms)
+
+
+@pytest.fixture
+def make_window(qtbot, tmp_path):
+    """make_window(model=None, settings_file=None) -> a shown MainWindow on temporary settings and conversations.
+
+    With a model, it returns once the model has loaded. Every window is closed at teardown.
+    """
+    from PySide6.QtCore import QSettings
+
+    from app.conversations import ConversationStore
+    from ui.app import MainWindow, configure
+
+    configure(qtbot_app())
+    made = []
+
+    def make(model=None, settings_file: Path | None = None, conversations: Path | None = None):
+        settings = QSettings(str(settings_file or tmp_path / "colibri.ini"), QSettings.Format.IniFormat)
+        store = ConversationStore(conversations or tmp_path / "conversations")
+        w = MainWindow(settings=settings, conversations=store)
+        made.append(w)
+        w.show()
+        qtbot.waitExposed(w)
+        if model is not None:
+            with qtbot.waitSignal(w.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+                w.open_model(str(model))
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+        w.deleteLater()
+
+
+def qtbot_app():
+    from PySide6.QtWidgets import QApplication
+
+    return QApplication.instance()
+
+
+@pytest.fixture
+def window(make_window, models):
+    """A main window with the tiny container loaded (its experts stream)."""
+    return make_window(models[1])
