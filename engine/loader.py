@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.blocks.ffn import StreamingExpertSource
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import MANIFEST, Container, is_container
 from engine.formats.gguf_model import GGUFModel
@@ -55,7 +56,7 @@ class LoadedModel:
             return
         try:
             if store.history is not None and self.history_path is not None:
-                if hasattr(store, "learn_policy"):
+                if isinstance(store, StreamingExpertSource):
                     store.learn_policy()        # the cache's half-life that served this session best
                 store.history.save(self.history_path)
         finally:
@@ -63,7 +64,7 @@ class LoadedModel:
 
 
 @dataclass(frozen=True)
-class StreamOptions:
+class OffloadOptions:
     """Stream routed experts from a container instead of holding them all (engine.offload)."""
 
     store: Any                                  # engine.offload.store.StoreSettings
@@ -140,37 +141,37 @@ def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool 
     return Checkpoint(path, config, spec, source, tokenizer, gen)
 
 
-def load_model(path: str | Path, progress: Progress | None = None, stream: StreamOptions | None = None,
+def load_model(path: str | Path, progress: Progress | None = None, offload: OffloadOptions | None = None,
                telemetry: Telemetry = NULL) -> LoadedModel:
     """Load a Hugging Face folder, a Colibri container or a GGUF file, ready to generate.
 
-    With `stream`, routed experts stay on disk and an ExpertStore brings them in under its byte budget
+    With `offload`, routed experts stay on disk and an ExpertStore brings them in under its byte budget
     (a container is needed: its experts lie in aligned extents, one read each).
     """
     _report(progress, 0.0, f"reading {Path(path).name}")
-    ckpt = open_checkpoint(path, verify_experts=stream is None, verify=stream is None, quantized=True,
-                           huge_pages=stream is None)
+    ckpt = open_checkpoint(path, verify_experts=offload is None, verify=offload is None, quantized=True,
+                           huge_pages=offload is None)
     store, layers, history_path = None, None, None
-    if stream is not None:
+    if offload is not None:
         # what is held is checked now; streamed experts or layers when the store first reads them, so that
         # opening a model larger than memory does not read all of it
         if _is_moe(ckpt.spec):
             _need_container(ckpt)
             ckpt.source.advise_huge_pages(experts=False)     # the dense part, held (before verify reads it)
             ckpt.source.verify(experts=False)
-            store = _open_store(ckpt, stream, telemetry)
-            history_path = stream.history_path
+            store = _open_store(ckpt, offload, telemetry)
+            history_path = offload.history_path
         else:
             _need_container(ckpt)
-            held = [n for n in ckpt.source.names() if not _streamed_layer(n, stream.resident_layers)]
+            held = [n for n in ckpt.source.names() if not _streamed_layer(n, offload.resident_layers)]
             ckpt.source.verify(names=held)
-            layers = _open_layers(ckpt, stream, telemetry)
+            layers = _open_layers(ckpt, offload, telemetry)
             store = layers
     _report(progress, 0.1, "loading weights")
     on_layer = lambda i, n: _report(progress, 0.1 + 0.9 * (i + 1) / n, f"layer {i + 1}/{n}")  # noqa: E731
     try:
         model = Transformer(ckpt.spec, ckpt.source, experts=None if layers is not None else store, on_layer=on_layer,
-                            telemetry=telemetry, prefetch_depth=stream.prefetch_depth if stream is not None else 0,
+                            telemetry=telemetry, prefetch_depth=offload.prefetch_depth if offload is not None else 0,
                             layers=layers)
     except BaseException:
         if store is not None:
@@ -202,17 +203,17 @@ def _need_container(ckpt: Checkpoint) -> None:
                            f"convert it first: `colibri convert {ckpt.path} OUT --bits 4`")
 
 
-def _open_layers(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
+def _open_layers(ckpt: Checkpoint, offload: OffloadOptions, telemetry: Telemetry):
     """The layer store of a dense model: the first layers held, the others read ahead while earlier ones compute."""
     from engine.offload.layers import LayerStore
 
     _need_container(ckpt)
-    s = stream.store
-    return LayerStore(ckpt.source, ckpt.spec, stream.resident_layers, stream.prefetch_depth, io_threads=s.io_threads,
+    s = offload.store
+    return LayerStore(ckpt.source, ckpt.spec, offload.resident_layers, offload.prefetch_depth, io_threads=s.io_threads,
                       telemetry=telemetry, direct=s.direct, io=s.io)
 
 
-def _open_store(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
+def _open_store(ckpt: Checkpoint, offload: OffloadOptions, telemetry: Telemetry):
     """The expert store over a container, with the usage history when one is kept."""
     from engine.spec import MoESpec
     from engine.offload.history import UsageHistory
@@ -221,10 +222,10 @@ def _open_store(ckpt: Checkpoint, stream: StreamOptions, telemetry: Telemetry):
     _need_container(ckpt)
     moe = [layer.ffn for layer in ckpt.spec.layers if isinstance(layer.ffn, MoESpec)]
     history = None
-    if stream.history_path is not None:
-        history = UsageHistory.load_or_new(stream.history_path, ckpt.source.model_hash, ckpt.spec.n_layers,
+    if offload.history_path is not None:
+        history = UsageHistory.load_or_new(offload.history_path, ckpt.source.model_hash, ckpt.spec.n_layers,
                                            max(m.n_experts for m in moe))
-    return ExpertStore(ckpt.source, ckpt.spec, stream.store, history, telemetry)
+    return ExpertStore(ckpt.source, ckpt.spec, offload.store, history, telemetry)
 
 
 def _ids(value: Any) -> list[int]:

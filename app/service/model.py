@@ -22,6 +22,7 @@ import numpy as np
 from app.service.messages import (
     TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, EngineSettings, ModelInfo, SettingsChange,
 )
+from engine.blocks.ffn import StreamingExpertSource
 from engine.errors import ColibriError
 from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import Telemetry
@@ -230,7 +231,7 @@ def model_info(loaded, container, settings: EngineSettings) -> ModelInfo:
         why = (f"{loaded.name} is held whole in memory: to run it under a budget, convert it (`colibri convert`) "
                "and open the container with a memory budget")
         fixed.update(memory_budget=why, prefetch_depth="nothing is read ahead: " + why, io_threads=why)
-    elif hasattr(store, "set_capacity"):
+    elif isinstance(store, StreamingExpertSource):
         streaming = "experts"
     else:
         streaming = "layers"

@@ -9,7 +9,7 @@ per token) so that the rest of the engine can cache, prefetch and display expert
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -77,14 +77,48 @@ class MLP:
         return gated_mlp(x, self.weights, activation(self.spec.act), probe)
 
 
+@runtime_checkable
 class ExpertSource(Protocol):
-    """Where the MoE block gets routed experts from: resident, or streamed by engine.offload.ExpertStore."""
+    """Where the MoE block gets routed experts from: resident, or read from disk by engine.offload.ExpertStore."""
 
     def experts(self, layer: int, ids: Sequence[int]) -> Mapping[int, ExpertWeights]:
         """The weights of the given experts of one layer."""
 
     def groups(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
         """The same experts in groups as they become available (each stays valid until the next is asked for)."""
+
+
+@runtime_checkable
+class StreamingExpertSource(ExpertSource, Protocol):
+    """An expert source that holds only some experts in memory and reads the others from disk: it takes guesses
+    of what comes next, learns from each token, and can feed a fused step while it runs."""
+
+    def prefetch(self, layer: int, ids: Sequence[int], read: bool = True) -> None:
+        """A guess of the experts a coming layer step will ask for (read ahead when `read`, else only scored)."""
+
+    def need(self, layer: int, ids: Sequence[int], meanwhile: Callable[[], None] = ...) -> bool:
+        """Start reading the given experts a running step waits for; False when they cannot all be held."""
+
+    def collect(self) -> None:
+        """Take in the reads that completed, on the thread that owns the store."""
+
+    def add_listener(self, fn: Callable[[tuple[int, int], ExpertWeights | None], None]) -> bool:
+        """Call `fn(key, weights)` when an expert comes into memory (None: when it leaves); False if refused."""
+
+    def end_token(self, n: int = 1) -> None:
+        """The end of n tokens: the usage history and placement learn from them."""
+
+    def set_capacity(self, capacity: int) -> None:
+        """A new byte budget for the experts held in memory, applied between two tokens."""
+
+    def set_io_threads(self, threads: int) -> None:
+        """A new number of reader threads."""
+
+    def learn_policy(self) -> float | None:
+        """Fit the replacement policy to the session's usage before it is saved; its new half-life, if any."""
+
+    def close(self) -> None:
+        """Stop the readers and release the memory; idempotent."""
 
 
 class ResidentExperts:

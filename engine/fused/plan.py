@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 from engine.blocks.attention import Attention
-from engine.blocks.ffn import MLP, MoE, ResidentExperts, Routing
+from engine.blocks.ffn import MLP, MoE, ResidentExperts, Routing, StreamingExpertSource
 from engine.kernels.rows import SIGMOID, SOFTMAX
 from engine.errors import GenerationError
 from engine.kv import KVCache, KVPool
@@ -262,7 +262,8 @@ class FusedDecode:
             plan = cls(model)
         except _NotFusable:
             return None
-        if plan.streamed_layers and model.experts.add_listener(plan._held) and hasattr(model.experts, "collect") \
+        streaming = isinstance(model.experts, StreamingExpertSource)
+        if plan.streamed_layers and streaming and model.experts.add_listener(plan._held) \
                 and hasattr(os, "eventfd"):             # (Linux: elsewhere calls stop to read ahead, as before)
             plan._driver = Driver(plan, model.experts)
             plan.g[fk.G_WAKE] = plan._driver.fd

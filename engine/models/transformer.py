@@ -14,7 +14,9 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from engine.blocks.attention import Attention, attention_shapes
-from engine.blocks.ffn import MLP, ExpertSource, ExpertWeights, MoE, ResidentExperts, Routing, mlp_shapes, route
+from engine.blocks.ffn import (
+    MLP, ExpertSource, ExpertWeights, MoE, ResidentExperts, Routing, StreamingExpertSource, mlp_shapes, route,
+)
 from engine.blocks.linear import Probe, linear
 from engine.blocks.mla import LatentAttention, mla_shapes
 from engine.blocks.norm import rms_norm
@@ -127,6 +129,7 @@ class Transformer:
         self.lookahead_extra: int | None = None
         self._guess_specs: dict[tuple[int, int], object] = {}   # (layer, experts guessed) -> the routing spec
         self.streamed = experts is not None
+        self.reads_ahead = isinstance(experts, StreamingExpertSource)   # declared once: the check is not free
         self.layer_source = layers
         w = Weights(source, expected_shapes(spec))
         self.embed = w["model.embed_tokens.weight"]                          # [V, hidden]
@@ -255,7 +258,7 @@ class Transformer:
         # most of a layer's experts, read while the current layer's union still holds the cache. Measured on
         # mixtral-1.7b at the dense part plus 10% / 25% of the experts: prompts ran at 59-75 / 64-83 tok/s reading
         # ahead, 82-106 / 91-109 without.
-        ahead = self.prefetch_depth if hasattr(self.experts, "prefetch") and ids.size == 1 else 0
+        ahead = self.prefetch_depth if self.reads_ahead and ids.size == 1 else 0
         with tel.phase("dense"):
             x = embed_rows(self.embed, ids)                                 # [T, hidden]
         fused = self._fused_step(ids.size, caches[0], probe)
