@@ -121,9 +121,9 @@ def _rss() -> int:
     return _proc_bytes("/proc/self/status", "VmHWM:") or 0
 
 
-def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: str, disk_gb_s: float,
+def run_workload(path: Path, offload, prompts: list[list[int]], gen: int, label: str, disk_gb_s: float,
                  trace: list | None = None, log: Log = lambda m: None) -> StreamRun:
-    """Load `path` streaming with `stream` (engine.loader.StreamOptions), answer every prompt, measure."""
+    """Load `path` streaming with `offload` (engine.loader.OffloadOptions), answer every prompt, measure."""
     from engine.loader import load_model
     from engine.telemetry import Telemetry
 
@@ -134,7 +134,7 @@ def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: 
     except OSError:
         pass
     telemetry = Telemetry()
-    loaded = load_model(path, stream=stream, telemetry=telemetry)
+    loaded = load_model(path, offload=offload, telemetry=telemetry)
     try:
         store, model = loaded.store, loaded.model
         prompt_s = decode_s = 0.0
@@ -176,7 +176,7 @@ def run_workload(path: Path, stream, prompts: list[list[int]], gen: int, label: 
     roof = disk_gb_s * 1e9 / missed if missed else float("inf")
     decode_tok_s = n_decode / decode_s
     ms = lambda k: phases[k] / n_decode * 1e3  # noqa: E731
-    return StreamRun(label, stream.store.io, stream.store.policy, stream.prefetch_depth, n_prompt, n_decode,
+    return StreamRun(label, offload.store.io, offload.store.policy, offload.prefetch_depth, n_prompt, n_decode,
                      n_prompt / prompt_s, decode_tok_s, hit_rate, missed, read, disk_gb_s, roof,
                      decode_tok_s / roof if roof != float("inf") else 0.0, stats.prefetch.recall,
                      stats.prefetch.precision, ms("io_wait"), ms("experts"), ms("attention"), ms("dense"),

@@ -63,12 +63,12 @@ def load(model_arg: str | None, quiet: bool = False, args: argparse.Namespace | 
     With the memory flags in `args` (app.service.loading) and --max-memory given, the model streams.
     """
     from app.hub.pull import resolve_model
-    from app.service.loading import stream_options
+    from app.service.loading import offload_options
     from engine.loader import load_model
     from engine.telemetry import NULL
 
     path = resolve_model(model_arg)
-    stream = stream_options(args, path, quiet) if args is not None else None
+    offload = offload_options(args, path, quiet) if args is not None else None
     live = sys.stderr.isatty() and not quiet
     t0 = time.perf_counter()
 
@@ -81,7 +81,7 @@ def load(model_arg: str | None, quiet: bool = False, args: argparse.Namespace | 
             width = max(width, len(line))
             print(f"\r{line:<{width}}", end="", file=sys.stderr, flush=True)
 
-    loaded = load_model(path, progress, stream, telemetry if telemetry is not None else NULL)
+    loaded = load_model(path, progress, offload, telemetry if telemetry is not None else NULL)
     if live:
         print("\r" + " " * width + "\r", end="", file=sys.stderr)
     if not quiet:

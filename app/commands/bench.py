@@ -141,7 +141,7 @@ def _stream(args: argparse.Namespace) -> int:
     from app.hub.pull import resolve_model
     from app.bench.offload import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, resident_decode,
                                   run_workload, save_trace, workload)
-    from app.service.loading import stream_options
+    from app.service.loading import offload_options
     from engine.loader import open_checkpoint
     from engine.offload.io import PAGE, round_up
 
@@ -151,7 +151,7 @@ def _stream(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     args.no_history = True
-    base = stream_options(args, path, quiet=args.json)
+    base = offload_options(args, path, quiet=args.json)
     # the interpreter's and libraries' footprint once the engine is imported, before any weights load: what
     # `run` reports beside the budget (measured before the imports it left out numba's and the engine's ~50 MB)
     baseline = process_rss()

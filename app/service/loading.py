@@ -102,13 +102,13 @@ def kv_cache(spec, args: argparse.Namespace | None, ctx: int, pool=None):
     return KVCache(spec, ctx, pool=pool, overflow=getattr(args, "overflow", "error"))
 
 
-def stream_options(args: argparse.Namespace, path: Path, quiet: bool = False):
-    """StreamOptions from the flags for the model at `path`, or None without --max-memory."""
+def offload_options(args: argparse.Namespace, path: Path, quiet: bool = False):
+    """OffloadOptions from the flags for the model at `path`, or None without --max-memory."""
     if getattr(args, "max_memory", None) is None:
         return None
     from app.config.sizes import parse_size
     from engine.formats.container import Container, is_container
-    from engine.loader import StreamOptions, open_checkpoint
+    from engine.loader import OffloadOptions, open_checkpoint
     from engine.offload.budget import plan_memory
     from engine.offload.store_types import StoreSettings
 
@@ -135,4 +135,4 @@ def stream_options(args: argparse.Namespace, path: Path, quiet: bool = False):
     from app.config.paths import usage_dir
 
     history = None if args.no_history else usage_dir() / f"{container.model_hash}.npz"
-    return StreamOptions(settings, args.prefetch_depth, history, plan.resident_layers or 0)
+    return OffloadOptions(settings, args.prefetch_depth, history, plan.resident_layers or 0)

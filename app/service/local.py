@@ -369,17 +369,17 @@ class EngineService:
             if cancel.is_set():
                 raise LoadCancelled("loading cancelled")
             progress(0.0, f"opening {Path(req.path).name}")
-            path, spec, container, stream, budget, ctx = self._plan_load(req.path, req.options)
+            path, spec, container, offload, budget, ctx = self._plan_load(req.path, req.options)
             telemetry = Telemetry(spec.n_layers, n_experts(spec))
             baseline = rss()     # the interpreter and libraries: outside the budget, reported apart
-            loaded = load_model(path, progress, stream, telemetry)
+            loaded = load_model(path, progress, offload, telemetry)
         except LoadCancelled:
             self._emit(LoadFailed(req.id, f"loading {Path(req.path).name} was cancelled", cancelled=True))
             return
         except (ColibriError, OSError, ValueError) as exc:
             self._emit(LoadFailed(req.id, _message(exc)))
             return
-        settings = EngineSettings(budget, req.options.prefetch_depth if stream is not None else 0,
+        settings = EngineSettings(budget, req.options.prefetch_depth if offload is not None else 0,
                                   req.options.io_threads, ctx)
         model = Engaged.open(loaded, telemetry, settings, req.options)
         self._model = model
@@ -398,9 +398,9 @@ class EngineService:
         self._emit(ModelLoaded(req.id, model.info, read_atlas(path)))
 
     def _plan_load(self, model: str, options: LoadOptions):
-        """(path, spec, container or None, StreamOptions or None, budget or None, context length) for a load."""
+        """(path, spec, container or None, OffloadOptions or None, budget or None, context length) for a load."""
         from app.hub.pull import resolve_model
-        from app.service.loading import stream_options
+        from app.service.loading import offload_options
         from engine.formats.container import is_container
         from engine.loader import open_checkpoint
         from engine.offload.budget import plan_memory
@@ -429,7 +429,7 @@ class EngineService:
         args = argparse.Namespace(max_memory=f"{budget}b", io=options.io, io_threads=options.io_threads,
                                   prefetch_depth=options.prefetch_depth, cache_policy=options.cache_policy,
                                   resident_layers=options.resident_layers, no_history=not options.history, ctx=ctx)
-        return path, spec, container, stream_options(args, path, quiet=True), budget, ctx
+        return path, spec, container, offload_options(args, path, quiet=True), budget, ctx
 
     def _close_model(self) -> None:
         model, self._model = self._model, None

@@ -66,10 +66,10 @@ def _greedy(model, fused: bool, pool: KVPool | None = None):
 
 def _slot_bytes(out) -> int:
     """The bytes of one expert's slot in a streamed load of the container `out`."""
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.offload.store import StoreSettings
 
-    probe = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    probe = load_model(out, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
     try:
         return probe.store.slot_bytes
     finally:
@@ -102,7 +102,7 @@ def test_fused_steps_equal_the_blocks(tmp_path_factory, threads, name):
 def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
     """Streamed experts: each call stops at a layer's routing, the store brings the experts in (in groups as reads
     finish), the next calls run them; the same bits as the blocks, and as the resident model."""
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.fused.plan import FusedDecode
     from engine.fused import kernel as fk
     from engine.offload.store import StoreSettings
@@ -114,7 +114,7 @@ def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
     slot = _slot_bytes(out)
     for n in (1, 2):
         threads(n)
-        loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, io=io, policy="lru"), 1))
+        loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=3 * slot, io=io, policy="lru"), 1))
         try:
             model = loaded.model
             want_logits, want_routes = _greedy(model, fused=False)
@@ -132,7 +132,7 @@ def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
 def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_factory, monkeypatch):
     """The fused step reads ahead for its first steps, then measures: with the guesses made slow, the steps go on
     without them (trying them now and then), and the answer is the resident model's either way."""
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.tuning import FasterChoice
     from engine.offload.store import StoreSettings
 
@@ -141,7 +141,7 @@ def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_fact
     out = convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None)
     resident = load_model(out).model
     slot = _slot_bytes(out)
-    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
+    loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
     try:
         model = loaded.model
         guesses = []
@@ -166,7 +166,7 @@ def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_fact
 def test_streamed_layers_whose_experts_are_in_memory_run_on_without_stopping(tmp_path_factory, monkeypatch):
     """With every expert in memory a streamed token is one call (no stop per layer), and the store counts the
     layers it ran as if it had been asked for them: the same hits and steps as the blocks path."""
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.fused import kernel as fk
     from engine.offload.store import StoreSettings
 
@@ -178,7 +178,7 @@ def test_streamed_layers_whose_experts_are_in_memory_run_on_without_stopping(tmp
     monkeypatch.setattr(fk, "decode_step", lambda *a: (calls.append(1), real(*a)))
     results = {}
     for fused in (False, True):
-        loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
+        loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
         try:
             model = loaded.model
             model.fused_decode = fused
@@ -392,7 +392,7 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
     """While a call runs, its driver thread reads the experts a layer lacks (and the guesses of later layers), and
     the call waits for them where it is, running the layer's experts that are in memory meanwhile: most misses cost
     no stop, and the answer is the resident model's."""
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.fused.driver import Driver
     from engine.offload.store import StoreSettings
 
@@ -409,7 +409,7 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
     slot = _slot_bytes(out)
     for n in (1, 2):
         threads(n)
-        loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=5 * slot, policy="lru"), 1))
+        loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=5 * slot, policy="lru"), 1))
         try:
             model = loaded.model
             stops = _counting_stops(monkeypatch, loaded.store)
@@ -434,7 +434,7 @@ def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_fac
     to `prefetch`, which reads them. The answer is the resident model's."""
     import threading
 
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.fused import driver as fused_driver
     from engine.offload.store import ExpertStore, StoreSettings
 
@@ -484,7 +484,7 @@ def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_fac
     monkeypatch.setattr(ExpertStore, "prefetch", reading_ahead)
     out = _container(tmp_path_factory, "mixtral")
     want, _ = _greedy(load_model(out).model, fused=True)
-    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=5 * _slot_bytes(out), policy="lru"), 1))
+    loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=5 * _slot_bytes(out), policy="lru"), 1))
     try:
         model = loaded.model
         monkeypatch.setattr(model._ahead, "pick", lambda preferred, other: preferred)   # always reading ahead
@@ -500,12 +500,12 @@ def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_fac
 def test_an_error_of_the_driver_stops_the_call_and_reaches_the_caller(tmp_path_factory, monkeypatch):
     """A failure on the driver thread does not leave a call waiting for experts that will not come: the call stops
     and the error is raised on the engine thread."""
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.offload.store import StoreSettings
 
     out = _container(tmp_path_factory, "mixtral")
     slot = _slot_bytes(out)
-    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
+    loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=3 * slot, policy="lru"), 1))
     try:
         model = loaded.model
         cache = KVCache(model.spec, 64)
@@ -527,12 +527,12 @@ def test_an_expert_leaving_is_not_read_over_while_a_thread_may_read_it(tmp_path_
     then read over). An expert of another layer leaves at once."""
     import threading
 
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.fused import kernel as fk
     from engine.offload.store import StoreSettings
 
     out = _container(tmp_path_factory, "mixtral")
-    loaded = load_model(out, stream=StreamOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
+    loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
     try:
         model = loaded.model
         model.forward([int(model.forward(PROMPT, KVCache(model.spec, 64))[-1].argmax())], KVCache(model.spec, 64))
@@ -566,7 +566,7 @@ def test_a_corrupt_expert_a_running_call_used_is_refused_before_its_answer(tmp_p
 
     from engine.errors import ModelFormatError
     from engine.formats.container import Container
-    from engine.loader import StreamOptions
+    from engine.loader import OffloadOptions
     from engine.offload.store import StoreSettings
 
     out = _container(tmp_path_factory, "mixtral")
@@ -581,7 +581,7 @@ def test_a_corrupt_expert_a_running_call_used_is_refused_before_its_answer(tmp_p
             f.seek(x.offset + 100)
             f.write(bytes([byte[0] ^ 0xFF]))
     # room for every expert: the driver always finds a slot, so the call never stops for `groups` to read them
-    loaded = load_model(copy, stream=StreamOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
+    loaded = load_model(copy, offload=OffloadOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
     try:
         model = loaded.model
         model.fused_decode = True

@@ -26,7 +26,7 @@ from app.hub.pull import pull, resolve_model
 from app.bench.synth import corpus_lines, write_checkpoint
 from engine.errors import ColibriError
 from engine.formats import container as container_mod
-from engine.loader import StreamOptions, load_model
+from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -335,10 +335,10 @@ def test_the_default_model_is_pulled_as_a_streaming_container_once(tmp_path: Pat
     resident = load_model(path)
     want = greedy_logits(resident, PROMPT, 4)
     resident.close()
-    probe = load_model(path, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    probe = load_model(path, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
     slot = probe.store.slot_bytes
     probe.close()
-    streamed = load_model(path, stream=StreamOptions(StoreSettings(capacity=2 * slot)))
+    streamed = load_model(path, offload=OffloadOptions(StoreSettings(capacity=2 * slot)))
     try:
         got = greedy_logits(streamed, PROMPT, 4)
         assert streamed.store.stats().bytes_read > 0

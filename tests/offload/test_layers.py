@@ -15,7 +15,7 @@ from app.hub.convert import ConvertSettings, convert
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container
 from engine.kv import KVCache
-from engine.loader import StreamOptions, load_model
+from engine.loader import OffloadOptions, load_model
 from engine.models import spec_from_config
 from engine.models.transformer import Transformer
 from engine.offload.io import PAGE
@@ -55,8 +55,8 @@ def resident(q4, f32):
 
 
 def _stream(container, resident_layers: int, depth: int, io: str = "pread", telemetry=None):
-    options = StreamOptions(StoreSettings(capacity=0, io=io), depth, None, resident_layers=resident_layers)
-    return load_model(container, stream=options, telemetry=telemetry or Telemetry())
+    options = OffloadOptions(StoreSettings(capacity=0, io=io), depth, None, resident_layers=resident_layers)
+    return load_model(container, offload=options, telemetry=telemetry or Telemetry())
 
 
 def _spec(container: Container):

@@ -14,7 +14,7 @@ from support.reference import build_checkpoint
 
 from app.hub.convert import ConvertSettings, convert
 from engine.kv import KVCache
-from engine.loader import StreamOptions, load_model
+from engine.loader import OffloadOptions, load_model
 from engine.pages import advise_huge_pages
 from engine.offload.store import StoreSettings
 
@@ -85,7 +85,7 @@ def test_a_resident_model_maps_every_file_on_huge_pages(container):
 
 
 def test_a_streamed_model_holds_its_dense_file_and_expert_slots_on_huge_pages(container):
-    loaded = load_model(container, stream=StreamOptions(StoreSettings(capacity=1 << 22)))
+    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 22)))
     try:
         assert "hg" in _file_flags(container / "dense.bin")
         assert "hg" not in _file_flags(container / "experts-00000.bin")   # read into slots, never through the map
@@ -98,7 +98,7 @@ def test_a_streamed_model_holds_its_dense_file_and_expert_slots_on_huge_pages(co
 
 
 def test_the_mmap_baseline_reads_experts_on_small_pages(container):
-    loaded = load_model(container, stream=StreamOptions(StoreSettings(capacity=1 << 22, io="mmap")))
+    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 22, io="mmap")))
     try:
         assert "hg" in _file_flags(container / "dense.bin")
         assert "hg" not in _file_flags(container / "experts-00000.bin")
@@ -108,10 +108,10 @@ def test_the_mmap_baseline_reads_experts_on_small_pages(container):
 
 
 def test_the_expert_cache_takes_its_pages_at_load_and_when_it_grows(container):
-    probe = load_model(container, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
     slot = probe.store.slot_bytes
     probe.close()
-    loaded = load_model(container, stream=StreamOptions(StoreSettings(capacity=3 * slot)))
+    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=3 * slot)))
     try:
         store = loaded.store
         address = store.arena.__array_interface__["data"][0]

@@ -11,7 +11,7 @@ from support.offload import greedy_logits
 from app.hub.convert import ConvertSettings, convert
 from engine.errors import ColibriError, ModelFormatError
 from engine.kv import KVCache
-from engine.loader import StreamOptions, load_model
+from engine.loader import OffloadOptions, load_model
 from engine.offload.history import UsageHistory
 from engine.offload.store import StoreSettings
 from engine.telemetry import Telemetry
@@ -41,14 +41,14 @@ def _expert_bytes(loaded) -> int:
 
 
 def _stream(container, slots: int, tmp_path=None, **kw) -> object:
-    probe = load_model(container, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
     slot = probe.store.slot_bytes
     probe.close()
     depth = kw.pop("prefetch_depth", 1)
     history = kw.pop("history_path", None)
     telemetry = kw.pop("telemetry", None) or Telemetry(LAYERS, N_EXPERTS)
     settings = StoreSettings(capacity=slots * slot, **kw)
-    return load_model(container, stream=StreamOptions(settings, depth, history), telemetry=telemetry)
+    return load_model(container, offload=OffloadOptions(settings, depth, history), telemetry=telemetry)
 
 
 @pytest.mark.parametrize("slots, policy, depth, io", [
@@ -340,7 +340,7 @@ def test_a_corrupt_expert_is_refused_when_first_read(container, tmp_path):
 def test_streaming_needs_a_container(tmp_path):
     src = build_checkpoint(tmp_path / "hf", "mixtral", num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ColibriError, match="colibri convert"):
-        load_model(src, stream=StreamOptions(StoreSettings(capacity=1 << 20)))
+        load_model(src, offload=OffloadOptions(StoreSettings(capacity=1 << 20)))
 
 
 def test_close_stops_the_readers(container):

@@ -14,7 +14,7 @@ from support.offload import greedy_logits
 from support.families import FAMILIES
 
 from app.hub.convert import ConvertSettings, convert
-from engine.loader import StreamOptions, load_model
+from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
 
 PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7, 150, 12, 33]
@@ -39,7 +39,7 @@ def family(request, tmp_path_factory):
 @pytest.mark.parametrize("depth, io, policy", COMBOS)
 def test_a_tenth_of_the_experts_gives_the_same_bytes(family, tmp_path, depth, io, policy):
     container, (want_logits, want_tokens) = family
-    probe = load_model(container, stream=StreamOptions(StoreSettings(capacity=1 << 30)))
+    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
     store = probe.store
     total = sum(r.length for r in store.recipes.values())
     top_k = max(getattr(layer.ffn, "top_k", 0) for layer in probe.spec.layers)
@@ -48,7 +48,7 @@ def test_a_tenth_of_the_experts_gives_the_same_bytes(family, tmp_path, depth, io
     capacity = max(total // 10 // slot, top_k) * slot
     history = tmp_path / "usage.npz"
     for run in range(2):                          # the second run starts with pins learned by the first
-        loaded = load_model(container, stream=StreamOptions(StoreSettings(capacity, io=io, policy=policy), depth, history))
+        loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity, io=io, policy=policy), depth, history))
         try:
             logits, tokens = _greedy(loaded)
             stats = loaded.store.stats()
@@ -65,7 +65,7 @@ def test_a_dense_model_streaming_its_layers_gives_the_same_bytes(tmp_path_factor
     src = build_checkpoint(tmp_path_factory.mktemp("dense"), "llama", num_hidden_layers=4)
     out = convert(src, tmp_path_factory.mktemp("c") / "dense", ConvertSettings(bits=4), log=lambda m: None)
     want = _greedy(load_model(out))
-    loaded = load_model(out, stream=StreamOptions(StoreSettings(0, io=io), depth, None, resident_layers=held))
+    loaded = load_model(out, offload=OffloadOptions(StoreSettings(0, io=io), depth, None, resident_layers=held))
     try:
         got = _greedy(loaded)
     finally:

@@ -114,7 +114,7 @@ def test_chat_completion_equals_the_engine(model, client):
 
 def test_streamed_chat_adds_up_and_reports_usage(model, client):
     stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, offload_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == _direct(model, MESSAGES, 10).text
