@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -147,17 +148,20 @@ class Snapshot:
 
 
 class Subscription:
-    """A callback registered with `Telemetry.subscribe`; `close` (idempotent) unregisters it."""
+    """A callback fed by one source (a model's telemetry, the engine service, a remote server's stream) at most
+    every `min_interval` s; `close` (idempotent) stops it for good. app/service hands out the same class."""
 
-    def __init__(self, owner: Telemetry | None, callback: Callable[[Snapshot], None], min_interval: float):
+    def __init__(self, callback: Callable[[Any], None], min_interval: float = 0.0, *,
+                 on_close: Callable[[Subscription], None] | None = None, max_failures: int | None = None):
         self.callback = callback
         self.min_interval = min_interval
         self.failures = 0               # exceptions raised by the callback, in all
         self.last_error: BaseException | None = None
-        self._owner = owner
+        self.seen = -1                  # sequence number of the last delivered value (for sources that number them)
+        self._on_close = on_close       # tells the source to forget this subscription
+        self._max_failures = max_failures   # failures in a row that drop it; None: never dropped, each one logged
         self._interval_ns = int(min_interval * 1e9)
         self._last_ns: int | None = None  # clock of the last delivery
-        self._seen = -1                 # seq of the last delivered snapshot
         self._streak = 0                # consecutive failures
         self._closed = False
         self._lock = threading.RLock()  # held while the callback runs: after close() returns it never runs again
@@ -167,42 +171,47 @@ class Subscription:
         """Whether the subscription was closed (or dropped after repeated failures)."""
         return self._closed
 
+    def due(self, now_ns: int) -> bool:
+        """Whether min_interval has passed since the last delivery (or nothing was delivered yet)."""
+        return self._last_ns is None or now_ns - self._last_ns >= self._interval_ns
+
     def close(self) -> None:
         """Stop deliveries; waits for a callback running on another thread to return."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        if self._owner is not None:
-            self._owner._unsubscribe(self)
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def deliver(self, value: Any, now_ns: int, seq: int = -1) -> bool:
+        """Run the callback on the caller's thread; False when it raised (recorded, never raised)."""
+        with self._lock:
+            if self._closed:
+                return True
+            self._last_ns = now_ns
+            self.seen = seq
+            try:
+                self.callback(value)
+            except Exception as exc:  # a broken view must never stop generation
+                self.failures += 1
+                self._streak += 1
+                self.last_error = exc
+                if self._max_failures is None:
+                    log.exception("subscriber %r failed", self.callback)
+                elif self._streak >= self._max_failures:
+                    log.warning("telemetry subscriber %r dropped after %d failures in a row",
+                                self.callback, self._streak, exc_info=exc)
+                    self.close()
+                return False
+            self._streak = 0
+            return True
 
     def __enter__(self) -> Subscription:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _deliver(self, snap: Snapshot, now: int, max_failures: int) -> None:
-        """Run the callback on the caller's thread; an exception is recorded, never raised."""
-        with self._lock:
-            if self._closed:
-                return
-            self._last_ns = now
-            self._seen = snap.seq
-            try:
-                self.callback(snap)
-            except Exception as exc:  # a broken view must never stop generation
-                self.failures += 1
-                self._streak += 1
-                self.last_error = exc
-                if self._owner is not None:
-                    self._owner._callback_errors += 1
-                if self._streak >= max_failures:
-                    log.warning("telemetry subscriber %r dropped after %d failures in a row",
-                                self.callback, self._streak, exc_info=exc)
-                    self.close()
-            else:
-                self._streak = 0
 
 
 class _Phase:
@@ -483,7 +492,8 @@ class Telemetry:
 
     def subscribe(self, callback: Callable[[Snapshot], None], min_interval: float = 0.0) -> Subscription:
         """Call `callback(snapshot)` on the engine thread at end_token, at most every min_interval seconds."""
-        sub = Subscription(self if self._enabled else None, callback, min_interval)
+        sub = Subscription(callback, min_interval, on_close=self._unsubscribe if self._enabled else None,
+                           max_failures=self.MAX_FAILURES)
         if self._enabled:
             with self._lock:
                 self._subs = self._subs + (sub,)
@@ -531,14 +541,12 @@ class Telemetry:
         if not subs:
             return
         seq = self._seq
-        if force:
-            due = [s for s in subs if s._seen < seq]
-        else:
-            due = [s for s in subs if s._last_ns is None or now - s._last_ns >= s._interval_ns]
+        due = [s for s in subs if s.seen < seq] if force else [s for s in subs if s.due(now)]
         if due:
             snap = self.snapshot()
             for s in due:
-                s._deliver(snap, now, self.MAX_FAILURES)
+                if not s.deliver(snap, now, snap.seq):
+                    self._callback_errors += 1
 
     def _build(self) -> Snapshot:
         """A new Snapshot of the committed state (lock held)."""

@@ -2,8 +2,8 @@
 (delivered on the engine thread) become queued signals handled on the main thread.
 
 The bridge owns the service: views send requests through `bridge.service` and never touch the
-engine. The service is a local `EngineService` unless a factory makes another with the same
-interface (`app.service.remote.RemoteService`: a Colibri server on another machine). Snapshots arrive at
+engine. The service is a local `EngineService` unless a factory makes another `app.service.protocol.Service`
+(`app.service.remote.RemoteService`: a Colibri server on another machine). Snapshots arrive at
 most SNAPSHOT_HZ times a second; views store them and redraw on their own timers, so a fast model
 never makes the UI paint once per token.
 """
@@ -11,17 +11,17 @@ never makes the UI paint once per token.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from PySide6.QtCore import QObject, Qt, Signal
 
+from app.service.protocol import Service
 from app.service.remote import ConnectionChanged, RemoteService
 from app.service.local import (
     AtlasFailed, AtlasProgress, AtlasReady, EngineService, Generation, LoadFailed, LoadProgress, ModelLoaded,
     ModelUnloaded, ServiceEvent, SettingsApplied,
 )
 
-ServiceFactory = Callable[[Callable[[ServiceEvent], None]], Any]   # on_event -> EngineService or RemoteService
+ServiceFactory = Callable[[Callable[[ServiceEvent], None]], Service]   # on_event -> EngineService or RemoteService
 
 SNAPSHOT_HZ = 30    # at most this many telemetry snapshots a second reach the views
 
@@ -52,7 +52,7 @@ class Bridge(QObject):
         self._snapshot.connect(self._deliver_snapshot, Qt.ConnectionType.QueuedConnection)
         self._tiers.connect(self._deliver_tiers, Qt.ConnectionType.QueuedConnection)
         make = service if service is not None else (lambda on_event: EngineService(on_event=on_event))
-        self.service = make(self._event.emit)
+        self.service: Service = make(self._event.emit)
         self._subscriptions = (self.service.subscribe(self._snapshot.emit, 1.0 / SNAPSHOT_HZ),
                                self.service.subscribe_tiers(self._tiers.emit, 1.0 / SNAPSHOT_HZ))
         self._closed = False

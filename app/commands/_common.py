@@ -1,11 +1,14 @@
-"""What `run` and `chat` share: the MODEL argument, sampling flags, loading with progress."""
+"""What `run`, `chat` and `bench` share: the MODEL argument, sampling flags, loading with progress."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
+from app.service.loading import DEFAULT_CONTEXT, LoadPlan
+from app.service.messages import LoadOptions
 from engine.errors import ColibriError
 from engine.generation.sampling import SamplingParams
 
@@ -57,18 +60,39 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     return params
 
 
-def load(model_arg: str | None, quiet: bool = False, args: argparse.Namespace | None = None, telemetry=None):
+def show_plan(plan: LoadPlan) -> None:
+    """Print how the memory budget divides (stderr), with what the process already takes outside it."""
+    from app.config.sizes import format_size
+    from app.plan.budget import process_rss
+
+    print(f"{plan.description}; the interpreter and libraries take {format_size(process_rss())} more (measured "
+          "before loading, not counted)", file=sys.stderr)
+
+
+def plan_offload(path: Path, options: LoadOptions, quiet: bool = False) -> LoadPlan:
+    """How the container at `path` loads under the budget of `options` (its split shown unless quiet)."""
+    from app.config.paths import usage_dir
+    from app.service.loading import plan_offload as plan
+
+    found = plan(options, path, usage_dir() if options.history else None)
+    if not quiet:
+        show_plan(found)
+    return found
+
+
+def load(model_arg: str | None, quiet: bool = False, options: LoadOptions | None = None, telemetry=None):
     """Resolve MODEL and load it, reporting progress on stderr (a terminal gets a live line).
 
-    With the memory flags in `args` (app.service.loading) and --max-memory given, the model streams.
+    With `options` naming a memory budget (--max-memory), the weights are offloaded under it.
     """
     from app.hub.pull import resolve_model
-    from app.service.loading import offload_options
     from engine.loader import load_model
     from engine.telemetry import NULL
 
     path = resolve_model(model_arg)
-    offload = offload_options(args, path, quiet) if args is not None else None
+    offload = None
+    if options is not None and options.max_memory is not None:
+        offload = plan_offload(path, options, quiet).offload
     live = sys.stderr.isatty() and not quiet
     t0 = time.perf_counter()
 
@@ -90,10 +114,11 @@ def load(model_arg: str | None, quiet: bool = False, args: argparse.Namespace | 
 
 
 def context_length(loaded, ctx: int | None) -> int:
-    """The --ctx value, checked against what the model supports."""
+    """The --ctx value, checked against what the model supports (default: the model's limit; for offloaded
+    weights the context the budget was divided for)."""
     limit = loaded.spec.max_position
     if ctx is None:
-        return limit
+        return limit if loaded.store is None else min(limit, DEFAULT_CONTEXT)
     if ctx < 1:
         raise ColibriError(f"--ctx {ctx}: the context must hold at least one token")
     if ctx > limit:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from app.commands._common import add_model_argument, load
-from app.service.loading import add_memory_arguments
+from app.commands._memory import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
 
@@ -117,7 +117,7 @@ def _kv(args: argparse.Namespace) -> int:
     unknown = parts - set(KV_PARTS)
     if unknown or not parts:
         raise ColibriError(f"--kv {args.kv}: use all or any of {','.join(KV_PARTS)}")
-    loaded = load(args.model, quiet=args.json, args=args)
+    loaded = load(args.model, quiet=args.json, options=load_options(args))
     log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
     try:
         with thread_limits(args.threads):
@@ -141,7 +141,7 @@ def _stream(args: argparse.Namespace) -> int:
     from app.hub.pull import resolve_model
     from app.bench.offload import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, resident_decode,
                                   run_workload, save_trace, workload)
-    from app.service.loading import offload_options
+    from app.commands._common import plan_offload
     from engine.loader import open_checkpoint
     from engine.offload.io import PAGE, round_up
 
@@ -150,10 +150,10 @@ def _stream(args: argparse.Namespace) -> int:
     check_threads(args.threads)
     path = resolve_model(args.model)
     log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-    args.no_history = True
-    base = offload_options(args, path, quiet=args.json)
+    options = dataclasses.replace(load_options(args), history=False)
+    base = plan_offload(path, options, quiet=args.json).offload
     # the interpreter's and libraries' footprint once the engine is imported, before any weights load: what
-    # `run` reports beside the budget (measured before the imports it left out numba's and the engine's ~50 MB)
+    # `run` reports beside the budget (measured earlier, it would leave out numba's and the engine's imports)
     baseline = process_rss()
     ckpt = open_checkpoint(path, verify=False)
     c = ckpt.source

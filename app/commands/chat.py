@@ -13,7 +13,8 @@ import threading
 from pathlib import Path
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
-from app.service.loading import add_memory_arguments, kv_pool
+from app.commands._memory import add_memory_arguments, load_options
+from app.service.loading import KVOptions, kv_pool
 from engine.errors import ColibriError
 
 HELP = "commands: /reset forgets the conversation, /exit leaves; Ctrl-C stops an answer"
@@ -114,19 +115,20 @@ class ChatSession:
 
 def _run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
-    loaded = load(args.model, args=args)
+    options = load_options(args)
+    loaded = load(args.model, options=options)
     try:
-        return _chat(args, loaded, sampling)
+        return _chat(args, loaded, sampling, KVOptions.of(options))
     finally:
         loaded.close()                      # saves the usage history of a streamed model
 
 
-def _chat(args: argparse.Namespace, loaded, sampling) -> int:
+def _chat(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
     from engine.events import DoneEvent, ErrorEvent, TokenEvent
 
     ctx = context_length(loaded, args.ctx)
     session = ChatSession(loaded, sampling, args.max_tokens, ctx, args.system, tuple(args.stop),
-                          pool=kv_pool(loaded.spec, args, ctx), overflow=args.overflow)
+                          pool=kv_pool(loaded.spec, kv, ctx), overflow=kv.overflow)
     sessions = session.session_file(args.session) if args.session is not None else None
     if sessions is not None and args.session.exists():
         turns = session.restore(sessions)

@@ -13,7 +13,7 @@ import sys
 
 from app.commands._common import add_model_argument
 from app.config.runtime import display_problem
-from app.service.loading import add_memory_arguments, load_options
+from app.commands._memory import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
-from app.service.loading import add_memory_arguments, kv_cache
+from app.commands._memory import add_memory_arguments, load_options
+from app.service.loading import KVOptions, kv_cache
 from engine.errors import ColibriError
 
 
@@ -90,31 +91,27 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.events import DoneEvent, ErrorEvent, PromptLogitsEvent, TokenEvent
-    from engine.generation.generate import GenerationRequest, stream_generate
-    from engine.kv import KVCache
-
     sampling = sampling_from_args(args)
     if args.max_tokens < 1:
         raise ColibriError(f"--max-tokens {args.max_tokens}: generate at least one token")
-    loaded = load(args.model, quiet=args.json, args=args)
+    options = load_options(args)
+    loaded = load(args.model, quiet=args.json, options=options)
     try:
-        return _answer(args, loaded, sampling)
+        return _answer(args, loaded, sampling, KVOptions.of(options))
     finally:
         loaded.close()                      # saves the usage history of a streamed model
 
 
-def _answer(args: argparse.Namespace, loaded, sampling) -> int:
+def _answer(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
     from engine.events import DoneEvent, ErrorEvent, PromptLogitsEvent, TokenEvent
     from engine.generation.generate import GenerationRequest, stream_generate
-    from engine.kv import KVCache
 
     ids = prompt_ids(args, loaded.tokenizer)
     request = GenerationRequest(
         prompt=tuple(ids), max_tokens=args.max_tokens, sampling=sampling,
         stop=tuple(args.stop), prompt_logits=args.logits_out is not None,
     )
-    cache = kv_cache(loaded.spec, args, context_length(loaded, args.ctx))
+    cache = kv_cache(loaded.spec, kv, context_length(loaded, args.ctx))
     controller = None
     if args.speculative:
         import dataclasses

@@ -7,7 +7,7 @@ import ipaddress
 import sys
 
 from app.commands._common import add_model_argument
-from app.service.loading import add_memory_arguments
+from app.commands._memory import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
 
@@ -63,7 +63,6 @@ def _run(args: argparse.Namespace) -> int:
 
     from app.server.app import create_app
     from app.service.local import EngineService
-    from app.service.loading import load_options
 
     _check(args)
     if not is_loopback(args.host):

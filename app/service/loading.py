@@ -1,138 +1,134 @@
-"""The memory and streaming flags that `run`, `chat`, `bench`, `serve` and `gui` share.
+"""How a model loads, planned from typed options: held whole, or with its weights offloaded to disk under a
+memory budget, and the KV cache it runs on.
 
-`--max-memory` turns streaming on: the budget is divided (engine.offload.budget) into resident
-weights, KV cache, working buffers and the memory for streamed weights, and the model loads with
-an expert store (MoE) or a layer store (dense). The usage history that teaches the pins lives in
-the user's data folder, one file per model hash.
+`plan_load` is a pure function of the `LoadOptions`, the model's spec and its container: the budget is divided
+(engine.offload.budget) into resident weights, KV cache, working buffers and the memory for offloaded weights,
+and the result is a frozen `LoadPlan` (the engine's `OffloadOptions`, the split, the KV settings and the line a
+command shows). It prints nothing; the CLI (app/commands) and the engine service (app/service/local.py) both use it.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from app.service.messages import LoadOptions
 from engine.errors import ColibriError
 
-DEFAULT_STREAM_CTX = 4096   # context assumed for the KV budget when --ctx is not given
+if TYPE_CHECKING:
+    from engine.formats.container import Container
+    from engine.kv import KVCache, KVPool
+    from engine.loader import OffloadOptions
+    from engine.offload.budget import MemoryPlan
+    from engine.spec import ModelSpec
+
+DEFAULT_CONTEXT = 4096      # context length when the options name none (capped by the model's own limit)
 
 
-def size_text(text: str) -> str:
-    """An argparse type for sizes: checked now (so a settings file's bad value names its key), kept as text."""
-    from app.config.sizes import parse_size
+@dataclass(frozen=True)
+class KVOptions:
+    """How the KV cache stores positions: block size, bits per value, and what happens past the context."""
 
-    try:
-        parse_size(text, "--max-memory")
-    except ColibriError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    block_size: int
+    bits: int = 32              # 32 exact; 16 fp16 rows; 8 int8 rows
+    overflow: str = "error"     # "error", "slide" or "retain" (see engine.kv)
 
+    @classmethod
+    def of(cls, options: LoadOptions) -> KVOptions:
+        """The KV settings of a load, checked."""
+        from engine.kv import BLOCK_SIZE, check_kv_settings
 
-size_text.description = "a size such as 9GB, 512MB or 1.5 (gigabytes)"   # how app.config.settings names it
-
-
-def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    """--max-memory, --io, --io-threads, --prefetch-depth, --cache-policy, --resident-layers."""
-    g = parser.add_argument_group("memory and streaming")
-    g.add_argument("--max-memory", metavar="SIZE", type=size_text,
-                   help="memory for the model (weights, expert cache, KV cache, buffers), e.g. 9GB or 512MB (a bare "
-                        "number is GB); what does not fit streams from disk (needs a container: `colibri convert`)")
-    g.add_argument("--io", choices=("pread", "mmap"), default="pread",
-                   help="how streamed weights are read: pread into the cache (default) or mmap page faults (baseline)")
-    g.add_argument("--io-threads", type=int, default=2, metavar="N", help="reader threads (default 2)")
-    g.add_argument("--prefetch-depth", type=int, default=1, metavar="D",
-                   help="layers read ahead while the current one computes (default 1; 0 is off)")
-    g.add_argument("--cache-policy", choices=("lru", "lfru", "learned"), default="learned",
-                   help="which cached expert leaves first (default learned: usage history plus recency)")
-    g.add_argument("--resident-layers", type=int, default=None, metavar="N",
-                   help="dense models: layers held in memory (default: as many as the budget allows)")
-    g.add_argument("--no-history", action="store_true", help="neither read nor update the usage history")
-    add_kv_arguments(parser)
+        kv = cls(options.kv_block_size or BLOCK_SIZE, options.kv_bits, options.overflow)
+        check_kv_settings(kv.block_size, kv.bits, kv.overflow)
+        return kv
 
 
-def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
-    """--kv-block-size, --kv-bits, --overflow."""
-    from engine.kv import BLOCK_SIZE, OVERFLOW
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a load will do: the model, its context, its KV cache and, under a budget, how weights are offloaded."""
 
-    g = parser.add_argument_group("KV cache")
-    g.add_argument("--kv-block-size", type=int, default=BLOCK_SIZE, metavar="N",
-                   help=f"positions per KV block, a power of two (default {BLOCK_SIZE})")
-    g.add_argument("--kv-bits", type=int, choices=(32, 16, 8), default=32,
-                   help="32 keeps keys and values exact (default); 16 stores fp16 rows, half the memory (what "
-                        "llama.cpp keeps by default); 8 stores int8 rows, a quarter; both with a small error")
-    g.add_argument("--overflow", choices=OVERFLOW, default="error",
-                   help="past --ctx: stop with an error (default), slide (drop the oldest blocks) or retain (keep "
-                        "the first tokens, the recent window and the most attended blocks); both change outputs")
+    path: Path
+    spec: ModelSpec
+    context_length: int
+    kv: KVOptions
+    offload: OffloadOptions | None = None   # None: the model is held whole
+    memory: MemoryPlan | None = None        # how the budget divides (None: held whole, no budget)
+    description: str = ""                   # the budget's split, for a command to show ("" when held whole)
 
-
-def load_options(args: argparse.Namespace, max_batch: int | None = None):
-    """The engine service's LoadOptions from the memory and KV flags (app.service.local)."""
-    from app.service.messages import LoadOptions
-    from app.config.sizes import parse_size
-    from engine.kv import check_kv_settings
-
-    if args.prefetch_depth < 0:
-        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) or more")
-    if getattr(args, "ctx", None) is not None and args.ctx < 1:
-        raise ColibriError(f"--ctx {args.ctx}: the context must hold at least one token")
-    check_kv_settings(args.kv_block_size, args.kv_bits, args.overflow)
-    return LoadOptions(
-        max_memory=parse_size(args.max_memory, "--max-memory") if args.max_memory else None,
-        context_length=getattr(args, "ctx", None), prefetch_depth=args.prefetch_depth, io=args.io,
-        io_threads=args.io_threads, cache_policy=args.cache_policy, resident_layers=args.resident_layers,
-        history=not args.no_history, kv_bits=args.kv_bits, kv_block_size=args.kv_block_size, overflow=args.overflow,
-        **({} if max_batch is None else {"max_batch": max_batch}))
+    @property
+    def budget(self) -> int | None:
+        """Bytes for the whole model, or None when it is held whole."""
+        return self.memory.total if self.memory is not None else None
 
 
-def kv_pool(spec, args: argparse.Namespace | None, ctx: int, sequences: int = 1, prefix_cache: bool = True):
-    """A KV pool from the flags holding `sequences` contexts of `ctx` tokens (plus one spare block each)."""
-    from engine.kv import BLOCK_SIZE, KVPool, blocks_for, check_kv_settings
-
-    block = getattr(args, "kv_block_size", BLOCK_SIZE)
-    bits = getattr(args, "kv_bits", 32)
-    check_kv_settings(block, bits, getattr(args, "overflow", "error"))
-    return KVPool(spec, sequences * (blocks_for(ctx, block) + 1), block, bits, prefix_cache=prefix_cache)
+def needs_container(path: Path) -> ColibriError:
+    """The error for a budget given to a model that is not a Colibri container."""
+    return ColibriError(f"{path}: --max-memory streams from a Colibri container; convert the model first: "
+                        f"`colibri convert {path} OUT --bits 4`, then run OUT")
 
 
-def kv_cache(spec, args: argparse.Namespace | None, ctx: int, pool=None):
-    """One sequence's cache from the flags (its own pool unless one is given)."""
-    from engine.kv import KVCache
+def plan_load(options: LoadOptions, path: Path, spec: ModelSpec, container: Container | None, *,
+              available: int | None = None, history_dir: Path | None = None) -> LoadPlan:
+    """The plan for loading the model at `path` with `options` (raises ColibriError naming what to change).
 
-    pool = pool if pool is not None else kv_pool(spec, args, ctx, prefix_cache=False)
-    return KVCache(spec, ctx, pool=pool, overflow=getattr(args, "overflow", "error"))
-
-
-def offload_options(args: argparse.Namespace, path: Path, quiet: bool = False):
-    """OffloadOptions from the flags for the model at `path`, or None without --max-memory."""
-    if getattr(args, "max_memory", None) is None:
-        return None
-    from app.config.sizes import parse_size
-    from engine.formats.container import Container, is_container
-    from engine.loader import OffloadOptions, open_checkpoint
+    `available`: free memory in bytes, from which a budget is chosen when the options offload without naming
+    one (None: all that the model needs); `history_dir`: the folder of usage histories (None: no history)."""
+    from app.service.model import ALL, full_budget, n_experts
+    from engine.loader import OffloadOptions
     from engine.offload.budget import plan_memory
     from engine.offload.store_types import StoreSettings
 
-    total = parse_size(args.max_memory, "--max-memory")
-    if args.prefetch_depth < 0:
-        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) or more")
-    if not (Path(path).is_dir() and is_container(path)):
-        raise ColibriError(f"{path}: --max-memory streams from a Colibri container; convert the model first: "
-                           f"`colibri convert {path} OUT --bits 4`, then run OUT")
-    ckpt = open_checkpoint(path, verify=False)           # the loader checks what it holds
-    container: Container = ckpt.source
-    if getattr(args, "ctx", None) is None:
-        args.ctx = min(ckpt.spec.max_position, DEFAULT_STREAM_CTX)
-    plan = plan_memory(container, ckpt.spec, total, args.ctx, args.prefetch_depth, args.resident_layers,
-                       getattr(args, "kv_bits", 32))
-    if not quiet:
-        from app.plan.budget import process_rss
-        from app.config.sizes import format_size
-
-        print(f"memory budget {plan.describe()}; the interpreter and libraries take {format_size(process_rss())} "
-              "more (measured before loading, not counted)", file=sys.stderr)
-    settings = StoreSettings(capacity=plan.cache, io=args.io, io_threads=args.io_threads, policy=args.cache_policy)
+    kv = KVOptions.of(options)
+    ctx = options.context_length or min(spec.max_position, DEFAULT_CONTEXT)
+    if not 1 <= ctx <= spec.max_position:
+        raise ColibriError(f"context length {ctx}: the model supports 1 to {spec.max_position} tokens")
+    if options.prefetch_depth < 0:
+        raise ColibriError(f"--prefetch-depth {options.prefetch_depth}: use 0 (off) or more")
+    budget = options.max_memory
+    wants = options.offload if options.offload is not None else (container is not None and n_experts(spec) > 0)
+    if budget is None and wants and container is not None:
+        full = full_budget(plan_memory(container, spec, ALL, ctx, options.prefetch_depth))
+        least = plan_memory(container, spec, full, ctx, options.prefetch_depth).minimum
+        budget = full if available is None else max(least, min(full, int(available * 0.75)))
+    if budget is None:
+        if options.offload:
+            raise ColibriError(f"{path.name}: streaming needs a memory budget (max_memory)")
+        return LoadPlan(path, spec, ctx, kv)
+    if container is None:
+        raise needs_container(path)
+    memory = plan_memory(container, spec, budget, ctx, options.prefetch_depth, options.resident_layers,
+                         options.kv_bits)
+    settings = StoreSettings(capacity=memory.cache, io=options.io, io_threads=options.io_threads,
+                             policy=options.cache_policy)
     settings.check()
-    from app.config.paths import usage_dir
+    history = history_dir / f"{container.model_hash}.npz" if options.history and history_dir is not None else None
+    offload = OffloadOptions(settings, options.prefetch_depth, history, memory.resident_layers or 0)
+    return LoadPlan(path, spec, ctx, kv, offload, memory, f"memory budget {memory.describe()}")
 
-    history = None if args.no_history else usage_dir() / f"{container.model_hash}.npz"
-    return OffloadOptions(settings, args.prefetch_depth, history, plan.resident_layers or 0)
+
+def plan_offload(options: LoadOptions, path: Path, history_dir: Path | None = None) -> LoadPlan:
+    """`plan_load` for a container at `path` given a budget (reads its manifest; refuses anything else)."""
+    from engine.formats.container import is_container
+    from engine.loader import open_checkpoint
+
+    if not (Path(path).is_dir() and is_container(path)):
+        raise needs_container(path)
+    ckpt = open_checkpoint(path, verify=False)           # the loader checks what it holds
+    return plan_load(options, Path(path), ckpt.spec, ckpt.source, history_dir=history_dir)
+
+
+def kv_pool(spec: ModelSpec, kv: KVOptions, ctx: int, sequences: int = 1, prefix_cache: bool = True) -> KVPool:
+    """A KV pool holding `sequences` contexts of `ctx` tokens (plus one spare block each)."""
+    from engine.kv import KVPool, blocks_for
+
+    return KVPool(spec, sequences * (blocks_for(ctx, kv.block_size) + 1), kv.block_size, kv.bits,
+                  prefix_cache=prefix_cache)
+
+
+def kv_cache(spec: ModelSpec, kv: KVOptions, ctx: int, pool: KVPool | None = None) -> KVCache:
+    """One sequence's cache (its own pool unless one is given)."""
+    from engine.kv import KVCache
+
+    pool = pool if pool is not None else kv_pool(spec, kv, ctx, prefix_cache=False)
+    return KVCache(spec, ctx, pool=pool, overflow=kv.overflow)

@@ -24,7 +24,7 @@ class LoadOptions:
     """How to open a model: held whole, or streamed under a memory budget (the CLI's memory flags)."""
 
     max_memory: int | None = None       # bytes for the whole model; None: all that it needs (capped by free RAM)
-    stream: bool | None = None          # None: stream a Mixture-of-Experts container, hold anything else whole
+    offload: bool | None = None         # weights on disk under the budget; None: for a Mixture-of-Experts container
     context_length: int | None = None   # None: DEFAULT_CONTEXT or the model's limit, whichever is less
     prefetch_depth: int = 1
     io: str = "pread"

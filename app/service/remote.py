@@ -48,7 +48,7 @@ from app.service.messages import (
 )
 from engine.events import DoneEvent, ErrorEvent, GenerationStats, TokenEvent
 from engine.generation.sampling import SamplingParams
-from engine.telemetry import Snapshot
+from engine.telemetry import Snapshot, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -76,48 +76,6 @@ class ConnectionChanged:
 # ---- the service --------------------------------------------------------------------------------
 
 
-class RemoteSubscription:
-    """Telemetry of the server delivered on the telemetry thread; `close` stops it (waits for a callback running)."""
-
-    def __init__(self, service: RemoteService, callback: Callable[[Any], None], min_interval: float, tiers: bool):
-        self.callback = callback
-        self.min_interval = min_interval
-        self.tiers = tiers                  # gets the tier grid, not the snapshot
-        self._service = service
-        self._last = -float("inf")          # time.monotonic() of the last delivery
-        self._lock = threading.RLock()      # held while the callback runs
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        """Whether close() was called."""
-        return self._closed
-
-    def close(self) -> None:
-        """Stop deliveries; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._service._unsubscribe(self)
-
-    def _deliver(self, value: Any, now: float) -> None:
-        with self._lock:
-            if self._closed or now - self._last < self.min_interval:
-                return
-            self._last = now
-            try:
-                self.callback(value)
-            except Exception:  # a broken view must not stop the stream
-                log.exception("remote telemetry subscriber %r failed", self.callback)
-
-    def __enter__(self) -> RemoteSubscription:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 class RemoteService:
     """A Colibri server driven like a local EngineService (see the module's header)."""
 
@@ -137,7 +95,7 @@ class RemoteService:
         self._sockets: set[socket.socket] = set()   # open connections, shut down by cancel / close
         self._request_socket: socket.socket | None = None
         self._telemetry_socket: socket.socket | None = None
-        self._subs: list[RemoteSubscription] = []
+        self._subs: dict[Subscription, bool] = {}    # each subscription -> whether it wants the tier grid
         self._stream_params: tuple[float, bool] | None = None   # (interval, tiers) the open stream was asked for
         self._snapshot: Snapshot | None = None
         self._records: deque = deque(maxlen=RECORDS_KEPT)   # TokenTimes kept across events, oldest first
@@ -198,13 +156,13 @@ class RemoteService:
             f"{', '.join(asked) or 'settings'}: {fixed_reason(self.url)}",)))
         return i
 
-    def subscribe(self, callback: Callable[[Snapshot], None], min_interval: float = 0.0) -> RemoteSubscription:
+    def subscribe(self, callback: Callable[[Snapshot], None], min_interval: float = 0.0) -> Subscription:
         """The server's telemetry snapshots, at most every min_interval s (and as often as the stream brings them)."""
-        return self._subscribe(RemoteSubscription(self, callback, min_interval, tiers=False))
+        return self._subscribe(Subscription(callback, min_interval, on_close=self._unsubscribe), tiers=False)
 
-    def subscribe_tiers(self, callback: Callable[[Any], None], min_interval: float = 0.0) -> RemoteSubscription:
+    def subscribe_tiers(self, callback: Callable[[Any], None], min_interval: float = 0.0) -> Subscription:
         """The served experts' tiers as a read-only int8 grid [layers, experts] (None when the server sends none)."""
-        return self._subscribe(RemoteSubscription(self, callback, min_interval, tiers=True))
+        return self._subscribe(Subscription(callback, min_interval, on_close=self._unsubscribe), tiers=True)
 
     def snapshot(self) -> Snapshot | None:
         """The latest snapshot the stream brought, or None before the first."""
@@ -452,11 +410,11 @@ class RemoteService:
 
     # --- the telemetry thread --------------------------------------------------------------------------
 
-    def _subscribe(self, sub: RemoteSubscription) -> RemoteSubscription:
+    def _subscribe(self, sub: Subscription, tiers: bool) -> Subscription:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the remote service is closed")
-            self._subs.append(sub)
+            self._subs[sub] = tiers
             if self._telemetry_thread is None:
                 self._telemetry_thread = threading.Thread(target=self._telemetry_loop, name="colibri-remote-telemetry",
                                                           daemon=True)
@@ -467,10 +425,9 @@ class RemoteService:
         _shut(sock)   # the open stream was asked for less (no tiers, or a slower rate): open it again
         return sub
 
-    def _unsubscribe(self, sub: RemoteSubscription) -> None:
+    def _unsubscribe(self, sub: Subscription) -> None:
         with self._lock:
-            if sub in self._subs:
-                self._subs.remove(sub)
+            self._subs.pop(sub, None)
             idle = not self._subs
             sock = self._telemetry_socket if idle else None
         _shut(sock)   # nobody listens: no stream
@@ -480,7 +437,7 @@ class RemoteService:
         if not self._subs:
             return None
         interval = max(self.telemetry_interval, min(s.min_interval for s in self._subs))
-        return round(interval, 3), any(s.tiers for s in self._subs)
+        return round(interval, 3), any(self._subs.values())
 
     def _telemetry_loop(self) -> None:
         failures = 0
@@ -547,11 +504,12 @@ class RemoteService:
             else:
                 grid.flags.writeable = False
         self._snapshot = snap
-        now = time.monotonic()
+        now = time.monotonic_ns()
         with self._lock:
-            subs = tuple(self._subs)
-        for sub in subs:
-            sub._deliver(grid if sub.tiers else snap, now)
+            subs = tuple(self._subs.items())
+        for sub, tiers in subs:
+            if sub.due(now):
+                sub.deliver(grid if tiers else snap, now)
 
     def _keep_records(self, snap: Snapshot) -> Snapshot:
         """snap with `recent` grown from the records kept: each event adds the records made since the last one."""

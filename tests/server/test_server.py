@@ -114,7 +114,7 @@ def test_chat_completion_equals_the_engine(model, client):
 
 def test_streamed_chat_adds_up_and_reports_usage(model, client):
     stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
-                                            stream=True, offload_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == _direct(model, MESSAGES, 10).text
@@ -280,6 +280,7 @@ FIELDS = st.fixed_dictionaries({}, optional={
 })
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), body=FIELDS | JSON)
 def test_fuzzed_bodies_never_get_a_500(server, path, body):

@@ -409,7 +409,7 @@ def test_close_ends_the_thread_and_refuses_more_requests(hf):
 @pytest.mark.parametrize("command", ["gui", "serve"])
 def test_the_memory_and_kv_flags_reach_the_service(command):
     from app.cli import build_parser
-    from app.service.loading import load_options
+    from app.commands._memory import load_options
 
     args = build_parser().parse_args([command, "m", "--max-memory", "512MB", "--kv-bits", "8", "--overflow",
                                       "retain", "--kv-block-size", "16", "--prefetch-depth", "2", "--ctx", "300"])
@@ -426,3 +426,27 @@ def test_a_kv_setting_of_the_load_shapes_the_pool_and_keeps_the_answer(service, 
     tokens, done = _generate(service, prompt=[5, 6, 7, 8, 9], max_tokens=6)
     pool = service._model.pool
     assert (pool.block_size, pool.bits) == (8, 32) and done.tokens == _direct(info.path, [5, 6, 7, 8, 9], 6)
+
+
+def test_load_planning_prints_nothing_and_changes_no_option(container, capsys):
+    from app.service.loading import LoadPlan, plan_load
+    from engine.loader import open_checkpoint
+
+    ckpt = open_checkpoint(container, verify=False)
+    options = LoadOptions(max_memory=1 << 40, context_length=64, prefetch_depth=2, history=False)
+    plan = plan_load(options, container, ckpt.spec, ckpt.source)
+    assert isinstance(plan, LoadPlan) and plan.context_length == 64 and plan.budget == 1 << 40
+    assert plan.offload is not None and plan.offload.prefetch_depth == 2 and plan.offload.history_path is None
+    assert plan.description.startswith("memory budget ") and "KV cache for 64 tokens" in plan.description
+    assert capsys.readouterr() == ("", "") and options == LoadOptions(max_memory=1 << 40, context_length=64,
+                                                                      prefetch_depth=2, history=False)
+    whole = plan_load(LoadOptions(offload=False), container, ckpt.spec, ckpt.source)
+    assert whole.offload is None and whole.budget is None and whole.description == ""
+
+
+def test_the_local_and_the_remote_service_are_both_a_service():
+    from app.service.protocol import Service
+    from app.service.remote import RemoteService
+
+    with EngineService() as local, RemoteService("http://127.0.0.1:9") as remote:
+        assert isinstance(local, Service) and isinstance(remote, Service)

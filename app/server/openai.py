@@ -1,0 +1,253 @@
+"""The OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`,
+streamed as server-sent events ending with `data: [DONE]` (`"stream": true`) or whole.
+
+Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type,
+a value out of range, an unknown model, a prompt longer than the context (with the numbers). A full queue
+answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.server.engine import QueueFull, Served, Ticket
+from app.server.errors import ApiError, error, sse as _sse
+from engine.errors import ColibriError
+from engine.events import DoneEvent, ErrorEvent, TokenEvent
+from engine.generation.sampling import SamplingParams
+
+RETRY_AFTER = 2             # seconds a client is told to wait when the queue is full
+DISCONNECT_POLL = 0.25      # seconds between checks that a non-streaming client is still there
+
+
+# --------------------------------------------------------------------------- request bodies
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")   # unknown fields (user, logprobs=false ...) are ignored
+
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: Union[str, list[str], None] = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)     # an extension (as in vLLM): the desktop app's
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: "StreamOptions | None" = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatBody(_Body):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionBody(_Body):
+    prompt: Union[str, list[int], list[str]]
+    echo: bool = False
+
+
+_Body.model_rebuild()
+ChatBody.model_rebuild()
+CompletionBody.model_rebuild()
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def add_openai_routes(app: FastAPI, engine: Served) -> None:
+    """The model list and the completion routes of the model `engine` serves."""
+    tokenizer = engine.service.tokenizer
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": int(engine.started),
+                                            "owned_by": "colibri", "colibri": model_description(engine.info)}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        _check_model(body.model)
+        if tokenizer is None or not tokenizer.has_chat_template:
+            raise ApiError(400, f"{engine.name} has no chat template; use /v1/completions", "messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt = tokenizer.encode_chat(messages, add_generation_prompt=True)
+        except ColibriError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+        return await _generate(body, prompt, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        _check_model(body.model)
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise ApiError(400, "only one prompt per request is supported (n=1)", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ApiError(400, f"{engine.name} has no tokenizer: send the prompt as token ids", "prompt")
+            prompt = tokenizer.encode(p)
+        else:
+            prompt = list(p)
+            vocab = engine.info.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
+        return await _generate(body, prompt, request, chat=False)
+
+    # --- generation ---
+
+    def _check_model(name: str) -> None:
+        if name not in (engine.name, "colibri", "default"):
+            raise ApiError(404, f"model {name!r} is not served here; GET /v1/models lists {engine.name!r}",
+                           "model", "model_not_found")
+
+    async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool):
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        room = engine.ctx - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the context holds {engine.ctx}; "
+                                "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
+        limit = body.max_completion_tokens or body.max_tokens
+        if limit is not None and limit > room:
+            raise ApiError(400, f"max_tokens {limit} does not fit: the prompt has {len(prompt)} tokens and the "
+                                f"context holds {engine.ctx}, leaving {room}", "max_tokens", "context_length_exceeded")
+        stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stops) > 4:
+            raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
+        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                  repetition_penalty=body.repetition_penalty)
+        try:
+            sampling.validate()
+        except ColibriError as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            ticket = engine.submit(list(prompt), max_tokens=limit or room, sampling=sampling, stop=stops,
+                                   loop=asyncio.get_running_loop())
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER)}) from None
+        except ColibriError as exc:
+            raise ApiError(503, str(exc), kind="server_error") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream(ticket, rid, created, chat, include_usage, len(prompt)),
+                                     media_type="text/event-stream")
+        return await _whole(ticket, rid, created, chat, len(prompt), request)
+
+    def _finish(event: DoneEvent) -> str:
+        return "length" if event.finish_reason == "length" else "stop"
+
+    def _usage(prompt_tokens: int, done: DoneEvent) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": len(done.tokens),
+                "total_tokens": prompt_tokens + len(done.tokens)}
+
+    async def _whole(ticket: Ticket, rid: str, created: int, chat: bool, n_prompt: int, request: Request):
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(ticket.events.get(), timeout=DISCONNECT_POLL)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        ticket.cancel()
+                        return error(499, "the client closed the request")
+                    continue
+                if isinstance(event, ErrorEvent):
+                    raise ApiError(400, event.message)
+                if isinstance(event, DoneEvent):
+                    break
+        finally:
+            ticket.cancel()          # a no-op once done; frees the blocks of a request abandoned mid-way
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
+                      "finish_reason": _finish(event), "logprobs": None}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": event.text, "finish_reason": _finish(event), "logprobs": None}
+            kind = "text_completion"
+        return {"id": rid, "object": kind, "created": created, "model": engine.name, "choices": [choice],
+                "usage": _usage(n_prompt, event)}
+
+    async def _stream(ticket: Ticket, rid: str, created: int, chat: bool, include_usage: bool, n_prompt: int):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: dict | str, finish: str | None) -> str:
+            if chat:
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            payload = {"id": rid, "object": kind, "created": created, "model": engine.name, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        try:
+            if chat:
+                yield chunk({"role": "assistant", "content": ""}, None)
+            while True:
+                event = await ticket.events.get()
+                if isinstance(event, TokenEvent):
+                    if event.text:
+                        yield chunk({"content": event.text} if chat else event.text, None)
+                elif isinstance(event, ErrorEvent):
+                    yield _sse({"error": {"message": event.message, "type": "invalid_request_error",
+                                          "param": None, "code": None}})
+                    break
+                elif isinstance(event, DoneEvent):
+                    if event.tail:
+                        yield chunk({"content": event.tail} if chat else event.tail, None)
+                    yield chunk({} if chat else "", _finish(event))
+                    if include_usage:
+                        yield _sse({"id": rid, "object": kind, "created": created, "model": engine.name,
+                                    "choices": [], "usage": _usage(n_prompt, event)})
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            ticket.cancel()          # the client left (or we are done): stop and free the KV blocks
+
+
+def model_description(info) -> dict:
+    """The served model as /v1/models describes it under "colibri" (what a remote desktop app shows)."""
+    s = info.settings
+    return {"name": info.name, "architecture": info.architecture, "n_layers": info.n_layers,
+            "n_experts": info.n_experts, "top_k": info.top_k, "chat": info.chat, "max_context": info.max_context,
+            "streaming": info.streaming, "budget_range": list(info.budget_range) if info.budget_range else None,
+            "settings": {"memory_budget": s.memory_budget, "prefetch_depth": s.prefetch_depth,
+                         "io_threads": s.io_threads, "context_length": s.context_length}}
