@@ -15,7 +15,7 @@ from pathlib import Path
 from engine.errors import ColibriError
 
 # assets/ sits beside the `app` package, in the source tree and in an installed wheel alike
-PROBES_DIR = Path(__file__).resolve().parent.parent / "assets" / "probes"
+PROBES_DIR = Path(__file__).resolve().parents[2] / "assets" / "probes"
 HELDOUT_FILE = "heldout.txt"
 
 

@@ -14,7 +14,7 @@ from app import cli
 from engine import __version__
 from engine.errors import ColibriError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def colibri(*args: str, **env: str) -> subprocess.CompletedProcess:

@@ -24,7 +24,7 @@ from engine.loader import load_model
 from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
 from engine.generation.session import KVSettings, SessionError, SessionFile, SessionState
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7]
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.3)   # the penalty reads the history
 GREEDY = SamplingParams()

@@ -32,7 +32,7 @@ from ui.inspector.brain import BrainView
 from ui.inspector import inspector as inspector_module
 from ui.inspector.common import PLOT_HZ, fmt_ms, nice_ceil, theme_for
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MS = 1_000_000  # ns
 GB, MB = 10**9, 10**6  # decimal, as `--max-memory` and the app count
 

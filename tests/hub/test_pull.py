@@ -29,7 +29,7 @@ from engine.formats import container as container_mod
 from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SMOL = pull_mod.ALIASES["smollm2-135m"]
 
 

@@ -6,11 +6,11 @@ import numba
 import numpy as np
 import pytest
 
-from support.kernels import acts, lane_dot, weights
-
+from engine.kernels import matmul as kernels
 from engine.kernels.fp32 import matmul_f32
 from engine.quant import BITS, QuantizedTensor, matmul_many, quantize
-from engine.kernels import matmul as kernels
+from support.kernels import acts, lane_dot, weights
+
 TOKENS = (1, 2, 3, 17, 128)  # 1 and 2 take the on-the-fly (decode) path, 3 (a padded tile), 17 and 128 the tile path
 
 
@@ -157,6 +157,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_generic_cpu_build_gives_the_same_bits():
     # the kernels compiled for a baseline x86-64 (no AVX, no FMA unit, no table permutes) must
     # reproduce this machine's results bit for bit: hardware changes speed, never the answer
@@ -165,7 +166,7 @@ def test_generic_cpu_build_gives_the_same_bits():
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(repo / ".cache" / "numba-generic")}
     run = subprocess.run([sys.executable, "-c", _PORTABLE_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
                          timeout=600)

@@ -17,7 +17,7 @@ import pytest
 
 from support.tiny_chat import tiny_moe
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGING = REPO / "packaging"
 TOKENS = 8
 
@@ -64,6 +64,7 @@ def _self_test(program: Path, model: Path, env: dict[str, str]) -> dict:
     return {**report, "wall_s": round(wall, 2)}
 
 
+@pytest.mark.slow
 def test_the_packaged_app_opens_a_model_answers_and_exits_cleanly(bundle, tmp_path):
     app, figures = bundle
     model = tiny_moe(tmp_path / "tiny-chat-moe")
@@ -88,6 +89,7 @@ def test_the_packaged_app_opens_a_model_answers_and_exits_cleanly(bundle, tmp_pa
               f"first token {run['first_token_s']} s, exit after {run['wall_s']} s")
 
 
+@pytest.mark.slow
 def test_the_packaged_cli_runs_too(bundle, tmp_path):
     app, _ = bundle
     result = subprocess.run([str(app / "colibri"), "--cli", "--version"], env=_user_env(tmp_path),
