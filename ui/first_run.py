@@ -1,31 +1,37 @@
 """First run: with no model to open, offer the demo model, a folder or GGUF of one's own, or a pull by name.
 
 The demo is the derived MoE (`colibri pull smollm2-moe`: SmolLM2-135M upcycled into 8 experts,
-then converted into a 4-bit container whose experts stream; a few minutes once). The packaged app
+then converted into a 4-bit container whose experts stream; made once). The packaged app
 ships the SmolLM2 GGUF it is derived from in its `models/` folder, copied into the user's models
 folder first, so no network is needed. A pull runs app.hub.pull.pull on a worker thread behind a
-progress dialog; Cancel raises from the pull's log callback at its next message (the upcycling
-logs every tenth, the conversion every 64 tensors), and the worker is always joined before the
-dialog goes away. Half-made models are cleaned, or resumed, by the next pull.
+progress dialog that shows the pull's typed events (app.hub.progress); Cancel raises from the
+pull's progress callback at its next event (the upcycling reports every tenth, the conversion
+every 64 tensors), and the worker is always joined before the dialog goes away. Half-made models
+are cleaned, or resumed, by the next pull.
 """
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import (
-    QDialog, QHBoxLayout, QLabel, QLineEdit, QProgressDialog, QPushButton, QVBoxLayout, QWidget,
+    QDialog,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QProgressDialog,
+    QPushButton,
+    QVBoxLayout,
+    QWidget,
 )
 
 from app.hub import pull as pulls
+from app.hub.progress import HubEvent, Log, Progress, Report, noting, render
 from engine.errors import ColibriError
-from ui.models import BackgroundJob, JobStep
-
-_PERCENT = re.compile(r"(\d+)% ")
+from ui.models import BackgroundJob
 
 
 def bundled_models_dir() -> Path | None:
@@ -45,7 +51,11 @@ def prepared_default(models_dir: Path | None = None) -> Path | None:
         return None
 
 
-def seed_from_bundle(bundle: Path | None, models_dir: Path, log=lambda m: None) -> bool:
+def _quiet(message: str) -> None:
+    pass
+
+
+def seed_from_bundle(bundle: Path | None, models_dir: Path, log: Log = _quiet) -> bool:
     """Copy the GGUFs shipped in bundle/<alias>/ into the models folder where missing; True if one was copied."""
     copied = False
     for name in pulls.ALIASES:
@@ -73,17 +83,13 @@ class PullJob(BackgroundJob):
         super().__init__(parent)
         self.name, self.models_dir, self.bundle = name, models_dir, bundle
 
-    def _percent(self, message: str) -> int | None:
-        m = _PERCENT.search(message)
-        return int(m[1]) if m else None
-
-    def _work(self, log) -> Path:
+    def _work(self, report: Report) -> Path:
         from app.config.paths import models_dir
 
         root = self.models_dir or models_dir()
         if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
-            seed_from_bundle(self.bundle, root, log)
-        return pulls.pull(self.name, root, log=log)
+            seed_from_bundle(self.bundle, root, noting(report))
+        return pulls.pull(self.name, root, progress=report)
 
 
 class FirstRunDialog(QDialog):
@@ -183,14 +189,14 @@ class FirstRunDialog(QDialog):
                 self.progress_dialog.setLabelText("Cancelling at the next step…")
                 self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
 
-    def _step(self, step: JobStep) -> None:
+    def _step(self, event: HubEvent) -> None:
         dlg = self.progress_dialog
         if dlg is None or (self.job is not None and self.job.cancelled):
             return
-        if step.percent is not None:
+        if isinstance(event, Progress):
             dlg.setRange(0, 100)
-            dlg.setValue(step.percent)
-        dlg.setLabelText(step.message)
+            dlg.setValue(round(100 * event.fraction))
+        dlg.setLabelText(render(event).strip())
 
     def _close_progress(self) -> None:
         if self.progress_dialog is not None:

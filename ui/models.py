@@ -1,13 +1,13 @@
 """Models: open a folder or a GGUF file, the recent models, and converting one into a container.
 
-A conversion (app.hub.convert) runs on a worker thread behind a progress dialog; Cancel raises from
-the conversion's log callback at its next message, so it stops between tensors (the partial
-output resumes next time). The worker is always joined before the dialog goes away.
+A conversion (app.hub.convert) runs on a worker thread behind a progress dialog, which shows the
+conversion's typed events (app.hub.progress); Cancel raises from the conversion's progress callback
+at its next event, so it stops between tensors (the partial output resumes next time). The worker
+is always joined before the dialog goes away.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,16 +15,28 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
-    QButtonGroup, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QMenu,
-    QProgressDialog, QPushButton, QRadioButton, QSpinBox, QWidget,
+    QButtonGroup,
+    QDialog,
+    QDialogButtonBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QMenu,
+    QProgressDialog,
+    QPushButton,
+    QRadioButton,
+    QSpinBox,
+    QWidget,
 )
 
 from app.hub.convert import ConvertSettings, convert
+from app.hub.progress import HubEvent, Progress, Report, render
 from engine.errors import ColibriError
 
 RECENT_KEY = "models/recent"
 MAX_RECENT = 8
-_WRITTEN = re.compile(r"written (\d+)/(\d+) tensors")
 
 
 class RecentModels:
@@ -47,15 +59,7 @@ class RecentModels:
 
 
 class JobCancelled(Exception):
-    """Raised from a job's log callback to stop it at its next message."""
-
-
-@dataclass(frozen=True)
-class JobStep:
-    """A job's progress message; percent is None while it cannot tell."""
-
-    message: str
-    percent: int | None
+    """Raised from a job's progress callback to stop it at its next event."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,12 @@ class JobEnded:
 class BackgroundJob(QObject):
     """A long app-layer call (convert, pull) on a worker thread, reporting through queued signals.
 
-    Subclasses give `_work(log)`, which returns the model's path and calls `log` with each message;
-    Cancel raises JobCancelled from `log` at the next message. The worker is joined with `wait`.
+    Subclasses give `_work(report)`, which returns the model's path and calls `report` with each
+    app.hub.progress event; Cancel raises JobCancelled from `report` at the next event. The worker
+    is joined with `wait`.
     """
 
-    progress = Signal(object)       # JobStep
+    progress = Signal(object)       # a HubEvent (Note or Progress)
     finished = Signal(str)          # the model's path
     failed = Signal(str, bool)      # message, cancelled
 
@@ -114,21 +119,17 @@ class BackgroundJob(QObject):
         """Whether the worker is alive."""
         return self._thread is not None and self._thread.is_alive()
 
-    def _work(self, log) -> Path:
+    def _work(self, report: Report) -> Path:
         raise NotImplementedError
 
-    def _percent(self, message: str) -> int | None:
-        """The progress a message tells, if any."""
-        return None
-
     def _run(self) -> None:
-        def log(message: str) -> None:
+        def report(event: HubEvent) -> None:
             if self._cancel.is_set():
                 raise JobCancelled()
-            self._relay.emit(JobStep(message.strip(), self._percent(message)))
+            self._relay.emit(event)
 
         try:
-            path = self._work(log)
+            path = self._work(report)
         except JobCancelled:
             self._relay.emit(JobEnded(None, self.cancelled_message, True))
         except ColibriError as exc:
@@ -138,8 +139,8 @@ class BackgroundJob(QObject):
         else:
             self._relay.emit(JobEnded(str(path)))
 
-    def _deliver(self, item: object) -> None:
-        if isinstance(item, JobStep):
+    def _deliver(self, item: HubEvent | JobEnded) -> None:
+        if not isinstance(item, JobEnded):
             self.progress.emit(item)
         elif item.path is not None:
             self.finished.emit(item.path)
@@ -157,12 +158,8 @@ class ConvertJob(BackgroundJob):
         super().__init__(parent)
         self.src, self.out, self.settings = Path(src), Path(out), settings
 
-    def _percent(self, message: str) -> int | None:
-        m = _WRITTEN.search(message)
-        return int(100 * int(m[1]) / max(1, int(m[2]))) if m else None
-
-    def _work(self, log) -> Path:
-        return convert(self.src, self.out, self.settings, log=log)
+    def _work(self, report: Report) -> Path:
+        return convert(self.src, self.out, self.settings, progress=report)
 
 
 class ConvertDialog(QDialog):
@@ -268,17 +265,17 @@ class ConvertDialog(QDialog):
                 self.progress_dialog.setLabelText("Cancelling at the next tensor…")
                 self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
 
-    def _step(self, step: JobStep) -> None:
+    def _step(self, event: HubEvent) -> None:
         dlg = self.progress_dialog
         if dlg is None:
             return
-        if step.percent is None:
-            dlg.setRange(0, 0)
-        else:
+        if isinstance(event, Progress):
             dlg.setRange(0, 100)
-            dlg.setValue(step.percent)
-        if not (self.job and self.job._cancel.is_set()):
-            dlg.setLabelText(step.message)
+            dlg.setValue(int(100 * event.fraction))
+        else:
+            dlg.setRange(0, 0)      # news without a measure: a busy bar
+        if not (self.job and self.job.cancelled):
+            dlg.setLabelText(render(event).strip())
 
     def _end(self) -> None:
         if self.job is not None:

@@ -36,13 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.plan.budget import process_rss, split_budget
-    from app.hub.convert import ConvertSettings, convert
     from app.config.sizes import format_size, parse_size
+    from app.hub.convert import ConvertSettings, convert
+    from app.hub.progress import to_stderr
+    from app.hub.pull import resolve_model
+    from app.plan.budget import process_rss, split_budget
     from engine.loader import open_checkpoint
     from engine.plan.planner import parse_keep_bits
-
-    from app.hub.pull import resolve_model
 
     args.src = resolve_model(args.src)
     baseline = process_rss()
@@ -55,7 +55,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ColibriError(f"--calib-tokens {args.calib_tokens}: use at least 64")
     settings = ConvertSettings(bits=args.bits, budget=budget, group=args.group_size, keep=tuple(parse_keep_bits(args.keep_bits)),
                                calib=args.calib, calib_tokens=args.calib_tokens)
-    out = convert(args.src, args.out, settings, log=lambda m: print(m, file=sys.stderr, flush=True))
+    out = convert(args.src, args.out, settings, progress=to_stderr)
     from engine.formats.container import Container
 
     c = Container.open(out, verify=False)

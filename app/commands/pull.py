@@ -27,8 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from app.hub.progress import to_stderr
     from app.hub.pull import pull
 
-    path = pull(args.name, models_dir=args.models_dir)
+    path = pull(args.name, models_dir=args.models_dir, progress=to_stderr)
     print(path)
     return 0

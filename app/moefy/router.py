@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.errors import ColibriError
 
-KMEANS_ITERS = 60      # Lloyd iterations at most (they usually settle in 20 to 40)
+KMEANS_ITERS = 60      # Lloyd iterations at most (they usually settle well before)
 KMEANS_RESTARTS = 3    # k-means++ starts per layer; the tightest clustering wins
 BALANCE_ITERS = 200    # bias updates; the step shrinks linearly to zero
 

@@ -35,8 +35,9 @@ from engine.models import spec_from_config
 from engine.models.transformer import layer_prefix
 from engine.spec import AttentionSpec, MLPSpec, ModelSpec
 
-# progress(fraction 0..1, what is happening) -> False to cancel (as engine.loader's)
-Progress = Callable[[float, str], "bool | None"]
+# progress(fraction 0..1, what is happening) -> False to cancel (as engine.loader's); `colibri pull` turns
+# these into app.hub.progress events
+MoefyProgress = Callable[[float, str], "bool | None"]
 
 REPORT_FILE = "moefy_report.json"
 PPL_BOUND = 0.02               # the MoE's perplexity may exceed the dense model's by at most this
@@ -49,7 +50,7 @@ class MoefyCancelled(ColibriError):
 
 @dataclass(frozen=True)
 class MoefyOptions:
-    """How to upcycle. The defaults were measured on SmolLM2-135M (see the README)."""
+    """How to upcycle. The defaults were chosen for SmolLM2-135M (see the README)."""
 
     experts: int = 8               # experts per layer
     top_k: int = 1                 # experts per token: 1 keeps per-token compute equal to the dense model's
@@ -102,7 +103,7 @@ def check_source(src: Path) -> tuple[ModelSpec, Any, dict[str, Any] | None]:
 
 
 def moefy(src: str | Path, out: str | Path, options: MoefyOptions = MoefyOptions(),
-          progress: Progress | None = None) -> dict[str, Any]:
+          progress: MoefyProgress | None = None) -> dict[str, Any]:
     """Upcycle the dense model SRC into the MoE checkpoint folder OUT; return the report (also in OUT)."""
     t0 = time.perf_counter()
     src, out = Path(src).expanduser(), Path(out).expanduser()

@@ -11,6 +11,7 @@ from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autou
 from support.qt import LOAD_TIMEOUT_MS
 
 from app.hub import pull as pulls
+from app.hub.progress import Progress
 def test_with_no_model_anywhere_the_first_run_choices_are_offered(qtbot, make_window, tmp_path, monkeypatch):
     from ui.app import startup_model
 
@@ -42,10 +43,10 @@ def test_a_prepared_demo_or_a_recent_model_opens_without_asking(make_window, tmp
 def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_window, models, tmp_path, monkeypatch):
     calls = []
 
-    def fake_pull(name, models_dir=None, log=print):
+    def fake_pull(name, models_dir=None, progress=None):
         calls.append((name, models_dir))
         for percent in (0, 40, 90):
-            log(f"  {name}: {percent:3d}% writing experts")
+            progress(Progress("write", percent, 100, "writing experts", model=name))
             time.sleep(0.05)
         return models[0]
 
@@ -64,10 +65,10 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
 def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_window, tmp_path, monkeypatch):
     started = threading.Event()
 
-    def endless_pull(name, models_dir=None, log=print):
+    def endless_pull(name, models_dir=None, progress=None):
         started.set()
-        while True:     # the real preparation logs as it goes; Cancel raises from the log callback
-            log(f"  {name}:  10% calibrating")
+        while True:     # the real preparation reports as it goes; Cancel raises from the progress callback
+            progress(Progress("upcycle", 0.1, 1.0, "calibrating", model=name))
             time.sleep(0.02)
 
     monkeypatch.setattr(pulls, "pull", endless_pull)
@@ -75,6 +76,8 @@ def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_win
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     job = dlg.start_pull(pulls.DEFAULT_MODEL)
     assert started.wait(10)
+    qtbot.waitUntil(lambda: dlg.progress_dialog.value() == 10, timeout=10_000)    # the bar follows the events
+    assert "calibrating" in dlg.progress_dialog.labelText()
     with qtbot.waitSignal(job.failed, timeout=10_000) as failed:
         dlg.progress_dialog.canceled.emit()     # what its Cancel button does
     assert failed.args[1] is True and "Cancelled" in dlg.error.text()
@@ -86,7 +89,7 @@ def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_win
 def test_a_failed_pull_by_name_shows_why_and_the_dialog_stays(qtbot, make_window, tmp_path, monkeypatch):
     from engine.errors import ColibriError
 
-    def failing_pull(name, models_dir=None, log=print):
+    def failing_pull(name, models_dir=None, progress=None):
         raise ColibriError(f"{name}: the hub cannot be reached; pull it where there is a network")
 
     monkeypatch.setattr(pulls, "pull", failing_pull)

@@ -10,14 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-
 from app.hub.convert import ConvertSettings, convert
 from engine.formats.container import Container
 from engine.kv import KVCache
 from engine.loader import load_model, open_checkpoint
 from engine.models.transformer import Transformer
 from engine.plan.planner import parse_keep_bits
+from support.reference import build_checkpoint
 
 PROMPT = list(range(5, 29))
 MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
@@ -52,6 +51,7 @@ def _logits(model, ids=PROMPT):
     return model.forward(ids, KVCache(model.spec, 64), all_logits=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_container_runs_its_quantized_weights(src, tmp_path, bits):
     out = convert(src, tmp_path / "q", ConvertSettings(bits=bits), log=lambda m: None)
@@ -91,13 +91,14 @@ def tok_src(tmp_path_factory, hf_smol):
     return folder
 
 
+@pytest.mark.slow
 def test_budget_plan_fits_and_beats_uniform_on_measured_error(tok_src, tmp_path):
     from app.hub.convert import classify, make_plan
     from engine.plan.calibration import collect_stats
     from engine.plan.planner import Plan
 
     calib = tmp_path / "calib.txt"
-    calib.write_text((Path(__file__).resolve().parent.parent / "assets" / "probes" / "heldout.txt").read_text()[:6000])
+    calib.write_text((Path(__file__).resolve().parents[2] / "assets" / "probes" / "heldout.txt").read_text()[:6000])
     ckpt = open_checkpoint(tok_src)
     mats = classify(ckpt)
     n = sum(s[0] * s[1] for s in mats.planned.values())
