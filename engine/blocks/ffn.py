@@ -15,15 +15,16 @@ import numpy as np
 
 from engine.blocks.linear import Probe, is_quantized, linear, linear_many
 from engine.blocks.norm import activation, silu
-from engine.kernels.rows import SIGMOID, SOFTMAX, route_rows, silu_product
 from engine.kernels.experts import expert_outputs, weighted_sum
 from engine.kernels.fp32 import matmul_f32
-from engine.telemetry import NULL, Telemetry
+from engine.kernels.rows import SIGMOID, SOFTMAX, route_rows, silu_product
 from engine.spec import MLPSpec, MoESpec
+from engine.telemetry import NULL, Telemetry
 from engine.weights import Weights
 
 
-def mlp_shapes(prefix: str, hidden: int, intermediate: int, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
+def mlp_shapes(prefix: str, hidden: int, intermediate: int,
+               names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
     """Tensors of one gated MLP (gate, up, down) with their shapes."""
     gate, up, down = names
     return {
@@ -88,6 +89,25 @@ class ExpertSource(Protocol):
         """The same experts in groups as they become available (each stays valid until the next is asked for)."""
 
 
+@dataclass(frozen=True)
+class StoreHooks:
+    """What a running fused call's driver (engine/fused/driver.py) attaches to a streaming store with
+    `StreamingExpertSource.attach`: every callback is optional, and the store calls only those given."""
+
+    # on a reader thread, as a read completes that could not be handed over (`on_arrival`): wakes the driver
+    on_read: Callable[[], None] | None = None
+    # on a reader thread, an expert read into a slot whose tensors are laid out, before the store takes it in:
+    # a call waiting for it goes on without the driver waking
+    on_arrival: Callable[[tuple[int, int], ExpertWeights], None] | None = None
+    # while a call runs: whether an expert may give up its slot now (False: the call may be reading it)
+    guard: Callable[[tuple[int, int]], bool] | None = None
+    # the store closes
+    on_close: Callable[[], None] | None = None
+
+
+NO_HOOKS = StoreHooks()
+
+
 @runtime_checkable
 class StreamingExpertSource(ExpertSource, Protocol):
     """An expert source that holds only some experts in memory and reads the others from disk: it takes guesses
@@ -116,6 +136,9 @@ class StreamingExpertSource(ExpertSource, Protocol):
 
     def learn_policy(self) -> float | None:
         """Fit the replacement policy to the session's usage before it is saved; its new half-life, if any."""
+
+    def attach(self, hooks: StoreHooks | None) -> None:
+        """Give the store a running fused call's callbacks (None: the call's driver is gone)."""
 
     def close(self) -> None:
         """Stop the readers and release the memory; idempotent."""

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 from engine.errors import ColibriError
 from engine.formats.container import Container
-from engine.spec import MLASpec, ModelSpec, MoESpec
-
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.offload.io import PAGE, round_up
+from engine.spec import MLASpec, ModelSpec, MoESpec
 
 
 def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:

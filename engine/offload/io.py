@@ -28,16 +28,16 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the OS has no O_DIRECT (macOS,
 _FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", None)
 
 
-READER_NICENESS = 10   # readers yield the cores to compute threads (measured: see _reader_thread)
+READER_NICENESS = 10   # readers yield the cores to compute threads (see _reader_thread)
 
 
 def _reader_thread(name: str) -> None:
     """Name a reader thread and lower its scheduling priority.
 
     Readers mostly wait for the disk, but a woken reader that takes a core from a numba worker
-    stalls a whole parallel region: on 2 cores decode of mixtral-1.7b under streaming fell from
-    about 20 to 1.7 tok/s with readers at normal priority. Lower priority lets the kernels finish
-    their regions first (Linux: per-thread nice; elsewhere nothing changes).
+    stalls a whole parallel region, and on two cores readers at normal priority slowed streamed
+    decode many times over. Lower priority lets the kernels finish their regions first (Linux:
+    per-thread nice; elsewhere nothing changes).
     """
     threading.current_thread().name = name
     try:
@@ -139,14 +139,14 @@ class IOPool:
 
     def read_here(self, path: str, offset: int, length: int, dest: np.ndarray) -> concurrent.futures.Future[ReadDone]:
         """The same read on the calling thread, as a future that is done (with the read's error, if any) when this
-        returns: for a thread that would only wait for it, it saves a reader thread's wake-up (on two busy cores,
-        submit to the read's start took 140-260 us, median)."""
+        returns: for a thread that would only wait for it, it saves a reader thread's wake-up (slow on busy
+        cores)."""
         flat = self._check("read_here", path, offset, length, dest)
         fut: concurrent.futures.Future[ReadDone] = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()
         try:
             fut.set_result(self._read(os.fspath(path), offset, length, flat))
-        except BaseException as exc:  # noqa: BLE001 - handed over in the future, as a reader thread's would be
+        except BaseException as exc:  # handed over in the future, as a reader thread's would be
             fut.set_exception(exc)
         return fut
 
@@ -298,7 +298,7 @@ def _pread_all(fd: int, dest: np.ndarray, offset: int, n: int, direct: bool) -> 
 
 
 def drop_file_cache(path: str) -> None:
-    """Ask the kernel to drop the page cache of one file (posix_fadvise DONTNEED over the whole file; fsync not needed for read-only files)."""
+    """Ask the kernel to drop the page cache of one file (posix_fadvise DONTNEED over the whole file)."""
     if _FADV_DONTNEED is None:
         return
     fd = os.open(path, os.O_RDONLY)
@@ -309,7 +309,8 @@ def drop_file_cache(path: str) -> None:
 
 
 def measure_read_bandwidth(path: str, nbytes: int = 256 << 20, block: int = 1 << 20, threads: int = 2) -> float:
-    """Bytes per second of cold reads of (up to) the first nbytes of path in `block` pieces on `threads` threads, page cache dropped first (the disk roofline for streaming)."""
+    """Bytes per second of cold reads of (up to) the first nbytes of path in `block` pieces on `threads` threads,
+    page cache dropped first (the disk roofline for offloaded experts)."""
     size = min(nbytes, os.path.getsize(path))
     if size <= 0 or block <= 0:
         raise ValueError(

@@ -31,9 +31,9 @@ import numpy as np
 
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container, TensorEntry, tensor_from_span
-from engine.spec import ModelSpec, MoESpec
 from engine.offload.io import PAGE, IOPool, aligned_empty, round_up
 from engine.offload.store_types import IO_MODES
+from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource
 
@@ -161,7 +161,7 @@ class _LayerRead:
                     if zlib.crc32(memoryview(data[at : at + e.length])) != e.crc32:
                         raise ModelFormatError(f"{run.path}: checksum mismatch in tensor {e.name}; the container is "
                                                "corrupt: convert the model again with `colibri convert`")
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting engine thread
+        except BaseException as exc:  # handed to the waiting engine thread
             error = exc
         with self._lock:
             if error is not None and self._error is None:

@@ -1,64 +1,64 @@
 """The page-fault baseline of the expert store (`--io mmap`): experts are views of the mapped container files,
 read by page faults inside the kernels, and dropped from memory (and the page cache) when the budget is full.
-
-A part of `ExpertStore` (engine/offload/store.py), which holds the state these methods use: `maps` (path ->
-mapped file), `built`, `where`, `recipes`, `names`, `pinned`, `policy`, `hits`, `n_slots`, `now` and the counters.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 
 from engine.blocks.ffn import ExpertWeights
+from engine.formats.container import Container
+from engine.offload.accounting import Accounting
 from engine.offload.io import PAGE, round_up
-from engine.offload.store_types import Key
+from engine.offload.slots import NO_SLOT, SlotArena
+from engine.offload.store_types import IOCounts, Key, Recipe
+from engine.telemetry import Telemetry
 
 
 class MappedExperts:
-    """The store's `--io mmap` mode (mixed into ExpertStore)."""
+    """Experts as views of the mapped files, held in `slots` (in no slot) up to its `n_slots`."""
 
-    def _mmap_step(self, layer: int, ids: list[int]) -> dict[int, ExpertWeights]:
-        """Page-fault mode: views of the mapped extents; evicted extents are dropped from memory."""
-        tel = self.telemetry
+    def __init__(self, container: Container, recipes: dict[Key, Recipe], names: dict[Key, tuple[str, str, str]],
+                 slots: SlotArena, accounting: Accounting, counts: IOCounts, telemetry: Telemetry):
+        self.maps = {str(Path(container.path) / f): m for f, m in container.maps.items()}   # path -> mapped file
+        self.recipes, self.names, self.slots = recipes, names, slots
+        self.accounting, self.counts, self.telemetry = accounting, counts, telemetry
+
+    def step(self, layer: int, ids: list[int]) -> dict[int, ExpertWeights]:
+        """Views of a layer step's experts; those not held yet are counted as read from disk."""
+        built, acc = self.slots.built, self.accounting
         out = {}
         for i in ids:
             key = (layer, i)
-            if key in self.built:
-                tier = "pinned" if key in self.pinned else "cached"
-                self.hits[tier] += 1
-                tel.hit(tier)
-                if key not in self.pinned:
-                    self.policy.access(key, self.now)
+            if key in built:
+                acc.hit(key)
             else:
-                self.hits["disk"] += 1
-                tel.hit("disk")
+                acc.disk(key)
                 r = self.recipes[key]
                 m = self.maps[r.file]
-                self.built[key] = r.build(m[r.offset : r.offset + r.length], self.names[key])
-                self.where[key] = -1
-                self.bytes_read += r.length      # at most: page faults read what the kernels touch
-                self.reads += 1
-                tel.bytes_read(r.length)
-                if key not in self.pinned:
-                    self.policy.insert(key, self.now)
-                    self.policy.access(key, self.now)
-            out[i] = self.built[key]
+                built[key] = r.build(m[r.offset : r.offset + r.length], self.names[key])
+                self.slots.where[key] = NO_SLOT
+                self.counts.add(r.length)                # at most: page faults read what the kernels touch
+                self.telemetry.bytes_read(r.length)
+                acc.taken_in(key)
+            out[i] = built[key]
         return out
 
-    def _trim_mapped(self) -> None:
-        """Drop mapped experts (least valued first) until the cache holds no more than its slots."""
-        while len(self.built) > self.n_slots:
-            try:
-                victim = self.policy.victim(self.pinned)
-            except LookupError:
+    def trim(self) -> None:
+        """Drop mapped experts (least valued first) until no more are held than the slots allow."""
+        acc = self.accounting
+        while len(self.slots.built) > self.slots.n_slots:
+            victim = acc.victim(acc.pinned)
+            if victim is None:
                 return
-            self._drop_mapped(victim)
+            self._drop(victim)
 
-    def _drop_mapped(self, key: Key) -> None:
-        self.policy.remove(key)
-        self.built.pop(key, None)
-        self.where.pop(key, None)
+    def _drop(self, key: Key) -> None:
+        self.accounting.remove(key)
+        self.slots.built.pop(key, None)
+        self.slots.where.pop(key, None)
         r = self.recipes[key]
         m = self.maps[r.file]
         start = r.offset - r.offset % PAGE

@@ -12,7 +12,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import AbstractSet, Protocol
+from typing import AbstractSet, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,15 +21,15 @@ Trace = Sequence[tuple[int, Sequence[int]]]  # [(layer, distinct expert ids of o
 
 # The half-life of a use, in tokens (the policies count layer steps: pass tokens * n_layers).
 # Synthetic Zipf traces (tests/offload/test_policy.py) want a long memory when stationary (>= 64
-# tokens) and a short one when the topic drifts (8-16); recorded chat traces of mixtral-1.7b want
-# 1-4 tokens (at 10% of the experts: 0.91 of Belady at 1 token, 0.74 at 16). No single value fits
-# every workload, so the store learns it: `tune_half_life` replays the session's recent steps at
-# each of HALF_LIFE_CHOICES and the usage history keeps the winner for the next start.
+# tokens) and a short one when the topic drifts (8-16); recorded chat traces want a few tokens at
+# small caches. No single value fits every workload, so the store learns it: `tune_half_life`
+# replays the session's recent steps at each of HALF_LIFE_CHOICES and the usage history keeps the
+# winner for the next start.
 DEFAULT_HALF_LIFE_TOKENS = 4.0
 HALF_LIFE_CHOICES = (1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
 LFRU_HALF_LIFE = 512.0                     # steps: the policies' default when the caller names none
-# The hottest key by history counts 1 + 8 per use: +0.017..0.030 hit rate over LFRU on stationary
-# traces, +-0.005 on drifting ones, and a prior of the wrong experts costs under 0.01.
+# The hottest key by history counts 1 + 2 per use: a few more hits than LFRU on stationary traces,
+# about as many on drifting ones, and a prior of the wrong experts costs little.
 LEARNED_PRIOR_WEIGHT = 2.0
 
 _RENORM_EXPONENT = 256.0                   # rescale scores once increments reach 2**this
@@ -54,6 +54,19 @@ class Policy(Protocol):
 
     def victim(self, exclude: AbstractSet[Key]) -> Key:
         """The cached key to evict, never one in `exclude`; LookupError when there is none."""
+
+
+@runtime_checkable
+class ValuingPolicy(Policy, Protocol):
+    """A policy that values keys (frequency policies): it may admit a newcomer only by value."""
+
+    admission: bool                 # whether a newcomer must be worth at least the key it would push out
+
+    def score(self, key: Key) -> float:
+        """The key's value now; comparable between keys."""
+
+    def admit(self, key: Key, victim: Key) -> bool:
+        """Whether `key` should replace `victim` (else it is read through, not kept)."""
 
 
 class LRU:
@@ -149,8 +162,7 @@ class LFRU:
 
     def access_many(self, keys: Sequence[Key], now: int) -> None:
         """`access` of each of `keys` at step `now`, in order: the same counts and heap entries, the step's increment
-        worked out once (at 25% of mixtral-1.7b's experts a fused token counts 128 uses, about 0.3 ms of Python
-        one by one, on the path between two tokens)."""
+        worked out once (a fused token counts many uses at once, on the path between two tokens)."""
         if (now - self._base) / self.half_life > _RENORM_EXPONENT:
             for key in keys:                # the first rescales, as `access` does
                 self.access(key, now)
@@ -243,8 +255,8 @@ POLICIES = ("lru", "lfru", "learned")
 def wants_admission(capacity: int, experts_per_token: int) -> bool:
     """Admit by value when a token's experts would fill most of the cache: recency then only cycles.
 
-    Measured on a mixtral-1.7b chat trace (16 layers x top-8 = 128 experts a token): at 102 slots
-    admission lifted LFRU from 52% to 59% hits (Belady 76%); at 256 slots it cost 1 point.
+    On recorded chat traces admission lifts LFRU's hits well when a token's experts nearly fill the
+    cache, and costs a little when the cache holds twice as many.
     """
     return capacity < 2 * experts_per_token
 

@@ -1,8 +1,8 @@
 """What the expert store (engine/offload/store.py) is told and what it reports, and how it makes an expert.
 
 `StoreSettings` holds the choices (`--io`, `--io-threads`, `--cache-policy`, the byte capacity),
-`StoreStats` and `PrefetchStats` the counters it reports, and a `Recipe` turns one expert's extent
-of container bytes into its three matrices.
+`StoreStats` and `PrefetchStats` the counters it reports, `StoreHooks` (engine/blocks/ffn.py) the callbacks a fused call's driver
+attaches, and a `Recipe` turns one expert's extent of container bytes into its three matrices.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ IO_MODES = ("pread", "mmap")
 POLICIES = ("lru", "lfru", "learned")
 
 
-
 @dataclass(frozen=True)
 class StoreSettings:
     """How the store holds experts."""
@@ -31,8 +30,8 @@ class StoreSettings:
     io: str = "pread"               # pread | mmap
     io_threads: int = 2
     policy: str = "learned"         # lru | lfru | learned
-    pin_fraction: float = 0.1       # share of the slots pinned from the usage history (recorded chat traces:
-                                    # 0.1 beats 0.25 by 0.03-0.04 of Belady at 10% capacity, ties at 25%)
+    pin_fraction: float = 0.1       # share of the slots pinned from the usage history (on recorded chat
+                                    # traces a tenth serves small caches better than a quarter)
     direct: bool | None = None      # O_DIRECT: None = when the file system allows it
     verify: bool = True             # CRC-32 of each extent on its first read
     repin_every: int = 32           # tokens between re-pinning decisions
@@ -90,6 +89,19 @@ class StoreStats:
         return (self.hits["pinned"] + self.hits["cached"]) / total if total else 0.0
 
 
+@dataclass
+class IOCounts:
+    """Expert reads started since the store opened (`--io mmap`: extents first touched), and their bytes."""
+
+    reads: int = 0
+    bytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        """One read of `nbytes`."""
+        self.reads += 1
+        self.bytes += nbytes
+
+
 class Recipe:
     """How to build one expert's ExpertWeights from its extent's bytes."""
 
@@ -105,7 +117,7 @@ class Recipe:
                 raise ModelFormatError(f"{container.path}: expert {expert} of layer {layer} has no {n} in its extent; "
                                        "convert the model again with `colibri convert`")
             self.parts.append((e, e.offset - x.offset))
-        # experts of one layout over the same bytes are the same tensors (see engine.offload.store.ExpertStore._finish)
+        # experts of one layout over the same bytes are the same tensors (see engine.offload.slots.SlotArena.build)
         self.layout = tuple((rel, e.kind, tuple(e.shape), repr(e.quant), repr(e.buffers)) for e, rel in self.parts)
 
     def build(self, data: np.ndarray, names: tuple[str, str, str]) -> ExpertWeights:

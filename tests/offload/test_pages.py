@@ -10,13 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-
 from app.hub.convert import ConvertSettings, convert
 from engine.kv import KVCache
 from engine.loader import OffloadOptions, load_model
-from engine.pages import advise_huge_pages
 from engine.offload.store import StoreSettings
+from engine.pages import advise_huge_pages
+from support.reference import build_checkpoint
 
 
 def _huge_pages_work() -> bool:
@@ -89,7 +88,7 @@ def test_a_streamed_model_holds_its_dense_file_and_expert_slots_on_huge_pages(co
     try:
         assert "hg" in _file_flags(container / "dense.bin")
         assert "hg" not in _file_flags(container / "experts-00000.bin")   # read into slots, never through the map
-        arena = loaded.store.arena
+        arena = loaded.store.slots.arena
         assert "hg" in _flags_at(arena.__array_interface__["data"][0])
         logits = loaded.model.forward([3, 5, 7], KVCache(loaded.spec, 8))
         assert np.isfinite(logits).all()
@@ -114,7 +113,7 @@ def test_the_expert_cache_takes_its_pages_at_load_and_when_it_grows(container):
     loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=3 * slot)))
     try:
         store = loaded.store
-        address = store.arena.__array_interface__["data"][0]
+        address = store.slots.arena.__array_interface__["data"][0]
         assert not store.built                                   # nothing read yet
         assert _rss_at(address) >= 3 * slot                      # yet the cache's pages are in
         store.set_capacity(6 * slot)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-from support.offload import greedy_logits
-
 from app.hub.convert import ConvertSettings, convert
+from engine.blocks.ffn import StoreHooks
 from engine.errors import ColibriError, ModelFormatError
 from engine.kv import KVCache
 from engine.loader import OffloadOptions, load_model
 from engine.offload.history import UsageHistory
 from engine.offload.store import StoreSettings
 from engine.telemetry import Telemetry
+from support.offload import greedy_logits
+from support.reference import build_checkpoint
 
 PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7, 150, 12, 33]
 N_EXPERTS, TOP_K, LAYERS = 8, 2, 3
@@ -38,6 +38,11 @@ def resident(container):
 
 def _expert_bytes(loaded) -> int:
     return loaded.store.slot_bytes
+
+
+def _guess_counts(stats) -> list[int]:
+    """The read-ahead's guesses so far: predicted, needed, correct."""
+    return [stats.prefetch.predicted, stats.prefetch.needed, stats.prefetch.correct]
 
 
 def _stream(container, slots: int, tmp_path=None, **kw) -> object:
@@ -121,16 +126,17 @@ def test_prefetch_predicts_and_is_counted(container):
 def test_each_ranks_absent_guesses_are_scored_by_their_step(container):
     """How often a guess's expert not in memory was used by its step, rank by rank: the first rank guessed right
     every time, the second never."""
-    from engine.offload.store import THROUGH_PRECISION
+    from engine.offload.readahead import THROUGH_PRECISION
 
     loaded = _stream(container, LAYERS * N_EXPERTS, policy="learned")
     store = loaded.store
     try:
         for _ in range(100):
-            assert (1, 6) not in store.where and (1, 7) not in store.where     # (nothing reads them)
+            assert (1, 6) not in store.slots.where and (1, 7) not in store.slots.where     # (nothing reads them)
             store.prefetch(1, [6, 7], read=False)
             store.account(1, [0, 6])
-        assert store.rank_precision[0] > THROUGH_PRECISION > store.rank_precision[1] == 0.0
+        ranks = store.read_ahead.ranks.scores
+        assert ranks[0] > THROUGH_PRECISION > ranks[1] == 0.0
         assert store.stats().prefetch.precision == pytest.approx(0.5)
     finally:
         loaded.close()
@@ -148,23 +154,24 @@ def test_a_refused_guess_at_a_rank_mostly_right_is_read_through_a_scratch_slot(c
             for ids in ([0, 1], [2, 3], [4, 5]):
                 for _ in store.groups(0, ids):
                     pass
-        cached = {k for k in store.built if k not in store.transient}
+        cached = {k for k in store.built if k not in store.slots.transient}
         assert cached == {(0, e) for e in range(6)}
-        store.rank_precision[0] = learned                      # (as 64 guesses of that rank would have taught)
+        store.read_ahead.ranks.scores[0] = learned                      # (as 64 guesses of that rank would have taught)
         store.prefetch(1, [6, 7])
-        read = store.where.keys() - cached
-        while store.loading:
+        read = store.slots.where.keys() - cached
+        while store.reads.loading:
             store.collect()
-        assert {k for k in store.built if k not in store.transient} == cached
+        assert {k for k in store.built if k not in store.slots.transient} == cached
         if not learned:
-            assert not read and store.pf_issued == 0
+            assert not read and store.stats().prefetch_issued == 0
             return
-        assert read == {(1, 6)} and (1, 6) in store.transient and store.pf_issued == 1   # rank 1: not learned
-        missed = store.hits["disk"]
+        assert read == {(1, 6)} and (1, 6) in store.slots.transient   # rank 1: not learned
+        assert store.stats().prefetch_issued == 1
+        missed = store.stats().hits["disk"]
         for _ in store.groups(1, [6, 0]):
             pass
-        assert store.hits["disk"] == missed + 1 and store.pf_used == 1   # (1, 0) read; (1, 6) was in memory
-        assert (1, 6) not in store.built and not store.transient and len(store.scratch) == 2
+        assert store.stats().hits["disk"] == missed + 1 and store.stats().prefetch_used == 1   # (1, 6) was in memory
+        assert (1, 6) not in store.built and not store.slots.transient and len(store.slots.scratch) == 2
     finally:
         loaded.close()
 
@@ -203,8 +210,7 @@ def test_a_read_into_a_laid_out_slot_is_handed_over_by_its_reader_thread(contain
 
     def arrival(key, e):                               # (read now: the slot is read over later)
         handed[key] = (threading.current_thread().name, e.gate.dequantize(), e.down.dequantize())
-    store.on_read = lambda: woken.append(threading.current_thread().name)
-    store.on_arrival = arrival
+    store.attach(StoreHooks(on_read=lambda: woken.append(threading.current_thread().name), on_arrival=arrival))
     try:
         store.experts(0, [0, 1])                       # the first reads into the two slots
         first, first_handed = list(woken), dict(handed)
@@ -236,9 +242,10 @@ def test_account_steps_counts_as_account_does_step_by_step(container, tmp_path):
                 for _ in store.groups(layer, list(range(1, N_EXPERTS))):
                     pass
             store.prefetch(0, [0], read=True)
-            while store.loading:
+            while store.reads.loading:
                 store.collect()
-            before, predicted = dict(store.hits), list(store.pf_counts)
+            stats = store.stats()
+            before, predicted = dict(stats.hits), _guess_counts(stats)
             pinned_uses = 0                              # (the usage history pins experts as the tokens go)
             for steps in tokens:
                 pinned_uses += sum((layer, e) in store.pinned for layer, ids in steps for e in ids)
@@ -251,18 +258,21 @@ def test_account_steps_counts_as_account_does_step_by_step(container, tmp_path):
                 store.end_token()
                 telemetry.end_token()
             keys = [(layer, e) for layer in range(LAYERS) for e in range(N_EXPERTS)]
-            hits = {tier: n - before[tier] for tier, n in store.hits.items()}
-            pf_counts = [n - m for n, m in zip(store.pf_counts, predicted)]
+            stats = store.stats()
+            hits = {tier: n - before[tier] for tier, n in stats.hits.items()}
+            pf_counts = [n - m for n, m in zip(_guess_counts(stats), predicted)]
             assert hits["pinned"] == pinned_uses
-            seen.append((hits, store.now, list(store.recent), pf_counts, store.pf_used,
-                         [store.policy.score(k) for k in keys], store.history.counts.tolist(),
+            acc = store.accounting
+            seen.append((hits, acc.now, list(acc.recent), pf_counts, stats.prefetch_used,
+                         [acc.policy.score(k) for k in keys], store.history.counts.tolist(),
                          dict(telemetry.snapshot().hits)))
         finally:
             loaded.close()
     assert seen[0] == seen[1]
     hits, now, recent, pf_counts = seen[0][:4]
     assert 0 < hits["pinned"] < hits["pinned"] + hits["cached"]
-    assert hits["pinned"] + hits["cached"] == 6 * LAYERS * TOP_K == seen[0][7]["pinned"] + seen[0][7]["cached"] and hits["disk"] == 0 and now > 6 * LAYERS and recent[-1] == (2, tuple(tokens[-1][2][1]))
+    assert hits["pinned"] + hits["cached"] == 6 * LAYERS * TOP_K == seen[0][7]["pinned"] + seen[0][7]["cached"]
+    assert hits["disk"] == 0 and now > 6 * LAYERS and recent[-1] == (2, tuple(tokens[-1][2][1]))
     first = int(0 in tokens[0][0][1])                     # the read ahead of expert 0 of layer 0, scored and used
     right = sum(len({steps[1][1][0], 7 - steps[1][1][0]} & set(steps[1][1])) for steps in tokens)
     assert pf_counts == [12 + 1, 12 + TOP_K, right + first] and seen[0][4] == int(any(0 in steps[0][1] for steps in tokens))
@@ -286,19 +296,19 @@ def test_history_pins_experts_on_the_next_start(container, resident, tmp_path):
 
 
 def test_a_session_teaches_the_next_its_cache_half_life(container, resident, tmp_path):
+    from engine.offload.accounting import MIN_LEARN_TOKENS
     from engine.offload.policy import DEFAULT_HALF_LIFE_TOKENS, HALF_LIFE_CHOICES
-    from engine.offload.store import MIN_LEARN_TOKENS
 
     path = tmp_path / "usage.npz"
     first = _stream(container, 8, policy="learned", history_path=path)
-    assert first.store.half_life_tokens == DEFAULT_HALF_LIFE_TOKENS
+    assert first.store.accounting.half_life_tokens == DEFAULT_HALF_LIFE_TOKENS
     _run(first, steps=MIN_LEARN_TOKENS + 4)
     learned = first.store.learn_policy()
     first.close()                                           # learns again and saves it with the counts
     assert learned in HALF_LIFE_CHOICES
     again = _stream(container, 8, policy="learned", history_path=path)
     try:
-        assert again.store.half_life_tokens == learned == UsageHistory.load(
+        assert again.store.accounting.half_life_tokens == learned == UsageHistory.load(
             path, again.store.container.model_hash, LAYERS, N_EXPERTS).policy_half_life
         logits, tokens = _run(again)
     finally:
