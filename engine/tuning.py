@@ -1,7 +1,7 @@
 """Online choosers: which of two equivalent ways of running a step is faster on this machine, now.
 
 They decide speed only: both ways give the same bits, so a choice may change at any step. Per-run state,
-kept in a model's decode context (engine/models/transformer.py), never in its weights.
+kept in a model's decode context (engine/models/context.py), never in its weights.
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ import numpy as np
 
 from app.plan.speed_model import Call, Rates, Work, bytes_per_weight, decode_calls
 from engine.generation.prefill import PREFILL_CHUNK
-from engine.plan.planner import FLOAT_BITS, group_for
-from engine.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
 from engine.offload.budget import kv_bytes
+from engine.plan.planner import group_for
+from engine.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
 
 TINY_HIDDEN = 64           # the tiny models' widths (their own kernel time is taken out)
 TINY_FFN = 64
@@ -107,8 +107,8 @@ class CodePool:
 def random_quantized(shape: tuple[int, int], bits: int, group: int, asymmetric: bool, codes: CodePool):
     """A QuantizedTensor of random codes with scales that keep outputs near unit size, in the layout a conversion
     gives it (speed probes only)."""
-    from engine.quant import QuantizedTensor
     from engine.kernels.layout import BLOCK, FORMATS, rows16_allowed
+    from engine.quant import QuantizedTensor
 
     out, n_in = shape
     fmt = FORMATS[bits]
@@ -365,7 +365,7 @@ def measure_fixed(work: Work, fused: bool, chunk: int, long_ctx: int, prompt_ctx
     chunk_one, _, _ = tiny_model(spec, 1, work, codes)
     chunk_many, _, _ = tiny_model(spec, MANY, work, codes)
     for model in (one, many, heads):
-        model.fused_decode = fused                               # decode as the real model will
+        model.context.fused_decode = fused                       # decode as the real model will
     injected = 0.0
     if not fused:
         injected = _with_real_calls(one, work, call_s, set_bytes, codes)

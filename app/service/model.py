@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from app.service.messages import (
-    TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, EngineSettings, ModelInfo, SettingsChange,
+    TIER_CACHED,
+    TIER_DISK,
+    TIER_NONE,
+    TIER_PINNED,
+    TIER_RESIDENT,
+    EngineSettings,
+    ModelInfo,
+    SettingsChange,
 )
 from engine.blocks.ffn import StreamingExpertSource
 from engine.errors import ColibriError
@@ -52,8 +59,8 @@ class Engaged:
         (blocks are committed only when written). Full blocks stay indexed, so the next turn of a chat (or
         any prompt with the same beginning) starts from them. Remade for a new context length only while
         idle: a running generation keeps the cache it started with."""
-        from engine.kv import BLOCK_SIZE, KVPool, blocks_for, check_kv_settings
         from engine.generation.scheduler import Scheduler
+        from engine.kv import BLOCK_SIZE, KVPool, blocks_for, check_kv_settings
 
         ctx, o = self.info.settings.context_length, self.options
         if self.scheduler is not None and (self.scheduler.busy or self.scheduler.max_len == ctx):
@@ -109,7 +116,7 @@ class Engaged:
             if depth < 0:
                 problems.append(f"prefetch depth {depth}: use 0 (off) or more layers")
             else:
-                loaded.model.prefetch_depth = depth
+                loaded.model.context.prefetch_depth = depth
                 s = replace(s, prefetch_depth=depth)
         if change.io_threads is not None and change.io_threads != s.io_threads and not refused("io_threads"):
             try:
@@ -246,7 +253,8 @@ def model_info(loaded, container, settings: EngineSettings) -> ModelInfo:
 
 def read_atlas(path: Path) -> Mapping[str, Any] | None:
     """The atlas sidecar bound to this model, or None (absent, unreadable or another model's)."""
-    from app.atlas.build import default_sidecar, read_atlas as read
+    from app.atlas.build import default_sidecar
+    from app.atlas.build import read_atlas as read
 
     sidecar = default_sidecar(path)
     if not sidecar.is_file():

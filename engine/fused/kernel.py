@@ -1,12 +1,11 @@
 """The fused decode step in numba: one token through every layer in one parallel region.
 
-Decoding one token through the blocks one call at a time costs a parallel region per product (about
-a hundred per token, each waking the other threads: tens of microseconds apiece) plus the Python
-between them. Here every thread runs the whole token (`_worker`). Each product is a step cut into
-chunks (rows of one matrix, one attention head, one expert's rows); each thread owns a contiguous
-share of a step's chunks and goes on once every chunk of the step is done. The small work
-between products (norms, residual adds, routing) each thread does for itself on its own copy of the
-hidden state: identical numbers, no waiting.
+Decoding one token through the blocks one call at a time costs a parallel region per product (each
+waking the other threads) plus the Python between them. Here every thread runs the whole token
+(`_worker`). Each product is a step cut into chunks (rows of one matrix, one attention head, one
+expert's rows); each thread owns a contiguous share of a step's chunks and goes on once every chunk
+of the step is done. The small work between products (norms, residual adds, routing) each thread
+does for itself on its own copy of the hidden state: identical numbers, no waiting.
 
 Every step writes its own buffer of the layer (nothing is overwritten within a token), so a thread
 that falls behind still finds what it needs; and a chunk whose owner does not finish it within tens
@@ -15,7 +14,7 @@ the same function on the same inputs, so the same bits, written over identical b
 ever waits for another to be scheduled, which is what a busy machine costs a lockstep kernel.
 
 Every number is computed by the functions the batched blocks call (engine/kernels/matmul.py for the
-products, engine/kernels/rows.py and attention_kernel.py for the rest), so the logits are
+products, engine/kernels/rows.py and engine/kernels/attention.py for the rest), so the logits are
 bitwise those of `Transformer.forward_batch` for the same token.
 """
 
@@ -25,11 +24,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from engine.kernels.attention import attend_row, encode_i8_row
-from engine.kernels.rows import norm_row, rope_row, route_row
+from engine.fused.post import MAX_GUESS, W_ALL, W_SOME, W_STOP
 from engine.fused.sync import LINE, atomic_load, atomic_store, cycles, fence, spin_pause, wake, yield_cpu
+from engine.kernels.attention import attend_row, encode_i8_row
 from engine.kernels.experts import silu_rows
 from engine.kernels.matmul import TILE, otf_rows, planes, tile_rows
+from engine.kernels.rows import norm_row, rope_row, route_row
 from engine.kernels.simd import U64, address_as_voidptr, f32_to_f16, fma32
 
 F32 = np.float32
@@ -40,32 +40,12 @@ ISCR = 192       # int64 scratch per thread
 # RUN_ACTIVE how many slots the experts step runs (listed from RUN_SLOTS); RUN_LAST 1 when these are the layer's
 # last, so that the call goes on; RUN_EXIT (written) the layer whose streamed experts the call stopped for, or L.
 RUN_START, RUN_RESUME, RUN_ACTIVE, RUN_EXIT, RUN_LAST, RUN_SLOTS = 0, 1, 2, 3, 4, 8
-# post [P_TAIL + 2L] int64 (P_IDS = 4L + 1, P_TAIL = P_IDS + 2L * MAX_GUESS), what a call and the store's driver tell
-# each other while the call runs (G_POST 1; see fused_driver.Driver, woken by a write to the eventfd G_WAKE after a
-# post of needs; guesses wait for its next wake). Per layer l: post[l] thread 0's word on its streamed experts (0 not
-# yet, 1 all in memory: every thread runs them, 2 not: the call stops there, 3 some: every thread runs the slots in
-# the mask post[P_TAIL + l] while the others are read, then thread 0's second word post[P_TAIL + L + l] says 1,
-# they came, or 2, the call stops there);
-# post[L + l] how many experts the read-ahead guessed for it, the guesses at post[P_IDS + l * MAX_GUESS];
-# post[2L + l] how many experts it needs that were not all in memory, those at post[P_IDS + (L + l) * MAX_GUESS] (the
-# call waits for them); post[3L + l] 1 when the driver cannot bring them (the call stops). post[4L] the layer thread
-# 0 decides now: the driver takes memory only from experts of earlier layers. cur [threads * LINE] int64: per thread,
-# the streamed layer whose experts it may be reading (-1: none); the driver overwrites no expert of such a layer.
-MAX_GUESS = 64      # experts the read-ahead guess may hold (its integer scratch)
+# post [PostLayout.size] int64 (engine/fused/post.py names its regions; their offsets are the G_P_* globals), what a
+# call and the store's driver tell each other while it runs (G_POST 1; see engine/fused/driver.py, woken by a write
+# to the eventfd G_WAKE after a post of needs; guesses wait for its next wake). cur [threads * LINE] int64: per
+# thread, the streamed layer whose experts it may be reading (-1: none); the driver overwrites no expert of such a
+# layer.
 FLAG_COMING = 2     # flags: a streamed expert being read, published once in memory (with G_POST: the call waits)
-W_ALL, W_STOP, W_SOME = 1, 2, 3   # thread 0's words on a streamed layer's experts (post[l], above)
-
-
-@njit(cache=True)
-def post_ids(layers, row):  # pragma: no cover - compiled
-    """Where id row `row` of `post` begins (P_IDS + row * MAX_GUESS: guesses for layer l at row l, needs at L + l)."""
-    return 4 * layers + 1 + row * MAX_GUESS
-
-
-@njit(cache=True)
-def post_tail(layers):  # pragma: no cover - compiled
-    """Where the present-slot masks begin in `post` (its length is this plus 2 * layers)."""
-    return post_ids(layers, 2 * layers)
 
 # -- layout of the plan (engine/fused/plan.py builds it) -----------------------------------------
 # lay [L, N_LAY] int64 per layer; lf [L, 2] float32 (attention scale, routing scale); g [N_G] int64 globals;
@@ -73,16 +53,18 @@ def post_tail(layers):  # pragma: no cover - compiled
 # bits of a stored key or value (32: float32, 16: fp16, 8: int8 with a float32 scale per row), then the address
 # of the layer's attention weights [heads, pos + 1] float32 when the cache keeps them (retention), else 0.
 # shared [L * g[G_LAYER]] float32: per layer q/k/v, attention heads, o, router logits, the read-ahead guess's
-# router logits (of a later layer), gate/up, SiLU products and down outputs at the G_* offsets. priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then
-# scratch [max(3D + positions, 2E + K)]. iscr [threads * ISCR] int64: per thread token rows, expert slot,
-# thread id and count, then (from 8) the chosen experts, then (from 64) the slots the expert steps run. sync [(steps + 1) * LINE] int64: the token's end at
+# router logits (of a later layer), gate/up, SiLU products and down outputs at the G_* offsets.
+# priv [threads * g[G_PRIV]] float32: per thread x, h [hidden], then scratch [max(3D + positions, 2E + K)].
+# iscr [threads * ISCR] int64: per thread token rows, expert slot, thread id and count, then (from 8) the chosen
+# experts, then (from 64) the slots the expert steps run. sync [(steps + 1) * LINE] int64: the token's end at
 # steps * LINE. done [chunks] int64.
 
 (L_IN_NORM, L_POST_NORM, L_QKV0, L_QKV1, L_O0, L_O1, L_H, L_HKV, L_D, L_DV, L_ROT, L_ROPE_D, L_INTERLEAVED,
  L_WINDOW, L_MOE, L_E, L_K, L_I, L_ROUTER, L_SCORING, L_NORM_TOPK, L_BIAS, L_EXP0, L_GATE, L_DOWN,
  L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, L_STREAMED, L_RES0, L_GUESS, N_LAY) = range(33)
 (G_HIDDEN, G_LAYERS, G_NORM, G_HEAD0, G_HEAD1, G_QKV, G_ATT, G_O, G_RL, G_GU, G_HB, G_Y, G_PRIV, G_STEPS,
- G_LAYER, G_AHEAD, G_GL, G_POST, G_FLAGW, G_WAKE, N_G) = range(21)
+ G_LAYER, G_AHEAD, G_GL, G_POST, G_FLAGW, G_WAKE, G_P_WORD, G_P_GUESSED, G_P_NEEDED, G_P_REFUSED, G_P_DECIDING,
+ G_P_GUESS_IDS, G_P_NEED_IDS, G_P_MASK, G_P_SECOND, N_G) = range(30)
 # kinds of step
 S_QKV, S_KV, S_HEADS, S_O, S_ROUTER, S_GATE_UP, S_DOWN, S_HEAD = range(8)
 
@@ -238,7 +220,7 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
     its chunks are done.
 
     Thread t of T owns the chunks n * t // T .. n * (t + 1) // T - 1 and runs them in order (no claiming: a
-    shared claim counter and flags written by turns by both cores cost about half a microsecond a chunk, measured),
+    shared claim counter and flags written by turns by both cores cost more per chunk than it saved),
     so its rows follow on from one chunk to the next and the prefetches run on. Then it waits for the others'
     chunks from the last back, computing one itself when it stays undone (its owner is off the core)."""
     tid, threads = iscr[io + 3], iscr[io + 4]
@@ -260,10 +242,10 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
 
 
 @njit(boundscheck=False)
-def _await(l, top_k, ids, flags, fw, post, layers, tcycles):
+def _await(l, top_k, ids, flags, fw, post, refused, tcycles):
     """Thread 0, its layer's reads asked for: wait until every expert of the step is in memory (W_ALL) or the
-    driver says it cannot bring them (W_STOP), letting the reader and driver threads run meanwhile; that word and
-    the cycles waited (also added to tcycles[3], the step's time waiting for reads)."""
+    driver says it cannot bring them (W_STOP: post[refused + l]), letting the reader and driver threads run
+    meanwhile; that word and the cycles waited (also added to tcycles[3], the step's time waiting for reads)."""
     start = cycles()
     while True:
         word = W_ALL
@@ -271,7 +253,7 @@ def _await(l, top_k, ids, flags, fw, post, layers, tcycles):
             if atomic_load(flags, U64(l * fw + ids[k])) != 1:
                 word = 0
                 break
-        if word == 0 and atomic_load(post, U64(3 * layers + l)) != 0:
+        if word == 0 and atomic_load(post, U64(refused + l)) != 0:
             word = W_STOP
         if word != 0:
             waited = cycles() - start
@@ -324,7 +306,8 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
     guess = iscr[io + 128:io + ISCR]                    # the experts guessed for a later layer
     end = g[G_STEPS] * LINE                             # set when the call is done: a thread behind stops
     layers, fw = g[G_LAYERS], g[G_FLAGW]
-    tail = post_tail(layers)
+    p_word, p_guessed, p_needed, p_refused = g[G_P_WORD], g[G_P_GUESSED], g[G_P_NEEDED], g[G_P_REFUSED]
+    p_guess_ids, p_need_ids, p_mask, p_second = g[G_P_GUESS_IDS], g[G_P_NEED_IDS], g[G_P_MASK], g[G_P_SECOND]
     start, resume = run[RUN_START], run[RUN_RESUME] != 0
     src = x0 if start == 0 and not resume else state
     for i in range(hidden):
@@ -411,14 +394,13 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                                   lf[j, 1], scr, guess, U64(0), scr[2 * n_exp + top_k:], U64(0))
                         # With a driver: posted before this layer's needs, without waking it. It reads them ahead
                         # when it wakes, for these needs or a read. (Waking it for every guess with an expert not in
-                        # memory cost more than its reads gained on two cores: at 25% of mixtral-1.7b's experts,
-                        # 22 wake-ups a token against 9, experts 8.1 ms against 7.0, the same io wait.)
+                        # memory cost more than its reads gained on two cores: many more wake-ups, no less io wait.)
                         if g[G_POST] != 0:
-                            if tid == 0 and atomic_load(post, U64(layers + j)) == 0:
-                                ids0 = post_ids(layers, j)
+                            if tid == 0 and atomic_load(post, U64(p_guessed + j)) == 0:
+                                ids0 = p_guess_ids + j * MAX_GUESS
                                 for k in range(k_j):
                                     post[ids0 + k] = guess[k]
-                                atomic_store(post, U64(layers + j), k_j)
+                                atomic_store(post, U64(p_guessed + j), k_j)
                         else:                           # the caller reads ahead where the call stops
                             for k in range(k_j):
                                 if flags[j * fw + guess[k]] != 1:
@@ -426,30 +408,30 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                     if g[G_POST] != 0:                  # flags change while the call runs: thread 0 decides
                         atomic_store(cur, U64(tid * LINE), l)
                         fence()                         # (before any flag is read: see in_use)
-                        if tid == 0:                    # (the words: W_ALL, W_STOP, W_SOME above)
-                            atomic_store(post, U64(4 * layers), l)
+                        if tid == 0:                    # (the words: see engine/fused/post.py)
+                            atomic_store(post, U64(g[G_P_DECIDING]), l)
                             mask = 0
                             for k in range(top_k):
                                 if atomic_load(flags, U64(l * fw + ids[k])) == 1:
                                     mask |= 1 << k
                             word = W_ALL if mask == (1 << top_k) - 1 else 0
                             if word == 0:               # the driver reads the others (or says it cannot)
-                                ids0 = post_ids(layers, layers + l)
+                                ids0 = p_need_ids + l * MAX_GUESS
                                 for k in range(top_k):
                                     post[ids0 + k] = ids[k]
-                                atomic_store(post, U64(2 * layers + l), top_k)
+                                atomic_store(post, U64(p_needed + l), top_k)
                                 wake(g[G_WAKE], lay[l, L_K:L_K + 1])
                                 if mask != 0:           # meanwhile the threads run those in memory
-                                    post[tail + l] = mask
+                                    post[p_mask + l] = mask
                                     word = W_SOME
                                 else:
-                                    word, waited = _await(l, top_k, ids, flags, fw, post, layers, tcycles)
+                                    word, waited = _await(l, top_k, ids, flags, fw, post, p_refused, tcycles)
                                     mark += waited      # (waiting for reads, not a phase of the layer)
-                            atomic_store(post, U64(l), word)
+                            atomic_store(post, U64(p_word + l), word)
                         else:
-                            word = _heard(post, l)
+                            word = _heard(post, p_word + l)
                             if word == W_SOME:
-                                mask = post[tail + l]
+                                mask = post[p_mask + l]
                         direct = word != W_STOP
                     if not direct:                      # the caller brings the experts in, then resumes here
                         _stop(l, x, h, state, hidden, cur, tid, run, sync, end)
@@ -473,11 +455,11 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
         for part in range(2 if mask != 0 else 1):
             if part == 1:                               # then the others, once read
                 if tid == 0:
-                    word, waited = _await(l, top_k, ids, flags, fw, post, layers, tcycles)
+                    word, waited = _await(l, top_k, ids, flags, fw, post, p_refused, tcycles)
                     mark += waited
-                    atomic_store(post, U64(tail + layers + l), word)
+                    atomic_store(post, U64(p_second + l), word)
                 else:
-                    word = _heard(post, tail + layers + l)
+                    word = _heard(post, p_second + l)
                 if word == W_STOP:
                     now = cycles()
                     tcycles[2] += now - mark

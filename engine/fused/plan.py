@@ -9,14 +9,14 @@ runs through `Transformer.forward_batch` one block at a time; both give the same
 token.
 
 With streamed experts (pread mode, Linux) a token runs in one call as a rule. While it runs, a
-driver thread (`fused_driver.Driver`) owns the store: thread 0 of the call posts the experts a layer lacks and
+driver thread (engine/fused/driver.py) owns the store: thread 0 of the call posts the experts a layer lacks and
 waits where it is until the driver has read them in (`ExpertStore.need`); it posts the read-ahead's
 guess of a later layer's experts, which the driver hands to `prefetch` when it next wakes (for a need or a
 completed read: a guess alone does not wake it); each read is published as it completes (`_held`:
 descriptors, then the expert's flag), by its reader thread where its slot's tensors are laid out already, else
-by the driver (see `SlotReads._read`). The driver takes slots only
+by the driver (see `ReadQueue` in engine/offload/reads.py). The driver takes slots only
 from experts of layers the call has passed, and does not read over an expert while a thread of the
-call may still be reading it (`fused_sync.in_use`). Where the driver cannot bring a layer's
+call may still be reading it (`engine.fused.sync.in_use`). Where the driver cannot bring a layer's
 experts (no slot to be had yet) the call stops there and the engine thread brings them through
 `ExpertStore.groups`: in groups as their reads finish, each group run by a call of its own; as
 every call does without a driver (mmap mode, other systems).
@@ -34,17 +34,18 @@ import numpy as np
 
 from engine.blocks.attention import Attention
 from engine.blocks.ffn import MLP, MoE, ResidentExperts, Routing, StreamingExpertSource
-from engine.kernels.rows import SIGMOID, SOFTMAX
 from engine.errors import GenerationError
-from engine.kv import KVCache, KVPool
 from engine.fused import kernel as fk
 from engine.fused.driver import Driver
+from engine.fused.post import MAX_GUESS, PostLayout
 from engine.fused.sync import in_use, set_flag
+from engine.kernels.rows import SIGMOID, SOFTMAX
+from engine.kv import KVCache, KVPool
 from engine.quant.tensor import QuantizedTensor
 from engine.telemetry import Telemetry
 from engine.tuning import ThreadChoice
 
-CHUNK_WEIGHTS = 1 << 19   # at most this many weights per chunk of a product (~25 us of one thread)
+CHUNK_WEIGHTS = 1 << 19   # at most this many weights per chunk of a product (tens of microseconds of one thread)
 MAX_TOP_K = 56      # experts per token the kernel's integer scratch holds
 ALIGN = 16          # float32 offsets of the shared buffers, multiples of this (64-byte lines)
 
@@ -68,8 +69,8 @@ def chunk_rows(cols: int, rows: int) -> int:
     """Rows per chunk of a matrix [rows, cols]: at most CHUNK_WEIGHTS weights and half the rows, a multiple of
     the 4-row tile.
 
-    Large chunks: each costs its thread a few tenths of a microsecond to start (measured on mixtral-1.7b, 2
-    threads: 64K-weight chunks decoded a token in 10.0 ms, 512K-weight ones in 9.3). At least two per matrix, so
+    Large chunks: each costs its thread a little time to start, so fewer and larger chunks decode a token faster.
+    At least two per matrix, so
     that a step of one or a few matrices still splits between two threads."""
     half = -(-rows // 2)
     return max(4, min(CHUNK_WEIGHTS // cols, -(-half // 4) * 4) // 4 * 4)
@@ -106,7 +107,7 @@ class FusedDecode:
         g[fk.G_HIDDEN], g[fk.G_LAYERS] = self.hidden, spec.n_layers
         g[fk.G_NORM] = self._param(model.norm)
         g[fk.G_HEAD0], g[fk.G_HEAD1] = self.head0, len(self._items)
-        offset = 0                                       # each layer's own buffers (see fused_kernel)
+        offset = 0                                       # each layer's own buffers (see engine/fused/kernel.py)
         for name, key in (("qkv", fk.G_QKV), ("att", fk.G_ATT), ("o", fk.G_O), ("rl", fk.G_RL), ("gl", fk.G_GL),
                           ("gu", fk.G_GU), ("hb", fk.G_HB), ("y", fk.G_Y)):
             g[key] = offset
@@ -141,9 +142,16 @@ class FusedDecode:
         self.flags = np.zeros((spec.n_layers, max(1, int(lay[:, fk.L_E].max()))), np.int64)   # see _held
         self._flat = self.flags.reshape(-1)                             # the same memory, as the kernel reads it
         g[fk.G_FLAGW] = self.flags.shape[1]
-        self.post = np.zeros(fk.post_tail(spec.n_layers) + 2 * spec.n_layers, np.int64)   # see fused_kernel
+        self.layout = PostLayout(spec.n_layers)                         # what a call and its driver tell each other
+        self.post = np.zeros(self.layout.size, np.int64)
+        for key, at in ((fk.G_P_WORD, self.layout.word), (fk.G_P_GUESSED, self.layout.guessed),
+                        (fk.G_P_NEEDED, self.layout.needed), (fk.G_P_REFUSED, self.layout.refused),
+                        (fk.G_P_DECIDING, self.layout.deciding), (fk.G_P_GUESS_IDS, self.layout.guess_ids(0)),
+                        (fk.G_P_NEED_IDS, self.layout.need_ids(0)), (fk.G_P_MASK, self.layout.mask),
+                        (fk.G_P_SECOND, self.layout.second)):
+            g[key] = at
         self.cur = np.full(max(1, numba.config.NUMBA_NUM_THREADS) * fk.LINE, -1, np.int64)
-        self._driver: Driver | None = None
+        self.driver: Driver | None = None                              # reads for a call while it runs
         self.streamed_layers = [i for i in range(spec.n_layers) if lay[i, fk.L_STREAMED]]
         self._extra: int | None = None
         self._threads = ThreadChoice()
@@ -265,8 +273,8 @@ class FusedDecode:
         streaming = isinstance(model.experts, StreamingExpertSource)
         if plan.streamed_layers and streaming and model.experts.add_listener(plan._held) \
                 and hasattr(os, "eventfd"):             # (Linux: elsewhere calls stop to read ahead, as before)
-            plan._driver = Driver(plan, model.experts)
-            plan.g[fk.G_WAKE] = plan._driver.fd
+            plan.driver = Driver(plan, model.experts)
+            plan.g[fk.G_WAKE] = plan.driver.fd
         return plan
 
     def _held(self, key: tuple[int, int], expert) -> None:
@@ -286,7 +294,7 @@ class FusedDecode:
             flag = int(self.flags[layer, e])
             if flag == fk.FLAG_COMING:                  # its read failed: a call waiting for it stops there
                 set_flag(self._flat, idx, 0)
-                set_flag(self.post, 3 * self.lay.shape[0] + layer, 1)
+                set_flag(self.post, self.layout.refused + layer, 1)
             elif flag:                                  # (the driver asked `_release` first; between calls no
                 set_flag(self._flat, idx, 0)            # thread is at any layer)
                 while in_use(self.cur, len(self.cur) // fk.LINE, layer):
@@ -331,7 +339,7 @@ class FusedDecode:
         `ahead`-th layer's guessed ones too, `extra` beyond its top-k) runs on without stopping; the store counts
         it afterwards, in order (`ExpertStore.account_steps`)."""
         self.g[fk.G_AHEAD] = ahead if predict is not None else 0
-        driver = self._driver if predict is not None and source is not None else None
+        driver = self.driver if predict is not None and source is not None else None
         self.g[fk.G_POST] = int(driver is not None)
         if driver is not None:
             self.post[:] = 0                             # nothing guessed or asked for yet this token
@@ -393,7 +401,7 @@ class FusedDecode:
             needed = sorted({int(i) for i in ids})
             brought = 0
             run[fk.RUN_START], run[fk.RUN_RESUME] = layer, 1
-            ahead = None if predict is None else (lambda: predict(layer, state[: self.hidden]))  # noqa: E731
+            ahead = None if predict is None else (lambda: predict(layer, state[: self.hidden]))
             for group in source.groups(layer, needed, ahead):   # each stays in memory until the next is asked for
                 slots = [j for j in range(top_k) if int(ids[j]) in group]
                 for j in slots:
@@ -447,12 +455,9 @@ class FusedDecode:
             self.descs[row + m] = w.descriptor_row
 
 
-MAX_GUESS = fk.MAX_GUESS   # experts the kernel's read-ahead guess may hold (its integer scratch)
-
-
 def guessed(top_k: int, n_experts: int, extra: int | None) -> int:
     """How many experts the read-ahead guesses for a layer: top_k and half as many again (or `extra` more), as
-    Transformer._predict does."""
+    DecodeContext.predict does."""
     return min(n_experts, top_k + (top_k // 2 if extra is None else extra), MAX_GUESS)
 
 

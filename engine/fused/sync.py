@@ -1,5 +1,5 @@
 """Synchronisation primitives of the fused decode step (engine/fused/kernel.py) and of the thread that
-reads for it while it runs (fused_driver.py): atomic loads and stores on int64 arrays, fences, the spin-wait
+reads for it while it runs (driver.py): atomic loads and stores on int64 arrays, fences, the spin-wait
 hint, sched_yield, an eventfd write and the cycle counter, as numba intrinsics; and the flag helpers the driver
 calls between them.
 """

@@ -7,19 +7,26 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Generator, Iterator, Sequence
 
 import numpy as np
 
 from engine.errors import ColibriError, GenerationError
 from engine.events import (
-    DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, PromptLogitsEvent, TokenEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    GenerationStats,
+    ProgressEvent,
+    PromptLogitsEvent,
+    TokenEvent,
 )
+from engine.generation.prefill import prefill, prefill_chunks
+from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
+from engine.generation.speculative import DraftModel, SpeculationController, SpeculativeSettings, make_drafter, verify
 from engine.kv import KVCache, KVFullError
 from engine.models.transformer import Transformer
-from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
-from engine.generation.prefill import PREFILL_CHUNK, prefill, prefill_chunks
-from engine.generation.speculative import DraftModel, SpeculationController, SpeculativeSettings, make_drafter, verify
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -79,7 +86,7 @@ def generate_step(
     speculative: SpeculativeSettings | None = None,
     controller: SpeculationController | None = None,
     limit: int | None = None,
-) -> Iterator[int]:
+) -> Generator[int, None, None]:
     """Yield sampled token ids forever; the consumer stops iterating when it has enough.
 
     `first_logits` are the prompt's last logits when the caller ran the prefill itself. With
@@ -93,7 +100,7 @@ def generate_step(
     processors = make_logits_processors(sampling)
     logits = first_logits if first_logits is not None else prefill(model, prompt, cache)
     seen = Seen(prompt)
-    tel = model.telemetry
+    tel = model.context.telemetry
 
     def choose(row: np.ndarray) -> int:
         with tel.phase("sampling"):
@@ -103,9 +110,10 @@ def generate_step(
         seen.append(token)
         return token
 
-    drafter = make_drafter(speculative, model.spec.vocab_size) if speculative is not None else None
-    if drafter is not None and controller is None:
-        controller = SpeculationController(speculative)
+    drafter = None
+    if speculative is not None:
+        drafter = make_drafter(speculative, model.spec.vocab_size)
+        controller = controller if controller is not None else SpeculationController(speculative)
     try:
         token = choose(logits)
         yield token
@@ -116,6 +124,7 @@ def generate_step(
                 made += 1
                 yield token
                 continue
+            assert controller is not None and speculative is not None   # set with the drafter
             t0 = controller.clock()
             k = _draft_room(cache, speculative.max_draft, made, limit) if controller.want_draft() else 0
             draft = _in_vocab(drafter.propose(seen.view(), k)[:k], model.spec.vocab_size) if k else []

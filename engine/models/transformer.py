@@ -1,13 +1,13 @@
 """The decoder-only transformer every family shares: embed, N x (attention + feed-forward), norm, head.
 
 A family module only turns its config into a `ModelSpec`; this module knows tensor names
-(Hugging Face's), checks them against the spec, and runs the forward pass on a `KVCache`.
+(Hugging Face's), checks them against the spec, and runs the forward pass on a `KVCache`. What a run
+decides as it goes (the fused step, the online choosers, read-ahead settings, telemetry) lives in the
+model's `DecodeContext` (engine/models/context.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -15,7 +15,14 @@ import numpy as np
 
 from engine.blocks.attention import Attention, attention_shapes
 from engine.blocks.ffn import (
-    MLP, ExpertSource, ExpertWeights, MoE, ResidentExperts, Routing, StreamingExpertSource, mlp_shapes, route,
+    MLP,
+    ExpertSource,
+    ExpertWeights,
+    MoE,
+    ResidentExperts,
+    Routing,
+    StreamingExpertSource,
+    mlp_shapes,
 )
 from engine.blocks.linear import Probe, linear
 from engine.blocks.mla import LatentAttention, mla_shapes
@@ -23,9 +30,8 @@ from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
-from engine.fused.plan import FusedDecode, record
-from engine.tuning import FasterChoice
-from engine.spec import AttentionSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from engine.models.context import DecodeContext
+from engine.spec import LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource, Weights
 
@@ -107,8 +113,10 @@ class Transformer:
     """A decoder-only model ready to run: read-only weights plus the forward pass.
 
     Routed experts come from `experts` when given (a streaming store: the checkpoint's experts are then
-    never touched here), else they are held resident. With a store that reads ahead (`prefetch`),
+    never touched here), else they are held resident. With a store that reads ahead (`prefetch_depth`),
     the router of layer i + D applied to the hidden state after layer i predicts that layer's experts.
+    `forward` and `forward_batch` run through the model's `context`, made here once with `telemetry` and
+    `prefetch_depth`.
     """
 
     def __init__(
@@ -122,12 +130,6 @@ class Transformer:
         layers: "LayerSource | None" = None,
     ):
         self.spec = spec
-        self.telemetry = telemetry
-        self.prefetch_depth = prefetch_depth
-        # experts predicted beyond top_k (None: top_k // 2): on mixtral-1.7b one layer ahead, top-8 predicted
-        # 67% of the experts used, top-12 79% (at 53% precision); spare disk reads buy recall
-        self.lookahead_extra: int | None = None
-        self._guess_specs: dict[tuple[int, int], object] = {}   # (layer, experts guessed) -> the routing spec
         self.streamed = experts is not None
         self.reads_ahead = isinstance(experts, StreamingExpertSource)   # declared once: the check is not free
         self.layer_source = layers
@@ -147,18 +149,16 @@ class Transformer:
         self.experts: ExpertSource = experts if experts is not None else ResidentExperts(resident)
         if layers is not None:
             layers.bind(self._build_layer)
-        # one decoded token of one sequence runs as one fused parallel step when the layers allow it
-        # (engine/fused/plan.py: the same bits as the blocks one at a time); False runs the blocks
-        self.fused_decode = True
-        self._fused: FusedDecode | None | bool = False           # False: not built yet
-        # whether a fused decode step reads ahead: it costs disk time and cache slots for the guesses that miss
-        # (and, where a call runs without a driver, stops: a call ends wherever a guessed expert is not in
-        # memory). Measured on mixtral-1.7b here (disk 1-1.6 GB/s) with stops, it decoded slower than reading on
-        # demand with the dense part plus 10% of the experts in memory (cold 16-17 and warm 17-20 tok/s against
-        # 18-19 and 22-23) and plus 25% (41-46 and 39-50 against 57-58 and 54-62); on a disk fast against the
-        # compute it pays. So the step times decide, as for the thread count.
-        self._ahead = FasterChoice()
-        self._apart = FasterChoice()    # several sequences' single tokens: one pass, or a fused step each
+        self.context = DecodeContext(self, telemetry, prefetch_depth)
+
+    @property
+    def prefetch_depth(self) -> int:
+        """The context's read-ahead depth (settings applied to the model reach its context)."""
+        return self.context.prefetch_depth
+
+    @prefetch_depth.setter
+    def prefetch_depth(self, depth: int) -> None:
+        self.context.prefetch_depth = depth
 
     def _build_layer(self, i: int, source: TensorSource) -> Layer:
         """Layer i over the tensors `source` holds (a streamed layer's buffer)."""
@@ -218,86 +218,48 @@ class Transformer:
         attention per sequence on its own cache; every row is computed as it would be alone. Returns
         each sequence's logits ([T_i, V], or [1, V] for its last token).
         """
-        ids_list = [np.asarray(tokens, dtype=np.int64).reshape(-1) for tokens, _ in items]
-        for ids in ids_list:
-            if ids.size == 0:
-                raise GenerationError("no tokens to run: the prompt is empty")
-            if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
-                bad = int(ids[(ids < 0) | (ids >= self.spec.vocab_size)][0])
-                raise GenerationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
-        caches = [cache for _, cache in items]
-        if len({id(c) for c in caches}) != len(caches):
-            raise GenerationError("a sequence appears twice in one batch")
-        if (len(items) > 1 and not self.streamed and routing is None and probe is None
-                and all(i.size == 1 for i in ids_list)
-                and all(self._fused_step(1, c, None) is not None for c in caches)):
-            # one token of each of several sequences: one pass for all, or a fused step for each, whichever
-            # measures faster per token (the same bits either way). Here the fused steps won up to 8
-            # sequences: 96-104 tok/s against 57-81 on mixtral-1.7b, 159-167 against 84-150 on SmolLM2-135M.
-            apart = self._apart.pick(1, 0)
-            t0 = time.perf_counter()
-            if apart:
-                for i, c in zip(ids_list, caches):     # room for every token first (preparing again is a no-op):
-                    c.prepare(i)                       # one that cannot go on fails the step before any has run
-                out = [self._pass([i], [c], all_logits, None, None)[0] for i, c in zip(ids_list, caches)]
-            else:
-                out = self._pass(ids_list, caches, all_logits, None, None)
-            self._apart.record(apart, (time.perf_counter() - t0) / len(items))
-            return out
-        return self._pass(ids_list, caches, all_logits, routing, probe)
+        return self.context.forward_batch(items, all_logits=all_logits, routing=routing, probe=probe)
 
-    def _pass(self, ids_list: list[np.ndarray], caches: list[KVCache], all_logits: bool,
-              routing: list[Routing] | None, probe: Probe | None) -> list[np.ndarray]:
-        """forward_batch's pass over validated tokens: one fused step, or the blocks for every row at once."""
-        pos_list = [cache.prepare(ids) for ids, cache in zip(ids_list, caches)]
-        ids, positions = np.concatenate(ids_list), np.concatenate(pos_list)
-        bounds = np.cumsum([0] + [i.size for i in ids_list])
-        rows = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-        eps, tel = self.spec.rms_eps, self.telemetry
-        # experts read ahead for one token only. Several at once (a prompt, a batch): the union of their guesses is
-        # most of a layer's experts, read while the current layer's union still holds the cache. Measured on
-        # mixtral-1.7b at the dense part plus 10% / 25% of the experts: prompts ran at 59-75 / 64-83 tok/s reading
-        # ahead, 82-106 / 91-109 without.
-        ahead = self.prefetch_depth if self.reads_ahead and ids.size == 1 else 0
-        with tel.phase("dense"):
-            x = embed_rows(self.embed, ids)                                 # [T, hidden]
-        fused = self._fused_step(ids.size, caches[0], probe)
-        if fused is not None:
-            if self.streamed:
-                depth = self._ahead.pick(ahead, 0)
-                t0 = time.perf_counter()
-                for j in range(min(depth, len(self.layers))):
-                    self._predict(j, x)
-                n = len(self.layers)
+    def token_ids(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The token ids [T] of one sequence as int64, checked against the vocabulary."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise GenerationError("no tokens to run: the prompt is empty")
+        if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+            bad = int(ids[(ids < 0) | (ids >= self.spec.vocab_size)][0])
+            raise GenerationError(f"token id {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        return ids
 
-                def predict(i: int, xi: np.ndarray) -> None:   # a call stopped at layer i: read ahead from there
-                    if depth and i + depth < n:
-                        self._predict(i + depth, xi[None])
-                logits, step = fused.run(x[0], caches[0], int(positions[0]), self.experts, predict, depth,
-                                         self.lookahead_extra)
-                self._ahead.record(depth, time.perf_counter() - t0)
-            else:
-                logits, step = fused.run(x[0], caches[0], int(positions[0]))
-            if step.attention is not None:               # as the blocks' attention hands them over, layer by layer
-                for weights in step.attention:
-                    caches[0].observe(weights)
-            caches[0].commit(1)
-            record(step, tel)
-            if routing is not None:
-                routing.extend(step.routing())
-            if self.streamed:
-                self.experts.end_token(1)
-            tel.end_token(1, prefill=False)
-            return [logits]
-        for j in range(min(ahead, len(self.layers))):
-            self._predict(j, x)
+    def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
+        """The embeddings [T, hidden] of token ids [T]."""
+        return embed_rows(self.embed, ids)
+
+    def run_layers(
+        self,
+        x: np.ndarray,
+        positions: np.ndarray,
+        rows: list[slice],
+        caches: list[KVCache],
+        *,
+        routing: list[Routing] | None = None,
+        probe: Probe | None = None,
+        telemetry: Telemetry = NULL,
+        after_layer: Callable[[int, np.ndarray], None] | None = None,
+    ) -> np.ndarray:
+        """The hidden states [T, hidden] after every decoder layer, from x [T, hidden] at `positions` [T].
+
+        Rows `rows[s]` are sequence s's, attending on `caches[s]` (prepared, not yet committed); each MoE
+        layer's routing goes to `routing`, each matrix's input to `probe`; `after_layer(i, x)` is called
+        with each layer's output.
+        """
+        eps, tel = self.spec.rms_eps, telemetry
         for i, layer in enumerate(self.layers):
             if layer is None:
                 layer = self.layer_source.layer(i)
             segments = [(r, cache.layers[i]) for r, cache in zip(rows, caches)]
             with tel.phase("attention"):
                 x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, segments, probe)
-            h = rms_norm(x, layer.post_norm, eps)
+            h = rms_norm(x, layer.post_norm, eps)                           # [T, hidden]
             if isinstance(layer.ffn, MoE):
                 y, r = layer.ffn(h, self.experts, probe, tel)
                 tel.route(i, r.experts)
@@ -307,46 +269,14 @@ class Transformer:
                 with tel.phase("dense"):
                     y = layer.ffn(h, probe)
             x = x + y
-            if ahead and i + ahead < len(self.layers):
-                self._predict(i + ahead, x)
-        for ids_i, cache in zip(ids_list, caches):
-            cache.commit(ids_i.size)
-        if not all_logits:
-            x = x[bounds[1:] - 1]
-        x = rms_norm(x, self.norm, eps)
+            if after_layer is not None:
+                after_layer(i, x)
+        return x
+
+    def head(self, x: np.ndarray, probe: Probe | None = None, telemetry: Telemetry = NULL) -> np.ndarray:
+        """The logits [T, V] of the final hidden states x [T, hidden]."""
+        x = rms_norm(x, self.norm, self.spec.rms_eps)
         if probe is not None:
             probe("lm_head.weight", x)
-        with tel.phase("dense"):
-            logits = linear(x, self.lm_head)                              # [T or batch, V]
-        if self.streamed:
-            self.experts.end_token(ids.size)
-        tel.end_token(ids.size, prefill=ids.size > len(caches))
-        if all_logits:
-            return [logits[r] for r in rows]
-        return [logits[k : k + 1] for k in range(len(caches))]
-
-    def _fused_step(self, n_tokens: int, cache: KVCache, probe: Probe | None) -> "FusedDecode | None":
-        """The fused decode step when this step is one token of one sequence that it can run, else None."""
-        if n_tokens != 1 or probe is not None or not self.fused_decode:
-            return None
-        if self._fused is False:
-            self._fused = FusedDecode.for_model(self)
-        if self._fused is None or not self._fused.accepts(cache):
-            return None
-        return self._fused
-
-    def _predict(self, j: int, x: np.ndarray) -> None:
-        """Start reading the experts layer j's router would choose for the hidden state x [T, hidden]."""
-        layer = self.layers[j]
-        if layer is None or not isinstance(layer.ffn, MoE):
-            return
-        moe = layer.ffn
-        h = rms_norm(x, layer.post_norm, self.spec.rms_eps)
-        extra = moe.spec.top_k // 2 if self.lookahead_extra is None else self.lookahead_extra
-        k = min(moe.spec.n_experts, moe.spec.top_k + extra)
-        spec = self._guess_specs.get((j, k))
-        if spec is None:
-            spec = moe.spec if k == moe.spec.top_k else dataclasses.replace(moe.spec, top_k=k)
-            self._guess_specs[(j, k)] = spec
-        ids, _ = route(spec, h @ moe.router.T, moe.correction_bias)           # [T, k]
-        self.experts.prefetch(j, ids[0].tolist() if ids.shape[0] == 1 else np.unique(ids).tolist())
+        with telemetry.phase("dense"):
+            return linear(x, self.lm_head)                                  # [T, V]

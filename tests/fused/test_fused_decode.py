@@ -15,11 +15,10 @@ import numba
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-
 from app.hub.convert import ConvertSettings, convert
 from engine.kv import KVCache, KVPool
 from engine.loader import load_model
+from support.reference import build_checkpoint
 
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9]
 STEPS = 12
@@ -50,7 +49,7 @@ def _model(tmp_path_factory, case: dict, name: str):
 
 
 def _greedy(model, fused: bool, pool: KVPool | None = None):
-    model.fused_decode = fused
+    model.context.fused_decode = fused
     cache = KVCache(model.spec, 64, pool=pool)
     logits = model.forward(PROMPT, cache)[-1]
     out, routes = [], []
@@ -88,12 +87,12 @@ def test_fused_steps_equal_the_blocks(tmp_path_factory, threads, name):
     loaded = _model(tmp_path_factory, FUSED, name)
     model = loaded.model
     want_logits, want_routes = _greedy(model, fused=False)
-    assert model._fused is False                                  # never built: the blocks ran every step
+    assert model.context.fused is False                           # never built: the blocks ran every step
     for n in (1, 2):
         threads(n)
         pool = KVPool(model.spec, 32, block_size=4)               # the sequence spans several blocks
         logits, routes = _greedy(model, fused=True, pool=pool)
-        assert model._fused is not None and model._fused is not False
+        assert model.context.fused is not None and model.context.fused is not False
         assert np.array_equal(logits, want_logits), n
         assert routes == want_routes, n
 
@@ -102,9 +101,9 @@ def test_fused_steps_equal_the_blocks(tmp_path_factory, threads, name):
 def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
     """Streamed experts: each call stops at a layer's routing, the store brings the experts in (in groups as reads
     finish), the next calls run them; the same bits as the blocks, and as the resident model."""
-    from engine.loader import OffloadOptions
-    from engine.fused.plan import FusedDecode
     from engine.fused import kernel as fk
+    from engine.fused.plan import FusedDecode
+    from engine.loader import OffloadOptions
     from engine.offload.store import StoreSettings
 
     model_type, overrides = FUSED["qwen3-moe-head-norms-unnormed"]      # a dense layer among the MoE ones
@@ -119,8 +118,8 @@ def test_streamed_experts_fused_equal_the_blocks(tmp_path_factory, threads, io):
             model = loaded.model
             want_logits, want_routes = _greedy(model, fused=False)
             logits, routes = _greedy(model, fused=True)
-            assert isinstance(model._fused, FusedDecode)
-            assert model._fused.lay[:, fk.L_STREAMED].sum() > 0      # the streamed layers stopped for their experts
+            assert isinstance(model.context.fused, FusedDecode)
+            assert model.context.fused.lay[:, fk.L_STREAMED].sum() > 0   # the streamed layers stopped for their experts
             assert loaded.store.stats().hits["disk"] > 0
         finally:
             loaded.close()
@@ -133,8 +132,8 @@ def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_fact
     """The fused step reads ahead for its first steps, then measures: with the guesses made slow, the steps go on
     without them (trying them now and then), and the answer is the resident model's either way."""
     from engine.loader import OffloadOptions
-    from engine.tuning import FasterChoice
     from engine.offload.store import StoreSettings
+    from engine.tuning import FasterChoice
 
     model_type, overrides = FUSED["mixtral"]
     src = build_checkpoint(tmp_path_factory.mktemp("a"), model_type, **overrides)
@@ -145,8 +144,9 @@ def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_fact
     try:
         model = loaded.model
         guesses = []
-        real = model._predict
-        monkeypatch.setattr(model, "_predict", lambda j, x: (guesses.append(len(steps)), time.sleep(0.02), real(j, x)))
+        real = model.context.predict
+        monkeypatch.setattr(model.context, "predict",
+                            lambda j, x: (guesses.append(len(steps)), time.sleep(0.02), real(j, x)))
         cache, want_cache = KVCache(model.spec, 128), KVCache(resident.spec, 128)
         logits, want = model.forward(PROMPT, cache)[-1], resident.forward(PROMPT, want_cache)[-1]
         steps = []
@@ -166,8 +166,8 @@ def test_a_streamed_decode_stops_reading_ahead_when_that_is_slower(tmp_path_fact
 def test_streamed_layers_whose_experts_are_in_memory_run_on_without_stopping(tmp_path_factory, monkeypatch):
     """With every expert in memory a streamed token is one call (no stop per layer), and the store counts the
     layers it ran as if it had been asked for them: the same hits and steps as the blocks path."""
-    from engine.loader import OffloadOptions
     from engine.fused import kernel as fk
+    from engine.loader import OffloadOptions
     from engine.offload.store import StoreSettings
 
     model_type, overrides = FUSED["mixtral"]
@@ -181,7 +181,7 @@ def test_streamed_layers_whose_experts_are_in_memory_run_on_without_stopping(tmp
         loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
         try:
             model = loaded.model
-            model.fused_decode = fused
+            model.context.fused_decode = fused
             cache = KVCache(model.spec, 64)
             logits = model.forward(PROMPT, cache)[-1]
             store = loaded.store
@@ -196,7 +196,7 @@ def test_streamed_layers_whose_experts_are_in_memory_run_on_without_stopping(tmp
                 logits = model.forward([int(logits.argmax())], cache)[-1]
                 out_logits.append(logits)
             stats = loaded.store.stats()
-            results[fused] = (np.stack(out_logits), dict(stats.hits), loaded.store.now, len(calls))
+            results[fused] = (np.stack(out_logits), dict(stats.hits), loaded.store.accounting.now, len(calls))
         finally:
             loaded.close()
     (want, want_hits, want_now, _), (got, hits, now, n_calls) = results[False], results[True]
@@ -210,7 +210,7 @@ def test_other_layers_decode_through_the_blocks(tmp_path_factory, name):
     model = _model(tmp_path_factory, BLOCKS_ONLY, name).model
     want, _ = _greedy(model, fused=False)
     got, _ = _greedy(model, fused=True)
-    assert model._fused is None                                   # looked at once, and declined
+    assert model.context.fused is None                            # looked at once, and declined
     assert np.array_equal(got, want)
 
 
@@ -224,7 +224,8 @@ def test_rounded_kv_fused_equals_the_blocks(tmp_path_factory, threads, bits, clo
         threads(n)
         pool = KVPool(model.spec, 32, block_size=4, bits=bits)
         got, routes = _greedy(model, fused=True, pool=pool)
-        assert model._fused not in (None, False) and model._fused.accepts(KVCache(model.spec, 8, pool=pool))
+        plan = model.context.fused
+        assert plan not in (None, False) and plan.accepts(KVCache(model.spec, 8, pool=pool))
         assert np.array_equal(got, want), n
         assert routes == want_routes, n
     exact, _ = _greedy(model, fused=True, pool=KVPool(model.spec, 32, block_size=4))
@@ -241,7 +242,7 @@ def test_retention_fused_equals_the_blocks(tmp_path_factory, threads, bits):
     stream = PROMPT + PROMPT[:8] + PROMPT                       # 34 tokens through a context of 16
 
     def run(fused: bool):
-        model.fused_decode = fused
+        model.context.fused_decode = fused
         pool = KVPool(model.spec, 16, block_size=4, bits=bits)
         cache = KVCache(model.spec, 16, pool=pool, overflow="retain", sink_tokens=4, recent_tokens=4)
         out = [model.forward(stream[:6], cache)[-1]]
@@ -253,7 +254,7 @@ def test_retention_fused_equals_the_blocks(tmp_path_factory, threads, bits):
     for n in (1, 2):
         threads(n)
         got, fused = run(True)
-        assert model._fused not in (None, False) and model._fused.accepts(fused)
+        assert model.context.fused not in (None, False) and model.context.fused.accepts(fused)
         assert np.array_equal(got, want), n
         assert np.array_equal(fused.heat, blocks.heat) and fused.tokens == blocks.tokens, n
     assert blocks.evicted > 0 and blocks.tokens[:4] == stream[:4]     # retention ran: the sinks stayed
@@ -269,13 +270,13 @@ def test_single_tokens_of_several_sequences_take_the_faster_way_with_the_same_bi
     prompts = [PROMPT, PROMPT[3:], PROMPT[:7]]
     alone = []
     for p in prompts:                                            # each sequence by itself, through the blocks
-        model.fused_decode = False
+        model.context.fused_decode = False
         cache = KVCache(model.spec, 64)
         rows = [model.forward(p, cache)[-1]]
         for _ in range(3 * FasterChoice.PROBE):
             rows.append(model.forward([int(rows[-1].argmax())], cache)[-1])
         alone.append(np.stack(rows))
-    model.fused_decode = True
+    model.context.fused_decode = True
     fused_calls = []
     real = FusedDecode.run
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a, **k: (fused_calls.append(1), real(self, *a, **k))[1])
@@ -297,11 +298,10 @@ def test_a_sequence_that_cannot_go_on_fails_the_step_before_any_other_has_run(tm
     """Several sequences' tokens run a fused step each: one whose context is full fails the whole step first, so
     a retry (as the scheduler retries one by one) does not run the others twice."""
     from engine.errors import GenerationError
-
     from engine.tuning import FasterChoice
 
     model = _model(tmp_path_factory, FUSED, "mixtral").model
-    model._apart = FasterChoice()                                 # a fresh choice starts with a fused step each
+    model.context.apart = FasterChoice()                          # a fresh choice starts with a fused step each
     roomy, full = KVCache(model.spec, 64), KVCache(model.spec, len(PROMPT))
     token = int(model.forward(PROMPT, roomy)[-1].argmax())
     model.forward(PROMPT, full)
@@ -392,8 +392,8 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
     """While a call runs, its driver thread reads the experts a layer lacks (and the guesses of later layers), and
     the call waits for them where it is, running the layer's experts that are in memory meanwhile: most misses cost
     no stop, and the answer is the resident model's."""
-    from engine.loader import OffloadOptions
     from engine.fused.driver import Driver
+    from engine.loader import OffloadOptions
     from engine.offload.store import StoreSettings
 
     some = []                                          # per call, the layers run in two parts (W_SOME)
@@ -401,7 +401,7 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
 
     def counting_end(driver):
         n = driver.n
-        some.append(int(np.count_nonzero(driver.post[driver.tail + n : driver.tail + 2 * n])))
+        some.append(int(np.count_nonzero(driver.post[driver.layout.second : driver.layout.second + n])))
         end(driver)
     monkeypatch.setattr(Driver, "end", counting_end)
     out = _container(tmp_path_factory, "mixtral")
@@ -415,7 +415,7 @@ def test_a_streamed_call_waits_for_the_experts_it_lacks_instead_of_stopping(tmp_
             stops = _counting_stops(monkeypatch, loaded.store)
             before = loaded.store.stats().hits["disk"]
             got, _ = _greedy(model, fused=True)
-            assert model._fused._driver is not None
+            assert model.context.fused.driver is not None
             disk = loaded.store.stats().hits["disk"] - before
         finally:
             loaded.close()
@@ -434,8 +434,8 @@ def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_fac
     to `prefetch`, which reads them. The answer is the resident model's."""
     import threading
 
-    from engine.loader import OffloadOptions
     from engine.fused import driver as fused_driver
+    from engine.loader import OffloadOptions
     from engine.offload.store import ExpertStore, StoreSettings
 
     counts = {"woken": 0, "poked": 0, "posted": 0, "asked": 0, "ahead": 0}
@@ -462,11 +462,11 @@ def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_fac
         token(driver)
 
     def ended(driver):
-        n = driver.n
-        for j in np.flatnonzero(driver.post[2 * n : 3 * n]).tolist():
+        n, needed = driver.n, driver.layout.needed
+        for j in np.flatnonzero(driver.post[needed : needed + n]).tolist():
             if j not in posted:                         # the kernel wrote this count to the eventfd as it posted
                 posted.add(j)
-                count("posted", int(driver.post[2 * n + j]))
+                count("posted", int(driver.post[needed + j]))
         end(driver)
 
     def asked(store, layer, ids, *meanwhile):
@@ -487,7 +487,7 @@ def test_a_guess_does_not_wake_the_driver_which_reads_it_when_awake(tmp_path_fac
     loaded = load_model(out, offload=OffloadOptions(StoreSettings(capacity=5 * _slot_bytes(out), policy="lru"), 1))
     try:
         model = loaded.model
-        monkeypatch.setattr(model._ahead, "pick", lambda preferred, other: preferred)   # always reading ahead
+        monkeypatch.setattr(model.context.ahead, "pick", lambda preferred, other: preferred)   # always reading ahead
         got, _ = _greedy(model, fused=True)
     finally:
         loaded.close()
@@ -527,8 +527,8 @@ def test_an_expert_leaving_is_not_read_over_while_a_thread_may_read_it(tmp_path_
     then read over). An expert of another layer leaves at once."""
     import threading
 
-    from engine.loader import OffloadOptions
     from engine.fused import kernel as fk
+    from engine.loader import OffloadOptions
     from engine.offload.store import StoreSettings
 
     out = _container(tmp_path_factory, "mixtral")
@@ -536,7 +536,7 @@ def test_an_expert_leaving_is_not_read_over_while_a_thread_may_read_it(tmp_path_
     try:
         model = loaded.model
         model.forward([int(model.forward(PROMPT, KVCache(model.spec, 64))[-1].argmax())], KVCache(model.spec, 64))
-        plan = model._fused
+        plan = model.context.fused
         layer = plan.streamed_layers[-1]
         assert plan.streamed_layers[0] != layer
         plan.flags[layer, :] = 1
@@ -584,13 +584,13 @@ def test_a_corrupt_expert_a_running_call_used_is_refused_before_its_answer(tmp_p
     loaded = load_model(copy, offload=OffloadOptions(StoreSettings(capacity=1 << 30, policy="lru"), 1))
     try:
         model = loaded.model
-        model.fused_decode = True
+        model.context.fused_decode = True
         cache = KVCache(model.spec, 64)
         token = PROMPT[0]
         with pytest.raises(ModelFormatError, match="checksum mismatch in expert [0-9]+ of layer 1") as raised:
             for _ in range(STEPS):
                 token = int(model.forward([token], cache)[-1].argmax())
-        assert model._fused._driver is not None
+        assert model.context.fused.driver is not None
         assert "account_steps" in [entry.name for entry in raised.traceback]    # counted after the call: it ran them
         e = int(re.search(r"expert ([0-9]+) of layer 1", str(raised.value)).group(1))
         assert (1, e) not in loaded.store.built
