@@ -22,7 +22,7 @@ DEBIAN_PACKAGES := libgl1 libegl1 libgl1-mesa-dri libfontconfig1 libfreetype6 li
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: help run test system-deps venv clean package
+.PHONY: help run test test-fast lint system-deps venv clean package
 
 help: ## list the targets
 	@echo "Colibri: make TARGET"
@@ -40,6 +40,21 @@ run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-
 test: system-deps $(TEST_STAMP) ## set up with the test extra (torch, transformers) and run pytest
 	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE \
 		$(VENV_PY) -m pytest $(PYTEST_ARGS)
+
+# The fast subset: no parity against transformers, no GUI, none of the slow tests (pytest markers in pyproject.toml).
+FAST_MARKERS := not slow and not gui and not parity
+
+test-fast: system-deps $(TEST_STAMP) ## run the fast subset of the tests (no slow, gui or parity markers)
+	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE \
+		$(VENV_PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+
+# Every check runs and reports; the target fails if any of them did.
+lint: $(TEST_STAMP) ## check style (ruff), types of the engine's core (mypy) and who imports whom (import-linter)
+	@status=0; \
+	for check in "$(VENV)/bin/ruff check ." "$(VENV)/bin/mypy" "$(VENV)/bin/lint-imports --cache-dir $(CACHE)/import-linter"; do \
+		echo "$$check"; $$check || status=1; \
+	done; \
+	exit $$status
 
 package: system-deps $(RUNTIME_STAMP) ## build the desktop app into dist/colibri (PyInstaller); packaging/install.sh installs it
 	packaging/build.sh

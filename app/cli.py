@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:                 # `colibri info OUT | head`: the reader left; not an error of ours
         try:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - so that the interpreter's final flush stays quiet
+            sys.stdout = open(os.devnull, "w")  # so that the interpreter's final flush stays quiet
         except OSError:
             pass
         return 0

@@ -392,7 +392,7 @@ def check_numba() -> Check:
 
     asked = numba.config.THREADING_LAYER
     try:
-        from app.bench.decode import reduction_kernel   # any parallel kernel starts the threading layer
+        from app.bench.decode import reduction_kernel  # any parallel kernel starts the threading layer
 
         reduction_kernel()(np.ones(1024, np.float32))
     except Exception as exc:   # e.g. NUMBA_THREADING_LAYER names a layer that cannot load

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,12 +29,12 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.kernels.attention import attend_latent, attend_paged
 from engine.errors import ColibriError, GenerationError
-from engine.spec import AttentionSpec, MLASpec, ModelSpec, RopeSpec
+from engine.kernels.attention import attend_latent, attend_paged
+from engine.spec import MLASpec, ModelSpec, RopeSpec
 
-BLOCK_SIZE = 32           # positions per block: decode attention at 2048 positions is flat from 16 to 128 and
-                          # 1.8x slower at 8 (`colibri bench --kv blocks`); 32 keeps prefix sharing fine-grained
+BLOCK_SIZE = 32           # positions per block: small blocks slow decode attention (`colibri bench --kv blocks`),
+                          # large ones coarsen prefix sharing; 32 sits where neither costs
 OVERFLOW = ("error", "slide", "retain")
 KV_BITS = (32, 16, 8)     # how keys and values are stored: float32, fp16, int8 with a float32 scale per row
 SINK_TOKENS = 4           # retention: the first tokens always kept (attention sinks)
@@ -328,7 +327,7 @@ class LayerKV:
         return res
 
 
-def _encode(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _encode(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | np.float32]:
     """Rows of x [..., D] as stored: float32 or fp16 bits (uint16) with scale 1, or int8 with scale absmax / 127
     per row."""
     if dtype == np.float32:
@@ -454,11 +453,11 @@ class KVCache:
         while self.length + bs <= limit:
             parent = self._digests[-1] if self._digests else ROOT
             digest = prefix_digest(parent, prompt[self.length : self.length + bs])
-            b = self.pool.lookup(digest)
-            if b is None:
+            block = self.pool.lookup(digest)
+            if block is None:
                 break
-            self.pool.retain(b)
-            self.table.append(b)
+            self.pool.retain(block)
+            self.table.append(block)
             self._table_np = None
             self.tokens.extend(prompt[self.length : self.length + bs])
             self._digests.append(digest)

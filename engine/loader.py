@@ -215,9 +215,9 @@ def _open_layers(ckpt: Checkpoint, offload: OffloadOptions, telemetry: Telemetry
 
 def _open_store(ckpt: Checkpoint, offload: OffloadOptions, telemetry: Telemetry):
     """The expert store over a container, with the usage history when one is kept."""
-    from engine.spec import MoESpec
     from engine.offload.history import UsageHistory
     from engine.offload.store import ExpertStore
+    from engine.spec import MoESpec
 
     _need_container(ckpt)
     moe = [layer.ffn for layer in ckpt.spec.layers if isinstance(layer.ffn, MoESpec)]

@@ -3,9 +3,8 @@
 A decode step streams every weight it uses once, from memory too large for any cache. On 4 KB pages
 that is one page-table walk per 4 KB (two levels of them in a virtual machine); on 2 MB pages, one
 per 2 MB. Linux hands out 2 MB pages where a mapping asks for them (MADV_HUGEPAGE), the page cache
-included on file systems with large folios (ext4 and xfs on recent kernels). Measured on 2 cores of
-a virtual machine, `mixtral-1.7b` at 4.5 bits: resident decode 90-91 tok/s in three loads with the
-advice, against 67-90 without, where it varied with what the page cache held.
+included on file systems with large folios (ext4 and xfs on recent kernels). Without the advice,
+decode speed varies with what the page cache happened to hold.
 
 The advice changes where bytes sit, never which bytes: answers are the same.
 """

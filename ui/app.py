@@ -18,12 +18,20 @@ from pathlib import Path
 from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
-    QApplication, QDockWidget, QLabel, QMainWindow, QMenu, QMessageBox, QProgressBar, QPushButton, QWidget,
+    QApplication,
+    QDockWidget,
+    QLabel,
+    QMainWindow,
+    QMenu,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QWidget,
 )
 
 from app.conversations import ConversationStore
-from app.service.remote import ConnectionChanged, Endpoint, RemoteService
 from app.service.local import LoadFailed, LoadOptions, ModelInfo, ModelLoaded, SettingsApplied
+from app.service.remote import ConnectionChanged, Endpoint, RemoteService
 from ui.bridge import Bridge, ServiceFactory
 from ui.chat import ChatPanel
 from ui.controls import ControlsPanel

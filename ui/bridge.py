@@ -14,12 +14,21 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, Qt, Signal
 
+from app.service.local import (
+    AtlasFailed,
+    AtlasProgress,
+    AtlasReady,
+    EngineService,
+    Generation,
+    LoadFailed,
+    LoadProgress,
+    ModelLoaded,
+    ModelUnloaded,
+    ServiceEvent,
+    SettingsApplied,
+)
 from app.service.protocol import Service
 from app.service.remote import ConnectionChanged, RemoteService
-from app.service.local import (
-    AtlasFailed, AtlasProgress, AtlasReady, EngineService, Generation, LoadFailed, LoadProgress, ModelLoaded,
-    ModelUnloaded, ServiceEvent, SettingsApplied,
-)
 
 ServiceFactory = Callable[[Callable[[ServiceEvent], None]], Service]   # on_event -> EngineService or RemoteService
 

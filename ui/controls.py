@@ -11,8 +11,8 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QFormLayout, QLabel, QSlider, QVBoxLayout, QWidget
 
-from app.service.local import ModelInfo, SettingsApplied, SettingsChange
 from app.config.sizes import format_size as format_bytes
+from app.service.local import ModelInfo, SettingsApplied, SettingsChange
 
 DEBOUNCE_MS = 250       # a dragged slider asks once it rests this long (or when released)
 BUDGET_STEPS = 1000     # the budget slider's positions between the least budget and the one holding every expert

@@ -134,7 +134,7 @@ class BackgroundJob(QObject):
             self._relay.emit(JobEnded(None, self.cancelled_message, True))
         except ColibriError as exc:
             self._relay.emit(JobEnded(None, str(exc)))
-        except Exception as exc:  # noqa: BLE001 - reported in the dialog, never a dead worker
+        except Exception as exc:  # reported in the dialog, never a dead worker
             self._relay.emit(JobEnded(None, f"{type(exc).__name__}: {exc}"))
         else:
             self._relay.emit(JobEnded(str(path)))

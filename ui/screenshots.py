@@ -33,7 +33,7 @@ def pick_model(arg: str | None) -> Path:
         return resolve_model(arg)
     try:
         return resolve_model("smollm2-moe")
-    except Exception:  # noqa: BLE001 - not pulled: fall back to the small dense model
+    except Exception:  # not pulled: fall back to the small dense model
         return resolve_model("smollm2-135m")
 
 

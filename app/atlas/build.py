@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from app.atlas.stats import PROJECTION, expert_stats, text_report
 from app.atlas.probes import ProbeTopic, load_probes
+from app.atlas.stats import PROJECTION, expert_stats, text_report
 from engine.blocks.ffn import Routing
 from engine.errors import ColibriError
 from engine.kv import KVCache

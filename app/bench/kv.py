@@ -21,9 +21,9 @@ import numpy as np
 
 from app.bench.decode import random_prompt
 from engine.generation.generate import GenerationRequest
-from engine.kv import BLOCK_SIZE, KVCache, KVPool, blocks_for
 from engine.generation.sampling import SamplingParams
 from engine.generation.scheduler import Scheduler
+from engine.kv import BLOCK_SIZE, KVCache, KVPool, blocks_for
 
 Log = Callable[[str], None]
 

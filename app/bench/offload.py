@@ -86,7 +86,7 @@ def drop_caches(folder: Path) -> None:
             drop_file_cache(str(path))
 
 
-DISK_REPEATS = 3   # a virtual disk's speed wanders (0.7-1.4 GB/s between runs here): the best of a few
+DISK_REPEATS = 3   # a virtual disk's speed wanders from one run to the next: the best of a few
 
 
 def disk_bandwidth(folder: Path, block: int, threads: int, repeats: int = DISK_REPEATS) -> float:
@@ -209,9 +209,9 @@ def resident_decode(path: Path, prompts: list[list[int]], gen: int, log: Log = l
     passes over them in one load, or None when the weights take more than half the memory the system has
     available (a resident run would page).
 
-    One pass is about a second. On a shared machine one measured 68 tok/s where the runs before and after it
-    measured 102, which put a streamed run at 98.5% of its bound; a median over passes stands against such a
-    disturbance of one pass (the streamed runs, of a minute each, average theirs out)."""
+    One pass is about a second, short enough for a neighbour on a shared machine to slow it alone; a median
+    over passes stands against such a disturbance of one pass (the streamed runs, of a minute each, average
+    theirs out)."""
     from engine.loader import load_model
 
     size = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
@@ -282,7 +282,12 @@ def replay(trace: dict, fractions=(0.1, 0.25, 0.5), pin_fraction: float | None =
     store does from earlier sessions: its prior (usage counts), its pins, and its half-life (the one that
     served the first half best, `tune_half_life`)."""
     from engine.offload.policy import (
-        DEFAULT_HALF_LIFE_TOKENS, belady, make_policy, simulate, tune_half_life, wants_admission,
+        DEFAULT_HALF_LIFE_TOKENS,
+        belady,
+        make_policy,
+        simulate,
+        tune_half_life,
+        wants_admission,
     )
     from engine.offload.store_types import StoreSettings
 
@@ -348,7 +353,8 @@ def format_runs(runs: list[StreamRun], resident_tok_s: float | None = None) -> s
             f"  {r.label:5s} io={r.io:5s} {r.policy:7s} depth {r.prefetch_depth}: decode {r.decode_tok_s:6.2f} tok/s, "
             f"prompt {r.prompt_tok_s:6.1f} tok/s, hit rate {r.hit_rate * 100:5.1f}%, {r.missed_bytes_per_token / 1e6:6.1f} MB "
             f"missed/token, I/O roofline {r.io_roofline_tok_s:6.2f} tok/s at {r.disk_gb_s:.2f} GB/s "
-            f"-> {r.roofline_fraction * 100:5.1f}% ({r.read_bytes_per_token / 1e6:.1f} MB read/token with reads ahead); lookahead recall {r.prefetch_recall * 100:4.1f}% precision "
+            f"-> {r.roofline_fraction * 100:5.1f}% ({r.read_bytes_per_token / 1e6:.1f} MB read/token with reads ahead); "
+            f"lookahead recall {r.prefetch_recall * 100:4.1f}% precision "
             f"{r.prefetch_precision * 100:4.1f}%; per token io wait {r.io_wait_ms:.1f} ms, experts {r.experts_ms:.1f} ms, "
             f"attention {r.attention_ms:.1f} ms, dense {r.dense_ms:.1f} ms; peak RSS {r.peak_rss / 1e6:.0f} MB")
     by = {r.label: r for r in runs}

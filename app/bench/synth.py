@@ -191,7 +191,7 @@ def _active_params(spec: ModelSpec, total: int) -> int:
 
 def plan_checkpoint(shape_name: str, dtype: str = "bf16", shard_bytes: int = SHARD_BYTES) -> SynthPlan:
     """Lay out the checkpoint of `shape_name`: tensors, shard files, parameter and byte counts."""
-    from engine.models import spec_from_config          # imported here: `colibri --help` stays quick
+    from engine.models import spec_from_config  # imported here: `colibri --help` stays quick
     from engine.models.transformer import expected_shapes
 
     shape = get_shape(shape_name)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
 from pathlib import Path
 
-from app.commands._common import add_model_argument, load
+from app.commands._common import load
 from app.commands._memory import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
@@ -109,9 +108,9 @@ KV_PARTS = ("prefix", "batch", "blocks", "int8", "retention")
 
 def _kv(args: argparse.Namespace) -> int:
     """The KV cache bench (app.bench.kv)."""
+    from app.atlas.probes import heldout_text
     from app.bench.decode import thread_limits
     from app.bench.kv import run_kv_bench
-    from app.atlas.probes import heldout_text
 
     parts = set(KV_PARTS) if args.kv == "all" else {p.strip() for p in args.kv.split(",") if p.strip()}
     unknown = parts - set(KV_PARTS)
@@ -137,11 +136,20 @@ def _stream(args: argparse.Namespace) -> int:
     import tempfile
 
     from app.bench.decode import check_threads, thread_limits
-    from app.plan.budget import process_rss
-    from app.hub.pull import resolve_model
-    from app.bench.offload import (DISK_REPEATS, disk_bandwidth, format_replay, format_runs, replay, resident_decode,
-                                  run_workload, save_trace, workload)
+    from app.bench.offload import (
+        DISK_REPEATS,
+        disk_bandwidth,
+        format_replay,
+        format_runs,
+        replay,
+        resident_decode,
+        run_workload,
+        save_trace,
+        workload,
+    )
     from app.commands._common import plan_offload
+    from app.hub.pull import resolve_model
+    from app.plan.budget import process_rss
     from engine.loader import open_checkpoint
     from engine.offload.io import PAGE, round_up
 

@@ -54,8 +54,8 @@ def parse_loosely(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.
 
 
 def _show(args: argparse.Namespace) -> int:
-    from app.config import settings
     from app.cli import build_parser
+    from app.config import settings
 
     command, rest = args.target or "run", list(args.rest)
     if command not in settings.SETTINGS_COMMANDS:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from engine.errors import ColibriError
@@ -27,8 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.commands._common import load
     from app.bench.evaluate import evaluate
+    from app.commands._common import load
 
     try:
         text = args.text.read_text(encoding="utf-8")

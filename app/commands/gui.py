@@ -8,12 +8,11 @@ one, it says why and what to run instead.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from app.commands._common import add_model_argument
-from app.config.runtime import display_problem
 from app.commands._memory import add_memory_arguments, load_options
+from app.config.runtime import display_problem
 from engine.errors import ColibriError
 
 

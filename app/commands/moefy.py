@@ -63,8 +63,8 @@ def progress_printer(what: str) -> Callable[[float, str], None]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from app.moefy.upcycle import format_report, moefy
     from app.hub.pull import resolve_model
+    from app.moefy.upcycle import format_report, moefy
 
     options = MoefyOptions(experts=args.experts, top_k=args.top_k, noise=args.noise, seed=args.seed, dtype=args.dtype,
                            calib=args.calib, calib_prompts=args.calib_prompts, heldout_prompts=args.heldout_prompts,

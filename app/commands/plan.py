@@ -69,9 +69,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _source(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
     """(the model on this machine, None) or (None, the config.json to plan from alone)."""
-    from app.plan.plan import fetch_config
     from app.config.catalog import ALIASES, DERIVED, is_repo_id
     from app.hub.pull import resolve_model
+    from app.plan.plan import fetch_config
     from engine.errors import ColibriError
 
     if args.config_only is not None:
@@ -112,8 +112,8 @@ def _measurer(args: argparse.Namespace, folder: Path):
 def _plan_from_config(args: argparse.Namespace, config: Path, baseline: int) -> Prediction:
     """Fixed widths from config.json alone; speeds measured now, the disk's in the models folder."""
     from app.config.paths import models_dir
-    from app.plan.plan import config_checkpoint, config_layout, predict, split_for
     from app.config.sizes import parse_size
+    from app.plan.plan import config_checkpoint, config_layout, predict, split_for
 
     ckpt = config_checkpoint(config)
     split = split_for(ckpt.spec, parse_size(args.max_memory, "--max-memory"), args.ctx, baseline)
@@ -125,14 +125,14 @@ def _plan_from_config(args: argparse.Namespace, config: Path, baseline: int) -> 
 
 def _plan_calibrated(args: argparse.Namespace, path: Path, baseline: int) -> Prediction:
     """Widths from each matrix's error measured on calibration text; the disk measured where the model lies."""
+    from app.config.sizes import parse_size
     from app.hub.calibrate import calibration_sequences
     from app.hub.convert import ConvertSettings
     from app.plan.plan import calibrated_floor, calibrated_layout, predict, split_for
-    from app.config.sizes import parse_size
-    from engine.plan.calibration import collect_stats
     from engine.formats.container import is_container
     from engine.loader import open_checkpoint
     from engine.models.transformer import Transformer
+    from engine.plan.calibration import collect_stats
 
     ckpt = open_checkpoint(path)
     settings = ConvertSettings(group=args.group_size)

@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 from app.atlas.probes import ProbeTopic, load_probes
 from engine.errors import ColibriError
 from engine.generation.generate import GenerationRequest, stream_generate
-from engine.kv import KVCache
 from engine.generation.sampling import SamplingParams
+from engine.kv import KVCache
 
 SEQUENCE_TOKENS = 512       # a calibration file is cut into sequences this long
 ANSWER_TOKENS = 48          # tokens the model writes per probe prompt
@@ -51,7 +51,8 @@ def calibration_sequences(model, tokenizer, stop_ids, calib_file: Path | None, n
         messages = [{"role": "user", "content": prompt}]
         ids = tokenizer.encode_chat(messages) if tokenizer.has_chat_template else tokenizer.encode(prompt)
         request = GenerationRequest(prompt=tuple(ids), max_tokens=ANSWER_TOKENS, sampling=sampling)
-        done = list(stream_generate(model, tokenizer, request, stop_ids=stop_ids, cache=KVCache(model.spec, len(ids) + ANSWER_TOKENS + 1)))[-1]
+        cache = KVCache(model.spec, len(ids) + ANSWER_TOKENS + 1)
+        done = list(stream_generate(model, tokenizer, request, stop_ids=stop_ids, cache=cache))[-1]
         seq = list(ids) + list(getattr(done, "tokens", ()))
         sequences.append(seq)
         total += len(seq)

@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from engine.blocks.ffn import Routing
+from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
 from engine.kv import KVCache
 from engine.models.transformer import Transformer
-from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
 from engine.tokenizer import Tokenizer
 
 CHUNK = 256          # tokens per forward pass when reading a passage

@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from app.atlas.probes import heldout_text, load_probes
 from app.moefy.calib import FeatureCapture, Passage, converse, read_passage, score, text_passages
 from app.moefy.router import fit_router
 from app.moefy.write import DTYPES, mixtral_config, write_json, write_tokenizer, write_weights
-from app.atlas.probes import heldout_text, load_probes
 from engine.errors import ColibriError
 from engine.formats.gguf_model import GGUFModel
 from engine.formats.hf import SafetensorsFolder, read_json

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import ColibriError
-from engine.spec import ModelSpec
-from engine.offload.budget import kv_bytes, working_bytes
-
 from app.config.sizes import format_size
+from engine.errors import ColibriError
+from engine.offload.budget import kv_bytes, working_bytes
+from engine.spec import ModelSpec
 
 
 def process_rss() -> int:

@@ -29,18 +29,18 @@ from typing import Callable
 
 import numpy as np
 
-from app.plan.budget import BudgetSplit, check_ctx
-from app.hub.convert import ConvertSettings, Matrices, _bytes_at, classify, make_plan
 from app.config.sizes import format_size
+from app.hub.convert import ConvertSettings, Matrices, _bytes_at, classify, make_plan
+from app.plan.budget import BudgetSplit, check_ctx
 from app.plan.speed_model import Rates, Speeds, Work, describe_speeds, plan_work, predict_speeds
 from app.plan.speed_probe import measure_rates  # noqa: F401  the measurer `colibri plan` uses (tests replace it here)
-from engine.plan.calibration import ActivationStats
 from engine.errors import ColibriError
 from engine.loader import Checkpoint
-from engine.plan.planner import BIT_OPTIONS, FLOAT_BITS, GROUP_OPTIONS, Plan, TensorPlan, forced_bits, group_for
-from engine.spec import ModelSpec, MoESpec
 from engine.offload.budget import kv_bytes, working_bytes
 from engine.offload.io import PAGE, round_up
+from engine.plan.calibration import ActivationStats
+from engine.plan.planner import BIT_OPTIONS, FLOAT_BITS, GROUP_OPTIONS, Plan, TensorPlan, forced_bits, group_for
+from engine.spec import ModelSpec, MoESpec
 
 
 class BudgetTooSmall(ColibriError):

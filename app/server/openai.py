@@ -18,7 +18,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.server.engine import QueueFull, Served, Ticket
-from app.server.errors import ApiError, error, sse as _sse
+from app.server.errors import ApiError, error
+from app.server.errors import sse as _sse
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams

@@ -11,7 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from app.server.engine import Served
-from app.server.errors import ApiError, sse as _sse
+from app.server.errors import ApiError
+from app.server.errors import sse as _sse
 
 
 def add_telemetry_routes(app: FastAPI, engine: Served) -> None:

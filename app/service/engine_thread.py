@@ -22,9 +22,28 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.service.messages import (
-    AtlasFailed, AtlasProgress, AtlasReady, AtlasRequest, ChatMessage, EngineSettings, GenerateRequest, Generation,
-    LoadFailed, LoadOptions, LoadProgress, LoadRequest, ModelInfo, ModelLoaded, ModelUnloaded, Request, ServiceEvent,
-    SettingsApplied, SettingsChange, UnloadRequest, _ApplySettings, _Shutdown,
+    AtlasFailed,
+    AtlasProgress,
+    AtlasReady,
+    AtlasRequest,
+    ChatMessage,
+    EngineSettings,
+    GenerateRequest,
+    Generation,
+    LoadFailed,
+    LoadOptions,
+    LoadProgress,
+    LoadRequest,
+    ModelInfo,
+    ModelLoaded,
+    ModelUnloaded,
+    Request,
+    ServiceEvent,
+    SettingsApplied,
+    SettingsChange,
+    UnloadRequest,
+    _ApplySettings,
+    _Shutdown,
 )
 from app.service.model import Engaged, available_memory, n_experts, peek_spec, read_atlas, rss
 from engine.errors import ColibriError
@@ -122,7 +141,7 @@ class EngineThread:
                     break
                 try:
                     self._handle(req)
-                except Exception as exc:  # noqa: BLE001 - the thread outlives any request
+                except Exception as exc:  # the thread outlives any request
                     log.error("engine request %r failed:\n%s", req, traceback.format_exc())
                     self._fail(req, f"internal error: {type(exc).__name__}: {exc}")
                 finally:
@@ -249,7 +268,7 @@ class EngineThread:
         if model is not None:
             try:
                 model.loaded.close()
-            except Exception:  # noqa: BLE001 - a failed history save must not keep the model alive
+            except Exception:  # a failed history save must not keep the model alive
                 log.exception("closing %s failed", model.info.name)
 
     # --- generation ---
@@ -292,7 +311,7 @@ class EngineThread:
         sched, tel = model.scheduler, model.telemetry
         try:
             touched = sched.step()
-        except Exception as exc:  # noqa: BLE001 - a fault fails the batch's requests, not the service
+        except Exception as exc:  # a fault fails the batch's requests, not the service
             log.error("a generation step failed:\n%s", traceback.format_exc())
             touched = sched.abort(f"internal error while generating: {type(exc).__name__}: {exc}")
         for seq in touched:
@@ -375,7 +394,7 @@ class EngineThread:
     # --- the atlas ---
 
     def _atlas(self, req: AtlasRequest, cancel: threading.Event) -> None:
-        from app.atlas.build import AtlasCancelled, write_atomic, build_atlas, default_sidecar, model_hash, route_probes
+        from app.atlas.build import AtlasCancelled, build_atlas, default_sidecar, model_hash, route_probes, write_atomic
         from app.atlas.probes import load_probes
 
         model = self._model

@@ -34,10 +34,33 @@ from typing import Any
 from app.service.engine_thread import PROGRESS_INTERVAL, EngineThread, _Feed  # noqa: F401 - PROGRESS_INTERVAL re-exported
 from app.service.loading import DEFAULT_CONTEXT  # noqa: F401 - re-exported
 from app.service.messages import (  # noqa: F401 - re-exported: front ends import the messages from here
-    TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, AtlasFailed, AtlasProgress, AtlasReady,
-    AtlasRequest, ChatMessage, EngineSettings, GenerateRequest, Generation, LoadFailed, LoadOptions, LoadProgress,
-    LoadRequest, ModelInfo, ModelLoaded, ModelUnloaded, Request, ServiceEvent, SettingsApplied, SettingsChange,
-    UnloadRequest, _ApplySettings, _Shutdown,
+    TIER_CACHED,
+    TIER_DISK,
+    TIER_NONE,
+    TIER_PINNED,
+    TIER_RESIDENT,
+    AtlasFailed,
+    AtlasProgress,
+    AtlasReady,
+    AtlasRequest,
+    ChatMessage,
+    EngineSettings,
+    GenerateRequest,
+    Generation,
+    LoadFailed,
+    LoadOptions,
+    LoadProgress,
+    LoadRequest,
+    ModelInfo,
+    ModelLoaded,
+    ModelUnloaded,
+    Request,
+    ServiceEvent,
+    SettingsApplied,
+    SettingsChange,
+    UnloadRequest,
+    _ApplySettings,
+    _Shutdown,
 )
 from engine.errors import ColibriError
 from engine.generation.sampling import SamplingParams

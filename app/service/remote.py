@@ -37,14 +37,37 @@ from urllib.parse import quote
 
 import numpy as np
 
-from app.service.wire import (
-    CONNECT_TIMEOUT, SETTINGS, Endpoint, RemoteError, completion_body, fixed_reason, iter_sse, model_info, read_lines,
-    refusal, unreachable,
-)
 from app.service.messages import (
-    AtlasFailed, ChatMessage, GenerateRequest, Generation, LoadFailed, LoadOptions, LoadProgress, LoadRequest,
-    ModelInfo, ModelLoaded, ModelUnloaded, Request, ServiceEvent, SettingsApplied, SettingsChange, UnloadRequest,
+    AtlasFailed,
+    ChatMessage,
+    GenerateRequest,
+    Generation,
+    LoadFailed,
+    LoadOptions,
+    LoadProgress,
+    LoadRequest,
+    ModelInfo,
+    ModelLoaded,
+    ModelUnloaded,
+    Request,
+    ServiceEvent,
+    SettingsApplied,
+    SettingsChange,
+    UnloadRequest,
     _Shutdown,
+)
+from app.service.wire import (
+    CONNECT_TIMEOUT,
+    SETTINGS,
+    Endpoint,
+    RemoteError,
+    completion_body,
+    fixed_reason,
+    iter_sse,
+    model_info,
+    read_lines,
+    refusal,
+    unreachable,
 )
 from engine.events import DoneEvent, ErrorEvent, GenerationStats, TokenEvent
 from engine.generation.sampling import SamplingParams
@@ -308,7 +331,7 @@ class RemoteService:
                 elif isinstance(req, UnloadRequest):
                     self._info = None
                     self._emit(ModelUnloaded(req.id))
-            except Exception as exc:  # noqa: BLE001 - the thread outlives any request
+            except Exception as exc:  # the thread outlives any request
                 log.exception("remote request %r failed", req)
                 message = f"internal error: {type(exc).__name__}: {exc}"
                 if isinstance(req, LoadRequest):

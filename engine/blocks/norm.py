@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kernels.rows import rms_norm_rows
 from engine.errors import ModelFormatError
+from engine.kernels.rows import rms_norm_rows
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

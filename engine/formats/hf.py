@@ -40,13 +40,15 @@ class SafetensorsFolder:
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
-                raise ModelFormatError(f"{folder}: shard(s) {', '.join(missing)} listed in {index.name} are missing; the download is incomplete: fetch the model again")
+                raise ModelFormatError(f"{folder}: shard(s) {', '.join(missing)} listed in {index.name} are missing; "
+                                       "the download is incomplete: fetch the model again")
         elif single.is_file():
             files = [single.name]
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
             if not files:
-                raise ModelFormatError(f"{folder}: no model.safetensors (nor shards with model.safetensors.index.json); this folder holds no weights Colibri can read")
+                raise ModelFormatError(f"{folder}: no model.safetensors (nor shards with model.safetensors.index.json); "
+                                       "this folder holds no weights Colibri can read")
         self.files = {f: SafetensorsFile(folder / f) for f in files}
         self._where: dict[str, SafetensorsFile] = {}
         for f in self.files.values():

@@ -51,7 +51,8 @@ class SafetensorsFile:
                     raise ModelFormatError(f"{self.path}: file is {size} bytes, too short for a safetensors header; download it again")
                 (n,) = struct.unpack("<Q", head)
                 if n > _MAX_HEADER or 8 + n > size:
-                    raise ModelFormatError(f"{self.path}: header length {n} does not fit in a {size}-byte file; the file is truncated or not safetensors: download it again")
+                    raise ModelFormatError(f"{self.path}: header length {n} does not fit in a {size}-byte file; "
+                                           "the file is truncated or not safetensors: download it again")
                 header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ModelFormatError(f"{self.path}: safetensors header is not valid JSON ({exc}); download the file again") from None

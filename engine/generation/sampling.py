@@ -35,7 +35,8 @@ import numpy as np
 
 from engine.errors import GenerationError
 
-LogitsProcessor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
+TokenIds = Sequence[int] | np.ndarray  # [L] token ids; an int ndarray passes without a copy
+LogitsProcessor = Callable[[np.ndarray, TokenIds], np.ndarray]
 HistoryKind = Literal["context", "generated"]
 
 # Logits arrive as float32 (rounding ~1e-7 relative), so top_p masses and min_p log-ratios
@@ -87,14 +88,13 @@ class SamplingParams:
 
 
 def _check_real(name: str, value: object, want: str, ok: Callable[[float], bool]) -> None:
-    is_real = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not (is_real and math.isfinite(value) and ok(float(value))):
+    real = (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not (isinstance(value, real) and math.isfinite(value) and ok(float(value))):
         raise GenerationError(f"sampling setting {name} must be {want}, got {value!r}")
 
 
 def _check_int(name: str, value: object, want: str, ok: Callable[[int], bool]) -> None:
-    is_int = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-    if not (is_int and ok(int(value))):
+    if isinstance(value, bool) or not (isinstance(value, (int, np.integer)) and ok(int(value))):
         raise GenerationError(f"sampling setting {name} must be {want}, got {value!r}")
 
 
@@ -105,7 +105,7 @@ def _check_int(name: str, value: object, want: str, ok: Callable[[int], bool]) -
 class History:
     """The ids a step has seen: tokens[:n_prompt] is the prompt, the rest was generated."""
 
-    tokens: Sequence[int]  # [L] prompt ids then generated ids; an int ndarray avoids copies
+    tokens: TokenIds  # [L] prompt ids then generated ids; an int ndarray avoids copies
     n_prompt: int
 
     def __post_init__(self) -> None:
@@ -121,16 +121,16 @@ class History:
         return cls(tokens, len(prompt))
 
     @property
-    def prompt(self) -> Sequence[int]:
+    def prompt(self) -> TokenIds:
         """The prompt ids."""
         return self.tokens[: self.n_prompt]
 
     @property
-    def generated(self) -> Sequence[int]:
+    def generated(self) -> TokenIds:
         """The ids generated so far."""
         return self.tokens[self.n_prompt :]
 
-    def view(self, kind: HistoryKind) -> Sequence[int]:
+    def view(self, kind: HistoryKind) -> TokenIds:
         """The ids a processor asked for: "context" (prompt + generated) or "generated"."""
         if kind == "context":
             return self.tokens
@@ -139,11 +139,11 @@ class History:
         raise ValueError(f"unknown history kind {kind!r}; expected 'context' or 'generated'")
 
 
-def _tail(history: Sequence[int], last_n: int) -> Sequence[int]:
+def _tail(history: TokenIds, last_n: int) -> TokenIds:
     return history[-last_n:] if 0 < last_n < len(history) else history
 
 
-def _distinct(history: Sequence[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+def _distinct(history: TokenIds, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct ids of history (ascending) and how often each occurs."""
     ids = np.asarray(history, dtype=np.int64)  # [L]
     if ids.size == 0:
@@ -165,7 +165,7 @@ def _distinct(history: Sequence[int], vocab: int) -> tuple[np.ndarray, np.ndarra
 # --------------------------------------------------------------------------- processors
 
 
-def repetition_penalty(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
+def repetition_penalty(logits: np.ndarray, history: TokenIds, penalty: float) -> np.ndarray:
     """CTRL penalty: each distinct id's logit divided by penalty if > 0, multiplied if < 0."""
     out = np.array(logits, copy=True)
     ids, _ = _distinct(history, out.shape[0])
@@ -176,7 +176,7 @@ def repetition_penalty(logits: np.ndarray, history: Sequence[int], penalty: floa
 
 
 def presence_frequency_penalty(
-    logits: np.ndarray, history: Sequence[int], presence: float, frequency: float
+    logits: np.ndarray, history: TokenIds, presence: float, frequency: float
 ) -> np.ndarray:
     """OpenAI penalty: subtract presence once per distinct id and frequency times its count."""
     out = np.array(logits, copy=True)
@@ -194,7 +194,7 @@ class RepetitionPenalty:
     last_n: int = 0
     wants: ClassVar[HistoryKind] = "context"
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+    def __call__(self, logits: np.ndarray, history: TokenIds) -> np.ndarray:
         """Penalize the distinct ids among the last `last_n` of history."""
         return repetition_penalty(logits, _tail(history, self.last_n), self.penalty)
 
@@ -208,7 +208,7 @@ class PresenceFrequencyPenalty:
     last_n: int = 0
     wants: ClassVar[HistoryKind] = "generated"
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+    def __call__(self, logits: np.ndarray, history: TokenIds) -> np.ndarray:
         """Penalize the ids among the last `last_n` of history by presence and count."""
         return presence_frequency_penalty(
             logits, _tail(history, self.last_n), self.presence, self.frequency
@@ -232,7 +232,7 @@ def make_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
 
 def apply_processors(
     logits: np.ndarray,
-    history: History | Sequence[int],
+    history: History | TokenIds,
     processors: Sequence[LogitsProcessor],
 ) -> np.ndarray:
     """Run processors in order, each on the history it wants; logits itself if there are none."""

@@ -25,9 +25,9 @@ from engine.errors import ColibriError, GenerationError
 from engine.events import DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, TokenEvent
 from engine.generation.generate import GenerationRequest, Seen, StopStrings
 from engine.generation.prefill import PREFILL_CHUNK
+from engine.generation.sampling import History, apply_processors, make_logits_processors, make_sampler
 from engine.kv import KVCache, KVPool
 from engine.models.transformer import Transformer
-from engine.generation.sampling import History, apply_processors, make_logits_processors, make_sampler
 
 
 @dataclass(eq=False)

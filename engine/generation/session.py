@@ -51,8 +51,8 @@ import numpy as np
 
 from engine.atomic import atomic_file
 from engine.errors import ColibriError
-from engine.kv import OVERFLOW, SINK_TOKENS, KVCache, KVPool
 from engine.generation.sampling import SamplingParams
+from engine.kv import OVERFLOW, SINK_TOKENS, KVCache, KVPool
 
 MAGIC = b"COLSESS\x00"
 FORMAT = 1

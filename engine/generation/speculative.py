@@ -29,8 +29,8 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from engine.errors import ColibriError
-from engine.kv import KVCache
 from engine.generation.prefill import prefill
+from engine.kv import KVCache
 from engine.models.transformer import Transformer
 
 

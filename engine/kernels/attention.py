@@ -24,7 +24,19 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.simd import (
-    U64, fma32, tof32, vexp, vfma, vload, vload_part, vloadf, vsplat, vstore, vstore_part, vsum, vzero,
+    U64,
+    fma32,
+    tof32,
+    vexp,
+    vfma,
+    vload,
+    vload_part,
+    vloadf,
+    vsplat,
+    vstore,
+    vstore_part,
+    vsum,
+    vzero,
 )
 
 

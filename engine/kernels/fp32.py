@@ -10,8 +10,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from engine.kernels.matmul import f32_matmul
 from engine.kernels.layout import check_activations
+from engine.kernels.matmul import f32_matmul
 
 
 def matmul_f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:

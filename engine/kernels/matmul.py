@@ -14,8 +14,8 @@ and runs a 4 x 4 (rows x tokens) register tile over the tokens. Both give the sa
 
 The loops over packed codes are compiled once per bit width (`literally(bits)`), and the decode
 loops also once per kind (symmetric or not, `literally(asym)`), so no format test is left inside
-them: LLVM does not reliably hoist such a test out of loops this large (measured: a symmetric
-test left in decode's group loop cost a quarter of its speed). Decode of 4-bit widens each
+them: LLVM does not reliably hoist such a test out of loops this large, and one left in
+decode's group loop is a large share of its time. Decode of 4-bit widens each
 block's 16 code bytes once for both halves: the table lookup reads only an index's low 4 bits.
 Kernels take flat (1-D) arrays and explicit sizes; token i of a call reads x row xrows[i] and
 writes out row orows[i], so that the fused experts run any subset of a batch without gathering.
@@ -33,8 +33,32 @@ from numba import literally, njit, prange
 from engine.kernels.layout import BLOCK, ROWS16_FLAG
 from engine.kernels.rows16 import rows16_dequant, rows16_rows
 from engine.kernels.simd import (
-    HAS_AVX512, U64, address_as_voidptr, f16_to_f32, fma32, prefetch, stack_block, vcodes2, vcodes3, vcodes4, vcodes5, vcodes6,
-    vcodes8, vfma, vhalves, viota, vload, vlookup, vlookup16, vlookup16n, vmul, vsplat, vsrl4, vstore, vsum, vtofloat,
+    HAS_AVX512,
+    U64,
+    address_as_voidptr,
+    f16_to_f32,
+    fma32,
+    prefetch,
+    stack_block,
+    vcodes2,
+    vcodes3,
+    vcodes4,
+    vcodes5,
+    vcodes6,
+    vcodes8,
+    vfma,
+    vhalves,
+    viota,
+    vload,
+    vlookup,
+    vlookup16,
+    vlookup16n,
+    vmul,
+    vsplat,
+    vsrl4,
+    vstore,
+    vsum,
+    vtofloat,
     vzero,
 )
 

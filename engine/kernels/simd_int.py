@@ -14,7 +14,20 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from engine.kernels.simd import (
-    _F32, _I32, _VF, _VI, HAS_AVX512, LANES, _as_i32, _elem_ptr, _host_has, _ivec, _load_vec, _splat_i32, f32x16, i32x16,
+    _F32,
+    _I32,
+    _VF,
+    _VI,
+    HAS_AVX512,
+    LANES,
+    _as_i32,
+    _elem_ptr,
+    _host_has,
+    _ivec,
+    _load_vec,
+    _splat_i32,
+    f32x16,
+    i32x16,
 )
 
 HAS_VNNI = HAS_AVX512 and _host_has("avx512vnni")

@@ -16,8 +16,20 @@ import numpy as np
 
 from engine.kernels import matmul
 from engine.kernels.layout import (
-    BITS, BLOCK, FORMATS, GROUPS, ROWS16_FLAG, ROWS16_ROWS, f16_bits, f16_values, from_rows16, pack_codes, rows16_allowed,
-    check_activations, to_rows16, unpack_codes,
+    BITS,
+    BLOCK,
+    FORMATS,
+    GROUPS,
+    ROWS16_FLAG,
+    ROWS16_ROWS,
+    check_activations,
+    f16_bits,
+    f16_values,
+    from_rows16,
+    pack_codes,
+    rows16_allowed,
+    to_rows16,
+    unpack_codes,
 )
 from engine.quant import search
 

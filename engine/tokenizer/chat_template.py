@@ -72,7 +72,7 @@ class _SafeDict:
 class _SafeNamespace(jinja2.utils.Namespace):
     """`namespace(...)` that refuses underscore attributes, which could reach interpreter internals."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's Namespace signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:  # no `self`: jinja's Namespace signature trick
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:

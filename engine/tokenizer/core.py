@@ -13,7 +13,6 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from engine.errors import TokenizerError
 from engine.tokenizer.chat_template import render_chat, select_template
 from engine.tokenizer.detokenize import StreamDecoder
 

@@ -11,7 +11,7 @@ own GGUF conversion disagree, the comments say which one is followed and why.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 

@@ -18,8 +18,17 @@ import time
 import numpy as np
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QOffscreenSurface, QOpenGLContext
-from PySide6.QtWidgets import (QGridLayout, QHBoxLayout, QLabel, QProgressBar, QPushButton, QStackedWidget,
-                               QToolTip, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QStackedWidget,
+    QToolTip,
+    QVBoxLayout,
+    QWidget,
+)
 
 from ui.inspector.common import Theme, swatch_css
 from ui.inspector.data import AtlasData, Frame
@@ -236,7 +245,7 @@ class AtlasView(QWidget):
             return
         now = time.monotonic()
         if self.canvas is not None and now - self._lit_at < DRAW_SHARE * self.draw_cost:
-            self.pending = True  # software GL at 20k points takes ~80 ms a frame: leave the GUI thread time to breathe
+            self.pending = True  # a software GL frame is slow: leave the GUI thread time to breathe
             return
         self._lit_at = now
         self._current = current

@@ -14,8 +14,16 @@ from PySide6.QtCore import QPoint, QRectF, Qt, Signal
 from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
 from ui.inspector.common import Theme, style_plot, swatch_css
-from ui.inspector.data import (TIER_CACHED, TIER_DISK, TIER_NAMES, TIER_NONE, TIER_PINNED, TIER_RESIDENT,
-                               TIER_UNKNOWN, Frame)
+from ui.inspector.data import (
+    TIER_CACHED,
+    TIER_DISK,
+    TIER_NAMES,
+    TIER_NONE,
+    TIER_PINNED,
+    TIER_RESIDENT,
+    TIER_UNKNOWN,
+    Frame,
+)
 
 _CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
 

@@ -10,7 +10,7 @@ pyqtgraph's global config is left alone: the Brain's ImageItem is built with
 
 Software rendering is the budget: Qt's raster engine blends translucent lines and fills pixel by
 pixel, so grids and areas are drawn in opaque colours mixed with the background beforehand (a
-translucent grid alone cost ~10 ms a frame per plot).
+translucent grid alone takes a large share of a frame's budget).
 """
 
 from __future__ import annotations
