@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.bench.decode import BenchResult, bench_model, decode_bytes_per_token, measure_bandwidth, random_prompt, thread_limits
+from app.bench.decode import (
+    BenchResult,
+    bench_model,
+    decode_bytes_per_token,
+    measure_bandwidth,
+    random_prompt,
+    thread_limits,
+)
 from app.bench.synth import corpus_lines, write_checkpoint
 from engine.loader import load_model
 from engine.spec import MoESpec
@@ -38,6 +45,7 @@ def hand_bytes_per_token(spec) -> int:
     return total * f32
 
 
+@pytest.mark.slow
 def test_json_report_has_every_field(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", str(tiny), "--json", *FAST]) == 0
     report = json.loads(capsys.readouterr().out)

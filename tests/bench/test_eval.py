@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-
 from app.bench.evaluate import evaluate, windows
 from engine.kv import KVCache
 from engine.loader import load_model
+from support.reference import build_checkpoint
 
 
 @pytest.mark.parametrize("n, ctx", [(10, 4), (10, 10), (100, 16), (3, 8), (17, 5)])

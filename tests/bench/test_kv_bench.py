@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from support.reference import build_checkpoint
-
-from app.cli import main
 from app.bench.kv import KVReport, batching, block_sizes, int8_error, prefix_ttft
+from app.cli import main
 from engine.loader import load_model
+from support.reference import build_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from app import cli
-from app.hub.convert import ConvertSettings, convert
 from app.bench.synth import corpus_lines, write_checkpoint
+from app.hub.convert import ConvertSettings, convert
 
 WORKLOAD = ["--ctx", "64", "--chats", "2", "--gen", "3", "--mmap-gen", "2"]
 

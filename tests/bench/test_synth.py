@@ -12,7 +12,12 @@ import pytest
 
 from app import cli
 from app.bench.synth import (
-    SHAPES, config_for, corpus_lines, plan_checkpoint, tensor_chunk, write_checkpoint,
+    SHAPES,
+    config_for,
+    corpus_lines,
+    plan_checkpoint,
+    tensor_chunk,
+    write_checkpoint,
 )
 from engine.errors import ColibriError
 from support.reference import load_reference, reference_logits, relative_error
@@ -43,6 +48,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory, corpus: list[str]) -> dict
     return {name: root / name for name in SMALL}
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", SMALL)
 def test_small_shape_matches_transformers(folders: dict[str, Path], name: str) -> None:
     from engine.kv import KVCache
@@ -55,6 +61,7 @@ def test_small_shape_matches_transformers(folders: dict[str, Path], name: str) -
     assert relative_error(ours, ref) < 1e-4
 
 
+@pytest.mark.parity
 def test_bf16_sharded_checkpoint_loads_alike(tmp_path: Path, corpus: list[str]) -> None:
     from engine.kv import KVCache
     from engine.loader import load_model
@@ -77,6 +84,7 @@ def _header_size(path: Path) -> int:
         return 8 + int.from_bytes(f.read(8), "little")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_config_round_trips_through_autoconfig(tmp_path: Path, name: str) -> None:
     from transformers import AutoConfig
@@ -98,6 +106,7 @@ def test_written_config_is_the_plan(folders: dict[str, Path]) -> None:
         assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", SMALL)
 def test_tokenizer_json_agrees_with_sentencepiece(folders: dict[str, Path], name: str) -> None:
     import sentencepiece as spm

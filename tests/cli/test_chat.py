@@ -12,8 +12,8 @@ import pytest
 
 from app.commands.chat import ChatSession
 from engine.events import DoneEvent, TokenEvent
-from engine.loader import load_model
 from engine.generation.sampling import SamplingParams
+from engine.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +27,7 @@ def _answer(session, text):
     return "".join(e.text for e in events if isinstance(e, TokenEvent)) + events[-1].tail, events[-1]
 
 
+@pytest.mark.slow
 def test_turns_build_a_history_and_reset_forgets_it(session):
     session.reset()
     first, done = _answer(session, "What is the capital of France?")
@@ -40,6 +41,7 @@ def test_turns_build_a_history_and_reset_forgets_it(session):
     assert session.messages == []
 
 
+@pytest.mark.slow
 def test_piped_chat_answers_and_exits(smollm2_gguf):
     proc = subprocess.run(
         [sys.executable, "-m", "app.cli", "chat", str(smollm2_gguf), "--max-tokens", "30"],
@@ -50,14 +52,18 @@ def test_piped_chat_answers_and_exits(smollm2_gguf):
     assert "conversation forgotten" in proc.stderr and "unknown command /nope" in proc.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_answer_and_keeps_the_chat(smollm2_gguf):
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "chat", str(smollm2_gguf), "--max-tokens", "2000", "--ctx", "4096"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
     )
     out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(iter(lambda: proc.stdout.read(1), "")), daemon=True)
-    reader.start()
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda f=f, into=into: into.extend(iter(lambda: f.read(1), "")), daemon=True)
+               for f, into in ((proc.stdout, out), (proc.stderr, err))]
+    for reader in readers:
+        reader.start()
     proc.stdin.write("Write a very long essay about the history of Rome, with many chapters.\n")
     proc.stdin.flush()
     deadline = time.monotonic() + 120
@@ -65,14 +71,21 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_chat(smollm2_gguf):
         time.sleep(0.05)
     assert len("".join(out)) >= 40, "no answer streamed"
     proc.send_signal(signal.SIGINT)
-    time.sleep(1.0)
-    size = len("".join(out))
-    time.sleep(1.0)
-    assert len("".join(out)) == size  # nothing more is written once stopped
+
+    def stopped() -> bool:  # the answer ended as stopped and the chat asks for the next line
+        return "[stopped]" in "".join(err) and "".join(out).endswith("> ")
+
+    deadline = time.monotonic() + 60
+    while not stopped() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stopped(), "the answer did not stop"
+    at_stop = "".join(out)
     proc.stdin.write("/exit\n")
     proc.stdin.flush()
     assert proc.wait(timeout=60) == 0  # the chat was still there to take /exit
-    assert "[stopped]" in proc.stderr.read()
+    for reader in readers:
+        reader.join(timeout=10)
+    assert "".join(out) == at_stop  # nothing more is written once stopped
 
 
 def _chat(model, session, lines: str):
@@ -82,6 +95,7 @@ def _chat(model, session, lines: str):
     return proc
 
 
+@pytest.mark.slow
 def test_a_saved_session_resumes_byte_identically(smollm2_gguf, tmp_path):
     turns = "My name is Ada and I keep bees.\n", "What do I keep, and what is my name?\n"
     whole = _chat(smollm2_gguf, tmp_path / "one.session", turns[0] + turns[1] + "/exit\n")

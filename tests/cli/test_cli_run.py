@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
-from support.reference import build_checkpoint
-
 from engine.kv import KVCache
 from engine.loader import load_model
+from support.reference import build_checkpoint
 
 
 def _colibri(*args: str) -> subprocess.CompletedProcess:

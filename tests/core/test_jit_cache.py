@@ -10,6 +10,8 @@ from numba import njit
 from engine import jit_cache
 from engine.fused import kernel as fused_kernel
 from engine.kernels import matmul as kernels
+
+
 def test_engine_kernels_are_stamped_with_every_engine_source():
     for kernel in (kernels.run_items, fused_kernel.decode_step):
         locator = kernel._cache._impl.locator

@@ -12,11 +12,12 @@ import gguf
 import numpy as np
 import pytest
 
+from engine.kv import KVCache
+from engine.loader import load_model
 from support.gguf_writer import write_gguf
 from support.reference import build_checkpoint, load_reference, reference_logits, relative_error
 
-from engine.kv import KVCache
-from engine.loader import load_model
+pytestmark = pytest.mark.parity   # each model read from a GGUF is run against transformers
 
 Q = gguf.GGMLQuantizationType
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 140]

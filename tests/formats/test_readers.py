@@ -9,12 +9,11 @@ import struct
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.formats.gguf_model import GGUFModel, unpermute_qk
 from engine.loader import load_model
 from engine.models import supported_architectures
+from support.reference import build_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ import threading
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-
 from engine.events import DoneEvent, ErrorEvent, ProgressEvent, PromptLogitsEvent, TokenEvent
 from engine.generation.generate import GenerationRequest, StopStrings, generate_step, stream_generate
 from engine.generation.prefill import prefill
+from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
 from engine.loader import load_model
-from engine.generation.sampling import SamplingParams
+from support.reference import build_checkpoint
 
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23]
 

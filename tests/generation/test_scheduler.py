@@ -7,16 +7,15 @@ import threading
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-from support.families import FAMILIES
-
 from app.hub.convert import ConvertSettings, convert
 from engine.events import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
 from engine.generation.generate import GenerationRequest, stream_generate
-from engine.kv import KVCache, KVPool
-from engine.loader import load_model
 from engine.generation.sampling import SamplingParams
 from engine.generation.scheduler import Scheduler
+from engine.kv import KVCache, KVPool
+from engine.loader import load_model
+from support.families import FAMILIES
+from support.reference import build_checkpoint
 
 PROMPTS = [
     [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23],

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.kv import KVCache, KVPool
-from engine.loader import load_model
 from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
 from engine.generation.session import KVSettings, SessionError, SessionFile, SessionState
+from engine.kv import KVCache, KVPool
+from engine.loader import load_model
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7]
@@ -92,10 +92,9 @@ def resume_elsewhere(job: dict) -> dict:
 @pytest.fixture(scope="module")
 def container(tmp_path_factory) -> tuple[Path, str]:
     """A 4-bit container of a tiny Mixtral and its model hash."""
-    from support.reference import build_checkpoint
-
     from app.hub.convert import ConvertSettings, convert
     from engine.formats.container import MANIFEST
+    from support.reference import build_checkpoint
 
     src = build_checkpoint(tmp_path_factory.mktemp("src"), "mixtral", num_local_experts=8, num_experts_per_tok=2)
     out = convert(src, tmp_path_factory.mktemp("c") / "moe", ConvertSettings(bits=4), log=lambda m: None)
@@ -289,8 +288,8 @@ def test_int8_kv_round_trips(loaded, container, tmp_path):
 @pytest.fixture(scope="module")
 def mla(tmp_path_factory):
     """A tiny DeepSeek-V3 (multi-head latent attention), float32: the same process gives the same bytes."""
-    from support.reference import build_checkpoint
     from support.families import FAMILIES
+    from support.reference import build_checkpoint
 
     model_type, overrides = FAMILIES["deepseek_v3"]
     return load_model(build_checkpoint(tmp_path_factory.mktemp("mla"), model_type, **overrides))

@@ -8,22 +8,23 @@ the same keys and values.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
-
-from support.reference import build_checkpoint
 
 from app.hub.convert import ConvertSettings, convert
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.generate import GenerationRequest, generate_step, stream_generate
-from engine.kv import KVCache
-from engine.loader import load_model
 from engine.generation.sampling import SamplingParams
 from engine.generation.speculative import (
-    DraftModel, PromptLookup, SpeculationController, SpeculativeSettings, verify,
+    DraftModel,
+    PromptLookup,
+    SpeculationController,
+    SpeculativeSettings,
+    verify,
 )
+from engine.kv import KVCache
+from engine.loader import load_model
+from support.reference import build_checkpoint
 
 REPEATING = [5, 17, 99, 3, 42, 7, 150, 64, 11, 23] * 3        # prompt lookup finds n-grams to copy
 PLAIN = list(range(3, 150, 7))                                 # no token twice

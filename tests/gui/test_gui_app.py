@@ -14,11 +14,10 @@ import time
 
 import pytest
 
-from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS
-
 from app.service.local import TIER_CACHED, TIER_DISK, SettingsChange
 from engine.events import DoneEvent
+from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
+from support.qt import LOAD_TIMEOUT_MS
 
 
 def test_a_model_that_fails_to_load_shows_its_error_and_the_app_stays_up(qtbot, make_window, models, tmp_path):

@@ -4,16 +4,12 @@ an event loop that stays responsive while the engine generates."""
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
 import pytest
-
-from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS
 
 from app.conversations import Conversation, Turn
 from engine.events import DoneEvent, TokenEvent
+from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
+from support.qt import LOAD_TIMEOUT_MS
 
 
 class Stream:
@@ -202,8 +198,9 @@ def test_code_blocks_render_in_a_fixed_font_on_their_own_background(qtbot):
 
 @pytest.mark.parametrize("view", ["chat only", "Overview", "Time", "Brain"])
 def test_the_event_loop_stays_responsive_during_generation(qtbot, window, view):
-    """A 10 ms timer's lateness while the engine writes, with the inspector hidden or on one of its tabs:
-    p99 under 50 ms."""
+    """A 10 ms timer keeps ticking while the engine writes, with the inspector hidden or on one of its tabs:
+    its ticks fall between deliveries all along the stream, not only before and after it. (How late they are
+    is a speed figure: `colibri bench` measures speed, tests check behaviour.)"""
     from PySide6.QtCore import Qt, QTimer
     from PySide6.QtWidgets import QDockWidget
 
@@ -215,13 +212,10 @@ def test_the_event_loop_stays_responsive_during_generation(qtbot, window, view):
     chat = window.chat
     chat.max_tokens.setValue(1500)
     stream = Stream(window.bridge)
-    late: list[float] = []
-    last = [time.perf_counter()]
+    ticks: list[tuple[int, bool]] = []   # per tick: events delivered so far, and whether an answer was being written
 
     def tick() -> None:
-        now = time.perf_counter()
-        late.append(now - last[0] - 0.010)
-        last[0] = now
+        ticks.append((len(stream.events), chat.generating))
 
     timer = QTimer()
     timer.setTimerType(Qt.TimerType.PreciseTimer)
@@ -232,12 +226,11 @@ def test_the_event_loop_stays_responsive_during_generation(qtbot, window, view):
 
     chat.send("Keep writing")
     qtbot.waitUntil(lambda: len(stream.tokens()) >= 1, timeout=LOAD_TIMEOUT_MS)   # past the first compile
-    last[0] = time.perf_counter()
     timer.start()
     sent = 1
     while True:
-        qtbot.waitUntil(lambda: answers() >= sent or len(late) >= 400, timeout=LOAD_TIMEOUT_MS)
-        if len(late) >= 100 or sent >= 8:
+        qtbot.waitUntil(lambda: answers() >= sent or len(ticks) >= 400, timeout=LOAD_TIMEOUT_MS)
+        if len(ticks) >= 100 or sent >= 8:
             break
         qtbot.waitUntil(lambda: not chat.generating, timeout=30_000)   # the answer ended within a second: another
         chat.send("Keep writing")
@@ -246,8 +239,7 @@ def test_the_event_loop_stays_responsive_during_generation(qtbot, window, view):
     chat.stop()
     qtbot.waitUntil(lambda: not chat.generating, timeout=30_000)
     generated = len(stream.tokens())
-    p99 = float(np.percentile(late, 99)) * 1000
-    print(f"\nevent-loop lateness during generation ({view}): p50 {np.percentile(late, 50) * 1000:.1f} ms, "
-          f"p99 {p99:.1f} ms, max {max(late) * 1000:.1f} ms over {len(late)} ticks, {generated} tokens")
-    assert len(late) >= 100 and generated > 20
-    assert p99 < 50.0
+    assert len(ticks) >= 100 and generated > 20
+    # ticks at many points of the stream: the loop ran the timer between deliveries, again and again
+    while_writing = {delivered for delivered, writing in ticks if writing}
+    assert len(while_writing) >= 10, f"the timer ticked at only {len(while_writing)} points of {sent} answers"

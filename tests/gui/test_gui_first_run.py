@@ -7,11 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
+from app.hub import pull as pulls
+from app.hub.progress import Progress
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
 from support.qt import LOAD_TIMEOUT_MS
 
-from app.hub import pull as pulls
-from app.hub.progress import Progress
+
 def test_with_no_model_anywhere_the_first_run_choices_are_offered(qtbot, make_window, tmp_path, monkeypatch):
     from ui.app import startup_model
 

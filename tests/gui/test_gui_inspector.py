@@ -26,10 +26,18 @@ from app.atlas.build import build_atlas
 from app.atlas.probes import ProbeTopic
 from engine.spec import MoESpec
 from engine.telemetry import PHASES, Telemetry
-from ui.inspector import (TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, Inspector,
-                          resident_tiers, tiers_from_store)
-from ui.inspector.brain import BrainView
+from ui.inspector import (
+    TIER_CACHED,
+    TIER_DISK,
+    TIER_NONE,
+    TIER_PINNED,
+    TIER_RESIDENT,
+    Inspector,
+    resident_tiers,
+    tiers_from_store,
+)
 from ui.inspector import inspector as inspector_module
+from ui.inspector.brain import BrainView
 from ui.inspector.common import PLOT_HZ, fmt_ms, nice_ceil, theme_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -253,7 +261,7 @@ def test_figures_follow_every_snapshot_and_plots_at_most_plot_hz(qtbot, inspecto
 
 
 def test_a_long_history_keeps_its_latest_samples_and_is_plotted_with_its_peaks():
-    from ui.inspector.overview import MODEL, PINNED, POINTS, T, History, envelope
+    from ui.inspector.overview import MODEL, PINNED, POINTS, History, T, envelope
 
     history = History(size=9000)
     for i in range(9100):                           # more than it keeps: the oldest go

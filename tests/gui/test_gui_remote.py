@@ -15,19 +15,26 @@ import numpy as np
 import pytest
 import uvicorn
 
-from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS, qtbot_app
-from support.server import paced
-
+from app.service.local import (
+    TIER_DISK,
+    TIER_NONE,
+    EngineService,
+    GenerateRequest,
+    Generation,
+    LoadFailed,
+    LoadOptions,
+    ModelLoaded,
+    SettingsApplied,
+    SettingsChange,
+)
 from app.service.remote import ConnectionChanged, RemoteService
 from app.service.wire import Endpoint, SSEEvent, SSEParser, completion_body, iter_sse
-from app.service.local import (
-    TIER_DISK, TIER_NONE, EngineService, GenerateRequest, Generation, LoadFailed, LoadOptions, ModelLoaded,
-    SettingsApplied, SettingsChange,
-)
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
 from engine.telemetry import Snapshot
+from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
+from support.qt import LOAD_TIMEOUT_MS, qtbot_app
+from support.server import paced
 
 KEY = "remote-test-key-0123"
 CTX = 256
@@ -237,9 +244,16 @@ def test_telemetry_snapshots_and_tiers_arrive_with_the_records_kept(server):
         assert per_event < 20_000, per_event
         sub.close()
         tiers.close()
-        n = len(snaps)
-        time.sleep(0.3)
-        assert len(snaps) == n          # closed: nothing more
+        n, g = len(snaps), len(grids)
+        # closed: nothing more, while a subscription still open keeps receiving the next answer's telemetry
+        later: list[Snapshot] = []
+        with remote.subscribe(later.append):
+            events.wait(done_of(remote.generate(messages=MESSAGES, max_tokens=20)))
+            deadline = time.monotonic() + 10
+            while not (later and later[-1].tokens > snap.tokens) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert later and later[-1].tokens > snap.tokens
+        assert len(snaps) == n and len(grids) == g
 
 
 def test_the_telemetry_stream_reconnects_when_the_server_comes_back(served):

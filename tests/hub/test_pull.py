@@ -18,16 +18,15 @@ import gguf
 import numpy as np
 import pytest
 
-from support.offload import greedy_logits
-
+from app.bench.synth import corpus_lines, write_checkpoint
 from app.hub import pull as pull_mod
 from app.hub.convert import ConvertSettings, convert
 from app.hub.pull import pull, resolve_model
-from app.bench.synth import corpus_lines, write_checkpoint
 from engine.errors import ColibriError
 from engine.formats import container as container_mod
 from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
+from support.offload import greedy_logits
 
 REPO = Path(__file__).resolve().parents[2]
 SMOL = pull_mod.ALIASES["smollm2-135m"]

@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 from engine.blocks.ffn import ExpertWeights  # noqa: E402
 from engine.kernels.experts import moe_experts  # noqa: E402
 from engine.kernels.fp32 import matmul_f32  # noqa: E402
-from engine.quant import QuantizedTensor, matmul_many  # noqa: E402
 from engine.kernels.layout import FORMATS, f16_bits  # noqa: E402
+from engine.quant import QuantizedTensor, matmul_many  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 1024, 16, 16, 4, 64
 EXPERTS, TOP_K, EXPERT_FFN, VOCAB = 64, 8, 512, 32000

@@ -6,11 +6,10 @@ import numba
 import numpy as np
 import pytest
 
-from support.kernels import fma32, quant_dot
-
 from engine.blocks.ffn import ExpertWeights
 from engine.kernels.experts import moe_experts
 from engine.quant import quantize
+from support.kernels import fma32, quant_dot
 
 HIDDEN, INTER, N_EXPERTS, TOP_K = 128, 96, 6, 3
 BITS_OF = (4, 8, 3, 2, 5, 6)  # every format, one per expert, groups varying too

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.kernels import acts, rows16_dot, weights
-
-from engine.quant import QuantizedTensor, quantize
 from engine.kernels import matmul as kernels
 from engine.kernels.layout import ROWS16_FLAG, f16_bits, from_rows16, quantize_activations, to_rows16
 from engine.kernels.rows16 import quantize_tokens
+from engine.quant import QuantizedTensor, quantize
+from support.kernels import acts, rows16_dot, weights
 
 
 @pytest.mark.parametrize("bits", [4, 8])

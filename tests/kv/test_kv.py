@@ -5,18 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-from support.families import FAMILIES
-
 from app.hub.convert import ConvertSettings, convert
-
 from engine.blocks.attention import attend, causal_mask
-from engine.kernels.attention import attend_latent, attend_paged
 from engine.blocks.rope import Rotary
 from engine.errors import ColibriError, GenerationError
+from engine.kernels.attention import attend_latent, attend_paged
 from engine.kv import KVCache, KVFullError, KVPool, _rotate_back, choose_victim
 from engine.loader import load_model
 from engine.spec import RopeSpec
+from support.families import FAMILIES
+from support.reference import build_checkpoint
 
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 31, 77, 2, 45, 120, 6, 18]
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.families import MLA
-from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
-
 from engine.blocks.ffn import Routing
 from engine.kv import KVCache
 from engine.loader import load_model
+from support.families import MLA
+from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+
+pytestmark = pytest.mark.parity   # this module checks each architecture against transformers
 
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 140, 31, 77, 2, 120, 56, 11]
 N_GREEDY = 32

@@ -9,11 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from support.reference import relative_error
-
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.kv import KVCache
 from engine.loader import load_model
+from support.reference import relative_error
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -43,6 +42,8 @@ def test_spec_from_gguf_metadata(smol):
     assert 2 in smol.stop_ids  # <|im_end|>
 
 
+@pytest.mark.slow
+@pytest.mark.parity
 def test_prompt_logits_match_transformers(smol, reference):
     import torch
 
@@ -65,6 +66,7 @@ def _colibri(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_run_json(smollm2_gguf, tmp_path):
     out = tmp_path / "logits.npy"
     proc = _colibri("run", str(smollm2_gguf), "--prompt", QUESTION[0]["content"], "--chat", "--json",
@@ -82,6 +84,7 @@ def test_cli_run_json(smollm2_gguf, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # the atomic write left no temporary file
 
 
+@pytest.mark.slow
 def test_cli_run_tokens_and_streaming_text(smollm2_gguf):
     proc = _colibri("run", str(smollm2_gguf), "--tokens", "504,3575,282", "--max-tokens", "5", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -91,6 +94,7 @@ def test_cli_run_tokens_and_streaming_text(smollm2_gguf):
     assert "tok/s" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_errors_are_clear(smollm2_gguf, tmp_path):
     proc = _colibri("run", str(smollm2_gguf), "--tokens", "1,x,3")
     assert proc.returncode == 2 and "colibri: error: --tokens" in proc.stderr and "Traceback" not in proc.stderr

@@ -10,13 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-from support.moefy import add_char_tokenizer, tiny_probes
-
-from app.atlas.build import AtlasCancelled, AtlasMismatch, default_sidecar, model_hash, read_atlas, report_text, run_atlas
-from app.atlas.stats import expert_stats, positions_3d, specialisation, topic_distribution
+from app.atlas.build import (
+    AtlasCancelled,
+    AtlasMismatch,
+    default_sidecar,
+    model_hash,
+    read_atlas,
+    report_text,
+    run_atlas,
+)
 from app.atlas.probes import load_probes
+from app.atlas.stats import expert_stats, positions_3d, specialisation, topic_distribution
 from engine.errors import ColibriError
+from support.moefy import add_char_tokenizer, tiny_probes
+from support.reference import build_checkpoint
 
 TOKENS = np.array([[100, 100], [300, 300], [50, 50]])  # routed tokens per topic and half: unequal on purpose
 
@@ -71,6 +78,7 @@ def test_positions_keep_hellinger_distances():
     np.testing.assert_array_equal(positions_3d(q), pos)  # deterministic, signs included
 
 
+@pytest.mark.slow
 def test_model_hash(tmp_path):
     folder = build_checkpoint(tmp_path / "m", "mixtral", num_local_experts=4, num_experts_per_tok=2)
     first = model_hash(folder)
@@ -102,6 +110,7 @@ def probes(tmp_path_factory) -> Path:
     return tiny_probes(tmp_path_factory.mktemp("atlas-probes") / "probes", topics=3, prompts=4)
 
 
+@pytest.mark.slow
 def test_atlas_of_a_tiny_moe_is_bound_to_its_model(tmp_path, moe, probes):
     seen = []
     sidecar, atlas = run_atlas(moe, tmp_path / "atlas.json", probes, lambda f, m: seen.append(f))
@@ -147,6 +156,7 @@ def test_cli_atlas(tmp_path, moe, probes, capsys):
     assert "atlas of moe: 3 MoE layers, 12 experts, 3 topics" in out and f"wrote {tmp_path / 'a.json'}" in out
 
 
+@pytest.mark.slow
 def test_a_container_is_identified_by_its_manifest_hash(tmp_path, moe):
     from app.atlas.build import model_hash
     from app.hub.convert import ConvertSettings, convert

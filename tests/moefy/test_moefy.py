@@ -11,18 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.moefy import add_char_tokenizer, tiny_probes
-from support.reference import build_checkpoint, load_reference, reference_logits, relative_error
-
 import app.hub.pull as pull_mod
-from app.moefy.upcycle import MoefyCancelled, MoefyOptions, moefy
 from app.moefy.router import fit_router, route_top_k
+from app.moefy.upcycle import MoefyCancelled, MoefyOptions, moefy
 from app.moefy.write import f32_to_bf16, mixtral_config, write_weights
-from app.atlas.probes import PROBES_DIR, load_probes
 from engine.errors import ColibriError
 from engine.formats.hf import SafetensorsFolder
 from engine.kv import KVCache
 from engine.loader import load_model
+from support.moefy import add_char_tokenizer, tiny_probes
+from support.reference import build_checkpoint, load_reference, reference_logits, relative_error
 
 IDS = [5, 17, 42, 8, 99, 3, 64, 120, 7, 33, 58, 90, 11, 140, 2, 75]
 
@@ -53,6 +51,7 @@ def probes(tmp_path_factory) -> Path:
     return tiny_probes(tmp_path_factory.mktemp("probes") / "probes")
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_transformers_and_colibri_agree_on_the_upcycled_model(tmp_path, dense, probes, top_k):
     out = tmp_path / "moe"
@@ -122,6 +121,7 @@ def test_router_reproduces_nearest_centroid_and_balances():
     assert shares.min() > 0.8 / 8 and shares.max() < 1.2 / 8
 
 
+@pytest.mark.parity
 def test_bf16_rounding_matches_torch():
     import torch
 
@@ -203,6 +203,7 @@ def test_the_upcycled_model_is_prepared_once(tmp_path, monkeypatch):
     assert len(calls) == 1, "prepared once, then reused"
 
 
+@pytest.mark.slow
 def test_smollm2_upcycled_keeps_perplexity_and_balance(tmp_path, smollm2_gguf):
     """The real thing, on a small calibration set: perplexity within 2%, every expert within the share bounds."""
     probes = tiny_probes(tmp_path / "probes", topics=12, prompts=12)

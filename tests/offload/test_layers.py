@@ -8,9 +8,6 @@ import threading
 import numpy as np
 import pytest
 
-from support.reference import BASE, build_checkpoint
-from support.offload import greedy_logits
-
 from app.hub.convert import ConvertSettings, convert
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import Container
@@ -22,6 +19,8 @@ from engine.offload.io import PAGE
 from engine.offload.layers import LayerStore, _plan_layer, slot_bytes
 from engine.offload.store import StoreSettings
 from engine.telemetry import Telemetry
+from support.offload import greedy_logits
+from support.reference import BASE, build_checkpoint
 
 PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7, 150, 12, 33]
 LAYERS, STEPS = 4, 8

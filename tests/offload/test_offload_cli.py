@@ -6,13 +6,12 @@ import json
 
 import pytest
 
-from support.reference import build_checkpoint
-
 from app.cli import main
 from app.hub.convert import ConvertSettings, convert
 from engine.formats.container import Container
 from engine.loader import open_checkpoint
 from engine.offload.budget import plan_memory
+from support.reference import build_checkpoint
 
 ARGS = ["--tokens", "3,17,5,99,42,8,23,61", "--max-tokens", "12", "--json"]
 

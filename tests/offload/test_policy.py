@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from engine.offload.policy import (
-    HALF_LIFE_CHOICES, LFRU, LRU, Learned, SimResult, belady, make_policy, simulate, tune_half_life,
+    HALF_LIFE_CHOICES,
+    LFRU,
+    LRU,
+    Learned,
+    SimResult,
+    belady,
+    make_policy,
+    simulate,
+    tune_half_life,
 )
 
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-from support.offload import greedy_logits
-from support.families import FAMILIES
-
 from app.hub.convert import ConvertSettings, convert
 from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
+from support.families import FAMILIES
+from support.offload import greedy_logits
+from support.reference import build_checkpoint
 
 PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7, 150, 12, 33]
 STEPS = 8

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from app.config.sizes import format_size, parse_size
 from app.plan import plan
 from app.plan.plan import BudgetTooSmall, flag_size
 from app.plan.speed_model import Rates
-from app.config.sizes import format_size, parse_size
 from engine.errors import ColibriError
 from engine.offload.budget import kv_bytes
 

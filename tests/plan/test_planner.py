@@ -7,9 +7,18 @@ import itertools
 import numpy as np
 import pytest
 
-from engine.plan.calibration import ActivationStats
 from engine.errors import ColibriError
-from engine.plan.planner import Option, allocate, forced_bits, formats_for, group_for, measure_options, parse_keep_bits, _lower_hull
+from engine.plan.calibration import ActivationStats
+from engine.plan.planner import (
+    Option,
+    _lower_hull,
+    allocate,
+    forced_bits,
+    formats_for,
+    group_for,
+    measure_options,
+    parse_keep_bits,
+)
 
 
 def _opts(*pairs):

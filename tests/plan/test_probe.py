@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from support.reference import build_checkpoint
-
 from engine.kv import KVCache
 from engine.loader import load_model
 from engine.models.transformer import expected_shapes
+from support.reference import build_checkpoint
 
 PROMPT = list(range(3, 43))
 

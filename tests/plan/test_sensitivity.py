@@ -5,14 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.reference import build_checkpoint
-
 from app.hub.convert import ConvertSettings, classify, make_plan
-from engine.plan.calibration import collect_stats
 from engine.loader import open_checkpoint
 from engine.models.transformer import Transformer
+from engine.plan.calibration import collect_stats
 from engine.plan.planner import Option, allocate, scaled
 from engine.plan.sensitivity import GroupKL, Overlay, Reference, Resident, layer_and_kind, probe_groups
+from support.reference import build_checkpoint
 
 
 def test_each_matrix_is_measured_and_experts_per_layer_and_kind():

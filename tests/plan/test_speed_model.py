@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.plan import plan, speed_model as sm, speed_probe
+from app.plan import plan, speed_probe
+from app.plan import speed_model as sm
 from app.plan.speed_model import Rates
 
 BASELINE = 100 * 10**6

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.quant import BITS, GROUPS, quantize, weighted_error
 from engine.kernels.layout import FORMATS, f16_values, pack_codes, unpack_codes
+from engine.quant import BITS, GROUPS, quantize, weighted_error
 
 # Relative RMS error bounds on Gaussian weights (measured: 8b 0.005-0.006, 6b 0.020-0.025,
 # 5b 0.040-0.049, 4b 0.081-0.095, 3b 0.163-0.187, 2b (zero points) 0.30-0.34 over groups 32-128)

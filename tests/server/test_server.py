@@ -16,17 +16,15 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.server import paced
-from support.tiny_chat import tiny_moe
-
 from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
 from app.service.local import EngineService, LoadOptions
 from engine.generation.generate import GenerationRequest, stream_generate
+from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
 from engine.loader import load_model
-from engine.generation.sampling import SamplingParams
-from engine.generation.scheduler import Scheduler
+from support.server import paced
+from support.tiny_chat import tiny_moe
 
 KEY = "test-key-0123456789"
 CTX = 256

@@ -12,17 +12,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.tiny_chat import LAYERS, N_EXPERTS, tiny_models
-
 from app.service.local import (
-    TIER_CACHED, TIER_DISK, TIER_PINNED, TIER_RESIDENT, AtlasReady, EngineService, Generation, LoadFailed,
-    LoadOptions, LoadProgress, ModelLoaded, SettingsApplied, SettingsChange,
+    TIER_CACHED,
+    TIER_DISK,
+    TIER_PINNED,
+    TIER_RESIDENT,
+    AtlasReady,
+    EngineService,
+    Generation,
+    LoadFailed,
+    LoadOptions,
+    LoadProgress,
+    ModelLoaded,
+    SettingsApplied,
+    SettingsChange,
 )
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.kv import KVCache
 from engine.loader import load_model
+from support.tiny_chat import LAYERS, N_EXPERTS, tiny_models
 
 TIMEOUT = 180
 MESSAGES = [{"role": "user", "content": "Hello there, little model."}]
@@ -402,7 +412,9 @@ def test_close_ends_the_thread_and_refuses_more_requests(hf):
     assert not svc.running
     with pytest.raises(RuntimeError):
         svc.load(hf)
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10      # threads a closed service started end on their own: wait for it
+    while [t for t in threading.enumerate() if t not in before and t.is_alive()] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
 
 

@@ -69,7 +69,8 @@ def roundtrip(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarr
     return data, gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape)
 
 
-def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray], types: dict[str, gguf.GGMLQuantizationType]) -> dict[str, np.ndarray]:
+def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
+               types: dict[str, gguf.GGMLQuantizationType]) -> dict[str, np.ndarray]:
     """Write `tensors` (HF names) as a GGUF of architecture `arch`; returns the round-tripped HF tensors.
 
     `types` maps a substring of the GGUF name to a quantization type (first match wins; F32 otherwise);
@@ -140,7 +141,8 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
         stacked = np.stack([tensors[n] for n in names])
         qtype = qtype_of(f"blk.{layer}.{stack}.weight", 2)
         data, restored = roundtrip(stacked, qtype)
-        w.add_tensor(f"blk.{layer}.{stack}.weight", data, raw_dtype=qtype if qtype != gguf.GGMLQuantizationType.F32 else None)
+        raw = qtype if qtype != gguf.GGMLQuantizationType.F32 else None
+        w.add_tensor(f"blk.{layer}.{stack}.weight", data, raw_dtype=raw)
         for e, n in enumerate(names):
             back[n] = restored.reshape(stacked.shape)[e]
     w.write_header_to_file()

@@ -1,4 +1,5 @@
-"""A plain numpy reference of the quantized kernels' arithmetic, exact to the bit, checked by tests/kernels/test_reference.py.
+"""A plain numpy reference of the quantized kernels' arithmetic, exact to the bit (tests/kernels/test_reference.py
+checks it).
 
 The kernels compute y[t, r] with fused multiply-adds in 16 lanes (lane j takes k = j, j + 16, ...)
 and a fixed reduction tree (engine/kernels/matmul.py). numpy has no fused multiply-add, so

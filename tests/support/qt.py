@@ -1,7 +1,7 @@
 """Fixtures of the GUI tests: a main window on temporary settings and conversations, the tiny chat
 models, and a check that fails any test leaving a thread, an active timer or a window behind.
 
-Import them into a test module (`from qt_support import *`): pytest finds fixtures by name there.
+Import them into a test module (`from support.qt import *`): pytest finds fixtures by name there.
 """
 
 from __future__ import annotations

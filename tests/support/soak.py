@@ -73,8 +73,13 @@ def soak(model: str, *, clients: int = 8, seconds: float = 600.0, max_requests: 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
+    if not server.started:
+        server.should_exit = True
+        service.close()
+        raise RuntimeError(f"the soak's server did not start on port {port}")
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     report = SoakReport(clients=clients)
     lock = threading.Lock()
@@ -125,7 +130,7 @@ def soak(model: str, *, clients: int = 8, seconds: float = 600.0, max_requests: 
                         r.json()["usage"]["completion_tokens"]          # a whole answer carries its usage
                         with lock:
                             report.completed += 1
-                except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                except Exception as exc:  # every failure is a finding
                     with lock:
                         report.failures.append(f"{type(exc).__name__}: {exc}")
 

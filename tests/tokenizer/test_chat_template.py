@@ -23,6 +23,7 @@ CONVERSATIONS = {
 }
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 def test_smollm2_template_matches_transformers(smol, hf_smol, name, add_generation_prompt):
@@ -79,6 +80,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 DOCUMENTS = [{"title": "Doc", "text": "Some text"}]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_template_features_match_transformers(smol, hf_smol, name):
     template = FEATURES[name]
@@ -108,6 +110,7 @@ def _with_template(smol, template: str) -> Tokenizer:
     return Tokenizer(smol.backend, smol.special_tokens, chat_template=template, source="my_template.jinja")
 
 
+@pytest.mark.parity
 def test_raise_exception_becomes_tokenizer_error(smol, hf_smol):
     template = "{% if messages[0].role != 'system' %}{{ raise_exception('Conversation must start with system') }}" \
                "{% endif %}ok"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from support.tokenizer import TEXTS, tiny_llama_metadata
 
 from engine.tokenizer import StreamDecoder, Tokenizer
+from support.tokenizer import TEXTS, tiny_llama_metadata
 
 REPLACEMENT = "\ufffd"
 MULTIBYTE = [
@@ -38,6 +38,7 @@ def test_stream_equals_decode_on_text(smol, text):
             assert not any(REPLACEMENT in p for p in pieces)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("text", MULTIBYTE)
 def test_multibyte_decode_matches_transformers(smol, hf_smol, text):
     ids = smol.encode(text)

@@ -14,7 +14,6 @@ from engine.errors import TokenizerError
 from engine.tokenizer import Tokenizer
 from support.tokenizer import SP, TEXTS, TINY_PIECES, tiny_llama_metadata  # noqa: F401
 
-
 # ---- a tiny SentencePiece-style ("llama") vocabulary (tests/support/tokenizer.py) ------------------
 
 def write_tiny_gguf(path: Path, meta: dict) -> None:
@@ -45,12 +44,14 @@ def write_tiny_gguf(path: Path, meta: dict) -> None:
 # ---- SmolLM2 GGUF vs transformers ----------------------------------------------------------------
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("add_special", [True, False])
 @pytest.mark.parametrize("text", TEXTS)
 def test_gguf_encode_matches_transformers(smol, hf_smol, text, add_special):
     assert smol.encode(text, add_special_tokens=add_special) == hf_smol.encode(text, add_special_tokens=add_special)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("text", TEXTS)
 def test_gguf_decode_round_trips_and_matches_transformers(smol, hf_smol, text):
     ids = smol.encode(text, add_special_tokens=False)
@@ -59,6 +60,7 @@ def test_gguf_decode_round_trips_and_matches_transformers(smol, hf_smol, text):
         assert smol.decode(ids, skip_special_tokens=skip) == hf_smol.decode(ids, skip_special_tokens=skip)
 
 
+@pytest.mark.parity
 def test_gguf_special_tokens_match_transformers(smol, hf_smol):
     assert smol.bos_token_id == hf_smol.bos_token_id == 1
     assert smol.eos_token_id == hf_smol.eos_token_id == 2
@@ -74,6 +76,7 @@ def test_gguf_special_tokens_match_transformers(smol, hf_smol):
     assert smol.encode("hi") == smol.encode("hi", add_special_tokens=False)
 
 
+@pytest.mark.parity
 def test_smollm_digits_split_like_the_original(smol, hf_smol, smol_metadata):
     # SmolLM2's own tokenizer.json splits every digit off (Digits(individual_digits=True)) before the
     # GPT-2 regex, and llama.cpp's "smollm" pre-type does the same; transformers' GGUF conversion
@@ -193,6 +196,7 @@ def tiny(tiny_gguf) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(gguf_metadata(open_gguf(tiny_gguf)), tiny_gguf.name)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("text", ["hello world", "the cat is in a hat!", "héllo 中 x", "hello\n\nworld",
                                   "world,hello", "té", "", "cat  cat   cat"])
 def test_tiny_llama_gguf_matches_transformers(tiny, tiny_gguf, text):
@@ -285,6 +289,7 @@ CONVERSATION = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "conte
                 {"role": "user", "content": "2+2?"}]
 
 
+@pytest.mark.parity
 def test_folder_matches_transformers(smol_folder):
     from transformers import AutoTokenizer
 
@@ -297,6 +302,7 @@ def test_folder_matches_transformers(smol_folder):
             CONVERSATION, add_generation_prompt=gen, tokenize=True, return_dict=False)
 
 
+@pytest.mark.parity
 def test_folder_template_in_tokenizer_config(smol_folder, tmp_path):
     from transformers import AutoTokenizer
 
