@@ -69,12 +69,12 @@ def show_plan(plan: LoadPlan) -> None:
           "before loading, not counted)", file=sys.stderr)
 
 
-def plan_offload(path: Path, options: LoadOptions, quiet: bool = False) -> LoadPlan:
+def budget_plan(path: Path, options: LoadOptions, quiet: bool = False) -> LoadPlan:
     """How the container at `path` loads under the budget of `options` (its split shown unless quiet)."""
     from app.config.paths import usage_dir
-    from app.service.loading import plan_offload as plan
+    from app.service.loading import plan_offload
 
-    found = plan(options, path, usage_dir() if options.history else None)
+    found = plan_offload(options, path, usage_dir() if options.history else None)
     if not quiet:
         show_plan(found)
     return found
@@ -92,7 +92,7 @@ def load(model_arg: str | None, quiet: bool = False, options: LoadOptions | None
     path = resolve_model(model_arg)
     offload = None
     if options is not None and options.max_memory is not None:
-        offload = plan_offload(path, options, quiet).offload
+        offload = budget_plan(path, options, quiet).offload
     live = sys.stderr.isatty() and not quiet
     t0 = time.perf_counter()
 

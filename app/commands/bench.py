@@ -147,7 +147,7 @@ def _stream(args: argparse.Namespace) -> int:
         save_trace,
         workload,
     )
-    from app.commands._common import plan_offload
+    from app.commands._common import budget_plan
     from app.hub.pull import resolve_model
     from app.plan.budget import process_rss
     from engine.loader import open_checkpoint
@@ -159,7 +159,7 @@ def _stream(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     options = dataclasses.replace(load_options(args), history=False)
-    base = plan_offload(path, options, quiet=args.json).offload
+    base = budget_plan(path, options, quiet=args.json).offload
     # the interpreter's and libraries' footprint once the engine is imported, before any weights load: what
     # `run` reports beside the budget (measured earlier, it would leave out numba's and the engine's imports)
     baseline = process_rss()

@@ -151,15 +151,6 @@ class Transformer:
             layers.bind(self._build_layer)
         self.context = DecodeContext(self, telemetry, prefetch_depth)
 
-    @property
-    def prefetch_depth(self) -> int:
-        """The context's read-ahead depth (settings applied to the model reach its context)."""
-        return self.context.prefetch_depth
-
-    @prefetch_depth.setter
-    def prefetch_depth(self, depth: int) -> None:
-        self.context.prefetch_depth = depth
-
     def _build_layer(self, i: int, source: TensorSource) -> Layer:
         """Layer i over the tensors `source` holds (a streamed layer's buffer)."""
         p = layer_prefix(i) + "."

@@ -372,7 +372,7 @@ def test_live_budget_and_io_threads_change_between_tokens(container, resident):
         tokens = []
         changes = {2: lambda: store.set_capacity(4 * store.slot_bytes),      # shrink: evicts
                    4: lambda: store.set_io_threads(1),
-                   5: lambda: setattr(model, "prefetch_depth", 2),
+                   5: lambda: setattr(model.context, "prefetch_depth", 2),
                    7: lambda: store.set_capacity(20 * store.slot_bytes)}     # grow: fills again
         for step in range(10):
             if step in changes:
