@@ -4,7 +4,7 @@
 /v1/completions), the routes that watch the engine (app.server.telemetry: /health, /metrics, /v1/atlas,
 /v1/telemetry), and around them the API key check, CORS, the body size limit and the error handlers that
 answer every mistake in OpenAI's error shape (app.server.errors): malformed JSON, a body over the size limit,
-a missing or wrong API key, never a bare 500 page.
+a missing or wrong API key, never a bare 500 page (a 500 counts in `colibri_request_errors_total`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import hmac
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.server.engine import Served
 from app.server.errors import ApiError, BodyLimit, error, validation_message
@@ -47,21 +49,10 @@ def create_app(service: EngineService, *, api_key: str | None = None, cors_origi
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):    # never a bare 500 page; the server stays up
+        engine.counters.errors += 1                         # a fault of ours, counted like an engine error
         return error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health" and request.method != "OPTIONS":
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return error(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
-                             "authentication_error", code="invalid_api_key")
-        try:
-            return await call_next(request)
-        except ApiError as exc:             # raised while reading the body (size limit)
-            return error(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
-
+    app.add_middleware(ApiKeyCheck, key=api_key)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -72,3 +63,37 @@ def create_app(service: EngineService, *, api_key: str | None = None, cors_origi
     add_telemetry_routes(app, engine)
     add_openai_routes(app, engine)
     return app
+
+
+class ApiKeyCheck:
+    """ASGI middleware: with a key set, every request but `/health` and CORS preflights (OPTIONS) must carry
+    `Authorization: Bearer KEY`, or gets 401. Pure ASGI, not `@app.middleware("http")`: Starlette's
+    BaseHTTPMiddleware hides a client's `http.disconnect` from the routes, which cancel a request whose
+    client left (app.server.openai)."""
+
+    def __init__(self, app: ASGIApp, key: str | None):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.key is not None and scope["path"] != "/health" and scope["method"] != "OPTIONS":
+            given = Headers(scope=scope).get("authorization", "")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.key.encode()):
+                answer = error(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
+                               "authentication_error", code="invalid_api_key")
+                return await answer(scope, receive, send)
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except ApiError as exc:             # raised while reading the body (size limit)
+            if started:
+                raise
+            await error(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)(scope, receive, send)

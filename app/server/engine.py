@@ -5,13 +5,14 @@ events come back on the request's own asyncio queue.
 Only the engine thread touches the model; its listener hands each event to the event loop with
 `loop.call_soon_threadsafe`. The service batches generations and bounds the waiting ones: past
 its `max_queue`, `submit` raises QueueFull (the server answers 429). A cancelled ticket (its client
-left) ends at the next step and its KV blocks go back to the pool.
+left) ends at the engine's next step: a queued one leaves the queue, a running one gives its KV blocks back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from app.service.local import EngineService, Generation, QueueFull, ServiceEvent
@@ -25,17 +26,36 @@ __all__ = ["Counters", "QueueFull", "Served", "Ticket"]
 @dataclass(eq=False)
 class Ticket:
     """One request as the web server sees it: its events arrive on `events`, ending with a DoneEvent
-    or an ErrorEvent; `cancel()` asks the engine to stop it."""
+    or an ErrorEvent; `cancel()` asks the engine to stop it, `watch()` does so when the client leaves."""
 
     service: EngineService
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: int = 0
     submitted: float = field(default_factory=time.monotonic)
+    watcher: asyncio.Task | None = None
 
     def cancel(self) -> None:
-        """Stop generating (the client went away); takes effect at the engine's next step."""
+        """Stop generating (the client went away); takes effect at the engine's next step, queued or running."""
         if self.request:
             self.service.cancel(self.request)
+
+    def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        """Cancel as soon as the client disconnects, whether the answer streams or not and whether it runs or
+        still waits: a task awaits the request's ASGI `receive` (its body already read) for `http.disconnect`.
+        Polling `Request.is_disconnected()` misses it, and a queued stream sends nothing that could fail."""
+
+        async def wait() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.cancel()      # also when the server finished the answer: a no-op then
+
+        self.watcher = asyncio.get_running_loop().create_task(wait())
+
+    def close(self) -> None:
+        """The answer is complete or abandoned: stop the generation (a no-op once done) and the watcher."""
+        self.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 @dataclass

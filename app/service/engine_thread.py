@@ -165,6 +165,17 @@ class EngineThread:
                 self._start(req)
             else:
                 self._backlog.append(req)
+        if self._backlog:
+            self._drop_cancelled()
+
+    def _drop_cancelled(self) -> None:
+        """Answer the generations held back in the backlog whose cancel flag is set: they stop counting against
+        `max_queue` now, not once the batch has ended (the scheduler does the same for those waiting in it)."""
+        for req in [r for r in self._backlog if isinstance(r, GenerateRequest)]:
+            flag = self._flags.get(req.id)
+            if flag is not None and flag.is_set():
+                self._backlog.remove(req)
+                self._answer(req.id, DoneEvent("cancelled", (), "", GenerationStats(0, 0, 0.0, 0.0, 0.0)))
 
     def _handle(self, req: Request) -> None:
         if isinstance(req, _ApplySettings):

@@ -7,7 +7,8 @@ attention runs per sequence on its own cache. Rows are computed as they would be
 sequence's tokens equal those of running it by itself.
 
 New requests join between steps (`submit`); a finished or cancelled sequence leaves and gives its
-blocks back (full blocks stay cached in the pool's prefix index for the next request that shares them).
+blocks back (full blocks stay cached in the pool's prefix index for the next request that shares them);
+a request cancelled while it still waits for room leaves the queue at the next step.
 A request starts from the longest prefix of its prompt already in the pool.
 """
 
@@ -119,6 +120,10 @@ class Scheduler:
     def step(self) -> list[Sequence]:
         """One forward pass over the batch; returns the sequences that produced events."""
         touched: list[Sequence] = []
+        for seq in [s for s in self.waiting if s.cancel is not None and s.cancel.is_set()]:
+            self.waiting.remove(seq)     # a cancelled request leaves the queue now, not when the batch has room
+            self._finish(seq, "cancelled")
+            touched.append(seq)
         self._admit()
         for seq in list(self.running):
             if seq.cancel is not None and seq.cancel.is_set():
