@@ -10,6 +10,8 @@ from app.commands._common import add_model_argument
 from app.commands._memory import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
+MAX_CONNECTIONS = 512       # app.server.http.HttpLimits' default (not imported here: `colibri` starts without uvicorn)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` command."""
@@ -17,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL on /v1/chat/completions, /v1/completions and /v1/models (streamed or not), with "
         "/health, /metrics (Prometheus) and /v1/telemetry (server-sent events). Concurrent requests decode "
-        "together; past --max-queue waiting requests the answer is 429. Binds to loopback unless told otherwise.",
+        "together; past --max-queue waiting requests the answer is 429. Binds to loopback unless told otherwise. "
+        "A request head must arrive within 10 s and its body within 30 s (else 408); heads over 16 KiB get 431; "
+        "past --max-connections the longest-idle connection is closed, or, if all are busy, the answer is 503.",
     )
     add_model_argument(parser, required=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -30,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="allow browser pages from ORIGIN (repeatable; default: no CORS)")
     parser.add_argument("--max-body", type=int, default=4 << 20, metavar="BYTES",
                         help="largest request body accepted (default 4 MiB)")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                        help=f"open connections held at once, idle ones included (default {MAX_CONNECTIONS})")
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
                         help="context per request in tokens (default 4096 or the model's, if less)")
     add_memory_arguments(parser)
@@ -44,6 +50,10 @@ def _check(args: argparse.Namespace) -> None:
                            "request, the queue 0 or more")
     if args.max_body < 1024:
         raise ColibriError(f"--max-body {args.max_body}: allow at least 1024 bytes")
+    if args.max_connections <= args.max_batch + args.max_queue:
+        raise ColibriError(f"--max-connections {args.max_connections} leaves no room beside the {args.max_batch} "
+                           f"running and {args.max_queue} queued requests (for /health, say): allow at least "
+                           f"{args.max_batch + args.max_queue + 1}")
     if args.api_key is not None and len(args.api_key) < 8:
         raise ColibriError("--api-key is shorter than 8 characters: use a longer, random key")
 
@@ -59,12 +69,12 @@ def is_loopback(host: str) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from app.server.app import create_app
+    from app.server.http import HttpLimits, Server, build_config, check_fd_limit
     from app.service.local import EngineService
 
     _check(args)
+    check_fd_limit(args.max_connections)      # before the model loads: fail fast
     if not is_loopback(args.host):
         print(f"warning: serving on {args.host} reaches beyond this machine"
               + ("" if args.api_key else "; anyone who can reach it may use it (set --api-key)"), file=sys.stderr)
@@ -78,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         memory = f", budget {s.memory_budget / 2**30:.2f} GiB, streaming {info.streaming}" if s.memory_budget else ""
         print(f"serving {info.name} on http://{args.host}:{args.port}/v1 (context {s.context_length}, "
               f"batch {args.max_batch}{memory})", file=sys.stderr)
-        # a remote app holds /v1/telemetry open for ever: on Ctrl-C, stop waiting for it after 2 s
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        limits = HttpLimits(max_connections=args.max_connections)
+        Server(build_config(app, host=args.host, port=args.port, limits=limits)).run()
     return 0
 

@@ -1,5 +1,6 @@
-"""The server's answers to mistakes, in OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`,
-and the request body limit (app/server/app.py installs both)."""
+"""The server's answers to mistakes, in OpenAI's error shape `{"error": {"message", "type", "param", "code"}}`
+(`ErrorBody` documents it in the OpenAPI schema, `responses` on each route), and the request body limit
+(app/server/app.py installs both)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,47 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong: OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx answer of the server."""
+
+    error: ErrorDetail
+
+
+_WHY = {400: "The request is malformed or a value is out of range (the message names it).",
+        401: "The API key is missing or wrong (when the server has one).",
+        404: "The model or resource is not served here.",
+        408: "The request head or body did not arrive in time.",
+        413: "The request body is over the server's limit.",
+        429: "The queue is full: retry after the seconds in Retry-After.",
+        431: "The request head is over 16 KiB.",
+        503: "The server is busy or its model is not ready: retry shortly."}
+
+
+def responses(*statuses: int, stream: bool = False, text: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route: its error answers in OpenAI's shape, any other error status too ("default"),
+    and, for a route that streams, server-sent events as the other form of its 200. A route answering plain
+    `text` names the errors' JSON itself (FastAPI would give them the route's media type)."""
+    shape: dict[str, Any] = ({"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+                             if text else {"model": ErrorBody})
+    out: dict[int | str, dict[str, Any]] = {s: {**shape, "description": _WHY[s]} for s in statuses}
+    out["default"] = {**shape, "description": "Any other error, in the same shape."}
+    if stream:
+        out[200] = {"description": "The answer: JSON, or with `\"stream\": true` server-sent events "
+                                   "(`data: {chunk}` lines, the last `data: [DONE]`).",
+                    "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+    return out
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -53,19 +95,27 @@ class BodyLimit:
                         code="request_too_large")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await too_big(scope, receive, send)
-        seen = 0
+        seen, answered = 0, False
 
+        # An undeclared length is counted as it arrives. Past the limit the 413 is sent from here: an error raised
+        # inside the app's body parsing would become FastAPI's 400. The app then reads a disconnect, and whatever
+        # it answers to that is dropped.
         async def limited():
-            nonlocal seen
+            nonlocal seen, answered
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and not answered:
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise ApiError(413, f"the request body is over {self.limit} bytes; send a shorter prompt",
-                                   code="request_too_large")
+                    answered = True
+                    await too_big(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        return await self.app(scope, limited, send)
+        async def guarded(message):
+            if not answered:
+                await send(message)
+
+        return await self.app(scope, limited, guarded)
 
 
 def sse(payload: Any) -> str:

@@ -1,8 +1,9 @@
 """The OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`,
 streamed as server-sent events ending with `data: [DONE]` (`"stream": true`) or whole.
 
-Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type,
-a value out of range, an unknown model, a prompt longer than the context (with the numbers). A full queue
+Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type
+(a JSON boolean is no number), a value out of range, an unknown model, a prompt longer than the context (with the
+numbers), an OpenAI field Colibri cannot honour (never silently ignored). `logit_bias` is honoured. A full queue
 answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
 """
 
@@ -11,59 +12,147 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from app.server.engine import QueueFull, Served, Ticket
-from app.server.errors import ApiError, error
+from app.server.errors import ApiError, error, responses
 from app.server.errors import sse as _sse
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
 
 RETRY_AFTER = 2             # seconds a client is told to wait when the queue is full
-DISCONNECT_POLL = 0.25      # seconds between checks that a non-streaming client is still there
 
 
 # --------------------------------------------------------------------------- request bodies
+# JSON booleans are not numbers here (strict ints and floats; an int is still a float). Unknown fields are ignored;
+# OpenAI's own fields are each honoured, harmless (`user`, `metadata`, `store`, `service_tier`, `prediction`,
+# `parallel_tool_calls`, a message's `name`: nothing in the answer depends on them) or refused with a 400 naming
+# them (`_UNSUPPORTED`) unless left at a value that asks for nothing.
+
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((None, False), "log probabilities are not returned; leave it out"),
+    "top_logprobs": ((None, 0), "log probabilities are not returned; leave it out"),
+    "response_format": ((None, {"type": "text"}), "only free text is produced (no JSON mode or schema)"),
+    "tools": ((None, []), "tool calls are not supported"),
+    "tool_choice": ((None, "none", "auto"), "tool calls are not supported"),
+    "functions": ((None, []), "function calls are not supported"),
+    "function_call": ((None, "none", "auto"), "function calls are not supported"),
+    "modalities": ((None, ["text"]), "only text is produced"),
+    "audio": ((None,), "only text is produced"),
+    "web_search_options": ((None,), "there is no web search"),
+    "reasoning_effort": ((None,), "the model's reasoning effort cannot be set"),
+    "echo": ((None, False), "the prompt is not echoed; leave it out"),
+    "suffix": ((None, ""), "text after the completion (insertion) is not supported"),
+    "best_of": ((None, 1), "only one completion is made per request (best_of 1)"),
+    "tool_calls": ((None, []), "tool calls are not supported"),
+}
+
+
+def _asks_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
+    # by type too: False == 0 in Python, but `logprobs: 0` asks for log probabilities
+    return any(value is h or (type(value) is type(h) and value == h) for h in harmless)
+
+
+def _refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
+    rule = _UNSUPPORTED.get(info.field_name or "")
+    if rule is not None and not _asks_nothing(value, rule[0]):
+        raise PydanticCustomError("unsupported", f"{rule[1]} (Colibri does not implement it)")
+    return value
+
+
+_TokenKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
+_Bias = Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")   # unknown fields (user, logprobs=false ...) are ignored
+    model_config = ConfigDict(extra="ignore")   # unknown fields are ignored; OpenAI's own are handled above
 
-    model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stop: Union[str, list[str], None] = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)     # an extension (as in vLLM): the desktop app's
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
+    model: StrictStr
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=2.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[_TokenKey, _Bias] | None = Field(None, max_length=1024)   # token id (a string) -> bias
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0)     # extensions (as in vLLM): the desktop app's,
+    top_k: StrictInt = Field(0, ge=0)                                  # 0 = off
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)                    # 0 = off
+    n: StrictInt = Field(1, ge=1, le=1)
+    stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+
+    _unsupported = field_validator(*(n for n in _UNSUPPORTED if n not in ("echo", "suffix", "best_of", "tool_calls")),
+                                   mode="before")(_refuse_unsupported)
+
+    def sampling(self, vocab: int) -> SamplingParams:
+        """The sampling settings this body asks for; ApiError (400) naming a logit_bias id outside the vocabulary."""
+        bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        for token, _ in bias:
+            if token >= vocab:
+                raise ApiError(400, f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1})",
+                               "logit_bias")
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                seed=self.seed, presence_penalty=self.presence_penalty,
+                                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                                logit_bias=bias)
+        try:
+            params.validate()
+        except ColibriError as exc:
+            raise ApiError(400, str(exc)) from None
+        return params
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
-    text: str
+    text: StrictStr
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: StrictStr | None = None       # harmless: a chat template has no place for it
+    tool_calls: Any = None
+    audio: Any = None
+
+    _unsupported = field_validator("tool_calls", "audio", mode="before")(_refuse_unsupported)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -76,8 +165,12 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: Union[str, list[int], list[str]]
-    echo: bool = False
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr]]
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+    _unsupported_here = field_validator("echo", "suffix", "best_of", mode="before")(_refuse_unsupported)
 
 
 _Body.model_rebuild()
@@ -92,12 +185,12 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
     """The model list and the completion routes of the model `engine` serves."""
     tokenizer = engine.service.tokenizer
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(401))
     async def models():
         return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": int(engine.started),
                                             "owned_by": "colibri", "colibri": model_description(engine.info)}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=responses(400, 401, 404, 408, 413, 429, 503, stream=True))
     async def chat(body: ChatBody, request: Request):
         _check_model(body.model)
         if tokenizer is None or not tokenizer.has_chat_template:
@@ -109,7 +202,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(400, str(exc), "messages") from None
         return await _generate(body, prompt, request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=responses(400, 401, 404, 408, 413, 429, 503, stream=True))
     async def completions(body: CompletionBody, request: Request):
         _check_model(body.model)
         p = body.prompt
@@ -150,13 +243,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
-        sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                                  repetition_penalty=body.repetition_penalty)
-        try:
-            sampling.validate()
-        except ColibriError as exc:
-            raise ApiError(400, str(exc)) from None
+        sampling = body.sampling(engine.info.vocab_size)
         try:
             ticket = engine.submit(list(prompt), max_tokens=limit or room, sampling=sampling, stop=stops,
                                    loop=asyncio.get_running_loop())
@@ -165,13 +252,14 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                            headers={"Retry-After": str(RETRY_AFTER)}) from None
         except ColibriError as exc:
             raise ApiError(503, str(exc), kind="server_error") from None
+        ticket.watch(request.receive)      # a client that leaves cancels at once, queued or running
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(ticket, rid, created, chat, include_usage, len(prompt)),
                                      media_type="text/event-stream")
-        return await _whole(ticket, rid, created, chat, len(prompt), request)
+        return await _whole(ticket, rid, created, chat, len(prompt))
 
     def _finish(event: DoneEvent) -> str:
         return "length" if event.finish_reason == "length" else "stop"
@@ -180,22 +268,18 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": len(done.tokens),
                 "total_tokens": prompt_tokens + len(done.tokens)}
 
-    async def _whole(ticket: Ticket, rid: str, created: int, chat: bool, n_prompt: int, request: Request):
+    async def _whole(ticket: Ticket, rid: str, created: int, chat: bool, n_prompt: int):
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(ticket.events.get(), timeout=DISCONNECT_POLL)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        ticket.cancel()
-                        return error(499, "the client closed the request")
-                    continue
+                event = await ticket.events.get()
                 if isinstance(event, ErrorEvent):
                     raise ApiError(400, event.message)
                 if isinstance(event, DoneEvent):
                     break
         finally:
-            ticket.cancel()          # a no-op once done; frees the blocks of a request abandoned mid-way
+            ticket.close()           # a no-op once done; frees the blocks of a request abandoned mid-way
+        if event.finish_reason == "cancelled":      # the client left (its ticket's watcher saw it): nobody reads
+            return error(499, "the client closed the request")
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
                       "finish_reason": _finish(event), "logprobs": None}
@@ -241,7 +325,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                     break
             yield "data: [DONE]\n\n"
         finally:
-            ticket.cancel()          # the client left (or we are done): stop and free the KV blocks
+            ticket.close()           # the client left (or we are done): stop and free the KV blocks
 
 
 def model_description(info) -> dict:

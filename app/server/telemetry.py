@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from app.server.engine import Served
-from app.server.errors import ApiError
+from app.server.errors import ApiError, responses
 from app.server.errors import sse as _sse
 
 
@@ -19,25 +19,28 @@ def add_telemetry_routes(app: FastAPI, engine: Served) -> None:
     """Health, metrics, atlas and the telemetry stream of the model `engine` serves."""
     service = engine.service
 
-    @app.get("/health")
+    @app.get("/health", responses=responses())
     async def health():
         return {"status": "ok", "model": engine.name, "running": service.batch, "queued": service.queue_depth}
 
-    @app.get("/v1/atlas")
+    @app.get("/v1/atlas", responses=responses(401, 404))
     async def atlas():
         from app.service.model import read_atlas
 
         found = read_atlas(engine.info.path)
         if found is None:
+            # the model's path stays on the server: it tells a client nothing and a stranger too much
             raise ApiError(404, f"{engine.name} has no atlas yet; compute it where the server runs: "
-                                f"`colibri atlas {engine.info.path}`", code="not_found")
+                                f"`colibri atlas` on the served model", code="not_found")
         return found
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=responses(401, text=True))
     async def metrics():
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/telemetry")
+    @app.get("/v1/telemetry", response_class=StreamingResponse, responses={**responses(400, 401, 404), 200: {
+        "description": "Server-sent events, each `data: {snapshot}`, for as long as the client reads",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
     async def telemetry(request: Request, interval: float = 0.5, recent: int = 32, tiers: bool = False):
         if service.snapshot() is None:
             raise ApiError(404, "no model is loaded, so there is no telemetry", code="not_found")

@@ -2,8 +2,9 @@
 
 A step goes   logits -> apply_processors(logits, history, processors) -> sampler(logits) -> id.
 
-Processors (`make_logits_processors`) rewrite logits from what was already seen:
-repetition penalty, then presence/frequency penalty. Each is a callable
+Processors (`make_logits_processors`) rewrite logits: a fixed logit bias per token id (OpenAI's
+`logit_bias`, first, as llama.cpp's chain does), then from what was already seen: repetition
+penalty, then presence/frequency penalty. Each is a callable
 `(logits [V], ids) -> new logits` and never writes into its input. The two penalties look at
 different histories, so a processor may declare the one it wants in a `wants` attribute:
 
@@ -70,6 +71,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: count * frequency_penalty subtracted
     penalty_last_n: int = 0  # 0 = the whole history given, else only its last n ids count
     seed: int | None = None  # None = fresh OS entropy
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), -100..100
+
+    def __post_init__(self) -> None:
+        # a saved session's JSON gives lists of lists: keep the params hashable (values are checked by validate)
+        if isinstance(self.logit_bias, list):
+            pairs = tuple(tuple(p) if isinstance(p, list) else p for p in self.logit_bias)
+            object.__setattr__(self, "logit_bias", pairs)
 
     def validate(self) -> None:
         """Raise GenerationError naming the first out-of-range setting."""
@@ -85,6 +93,13 @@ class SamplingParams:
         _check_int("penalty_last_n", self.penalty_last_n, "an integer >= 0 (0 = all)", lambda v: v >= 0)
         if self.seed is not None:
             _check_int("seed", self.seed, "a non-negative integer or None", lambda v: v >= 0)
+        if not isinstance(self.logit_bias, tuple):
+            raise GenerationError(f"sampling setting logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise GenerationError(f"sampling setting logit_bias must be (token id, bias) pairs, got {pair!r}")
+            _check_int("logit_bias", pair[0], "keyed by token ids >= 0", lambda v: v >= 0)
+            _check_real("logit_bias", pair[1], "in [-100, 100]", lambda v: -100 <= v <= 100)
 
 
 def _check_real(name: str, value: object, want: str, ok: Callable[[float], bool]) -> None:
@@ -187,6 +202,27 @@ def presence_frequency_penalty(
 
 
 @dataclass(frozen=True)
+class LogitBias:
+    """A fixed amount added to chosen ids' logits (OpenAI's logit_bias); reads no history."""
+
+    bias: tuple[tuple[int, float], ...]  # (token id, added to its logit)
+    wants: ClassVar[HistoryKind] = "generated"
+
+    def __call__(self, logits: np.ndarray, history: TokenIds) -> np.ndarray:
+        """Logits with each biased id's amount added (the last pair wins if an id repeats)."""
+        out = np.array(logits, copy=True)
+        vocab = out.shape[0]
+        for token, _ in self.bias:
+            if not 0 <= token < vocab:
+                raise GenerationError(
+                    f"logit_bias names token id {token}, outside the model's vocabulary [0, {vocab})"
+                )
+        for token, amount in dict(self.bias).items():
+            out[token] = out[token] + amount
+        return out
+
+
+@dataclass(frozen=True)
 class RepetitionPenalty:
     """Repetition penalty as a processor; reads the context (prompt + generated)."""
 
@@ -216,9 +252,11 @@ class PresenceFrequencyPenalty:
 
 
 def make_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """The processors params turn on, in chain order (repetition, then presence/frequency)."""
+    """The processors params turn on, in chain order (logit bias, repetition, presence/frequency)."""
     params.validate()
     procs: list[LogitsProcessor] = []
+    if params.logit_bias:
+        procs.append(LogitBias(params.logit_bias))
     if params.repetition_penalty != 1.0:
         procs.append(RepetitionPenalty(params.repetition_penalty, params.penalty_last_n))
     if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:

@@ -191,6 +191,13 @@ def test_keys_sizes_and_cors(server):
     big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 70000}]}
     r = _post(server, "/v1/chat/completions", big)
     assert r.status_code == 413 and "over 65536 bytes" in r.json()["error"]["message"]
+
+    def chunked():          # no Content-Length: the limit is found while the body arrives
+        yield json.dumps(big).encode()
+
+    r = httpx.post(server.url + "/v1/chat/completions", content=chunked(),
+                   headers={"authorization": "Bearer " + KEY, "content-type": "application/json"})
+    assert r.status_code == 413 and "over 65536 bytes" in r.json()["error"]["message"]
     r = httpx.options(server.url + "/v1/models", headers={"origin": "http://evil.example",
                                                          "access-control-request-method": "GET"})
     assert "access-control-allow-origin" not in r.headers
