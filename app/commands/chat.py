@@ -1,7 +1,9 @@
 """`colibri chat [MODEL]`: an interactive terminal chat with streaming answers.
 
 Multi-turn history goes through the model's chat template; `/reset` forgets it, `/exit` (or
-Ctrl-D) leaves, Ctrl-C stops the answer being written and keeps the chat open.
+Ctrl-D) leaves, Ctrl-C stops the answer being written and keeps the chat open. A `--session` file is
+held by one chat at a time (a second is refused before its model loads); a save that fails, on a full
+disk say, is reported in one line and the chat goes on, the file keeping its last good save.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", metavar="TEXT", help="a system message for the conversation")
     parser.add_argument("--session", type=Path, metavar="FILE",
                         help="keep the conversation and its KV cache in FILE: resumed from it when it exists, "
-                             "saved after every turn (only what is new is appended)")
+                             "saved after every turn (only what is new is appended); one chat at a time")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.1)
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
@@ -77,7 +79,10 @@ class ChatSession:
         sessions.save(self.cache, SessionState(sampling=self.sampling, extra={"messages": self.messages}))
 
     def restore(self, sessions) -> int:
-        """Continue a saved conversation: its messages and KV cache; returns the turns restored."""
+        """Continue a saved conversation: its messages and KV cache; returns the turns restored.
+
+        A torn or damaged last save is left out: `sessions.dropped` says so.
+        """
         self.cache.release()
         self.cache, state = sessions.load(self.pool)
         self.messages = list(state.extra.get("messages", []))
@@ -116,11 +121,32 @@ class ChatSession:
 def _run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     options = load_options(args)
-    loaded = load(args.model, options=options)
+    lock = None
+    if args.session is not None:            # before the model loads: a refused chat costs nothing
+        from engine.generation.session import session_lock
+
+        lock = session_lock(args.session)
     try:
-        return _chat(args, loaded, sampling, KVOptions.of(options))
+        loaded = load(args.model, options=options)
+        try:
+            return _chat(args, loaded, sampling, KVOptions.of(options))
+        finally:
+            loaded.close()                  # saves the usage history of a streamed model
     finally:
-        loaded.close()                      # saves the usage history of a streamed model
+        if lock is not None:
+            lock.release()
+
+
+def _save(session: ChatSession, sessions) -> None:
+    """Save after a turn; a failed save (disk full ...) is one line on stderr, and the chat goes on."""
+    from engine.generation.session import SessionSaveError
+
+    try:
+        session.save(sessions)
+    except SessionSaveError as exc:
+        print(f"warning: could not save the session to {exc.path}: {exc.reason} ({exc.written} of {exc.total} "
+              "bytes written); the chat goes on, unsaved: free space and the next turn saves again",
+              file=sys.stderr)
 
 
 def _chat(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
@@ -132,6 +158,9 @@ def _chat(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
     sessions = session.session_file(args.session) if args.session is not None else None
     if sessions is not None and args.session.exists():
         turns = session.restore(sessions)
+        if sessions.dropped is not None:
+            print(f"warning: {args.session}: the last turn was damaged and is dropped ({sessions.dropped}); "
+                  "the turns before it are kept", file=sys.stderr)
         print(f"(resumed {turns} turn{'s' if turns != 1 else ''} from {args.session})", file=sys.stderr)
     print(f"chatting with {loaded.name}; {HELP}", file=sys.stderr)
     while True:
@@ -151,7 +180,7 @@ def _chat(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
         if text == "/reset":
             session.reset()
             if sessions is not None:
-                session.save(sessions)
+                _save(session, sessions)
             print("(conversation forgotten)", file=sys.stderr)
             continue
         if text.startswith("/"):
@@ -180,4 +209,4 @@ def _chat(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
         finally:
             signal.signal(signal.SIGINT, previous)
         if sessions is not None:
-            session.save(sessions)           # after every turn: a restart continues from here
+            _save(session, sessions)         # after every turn: a restart continues from here

@@ -30,13 +30,21 @@ ones are dead). A first save, a cache whose saved blocks changed (truncated, evi
 by their ids, tokens, digests and the last row of each block, which any rewrite of it recomputes),
 a file changed behind our back, or dead tails outweighing the live bytes rewrite the whole file
 atomically instead. A crash while appending leaves a torn end (short, or failing its checksum as the
-last record): `load` ignores it and restores the last complete tail. A damaged record anywhere
-else is an error naming the file: restoring half a state would silently change the continuation.
+last record): `load` restores the last complete tail and says what it dropped (`SessionFile.dropped`).
+A damaged record anywhere else is an error naming the file: restoring half a state would silently
+change the continuation.
+
+A save that fails (a full disk, a read-only folder) raises `SessionSaveError` with the bytes written
+of the bytes needed, and leaves the file at its previous save: a failed append is cut off again, a
+failed rewrite never replaces the file. `SessionFile` itself takes no lock: a process that may meet
+another writer of the same path holds `session_lock(path)` while it uses it, which also removes the
+temporaries a writer killed mid-rewrite left behind.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -49,7 +57,7 @@ from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
-from engine.atomic import atomic_file
+from engine.atomic import FileLock, atomic_file, remove_temps
 from engine.errors import ColibriError
 from engine.generation.sampling import SamplingParams
 from engine.kv import OVERFLOW, SINK_TOKENS, KVCache, KVPool
@@ -68,6 +76,47 @@ _PARTS = ("k", "ks", "v", "vs")
 
 class SessionError(ColibriError):
     """A session file cannot be restored (damaged, empty, or saved for another model or settings)."""
+
+
+class SessionSaveError(SessionError):
+    """A save failed part way (disk full, read-only ...); the file still holds its previous save, if any."""
+
+    def __init__(self, path: Path, reason: str, written: int, total: int, kept: bool):
+        self.path, self.reason, self.written, self.total = path, reason, written, total
+        fix = "free space and save again" if reason == "disk full" else "fix that and save again"
+        super().__init__(f"could not save the session to {path}: {reason} ({written} of {total} bytes written); "
+                         f"{'the file keeps its previous save' if kept else 'nothing was saved'}: {fix}")
+
+
+def session_lock(path: str | os.PathLike) -> FileLock:
+    """Hold `path` for this process until the lock's `release` (or exit), and remove stale temporaries.
+
+    Raises `FileInUseError` naming the process that holds it, `SessionError` for a folder or a place
+    where the lock cannot be made. Holding it, no live writer of this session exists, so any
+    `.NAME.*.tmp` beside it is what a killed rewrite left behind.
+    """
+    path = Path(path)
+    _refuse_folder(path)
+    lock = FileLock(path, "session file", "close that chat first, or use another session file")
+    try:
+        lock.acquire()
+    except OSError as exc:
+        raise SessionError(f"session file {path}: cannot make its lock {lock.lock_path} ({exc.strerror}); "
+                           "use a session file in a folder you can write to") from exc
+    remove_temps(path)
+    return lock
+
+
+@dataclass(frozen=True)
+class DroppedSave:
+    """The end of a file `load` did not restore: the last save, torn by a crash or damaged."""
+
+    offset: int             # where the dropped bytes start (after the last complete tail)
+    size: int               # how many bytes were dropped
+    reason: str             # what was wrong with them
+
+    def __str__(self) -> str:
+        return f"{self.size} bytes from byte {self.offset}: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -142,12 +191,14 @@ class SessionFile:
         self._end = 0                       # bytes of the file up to its newest tail
         self._live = 0                      # bytes still needed: magic, header, blocks, newest tail
         self._tail = 0                      # bytes of the newest tail
+        self.dropped: DroppedSave | None = None  # what the last `load` left out: a torn or damaged last save
 
     # --- saving ---
 
     def save(self, cache: KVCache, state: SessionState) -> None:
         """Write the cache and state: new blocks and a tail appended, or the whole file rewritten."""
         mine = KVSettings.of(cache)
+        _refuse_folder(self.path)
         if mine != self.settings:
             raise SessionError(f"session file {self.path}: the cache runs with {_describe(mine)} but the session "
                                f"was opened for {_describe(self.settings)}; open it with KVSettings.of(cache)")
@@ -217,12 +268,24 @@ class SessionFile:
                                f"({exc}); keep them to dicts, lists, strings, numbers and None") from exc
 
     def _append(self, records: list[bytes]) -> None:
-        """Add records after the newest tail in one write, flushed to disk before returning."""
-        with open(self.path, "r+b") as f:
-            f.seek(self._end)
-            f.write(b"".join(records))
-            f.flush()
-            os.fsync(f.fileno())
+        """Add records after the newest tail, flushed to disk before returning; on failure cut them off again."""
+        total = sum(len(r) for r in records)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self._failed(exc, 0, total) from exc
+        try:
+            _write_all(fd, records, self._end)
+            os.fsync(fd)
+        except (_ShortWrite, OSError) as exc:
+            written, error = (exc.written, exc.error) if isinstance(exc, _ShortWrite) else (total, exc)
+            try:
+                os.ftruncate(fd, self._end)     # back to the last good save (a torn end would be dropped anyway)
+            except OSError:
+                pass
+            raise self._failed(error, written, total) from error
+        finally:
+            os.close(fd)
 
     def _rewrite(self, cache: KVCache, state: SessionState) -> None:
         """The whole file again, atomically: header, every full block, a tail."""
@@ -231,14 +294,22 @@ class SessionFile:
         saved = [s for s, _ in recs]
         head = _record(HEADER, _pack(self._header(cache.pool), []))
         tail = _record(TAIL, self._tail_payload(cache, state, saved))
-        with atomic_file(self.path, "wb") as f:
-            f.write(MAGIC + _VERSION.pack(FORMAT) + head)
-            for _, r in recs:
-                f.write(r)
-            f.write(tail)
-            end = f.tell()
-        self._saved, self._tail, self._end, self._live = saved, len(tail), end, end
+        pieces = [MAGIC + _VERSION.pack(FORMAT) + head, *(r for _, r in recs), tail]
+        written = 0
+        try:
+            with atomic_file(self.path, "wb") as f:
+                written = _write_all(f.fileno(), pieces, 0)     # unbuffered: a failure knows how far it got
+        except _ShortWrite as exc:
+            raise self._failed(exc.error, exc.written, sum(len(p) for p in pieces)) from exc.error
+        except OSError as exc:                              # making the temporary, fsync or the rename
+            raise self._failed(exc, written, sum(len(p) for p in pieces)) from exc
+        self._saved, self._tail, self._end, self._live = saved, len(tail), written, written
         self._cache, self._evicted = weakref.ref(cache), cache.evicted
+
+    def _failed(self, exc: OSError, written: int, total: int) -> SessionSaveError:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        return SessionSaveError(self.path, "disk full" if full else exc.strerror or str(exc), written, total,
+                                self.path.is_file())
 
     def _header(self, pool: KVPool) -> dict:
         return {"format": FORMAT, "model_hash": self.model_hash, "kv": dataclasses.asdict(self.settings),
@@ -249,19 +320,23 @@ class SessionFile:
     def load(self, pool: KVPool) -> tuple[KVCache, SessionState]:
         """The saved sequence restored into blocks of `pool` (prefix-indexed again), and its state.
 
-        Refuses a file saved for another model or other KV settings; a torn last append falls back
-        to the previous save.
+        Refuses a file saved for another model or other KV settings; a torn or damaged last save falls
+        back to the one before it, and `self.dropped` says what was left out (None when nothing was).
         """
         if (pool.block_size, pool.bits) != (self.settings.block_size, self.settings.bits):
             raise SessionError(f"session file {self.path}: the pool has block size {pool.block_size} and "
                                f"{pool.bits}-bit KV but the session was opened for block size "
                                f"{self.settings.block_size} and {self.settings.bits}-bit KV; build the pool to match")
+        _refuse_folder(self.path)
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
             raise SessionError(f"session file {self.path} does not exist; start a new session") from None
+        except OSError as exc:
+            raise SessionError(f"session file {self.path} cannot be read ({exc.strerror}); "
+                               "check its permissions, or start a new session") from exc
         with f:
-            records = self._scan(f)
+            records, torn = self._scan(f)
             if not records or records[0].kind != HEADER:
                 raise SessionError(f"session file {self.path} has no header; it is not a Colibri session")
             header, _ = _unpack(_read(f, records[0]), self.path)
@@ -286,13 +361,18 @@ class SessionFile:
             except BaseException:
                 cache.release()
                 raise
+            size = os.fstat(f.fileno()).st_size
         self._saved, self._cache, self._evicted = saved, weakref.ref(cache), cache.evicted
         self._end, self._tail = records[last].end, records[last].size
         self._live = self._end - sum(r.size for r in records[:last] if r.kind == TAIL)
+        # blocks after the last tail with nothing torn: an append cut between its blocks and its tail
+        self.dropped = None if self._end == size else DroppedSave(self._end, size - self._end,
+                                                                  torn or "its tail is missing")
         return cache, _state(meta, arrays[2])
 
-    def _scan(self, f: BinaryIO) -> list[_Record]:
-        """Every complete record, checksums verified; a torn end is dropped, damage elsewhere raised."""
+    def _scan(self, f: BinaryIO) -> tuple[list[_Record], str | None]:
+        """Every complete record, checksums verified, and what is wrong with a torn end (dropped; None if
+        there is none); damage elsewhere is raised."""
         size = os.fstat(f.fileno()).st_size
         start = f.read(len(MAGIC) + _VERSION.size)
         if start[: len(MAGIC)] != MAGIC:
@@ -301,19 +381,23 @@ class SessionFile:
         if version != FORMAT:
             raise SessionError(f"session file {self.path} has format {version}; this Colibri reads format "
                                f"{FORMAT}: resume it with the version that saved it, or start a new session")
-        records, pos = [], len(start)
+        records: list[_Record] = []
+        pos, torn = len(start), None
         while pos < size:
             head = f.read(_HEAD_BYTES)
             if len(head) < _HEAD_BYTES:
-                break                                               # torn inside a head
+                torn = "cut short inside a record head"
+                break
             if _CRC.unpack(head[_HEAD.size:])[0] != zlib.crc32(head[: _HEAD.size]):
                 if not f.read(size).strip(b"\0") and not head.strip(b"\0"):
-                    break                                           # zeros a crash left behind
+                    torn = "zeros a crash left behind"
+                    break
                 raise self._damaged(pos, "its record head fails its checksum")
             kind, length = _HEAD.unpack(head[: _HEAD.size])
             end = pos + len(head) + length + _SUM
             if end > size:
-                break                                               # torn inside a payload
+                torn = "cut short inside a record"
+                break
             h = hashlib.blake2b(head, digest_size=_SUM)
             left = length
             while left:
@@ -324,12 +408,13 @@ class SessionFile:
                 left -= len(chunk)
             checksum = f.read(_SUM)
             if checksum != h.digest():
-                if end == size:
-                    break                                           # the last record, half written
+                if end == size:                                     # the last record, half written or damaged
+                    torn = f"its last {chr(kind)!r} record fails its checksum"
+                    break
                 raise self._damaged(pos, f"its {chr(kind)!r} record fails its checksum")
             records.append(_Record(kind, pos + len(head), length, checksum, end))
             pos = end
-        return records
+        return records, torn
 
     def _damaged(self, offset: int, problem: str) -> SessionError:
         return SessionError(f"session file {self.path} is damaged at byte {offset}: {problem}; "
@@ -387,6 +472,34 @@ class SessionFile:
 
 
 # --- records and payloads ---
+
+class _ShortWrite(Exception):
+    """A write that stopped part way: how many bytes reached the file, and why it stopped."""
+
+    def __init__(self, written: int, error: OSError):
+        super().__init__(written, error)
+        self.written, self.error = written, error
+
+
+def _write_all(fd: int, pieces: Sequence[bytes], offset: int) -> int:
+    """Write the pieces one after another from `offset`; returns the bytes written, or raises `_ShortWrite`."""
+    done = 0
+    try:
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                n = os.pwrite(fd, view, offset + done)
+                done += n
+                view = view[n:]
+    except OSError as exc:
+        raise _ShortWrite(done, exc) from exc
+    return done
+
+
+def _refuse_folder(path: Path) -> None:
+    if path.is_dir():
+        raise SessionError(f"session file {path} is a folder; name a file, e.g. {path / 'chat.session'}")
+
 
 def _record(kind: int, payload: bytes) -> bytes:
     head = _HEAD.pack(kind, len(payload))
