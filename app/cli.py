@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import io
 import os
 import sys
 
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.config.runtime import prepare_process
 
     prepare_process()
+    _replace_undecodable_input()
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -73,6 +76,30 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except OSError as exc:
+        if exc.filename is None:
+            raise                           # not about a file the user named: a bug keeps its traceback
+        print(f"colibri: error: {_file_problem(exc)}", file=sys.stderr)
+        return 2
+
+
+# errno values that only a write can meet; any other failure on a named file is reported as a read
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def _file_problem(exc: OSError) -> str:
+    """'cannot read FILE: REASON' for an OSError that names a file (the path the user gave, or one under it)."""
+    verb = "write" if exc.errno in _WRITE_ERRNOS else "read"
+    reason = exc.strerror or type(exc).__name__
+    target = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    return f"cannot {verb} {target}: {reason}"
+
+
+def _replace_undecodable_input() -> None:
+    """Read stdin with errors="replace": a line of invalid UTF-8 becomes U+FFFD (the engine's text policy)
+    instead of ending `colibri chat` with a UnicodeDecodeError."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from app.service.loading import DEFAULT_CONTEXT, LoadPlan
 from app.service.messages import LoadOptions
 from engine.errors import ColibriError
 from engine.generation.sampling import SamplingParams
+from engine.tokenizer.text import clean_text
 
 
 def add_model_argument(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -40,12 +41,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, temperature: float, 
     g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X", help="OpenAI presence penalty (default 0)")
     g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X", help="OpenAI frequency penalty (default 0)")
     g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is generated (repeatable)")
+    g.add_argument("--stop", action="append", default=[], type=clean_text, metavar="TEXT", help="stop when TEXT is generated (repeatable)")
     g.add_argument("--ctx", type=int, default=None, metavar="N", help="context length in tokens (default: the model's)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    """SamplingParams from the flags, checked."""
+    """SamplingParams from the flags, checked (with --max-tokens, which the same group holds)."""
+    if args.max_tokens < 1:
+        raise ColibriError(f"--max-tokens {args.max_tokens}: generate at least one token")
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,

@@ -68,8 +68,10 @@ def load_options(args: argparse.Namespace, max_batch: int | None = None, offload
     from app.config.sizes import parse_size
     from engine.kv import check_kv_settings
 
-    if args.prefetch_depth < 0:
-        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) or more")
+    if not 0 <= args.prefetch_depth <= 1024:    # layers read ahead: more than any model has overflows C sizes
+        raise ColibriError(f"--prefetch-depth {args.prefetch_depth}: use 0 (off) to 1024 layers")
+    if args.resident_layers is not None and args.resident_layers < 0:
+        raise ColibriError(f"--resident-layers {args.resident_layers}: use 0 or more layers")
     if getattr(args, "ctx", None) is not None and args.ctx < 1:
         raise ColibriError(f"--ctx {args.ctx}: the context must hold at least one token")
     check_kv_settings(args.kv_block_size, args.kv_bits, args.overflow)

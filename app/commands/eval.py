@@ -30,11 +30,13 @@ def _run(args: argparse.Namespace) -> int:
     from app.commands._common import load
 
     try:
-        text = args.text.read_text(encoding="utf-8")
+        text = args.text.read_text(encoding="utf-8", errors="replace")   # the engine's text policy: U+FFFD
     except OSError as exc:
         raise ColibriError(f"--text {args.text}: cannot read ({exc.strerror})") from None
     if args.ctx < 8:
         raise ColibriError(f"--ctx {args.ctx}: use at least 8 tokens")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ColibriError(f"--max-tokens {args.max_tokens}: score at least 2 tokens")
     loaded = load(args.model, quiet=args.json)
     if loaded.tokenizer is None:
         raise ColibriError(f"{loaded.name} has no tokenizer files: it cannot read text")

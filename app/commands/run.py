@@ -15,6 +15,7 @@ from app.commands._common import add_model_argument, add_sampling_arguments, con
 from app.commands._memory import add_memory_arguments, load_options
 from app.service.loading import KVOptions, kv_cache
 from engine.errors import ColibriError
+from engine.tokenizer.text import clean_text
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,10 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_model_argument(parser, required=True)
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", metavar="TEXT", help="the prompt text")
+    src.add_argument("--prompt", type=clean_text, metavar="TEXT", help="the prompt text")
     src.add_argument("--tokens", metavar="1,2,3", help="the prompt as comma-separated token ids")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--system", metavar="TEXT", help="a system message (with --chat)")
+    parser.add_argument("--system", type=clean_text, metavar="TEXT", help="a system message (with --chat)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--logits-out", type=Path, metavar="FILE.npy", help="save the prompt's logits, float32 [prompt_len, vocab]")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.0)
@@ -80,6 +81,8 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ColibriError(f"--logits-out {path}: folder {folder} does not exist")
+    if path.is_dir():
+        raise ColibriError(f"--logits-out {path} is a folder: name a file in it, such as {path / 'logits.npy'}")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -92,8 +95,6 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
-    if args.max_tokens < 1:
-        raise ColibriError(f"--max-tokens {args.max_tokens}: generate at least one token")
     options = load_options(args)
     loaded = load(args.model, quiet=args.json, options=options)
     try:
@@ -107,6 +108,10 @@ def _answer(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
     from engine.generation.generate import GenerationRequest, stream_generate
 
     ids = prompt_ids(args, loaded.tokenizer)
+    outside = [i for i in ids if not 0 <= i < loaded.spec.vocab_size]
+    if outside:
+        raise ColibriError(f"--tokens: id {outside[0]} is outside {loaded.name}'s vocabulary "
+                           f"(0..{loaded.spec.vocab_size - 1})")
     request = GenerationRequest(
         prompt=tuple(ids), max_tokens=args.max_tokens, sampling=sampling,
         stop=tuple(args.stop), prompt_logits=args.logits_out is not None,

@@ -81,6 +81,8 @@ def _run(args: argparse.Namespace) -> int:
                            "(`colibri synth --list` shows the shapes)")
     if args.dtype not in DTYPES:
         raise ColibriError(f"--dtype {args.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if args.seed < 0:
+        raise ColibriError(f"--seed {args.seed}: use 0 or more")   # numpy's generators take no negative seed
     get_shape(args.shape)
     reporter = _Reporter(f"synth {args.shape}")
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from app.config import paths
-from app.config.catalog import (  # noqa: F401 - the names pull makes are looked up here too
+from app.config.catalog import (  # the names pull makes are looked up here too
     ALIASES,
     DEFAULT_MODEL,
     DERIVED,
@@ -55,6 +55,8 @@ except ImportError:  # pragma: no cover
 # What a model needs from a repo; weights in other formats (.bin, .pt, .onnx, .msgpack, .h5) are duplicates.
 MODEL_FILE_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.gguf", "tokenizer.model", "*.txt")
 _CHUNK = 1 << 20
+# The hub's limit on each part of a repo id `org/name` (huggingface_hub's validate_repo_id)
+MAX_REPO_PART = 96
 
 
 class HubError(ColibriError):
@@ -71,7 +73,11 @@ def pull(name: str, models_dir: Path | None = None, progress: Report | None = No
     Events go to PROGRESS, or as text lines to LOG, else to stderr.
     """
     report = reporter(progress, log, to_stderr)
+    if name not in DERIVED and name not in ALIASES:
+        check_pull_name(name)
     root = Path(models_dir) if models_dir is not None else paths.models_dir()
+    if root.exists() and not root.is_dir():
+        raise ColibriError(f"the models folder {root} is a file: pass --models-dir a folder (or set COLIBRI_MODELS_DIR)")
     root.mkdir(parents=True, exist_ok=True)
     if name in DERIVED:
         return _pull_derived(name, root, report)
@@ -79,9 +85,25 @@ def pull(name: str, models_dir: Path | None = None, progress: Report | None = No
         alias = ALIASES[name]
         return _pull_once(name, root, report, lambda: pulled_alias(name, root),
                           lambda: _fetch_alias(name, alias, root, report))
-    check_repo_id(name)
     return _pull_once(name, root, report, lambda: pulled_repo(name, root),
                       lambda: _fetch_repo(name, root, report))
+
+
+def check_pull_name(name: str) -> None:
+    """Refuse, before touching the disk or the network, a name that cannot be a Hugging Face repo id."""
+    shown = name if len(name) <= 60 else f"{name[:40]}...{name[-12:]}"
+    if is_repo_id(name):
+        for label, part in zip(("organisation", "name"), name.split("/")):
+            if len(part) > MAX_REPO_PART:
+                raise ColibriError(
+                    f"{shown!r}: the repo id's {label} has {len(part)} characters, and the Hugging Face hub allows "
+                    f"at most {MAX_REPO_PART}; check the id (org/name) on huggingface.co"
+                )
+        return
+    if len(name) > 2 * MAX_REPO_PART + 1:
+        raise ColibriError(f"{shown!r} ({len(name)} characters) is too long to be a model name or a Hugging Face "
+                           "repo id (org/name); check the name, or pass a local model folder or .gguf to `colibri run`")
+    check_repo_id(name)
 
 
 def _pull_once(name: str, root: Path, report: Report, find: Callable[[], Path | None],

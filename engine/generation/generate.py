@@ -26,6 +26,7 @@ from engine.generation.sampling import History, SamplingParams, apply_processors
 from engine.generation.speculative import DraftModel, SpeculationController, SpeculativeSettings, make_drafter, verify
 from engine.kv import KVCache, KVFullError
 from engine.models.transformer import Transformer
+from engine.tokenizer.text import clean_text
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ class StopStrings:
     """Holds back text that may be the start of a stop string; reports when one completes."""
 
     def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
+        # cleaned as prompts are (engine.tokenizer.text), so "\ud800" stops where the text has U+FFFD
+        self.stops = [clean_text(s) for s in stops if s]
         self.pending = ""
 
     def feed(self, text: str) -> tuple[str, bool]:

@@ -22,6 +22,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from engine.errors import TokenizerError
+from engine.tokenizer.text import clean_text
 
 # The names a message's reasoning travels under; templates read the first.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -116,11 +117,12 @@ def compile_template(template: str) -> jinja2.Template:
 
 
 def plain_data(value: Any) -> Any:
-    """A copy made of plain JSON-like values only, so the template never touches caller objects."""
-    if value is None or type(value) in (str, int, float, bool):
+    """A copy made of plain JSON-like values only, so the template never touches caller objects; strings are
+    cleaned (`clean_text`) so that a template sees valid text."""
+    if value is None or type(value) in (int, float, bool):
         return value
     if isinstance(value, str):
-        return str.__str__(value)
+        return clean_text(str.__str__(value))
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):

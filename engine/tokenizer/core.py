@@ -2,6 +2,10 @@
 
 It wraps a `tokenizers.Tokenizer` (the Rust library transformers itself uses) and adds what the
 tokenizer files say around it: the named special tokens, the BOS/EOS policy, the chat templates.
+
+Text policy: text that is not valid Unicode is repaired, never refused. Every text `encode` and
+`encode_chat` receive (messages, tools and template variables included) goes through `clean_text`,
+which turns each lone surrogate and each undecodable byte into one U+FFFD and leaves valid text as is.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from tokenizers import Tokenizer as Backend
 
 from engine.tokenizer.chat_template import render_chat, select_template
 from engine.tokenizer.detokenize import StreamDecoder
+from engine.tokenizer.text import clean_text
 
 # Decoders whose output, past one token of context, is the plain concatenation of each token's text
 _WINDOW_SAFE_DECODERS = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip", "Sequence"}
@@ -107,10 +112,10 @@ class Tokenizer:
         return dict(self._special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`; special tokens written in the text are recognised as such."""
+        """Token ids for `text` (cleaned: see `clean_text`); special tokens written in the text are recognised."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode(clean_text(text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text for token ids (ids outside the vocabulary are dropped, as transformers does)."""
@@ -140,10 +145,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         """The prompt text for a conversation, as transformers renders it (tools=, documents= and other
-        template variables go in `extra`)."""
+        template variables go in `extra`); every string in them is cleaned first (see `clean_text`)."""
         template = select_template(self._templates or None, extra.get("tools") is not None, self.source)
-        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+        text = render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                            special_tokens=self._special_tokens, source=self.source, **extra)
+        return clean_text(text)  # a template's own literals may come from a damaged file
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> list[int]:
         """Token ids of the chat prompt: the rendered text encoded without adding BOS/EOS again."""
