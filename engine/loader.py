@@ -16,8 +16,8 @@ from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import MANIFEST, Container, is_container
 from engine.formats.gguf_model import GGUFModel
 from engine.formats.hf import SafetensorsFolder, read_json
-from engine.models import spec_from_config
-from engine.models.transformer import Transformer
+from engine.models import ignored_tensors, spec_from_config
+from engine.models.transformer import Transformer, expected_shapes
 from engine.spec import ModelSpec
 from engine.telemetry import NULL, Telemetry
 from engine.tokenizer import Tokenizer
@@ -137,8 +137,40 @@ def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool 
             source, where = SafetensorsFolder(path), str(path / "config.json")
         gen = _generation_config(path)
         tokenizer = Tokenizer.from_folder(path)
-    spec = _with_tied_fallback(spec_from_config(config, where), set(source.names()))
+    names = set(source.names())
+    spec = _with_tied_fallback(spec_from_config(config, where), names)
+    check_tensor_names(spec, names, config, where, source)
     return Checkpoint(path, config, spec, source, tokenizer, gen)
+
+
+def _listed(names: list[str]) -> str:
+    """The first few names and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_tensor_names(spec: ModelSpec, names: set[str], config: dict[str, Any], where: str,
+                       source: TensorSource) -> None:
+    """Refuse a checkpoint that lacks a tensor its spec needs, or carries one nothing reads (but its family's
+    allow-list): either way the weights and the config disagree, and running would give wrong text, silently."""
+    expected = expected_shapes(spec)
+    missing = sorted(n for n in expected if n not in names)
+    if missing:
+        raise ModelFormatError(
+            f"{source.path}: {len(missing)} tensor(s) the config implies are missing: {_listed(missing)}; "
+            "the weights do not match the config (or the download is incomplete): fetch the model again"
+        )
+    allowed = ignored_tensors(config, where)
+    # tied: the head is the embedding, and a checkpoint may still save a copy of it
+    unused = sorted(n for n in names - expected.keys()
+                    if not allowed.fullmatch(n) and not (n == "lm_head.weight" and spec.tie_embeddings))
+    if isinstance(source, GGUFModel):
+        unused += source.unmapped                   # its tensors that have no Hugging Face name
+    if unused:
+        raise ModelFormatError(
+            f"{source.path}: {len(unused)} tensor(s) the model does not use: {_listed(unused)}; the weights do not "
+            f"match the config ({spec.n_layers} layers, {spec.architecture}): use the config that came with them, "
+            "or fetch the model again"
+        )
 
 
 def load_model(path: str | Path, progress: Progress | None = None, offload: OffloadOptions | None = None,

@@ -10,18 +10,23 @@
 A tensor entry gives its kind (f32 / f16 / bf16 / quant), shape, file, byte offset, length and
 CRC-32; a quantized tensor also its format (bits, group ...) and where each of its arrays lies
 inside its span. Readers map the files and build tensors as views: nothing is copied but what
-must be widened (f16/bf16 to float32). Every checksum is verified at open.
+must be widened (f16/bf16 to float32). At open the manifest's shape (engine/formats/manifest.py) and
+its model hash are checked, then every checksum.
 
 Writing goes into `OUT.partial/` with a journal: each finished tensor is flushed to disk before
-its journal line, so an interrupted conversion resumes where it stopped, and the folder is
-renamed to OUT only when complete.
+its journal line (which carries its own CRC-32), so an interrupted conversion resumes where it
+stopped, from the first torn or damaged record on, and the folder is renamed to OUT only when
+complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
+import shutil
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,13 +35,15 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.formats.manifest import check_manifest, corrupt
 from engine.formats.safetensors_file import bf16_to_f32
 from engine.pages import advise_huge_pages
 
 FORMAT = "colibri-container"
-VERSION = 1
+VERSION = 2                    # 2: the model hash covers the whole manifest (1: config and tensors)
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
+RESUME_KEY = "resume_key.json"  # in OUT.partial: what the conversion is (source, settings)
 EXTENT_ALIGN = 4096            # expert extents: one aligned read each
 BUFFER_ALIGN = 64              # arrays inside a span: cache-line aligned for the kernels
 EXPERT_FILE_BYTES = 2 << 30    # start a new experts file past this size
@@ -130,57 +137,107 @@ class ContainerWriter:
         self._handles: dict[str, Any] = {}
         self._sizes: dict[str, int] = {}
         self._expert_file = "experts-00000.bin"
+        self.expected_bytes = 0         # what the finished container will take, once the caller knows (messages)
         if self.out.exists():
             raise ModelFormatError(f"{self.out} already exists; choose another OUT or remove it")
-        key_path = self.partial / "resume_key.json"
+        key_path = self.partial / RESUME_KEY
+        self.complete = False           # an earlier run had finished all but the rename: OUT is ready
+        self.resumed = 0
+        self._journal: Any = None
+        if self.partial.is_dir() and _holds_no_work(self.partial):
+            shutil.rmtree(self.partial)     # a run stopped before its key was written: nothing to resume
+        if self.partial.is_dir() and (self.partial / MANIFEST).is_file() and not (self.partial / JOURNAL).exists():
+            # killed inside `finish`, after the manifest and the journal's removal: only the rename is left
+            if key_path.exists() and _read_key(key_path, self.partial) != json.loads(json.dumps(resume_key)):
+                raise ModelFormatError(
+                    f"{self.partial} holds a finished conversion with other settings or another source; "
+                    f"rename it to {self.out.name} to keep it, or remove it to start over"
+                )
+            key_path.unlink(missing_ok=True)
+            os.replace(self.partial, self.out)
+            self.complete = True
+            return
         if self.partial.exists():
-            old = json.loads(key_path.read_text()) if key_path.is_file() else None
-            if old != json.loads(json.dumps(resume_key)):
+            if _read_key(key_path, self.partial) != json.loads(json.dumps(resume_key)):
                 raise ModelFormatError(
                     f"{self.partial} holds an interrupted conversion with other settings or another source; "
                     "rerun with the same settings to resume it, or remove that folder to start over"
                 )
+            for name in os.listdir(self.partial):
+                if _is_temp(name):      # a write the kill cut short: it would end up in OUT
+                    (self.partial / name).unlink(missing_ok=True)
             self._replay()
         else:
             self.partial.mkdir(parents=True)
-            _atomic_write(key_path, json.dumps(resume_key, indent=1, sort_keys=True))
+            try:
+                _atomic_write(key_path, json.dumps(resume_key, indent=1, sort_keys=True))
+            except BaseException:
+                shutil.rmtree(self.partial, ignore_errors=True)     # it holds nothing yet
+                raise
         self._journal = open(self.partial / JOURNAL, "a", encoding="utf-8")
         # dense tensors and expert extents an earlier, interrupted run had finished
         self.resumed = len(self.extents) + sum(1 for e in self.entries.values() if e.file == "dense.bin")
 
 
     def _replay(self) -> None:
-        """Load the journal and cut every data file back to the end of its last finished tensor."""
+        """Load the journal and cut every data file back to the end of its last finished tensor.
+
+        The journal is read up to its first record that is torn (a kill mid-line), malformed, or whose bytes
+        are missing or fail their CRC-32 (damage): that record and all after it are redone, and the journal
+        is cut there too, so a damaged partial folder resumes to the same container as an undamaged one.
+        """
         journal = self.partial / JOURNAL
+        text = journal.read_text(encoding="utf-8", errors="replace") if journal.is_file() else ""
+        sizes = {p.name: p.stat().st_size for p in self.partial.glob("*.bin") if p.is_file()}
         ends: dict[str, int] = {}
-        if journal.is_file():
-            for line in journal.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by the interruption: everything after it is redone
+        good: list[str] = []
+        for line in text.splitlines():
+            try:
+                rec = json.loads(line)
+                if zlib.crc32(json.dumps({k: v for k, v in rec.items() if k != "crc"}).encode()) != rec["crc"]:
+                    break
                 if rec["type"] == "tensor":
                     e = TensorEntry.from_json(rec["entry"])
-                    self.entries[e.name] = e
-                    ends[e.file] = max(ends.get(e.file, 0), e.offset + e.length)
+                    extent, entries, span = None, [e], (e.file, e.offset, e.length, e.crc32)
                 else:
-                    x = ExpertExtent.from_json(rec["extent"])
-                    self.extents[(x.layer, x.expert)] = x
-                    ends[x.file] = max(ends.get(x.file, 0), x.offset + x.length)
-                    for t in rec["entries"]:
-                        e = TensorEntry.from_json(t)
-                        self.entries[e.name] = e
-        for path in self.partial.glob("*.bin"):
-            end = ends.get(path.name, 0)
-            with open(path, "r+b") as f:
+                    extent = ExpertExtent.from_json(rec["extent"])
+                    entries = [TensorEntry.from_json(t) for t in rec["entries"]]
+                    span = (extent.file, extent.offset, extent.length, extent.crc32)
+                    if any(not _inside(t, extent) for t in entries):
+                        break
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                break   # a line cut by the interruption, or damaged
+            if not _span_intact(self.partial, sizes, *span):
+                break
+            if extent is not None:
+                self.extents[(extent.layer, extent.expert)] = extent
+            for e in entries:
+                self.entries[e.name] = e
+            ends[span[0]] = max(ends.get(span[0], 0), span[1] + span[2])
+            good.append(line)
+        for name in sizes:
+            end = ends.get(name, 0)
+            with open(self.partial / name, "r+b") as f:
                 f.truncate(end)
-            self._sizes[path.name] = end
+            self._sizes[name] = end
         if self.extents:
             self._expert_file = max(x.file for x in self.extents.values())
-        with open(journal, "a+", encoding="utf-8") as f:  # drop a half-written last line
-            f.seek(0)
-            good = [ln for ln in f.read().splitlines() if _is_json(ln)]
-        _atomic_write(journal, "".join(ln + "\n" for ln in good))
+        kept = "".join(ln + "\n" for ln in good)
+        if kept != text:
+            _atomic_write(journal, kept)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes in the data files so far (after a resume: what the earlier runs had finished)."""
+        return sum(self._sizes.values())
+
+    def close(self) -> None:
+        """Close the open files without finishing (a failed conversion); OUT.partial stays for a resume."""
+        for f in [*self._handles.values(), self._journal]:
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        self._handles.clear()
 
     def has(self, name: str) -> bool:
         """Whether the tensor is already written (resume)."""
@@ -223,7 +280,8 @@ class ContainerWriter:
         f = self._file(fname)
         f.flush()
         os.fsync(f.fileno())
-        self._journal.write(json.dumps(record) + "\n")
+        # the line's own CRC-32: damage to an entry's fields (a bit width, a shape) is caught on resume
+        self._journal.write(json.dumps({**record, "crc": zlib.crc32(json.dumps(record).encode())}) + "\n")
         self._journal.flush()
         os.fsync(self._journal.fileno())
 
@@ -263,7 +321,10 @@ class ContainerWriter:
         self._commit(fname, {"type": "expert", "extent": extent.to_json(), "entries": [e.to_json() for e in entries]})
 
     def finish(self, manifest: dict, copy_files: Iterable[Path] = ()) -> Path:
-        """Write the manifest (with the model hash), copy the source's small files, rename to OUT."""
+        """Write the manifest (with the model hash), copy the source's small files, rename to OUT.
+
+        The journal goes before the rename: a partial folder with a manifest and no journal is complete
+        (`complete` on the next run)."""
         for f in self._handles.values():
             f.close()
         self._journal.close()
@@ -279,13 +340,26 @@ class ContainerWriter:
         body["model_hash"] = model_hash(body)
         _atomic_write(self.partial / MANIFEST, json.dumps(body, indent=1))
         (self.partial / JOURNAL).unlink(missing_ok=True)
-        (self.partial / "resume_key.json").unlink(missing_ok=True)
+        (self.partial / RESUME_KEY).unlink(missing_ok=True)
         os.replace(self.partial, self.out)
         return self.out
 
 
+# Left out of the model hash: the hash itself, and where the model was converted from (the same model made from
+# a copy elsewhere is the same model: sidecars such as the usage history and the atlas stay bound to it).
+_UNHASHED = ("model_hash", "source")
+
+
 def model_hash(manifest: Mapping) -> str:
-    """sha256 over what defines the model: the config and every tensor's kind, shape, format and checksum."""
+    """sha256 over what defines the model; the identity sidecar files are bound to, re-checked at open.
+
+    Version 2 hashes the whole manifest but `_UNHASHED` (config, plan, every tensor's and extent's entry:
+    an edited offset, bit width or top-k is caught); version 1 hashed the config and each tensor's kind,
+    shape, format and checksum.
+    """
+    if manifest.get("version", VERSION) >= 2:
+        body = {k: v for k, v in manifest.items() if k not in _UNHASHED}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     digest = hashlib.sha256()
     digest.update(json.dumps(manifest.get("config", {}), sort_keys=True).encode())
     for name, e in sorted(manifest["tensors"].items()):
@@ -293,21 +367,56 @@ def model_hash(manifest: Mapping) -> str:
     return digest.hexdigest()
 
 
-def _is_json(line: str) -> bool:
-    try:
-        json.loads(line)
-        return True
-    except json.JSONDecodeError:
-        return False
-
-
 def _atomic_write(path: Path, text: str) -> None:
+    """Replace PATH with TEXT through a temporary beside it; a failed write (disk full) leaves PATH as it was."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_DATA_FILE = re.compile(r"dense\.bin|experts-\d{5}\.bin")
+
+
+def _is_temp(name: str) -> bool:
+    """A temporary file of an atomic write in the partial folder (ours, or `engine.atomic`'s)."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _holds_no_work(partial: Path) -> bool:
+    """Whether a partial folder has nothing but temporaries (the run stopped before its key was written)."""
+    return all(_is_temp(name) for name in os.listdir(partial))
+
+
+def _read_key(key_path: Path, partial: Path) -> Any:
+    """The resume key an interrupted conversion wrote; ModelFormatError if it is missing or unreadable."""
+    try:
+        return json.loads(key_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        raise ModelFormatError(f"{partial} holds an interrupted conversion whose key ({RESUME_KEY}) is missing or "
+                               f"unreadable: remove {partial} to start over") from None
+
+
+def _inside(e: TensorEntry, x: ExpertExtent) -> bool:
+    return e.file == x.file and x.offset <= e.offset and e.offset + e.length <= x.offset + x.length
+
+
+def _span_intact(folder: Path, sizes: Mapping[str, int], fname: Any, offset: Any, length: Any, crc: Any) -> bool:
+    """Whether a journaled span names a data file, lies inside it and matches its CRC-32."""
+    if not (isinstance(fname, str) and _DATA_FILE.fullmatch(fname)) or fname not in sizes:
+        return False
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length, crc)):
+        return False
+    if offset + length > sizes[fname]:
+        return False
+    with open(folder / fname, "rb") as f:
+        return _crc_file_range(f, folder / fname, offset, length) == crc
 
 
 def _crc_file_range(handle, path: Path, offset: int, length: int) -> int:
@@ -341,7 +450,8 @@ class Container:
     @classmethod
     def open(cls, folder: str | Path, verify: bool = True, verify_experts: bool = True,
              huge_pages: bool = False) -> "Container":
-        """Read and check the manifest, map the data files, verify sizes and checksums.
+        """Read and check the manifest (its shape, and its model hash: an edit is refused), map the data files,
+        verify sizes and checksums.
 
         verify_experts=False leaves the expert files unread (a streaming store checks each extent's CRC-32
         when it first reads it): opening a model larger than memory must not read all of it.
@@ -355,19 +465,26 @@ class Container:
             raise ModelFormatError(f"{mpath}: missing; this folder is not a Colibri container") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ModelFormatError(f"{mpath}: not valid JSON ({exc}); convert the model again with `colibri convert`") from None
+        except RecursionError:
+            raise corrupt(mpath, "nested too deeply to be a manifest") from None
+        if not isinstance(manifest, dict):
+            raise corrupt(mpath, f"the manifest is a JSON {type(manifest).__name__}, expected an object")
         if manifest.get("format") != FORMAT:
             raise ModelFormatError(f"{mpath}: not a Colibri container manifest; convert the model with `colibri convert`")
         version = manifest.get("version")
-        if not isinstance(version, int) or version > VERSION:
+        if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
             raise ModelFormatError(
                 f"{mpath}: container format version {version} is newer than this Colibri reads ({VERSION}); "
                 "upgrade Colibri, or convert the model again with this version"
             )
-        try:
-            entries = {n: TensorEntry.from_json(e) for n, e in manifest["tensors"].items()}
-            extents = {(x["layer"], x["expert"]): ExpertExtent.from_json(x) for x in manifest.get("experts", [])}
-        except (KeyError, TypeError) as exc:
-            raise ModelFormatError(f"{mpath}: malformed entry ({exc}); convert the model again with `colibri convert`") from None
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise corrupt(mpath, f"format version {version!r} is not a version number")
+        check_manifest(manifest, mpath)   # its shape first: the hash and the entries below read it
+        if model_hash(manifest) != manifest["model_hash"]:
+            raise corrupt(mpath, "the manifest does not match its model hash (it was edited or damaged after "
+                                 "conversion)")
+        entries = {n: TensorEntry.from_json(e) for n, e in manifest["tensors"].items()}
+        extents = {(x["layer"], x["expert"]): ExpertExtent.from_json(x) for x in manifest.get("experts", [])}
         self = cls(str(folder), manifest, entries, extents)
         files = {e.file for e in entries.values()}
         for fname in sorted(files):
@@ -412,6 +529,15 @@ class Container:
                     "convert the model again with `colibri convert`"
                 )
 
+    def verify_extents(self) -> None:
+        """Check every expert extent's CRC-32 (what a streaming store checks on each read, padding included)."""
+        for x in self.extents.values():
+            if zlib.crc32(memoryview(self.maps[x.file][x.offset : x.offset + x.length])) != x.crc32:
+                raise ModelFormatError(
+                    f"{Path(self.path) / x.file}: checksum mismatch in the extent of layer {x.layer} expert "
+                    f"{x.expert}; the container is corrupt: convert the model again with `colibri convert`"
+                )
+
     @property
     def config(self) -> dict:
         """The source's config.json (stored in the manifest too)."""
@@ -451,7 +577,10 @@ def tensor_from_span(e: TensorEntry, span: np.ndarray):
             view = np.asarray(span[off : off + nbytes]).view(np.dtype(dtype)).reshape(shape)
             view.flags.writeable = False
             buffers[key] = view
-        return QuantizedTensor.from_buffers(e.quant, buffers)
+        try:
+            return QuantizedTensor.from_buffers(e.quant, buffers)
+        except (KeyError, TypeError, ValueError) as exc:   # a format the buffers do not hold (bits, group ...)
+            raise corrupt(e.file, f"tensor {e.name}: {exc}") from None
     raw = np.asarray(span[: e.length]).view(_PLAIN[e.kind]).reshape(e.shape)
     if e.kind == "f32":
         raw = raw.view()

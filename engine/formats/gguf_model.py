@@ -62,7 +62,14 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
 def gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, Any]:
-    """A config.json-style dict for the model a GGUF file describes."""
+    """A config.json-style dict for the model a GGUF file describes (its values are checked as a config's are)."""
+    try:
+        return _gguf_config(meta, n_output, path)
+    except (TypeError, ValueError, OverflowError) as exc:   # a value of the wrong type: a list where a count goes
+        raise ModelFormatError(f"{path}: GGUF metadata is malformed ({exc}); download the file again") from None
+
+
+def _gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitectureError(
@@ -80,6 +87,9 @@ def gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, An
     tokens = meta.get("tokenizer.ggml.tokens") or []
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    if heads < 1:   # the head size below divides by it; the config's own checks come after
+        raise ModelFormatError(f"{path}: metadata {arch}.attention.head_count is {heads}, expected at least 1; "
+                               "the GGUF file is damaged: download it again")
     cfg: dict[str, Any] = {
         "architectures": [moe_name if n_experts and moe_name else dense_name],
         "hidden_size": hidden,
@@ -177,6 +187,8 @@ class GGUFModel:
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache: dict[str, np.ndarray | QuantizedTensor] = {}
         self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path)
+        if not self.config["vocab_size"] and "token_embd.weight" in self._tensors:   # no tokenizer: the table says
+            self.config["vocab_size"] = int(self._tensors["token_embd.weight"].shape[-1])
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1 scaling, written as per-frequency factors
             factors = self._dequantized("rope_freqs.weight", keep=False).reshape(-1)
             self.config["rope_parameters"]["freq_factors"] = [float(f) for f in factors]
@@ -185,12 +197,15 @@ class GGUFModel:
         proj = ("w1", "w3", "w2") if moe_prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
         # HF name -> (GGUF tensor name, expert index or None)
         self._names: dict[str, tuple[str, int | None]] = {}
+        self.unmapped: list[str] = []    # GGUF tensors with no Hugging Face name: no model reads them
         for name, t in self._tensors.items():
             if name in _GLOBAL_NAMES:
                 self._names[_GLOBAL_NAMES[name]] = (name, None)
                 continue
             m = _BLOCK.fullmatch(name)
             if not m:
+                if name != "rope_freqs.weight":     # read into the config above
+                    self.unmapped.append(name)
                 continue
             layer, rest = f"model.layers.{m.group(1)}", m.group(2)
             if rest in _LAYER_NAMES:
@@ -201,6 +216,8 @@ class GGUFModel:
                 n_experts = int(t.shape[-1])  # ggml order: [in, out, experts]
                 for e in range(n_experts):
                     self._names[f"{layer}.{moe_prefix}.experts.{e}.{proj[_EXPERT_STACKS[rest]]}.weight"] = (name, e)
+            else:
+                self.unmapped.append(name)
 
     def names(self) -> Iterable[str]:
         """Every tensor, by Hugging Face name."""

@@ -20,6 +20,8 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
         raise ModelFormatError(f"{path}: {what} is missing; a Hugging Face model folder needs it") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFormatError(f"{path}: {what} is not valid JSON ({exc}); fetch the model again") from None
+    except RecursionError:   # nested thousands deep: no config a tool writes
+        raise ModelFormatError(f"{path}: {what} is nested too deeply to be read; fetch the model again") from None
     if not isinstance(data, dict):
         raise ModelFormatError(f"{path}: {what} should hold a JSON object")
     return data
@@ -35,8 +37,8 @@ class SafetensorsFolder:
         single = folder / "model.safetensors"
         if index.is_file():
             weight_map = read_json(index, "the safetensors index").get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise ModelFormatError(f"{index}: no 'weight_map' object; fetch the model again")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ModelFormatError(f"{index}: no 'weight_map' object of tensor -> file name; fetch the model again")
             files = sorted(set(weight_map.values()))
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:

@@ -56,16 +56,30 @@ class SafetensorsFile:
                 header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ModelFormatError(f"{self.path}: safetensors header is not valid JSON ({exc}); download the file again") from None
+        except RecursionError:   # JSON nested thousands deep: no header a writer makes
+            raise ModelFormatError(f"{self.path}: safetensors header is nested too deeply to be a tensor table; "
+                                   "the file is corrupt: download it again") from None
         except OSError as exc:
             raise ModelFormatError(f"{self.path}: cannot read ({exc.strerror})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(header, dict):
+            raise ModelFormatError(f"{self.path}: safetensors header is a JSON {type(header).__name__}, not a table of "
+                                   "tensors; the file is corrupt: download it again")
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise ModelFormatError(f"{self.path}: safetensors __metadata__ is not an object; the file is corrupt: "
+                                   "download it again")
+        self.metadata = metadata
         data_start, data_size = 8 + n, size - 8 - n
         self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             try:
-                dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+                dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+                ints = (begin, end, *shape)
+                if not isinstance(dtype, str) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in ints):
+                    raise TypeError
             except (KeyError, TypeError, ValueError):
-                raise ModelFormatError(f"{self.path}: malformed entry for tensor {name} in the header") from None
+                raise ModelFormatError(f"{self.path}: malformed entry for tensor {name} in the header; "
+                                       "the file is corrupt: download it again") from None
             if dtype not in _DTYPES:
                 raise ModelFormatError(
                     f"{self.path}: tensor {name} has dtype {dtype}, which Colibri does not read "

@@ -1,11 +1,14 @@
 """Model families, one module each, found through a registry keyed by the checkpoint's architecture.
 
-A family module exposes `ARCHITECTURES` (the names a config.json's `architectures` lists) and
-`spec_from_config(cfg, architecture) -> ModelSpec`; the shared `transformer` runs them all.
+A family module exposes `ARCHITECTURES` (the names a config.json's `architectures` lists),
+`spec_from_config(cfg, architecture) -> ModelSpec` and `ignored_tensors(cfg)`: the patterns of tensors
+its checkpoints may carry that the model legitimately never reads (any other unused tensor is refused at
+open: a checkpoint that does not match its config). The shared `transformer` runs them all.
 """
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
 from typing import Any, Mapping
 
@@ -26,15 +29,27 @@ def supported_architectures() -> list[str]:
     return sorted(FAMILIES)
 
 
-def spec_from_config(data: Mapping[str, Any], source: str = "config.json") -> ModelSpec:
-    """Parse a config.json dict into a ModelSpec through its family's module."""
+def _family(data: Mapping[str, Any], source: str) -> tuple[ModuleType, str]:
+    """The family module of a config.json dict, and its architecture name."""
     archs = data.get("architectures") or []
-    if not archs:
-        raise ModelFormatError(f"{source}: no 'architectures' entry; cannot tell which model this is")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ModelFormatError(f"{source}: no 'architectures' list of names; cannot tell which model this is")
     arch = archs[0]
     family = FAMILIES.get(arch)
     if family is None:
         raise UnsupportedArchitectureError(
             f"{source}: architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
+    return family, arch
+
+
+def spec_from_config(data: Mapping[str, Any], source: str = "config.json") -> ModelSpec:
+    """Parse a config.json dict into a ModelSpec through its family's module."""
+    family, arch = _family(data, source)
     return family.spec_from_config(Config(data, source), arch)
+
+
+def ignored_tensors(data: Mapping[str, Any], source: str = "config.json") -> re.Pattern:
+    """What a checkpoint of this config may carry unused (its family's allow-list), as one pattern."""
+    family, _ = _family(data, source)
+    return re.compile("|".join(f"(?:{p})" for p in family.ignored_tensors(Config(data, source))) or "(?!)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from engine.errors import ModelFormatError
-from engine.models.config import Config, model_fields, rope_from_config
+from engine.models.config import ROPE_BUFFERS, Config, dense_mlp, model_fields, moe_counts, rope_from_config
 from engine.spec import LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -43,25 +43,41 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     )
     act = cfg.opt("hidden_act", "silu", str)
     n_experts, expert_ffn = cfg.first(("n_routed_experts", "num_local_experts")), cfg.req("moe_intermediate_size")
-    n_group = cfg.opt("n_group", 1, int)
+    n_group, top_k = cfg.opt("n_group", 1, int), cfg.req("num_experts_per_tok")
+    moe_counts(cfg, n_experts, top_k, "n_routed_experts")
     if n_experts % n_group:
         raise ModelFormatError(f"{cfg.source}: n_routed_experts {n_experts} is not a multiple of n_group {n_group}")
+    topk_group = cfg.opt("topk_group", 1, int)
+    cfg.require(topk_group <= n_group, "topk_group", topk_group, f"at most n_group ({n_group})")
     moe = MoESpec(
         n_experts=n_experts,
-        top_k=cfg.req("num_experts_per_tok"),
+        top_k=top_k,
         expert_ffn=expert_ffn,
         scoring="sigmoid",
         norm_topk_prob=cfg.opt("norm_topk_prob", True, bool),
         n_group=n_group,
-        topk_group=cfg.opt("topk_group", 1, int),
+        topk_group=topk_group,
         routed_scaling_factor=cfg.opt("routed_scaling_factor", 1.0, float),
         correction_bias=True,
         shared_ffn=expert_ffn * cfg.opt("n_shared_experts", 0, int),
         act=act,
         shared_prefix="shared_experts",
     )
-    dense = MLPSpec(intermediate=cfg.req("intermediate_size"), act=act)
     first_dense = cfg.opt("first_k_dense_replace", 0, int)
     n = cfg.req("num_hidden_layers")
+    dense = dense_mlp(cfg, act) if first_dense else MLPSpec(intermediate=cfg.req("intermediate_size"), act=act)
     layers = tuple(LayerSpec(attn, dense if i < first_dense else moe) for i in range(n))
     return ModelSpec(architecture=architecture, layers=layers, **model_fields(cfg))
+
+
+def ignored_tensors(cfg: Config) -> tuple[str, ...]:
+    """Tensors its checkpoints carry that the model does not read: the multi-token-prediction layers.
+
+    DeepSeek-V3 ships `num_nextn_predict_layers` MTP modules as layers numbered from `num_hidden_layers` on
+    (`model.layers.61.*`: their own embedding, norms, projection and decoder layer), used for speculative
+    training, not by next-token decoding.
+    """
+    n, mtp = cfg.req("num_hidden_layers"), cfg.opt("num_nextn_predict_layers", 0, int)
+    cfg.require(mtp <= n, "num_nextn_predict_layers", mtp, f"at most num_hidden_layers ({n})")
+    layers = "|".join(str(i) for i in range(n, n + mtp))
+    return ROPE_BUFFERS + ((rf"model\.layers\.(?:{layers})\..+",) if mtp else ())

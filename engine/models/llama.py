@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.errors import ModelFormatError
-from engine.models.config import Config, dense_layers, model_fields
+from engine.models.config import ROPE_BUFFERS, Config, dense_layers, model_fields
 from engine.spec import ModelSpec
 
 ARCHITECTURES = ("LlamaForCausalLM",)
@@ -16,3 +16,8 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     bias = cfg.opt("attention_bias", False, bool)
     layers = dense_layers(cfg, qkv_bias=bias, o_bias=bias)
     return ModelSpec(architecture=architecture, layers=layers, **model_fields(cfg))
+
+
+def ignored_tensors(cfg: Config) -> tuple[str, ...]:
+    """Tensors its checkpoints may carry that the model does not read."""
+    return ROPE_BUFFERS

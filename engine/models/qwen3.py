@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.models.config import Config, dense_layers, model_fields
+from engine.models.config import ROPE_BUFFERS, Config, dense_layers, model_fields
 from engine.spec import ModelSpec
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -13,3 +13,8 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     bias = cfg.opt("attention_bias", False, bool)
     layers = dense_layers(cfg, qkv_bias=bias, o_bias=bias, qk_norm="head")
     return ModelSpec(architecture=architecture, layers=layers, **model_fields(cfg))
+
+
+def ignored_tensors(cfg: Config) -> tuple[str, ...]:
+    """Tensors its checkpoints may carry that the model does not read."""
+    return ROPE_BUFFERS

@@ -25,18 +25,16 @@ from app import cli
 from support.tiny_chat import tiny_models
 
 ERROR_LINE = re.compile(r"^colibri(?: [a-z]+)?: error: ")
-OTHER_PART = "fixed by another part of issue 29"
 NOT_UTF8 = b"bad \xff\xfe name".decode("utf-8", "surrogateescape")   # what Python makes of such argv bytes
 HUGE = str(10**30)
 
 
 @dataclass(frozen=True)
 class Case:
-    """One command line; `ok` when the input is legitimately fine (exit 0), `xfail` naming why it still fails."""
+    """One command line; `ok` when the input is legitimately fine (exit 0)."""
 
     argv: tuple[str, ...]
     ok: bool = False
-    xfail: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,12 +106,12 @@ def _cases(inputs: Inputs) -> dict[str, Case]:
         cases[f"eval-text-{kind}"] = Case(("eval", model, "--text", path), ok=kind in ("garbage", "garbage-gguf"))
         # a model that is not there has no settings of its own to show; a name the system cannot take is refused
         cases[f"config-show-{kind}"] = Case(("config", "show", "run", path), ok=kind != "long-name")
-    cases["info-gguf-file"] = Case(("info", str(inputs.gguf)), ok=True, xfail=OTHER_PART)
-    cases["chat-session-dir"] = Case(("chat", model, "--session", bad["empty-dir"]), xfail=OTHER_PART)
+    cases["info-gguf-file"] = Case(("info", str(inputs.gguf)), ok=True)
+    cases["chat-session-dir"] = Case(("chat", model, "--session", bad["empty-dir"]))
     generate = ("--prompt", "hi", "--max-tokens", "2")
-    cases["run-zero-attention-heads"] = Case(("run", str(root / "zero-heads"), *generate), xfail=OTHER_PART)
-    cases["run-safetensors-header-list"] = Case(("run", str(root / "list-header"), *generate), xfail=OTHER_PART)
-    cases["convert-resume-key-garbage"] = Case(("convert", model, str(root / "resumed")), xfail=OTHER_PART)
+    cases["run-zero-attention-heads"] = Case(("run", str(root / "zero-heads"), *generate))
+    cases["run-safetensors-header-list"] = Case(("run", str(root / "list-header"), *generate))
+    cases["convert-resume-key-garbage"] = Case(("convert", model, str(root / "resumed")))
     cases["chat-session-garbage"] = Case(("chat", model, "--session", file_))
     cases["run-logits-out-dir"] = Case(("run", model, "--prompt", "hi", "--max-tokens", "1",
                                         "--logits-out", bad["empty-dir"]))
@@ -192,7 +190,7 @@ def _cases(inputs: Inputs) -> dict[str, Case]:
     cases["chat-system-not-utf8"] = Case(("chat", model, "--system", NOT_UTF8), ok=True)
     cases["serve-api-key-not-utf8"] = Case(("serve", bad["missing"], "--api-key", NOT_UTF8))
     # convert needs a size (--bits): without one argparse would refuse every case before the mutation counts
-    return {name: Case((*case.argv, "--bits", "4"), case.ok, case.xfail)
+    return {name: Case((*case.argv, "--bits", "4"), case.ok)
             if case.argv[0] == "convert" and "--bits" not in case.argv else case for name, case in cases.items()}
 
 
@@ -206,14 +204,8 @@ def inputs(tmp_path_factory, smollm2_gguf) -> Inputs:
     return make_inputs(tmp_path_factory.mktemp("mutations"), model, container, smollm2_gguf)
 
 
-def _params():
-    for name, case in _TEMPLATE.items():
-        marks = [pytest.mark.xfail(strict=False, reason=case.xfail)] if case.xfail else []
-        yield pytest.param(name, id=name, marks=marks)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(_params()))
+@pytest.mark.parametrize("name", list(_TEMPLATE))
 def test_a_user_mistake_never_shows_a_traceback(inputs, name, monkeypatch):
     case = _cases(inputs)[name]
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(inputs.root / "models"))
