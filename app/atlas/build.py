@@ -201,12 +201,19 @@ def report_text(atlas: dict[str, Any]) -> str:
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write the atlas as JSON, atomically."""
+    """Write the atlas as JSON, atomically; a full disk raises DiskFullError and keeps the previous file."""
     from engine.atomic import atomic_file
+    from engine.errors import DiskFullError, is_disk_full
 
-    with atomic_file(path) as handle:
-        json.dump(data, handle, indent=1, ensure_ascii=False)
-        handle.write("\n")
+    try:
+        with atomic_file(path) as handle:
+            json.dump(data, handle, indent=1, ensure_ascii=False)
+            handle.write("\n")
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFullError(f"disk full: the atlas {path} was not written (a previous one is kept); free space "
+                                "or choose another --out, and build it again") from None
+        raise
 
 
 def _report(progress: Progress | None, fraction: float, message: str) -> None:

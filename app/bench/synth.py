@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.errors import ColibriError
+from engine.errors import ColibriError, DiskFullError, is_disk_full
 from engine.spec import ModelSpec, MoESpec
 
 # The transformers release whose config.json layout this module writes.
@@ -431,7 +431,10 @@ def write_checkpoint(shape_name: str, out: str | Path, *, seed: int = 0, dtype: 
         if out.is_dir():
             out.rmdir()  # an empty folder given as OUT is replaced
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            raise DiskFullError(f"disk full in {out.parent} while writing the checkpoint (nothing was kept): free "
+                                "space, choose another folder, or a smaller --dtype / shape") from None
         raise
     return plan

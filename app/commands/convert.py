@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Convert a Hugging Face folder or a GGUF file into a Colibri container. With --bits every "
         "weight matrix gets that width; with --budget (weight bytes) or --max-memory (the whole memory, "
         "minus KV cache for --ctx and measured overhead) the planner measures each matrix's error on "
-        "calibration text and picks widths that fit. An interrupted conversion resumes when rerun.",
+        "calibration text and picks widths that fit. An interrupted conversion (killed, or stopped by a full disk; "
+        "its work is kept in OUT.partial) resumes when rerun.",
     )
     parser.add_argument("src", metavar="SRC", help="a Hugging Face model folder, a .gguf file or a pulled name")
     parser.add_argument("out", metavar="OUT", type=Path, help="the container folder to write")

@@ -6,7 +6,10 @@ error in each storage format, put the errors in one unit (output KL, measured by
 groups of matrices: engine/plan/sensitivity.py) and let the planner fit the budget (or take one width
 for all); quantize and write tensor by tensor, each routed expert in one aligned extent. The
 calibration tokens and statistics and the plan are kept in OUT.partial, so an interrupted
-conversion resumes without redoing them. What it does is reported as typed events (app.hub.progress):
+conversion resumes without redoing them (each with its digest: a damaged one is redone). Once the plan
+is known, a disk that cannot hold what is left is refused before writing; a disk that fills up anyway
+ends in a DiskFullError saying how far it got, and the rerun resumes. What it does is reported as typed
+events (app.hub.progress):
 `Progress("write", ...)` per batch of tensors written, a `Note` for everything else.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +28,9 @@ import numpy as np
 from app.config.sizes import format_size
 from app.hub.calibrate import calibration_sequences
 from app.hub.progress import HubEvent, Log, Note, Progress, Report, noting, render, reporter
-from engine.errors import ColibriError
-from engine.formats.container import ContainerWriter, is_container
+from engine.atomic import atomic_file
+from engine.errors import ColibriError, DiskFullError, is_disk_full
+from engine.formats.container import EXTENT_ALIGN, ContainerWriter, is_container
 from engine.formats.gguf_model import GGUFModel
 from engine.loader import Checkpoint, open_checkpoint
 from engine.models.transformer import Transformer, expected_shapes
@@ -244,7 +249,6 @@ def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: Activation
 
 def _small_files(ckpt: Checkpoint, partial: Path) -> list[Path]:
     """config.json, tokenizer and generation files to copy (written out for a GGUF source)."""
-    src = ckpt.path
     if isinstance(ckpt.source, GGUFModel):
         (partial / "config.json").write_text(json.dumps(ckpt.config, indent=1))
         if ckpt.stop_ids:
@@ -252,9 +256,16 @@ def _small_files(ckpt: Checkpoint, partial: Path) -> list[Path]:
         if ckpt.tokenizer is not None:
             ckpt.tokenizer.save(partial)
         return []
+    return _small_sources(ckpt)
+
+
+def _small_sources(ckpt: Checkpoint) -> list[Path]:
+    """The small files of a folder source that the container keeps (none for a GGUF file)."""
+    if isinstance(ckpt.source, GGUFModel):
+        return []
     names = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
-    return [src / n for n in names if (src / n).is_file()]
+    return [ckpt.path / n for n in names if (ckpt.path / n).is_file()]
 
 
 def _print_line(event: HubEvent) -> None:
@@ -276,7 +287,31 @@ def convert(src: Path, out: Path, settings: ConvertSettings, progress: Report | 
                            "default MoE: `colibri convert smollm2-moe-bf16 OUT ...`)")
     ckpt = open_checkpoint(src)
     mats = classify(ckpt)
-    writer = ContainerWriter(out, {"source": _source_key(Path(src)), "settings": settings.key()})
+    try:
+        writer = ContainerWriter(out, {"source": _source_key(Path(src)), "settings": settings.key()})
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise DiskFullError(f"disk full: {Path(out).parent} has no room to start {out}: free space and run "
+                                "again") from None
+        raise
+    try:
+        return _convert(ckpt, mats, src, writer, settings, report, say)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        total = f" of {writer.expected_bytes}" if writer.expected_bytes else ""
+        raise DiskFullError(f"disk full at {writer.written_bytes}{total} bytes: free space and run again to resume "
+                            f"(the work so far is kept in {writer.partial})") from None
+    finally:
+        writer.close()
+
+
+def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWriter, settings: ConvertSettings,
+             report: Report, say: Log) -> Path:
+    """Calibrate, plan and write into WRITER's partial folder, resuming what an earlier run kept there."""
+    if writer.complete:
+        report(Note(f"{writer.out}: the interrupted conversion had finished; only its rename was left"))
+        return writer.out
     partial = writer.partial
     if writer.resumed:
         report(Note(f"resuming: {writer.resumed} tensors/experts already written"))
@@ -284,20 +319,22 @@ def convert(src: Path, out: Path, settings: ConvertSettings, progress: Report | 
     stats = seqs = None
     stats_path, seqs_path = partial / "calibration.npz", partial / "calibration_tokens.json"
     if settings.budget is not None or settings.calib is not None:
-        if stats_path.is_file() and seqs_path.is_file():
-            stats = ActivationStats.load(str(stats_path))
-            seqs = json.loads(seqs_path.read_text())
-        else:
+        stats, seqs = _load_calibration(stats_path, seqs_path, report)
+        if stats is None:
             stats, seqs = _calibrate(ckpt, settings, say)
-            seqs_path.write_text(json.dumps(seqs))
-            stats.save(str(stats_path))
+            _write_cache(seqs_path, seqs)
+            with atomic_file(stats_path, "wb") as f:    # a kill mid-save must not leave a torn cache
+                stats.save(f)
     plan_path = partial / "plan.json"
-    if plan_path.is_file():
-        plan = _plan_from_json(json.loads(plan_path.read_text()))
+    cached = _read_cache(plan_path, report)
+    if cached is not None:
+        plan = _plan_from_json(cached)
     else:
         plan = make_plan(ckpt, mats, settings, stats, say, seqs)
-        plan_path.write_text(json.dumps(plan.to_json()))
+        _write_cache(plan_path, plan.to_json())
     report(Note(f"plan: {plan.bits_per_weight:.2f} bits per weight, {format_size(plan.total_bytes)} of weights"))
+    writer.expected_bytes = _output_bytes(ckpt, mats, plan, partial)
+    _check_space(writer)
 
     total = len(mats.float32) + len(mats.planned)
     done, t0 = 0, time.perf_counter()
@@ -328,6 +365,59 @@ def convert(src: Path, out: Path, settings: ConvertSettings, progress: Report | 
     for f in ("calibration.npz", "calibration_tokens.json", "plan.json"):
         (partial / f).unlink(missing_ok=True)
     return writer.finish(manifest, _small_files(ckpt, partial))
+
+
+def _output_bytes(ckpt: Checkpoint, mats: Matrices, plan: Plan, partial: Path) -> int:
+    """About the bytes the finished container takes: its weights, their alignment, manifest and small files."""
+    n_tensors = len(mats.planned) + len(mats.float32)
+    small = sum(p.stat().st_size for p in _small_sources(ckpt))
+    # a 4 KiB extent per expert; per tensor up to 4 buffers padded to 64 B and its manifest and journal lines
+    return plan.total_bytes + EXTENT_ALIGN * (len(mats.experts) + 1) + 1024 * n_tensors + small
+
+
+def _check_space(writer: ContainerWriter) -> None:
+    """Refuse to start when the disk cannot hold what is left to write (known once the plan is)."""
+    need = writer.expected_bytes - writer.written_bytes
+    free = shutil.disk_usage(writer.partial).free
+    if need > free:
+        raise DiskFullError(f"{writer.out} needs {format_size(need)} more, the disk has {format_size(free)} free: "
+                            f"free space or choose another OUT (the work so far is kept in {writer.partial})")
+
+
+def _write_cache(path: Path, data) -> None:
+    """A resumable step's result as JSON with its digest, so a damaged cache is redone, never used.
+
+    Keys keep their order: the plan read back must write the same manifest, byte for byte."""
+    text = json.dumps(data)
+    with atomic_file(path) as f:
+        f.write(json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "data": data}))
+
+
+def _read_cache(path: Path, report: Report):
+    """What `_write_cache` wrote, or None when it is missing, or damaged (then said, and redone)."""
+    if not path.is_file():
+        return None
+    try:
+        wrapped = json.loads(path.read_text(encoding="utf-8"))
+        data = wrapped["data"]
+        if hashlib.sha256(json.dumps(data).encode()).hexdigest() == wrapped["sha256"]:
+            return data
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
+        pass
+    report(Note(f"{path.name} in {path.parent} is damaged: computing it again"))
+    return None
+
+
+def _load_calibration(stats_path: Path, seqs_path: Path, report: Report):
+    """(stats, token sequences) an earlier run kept, or (None, None) when missing or damaged."""
+    seqs = _read_cache(seqs_path, report) if stats_path.is_file() else None
+    if seqs is None:
+        return None, None
+    try:
+        return ActivationStats.load(str(stats_path)), seqs
+    except Exception:       # any damage to a cache (zip CRC, a member missing ...) means: measure again
+        report(Note(f"{stats_path.name} in {stats_path.parent} is damaged: calibrating again"))
+        return None, None
 
 
 def _calibrate(ckpt: Checkpoint, settings: ConvertSettings, log: Log) -> tuple[ActivationStats, list[list[int]]]:

@@ -8,6 +8,7 @@ for the same seed, whatever the other experts are.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from engine.errors import ColibriError
+from engine.errors import ColibriError, DiskFullError, is_disk_full
 from engine.models.transformer import layer_prefix
 from engine.spec import AttentionSpec, MLPSpec, ModelSpec, RopeSpec
 from engine.tokenizer import Tokenizer
@@ -164,16 +165,29 @@ def write_weights(path: Path, spec: ModelSpec, source: TensorSource, routers: di
                   seed: int, dtype: str, metadata: dict[str, str], tick: Callable[[int], None] | None = None) -> None:
     """Write model.safetensors: the dense tensors as they are, a router and E perturbed FFN copies per layer."""
     n_experts = next(iter(routers.values())).shape[0]
-    writer = SafetensorsWriter(path, checkpoint_tensors(spec, n_experts), dtype, metadata)
+    with disk_full_as_error(path):
+        writer = SafetensorsWriter(path, checkpoint_tensors(spec, n_experts), dtype, metadata)
+        try:
+            for name, array in _tensor_stream(spec, source, routers, noise, seed):
+                writer.write(name, array)
+                if tick is not None and name.endswith(".gate.weight"):
+                    tick(int(name.split(".")[2]))
+        except BaseException:
+            writer.file.close()  # the caller removes the half-written file with its folder
+            raise
+        writer.close()
+
+
+@contextlib.contextmanager
+def disk_full_as_error(path: Path) -> Iterator[None]:
+    """Turn a full disk while writing PATH (in moefy's temporary folder) into a DiskFullError."""
     try:
-        for name, array in _tensor_stream(spec, source, routers, noise, seed):
-            writer.write(name, array)
-            if tick is not None and name.endswith(".gate.weight"):
-                tick(int(name.split(".")[2]))
-    except BaseException:
-        writer.file.close()  # the caller removes the half-written file with its folder
-        raise
-    writer.close()
+        yield
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise DiskFullError(f"disk full in {path.parent.parent} while writing the MoE's {path.name} (nothing was "
+                            "kept): free space or choose another OUT, and run moefy again") from None
 
 
 def _tensor_stream(spec: ModelSpec, source: TensorSource, routers: dict[int, np.ndarray], noise: float,
@@ -198,6 +212,12 @@ def _tensor_stream(spec: ModelSpec, source: TensorSource, routers: dict[int, np.
 def write_tokenizer(src: Path, out: Path, tokenizer: Tokenizer | None, gguf_meta: dict[str, Any] | None,
                     max_position: int) -> None:
     """Tokenizer files for OUT: copied from a folder source, or made from a GGUF's tokenizer metadata."""
+    with disk_full_as_error(out / "tokenizer.json"):
+        _write_tokenizer(src, out, tokenizer, gguf_meta, max_position)
+
+
+def _write_tokenizer(src: Path, out: Path, tokenizer: Tokenizer | None, gguf_meta: dict[str, Any] | None,
+                     max_position: int) -> None:
     if gguf_meta is None:
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
@@ -223,4 +243,5 @@ def write_tokenizer(src: Path, out: Path, tokenizer: Tokenizer | None, gguf_meta
 
 def write_json(path: Path, data: Any) -> None:
     """A JSON file, indented, with a final newline."""
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    with disk_full_as_error(path):
+        path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

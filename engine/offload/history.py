@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.atomic import atomic_file
-from engine.errors import ModelFormatError
+from engine.errors import DiskFullError, ModelFormatError, is_disk_full
 
 Key = tuple[int, int]                       # (layer, expert)
 
@@ -87,16 +87,25 @@ class UsageHistory:
         return frozenset(divmod(int(i), self.n_experts) for i in order if counts[i] > 0)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the history to `path` atomically (a temp file in the same folder, fsync, rename)."""
+        """Write the history to `path` atomically (a temp file in the same folder, fsync, rename).
+
+        A full disk raises DiskFullError and leaves the previous file as it was.
+        """
         path = Path(path)
-        with atomic_file(path, "wb") as f:
-            np.savez(f, format=np.array(FORMAT), version=np.array(VERSION),
-                     model_hash=np.array(self.model_hash),
-                     shape=np.array([self.n_layers, self.n_experts], np.int64),
-                     half_life_tokens=np.array(self.half_life_tokens),
-                     tokens=np.array(self.tokens, np.int64), counts=self.counts,
-                     policy_half_life_tokens=np.array(np.nan if self.policy_half_life is None
-                                                      else self.policy_half_life))
+        try:
+            with atomic_file(path, "wb") as f:
+                np.savez(f, format=np.array(FORMAT), version=np.array(VERSION),
+                         model_hash=np.array(self.model_hash),
+                         shape=np.array([self.n_layers, self.n_experts], np.int64),
+                         half_life_tokens=np.array(self.half_life_tokens),
+                         tokens=np.array(self.tokens, np.int64), counts=self.counts,
+                         policy_half_life_tokens=np.array(np.nan if self.policy_half_life is None
+                                                          else self.policy_half_life))
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise DiskFullError(f"disk full: the usage history {path} was not saved (the previous one is kept); "
+                                    "free space and it is saved at the end of the next run") from None
+            raise
         _fsync_dir(path.parent)
 
     @classmethod
