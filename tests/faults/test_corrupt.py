@@ -26,7 +26,7 @@ SEED = 29
 PROMPT = [5, 17, 99, 3, 42, 7, 150, 64]
 DAMAGES = ["flip", "flip", "flip", "truncate", "append"]     # per file kind and seed
 FAST_SEEDS = [0]
-SLOW_SEEDS = list(range(1, 4))
+SLOW_SEEDS = [1]      # each seed damages every kind five ways; two seeds keep CI within its time
 SEEDS = [pytest.param(s, id=f"seed{s}") for s in FAST_SEEDS] + \
         [pytest.param(s, id=f"seed{s}", marks=pytest.mark.slow) for s in SLOW_SEEDS]
 
