@@ -4,40 +4,16 @@ or a stop sequence is read as U+FFFD, on both routes, streamed or not; it used t
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from app.server.app import create_app
 from app.service.local import EngineService, LoadOptions
+from support.live_server import LiveServer as Live
 from support.tiny_chat import tiny_models
 
 CTX = 256
-
-
-class Live:
-    """A uvicorn server on a free loopback port, in a thread."""
-
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

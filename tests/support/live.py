@@ -6,30 +6,19 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Callable
 
 import httpx
-import uvicorn
+
+from support.live_server import LiveServer
 
 
-class Live:
-    """A uvicorn server of `app` on a free loopback port, in a thread."""
+class Live(LiveServer):
+    """A server of `app` on a free loopback port, in a thread, configured as `colibri serve` runs it."""
 
     def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, 30, "the server did not start")
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        super().__init__(app, log_level="critical")
 
 
 def serve(container, *, ctx: int, max_batch: int, max_queue: int, **app_kw) -> Live:
