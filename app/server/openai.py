@@ -94,7 +94,7 @@ class _Body(BaseModel):
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[_TokenKey, _Bias] | None = Field(None, max_length=1024)   # token id (a string) -> bias
-    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0)     # extensions (as in vLLM): the desktop app's,
+    repetition_penalty: StrictFloat = Field(1.0, ge=1e-3, le=10.0)     # extensions (as in vLLM): the desktop app's,
     top_k: StrictInt = Field(0, ge=0)                                  # 0 = off
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)                    # 0 = off
     n: StrictInt = Field(1, ge=1, le=1)

@@ -86,7 +86,7 @@ class SamplingParams:
         _check_real("top_p", self.top_p, "in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
         _check_real("min_p", self.min_p, "in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
         _check_real(
-            "repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)", lambda v: v > 0
+            "repetition_penalty", self.repetition_penalty, "a number >= 0.001 (1 = off)", lambda v: v >= 1e-3
         )
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name), "in [-2, 2] (0 = off)", lambda v: -2 <= v <= 2)

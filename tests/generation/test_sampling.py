@@ -422,6 +422,7 @@ def test_saved_state_resumes_the_identical_stream():
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
+        ("repetition_penalty", 1e-300),  # underflows to 0 in float32 logits
         ("presence_penalty", 2.01),
         ("presence_penalty", -2.5),
         ("frequency_penalty", 3.0),

@@ -306,7 +306,8 @@ def test_serve_refuses_a_connection_limit_below_its_queue():
 
 
 def _post(live, path, body):
-    return httpx.post(live.url + path, json=body, timeout=60)
+    # Generous: the first generation may compile the kernels into an empty numba cache.
+    return httpx.post(live.url + path, json=body, timeout=600)
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -324,9 +325,12 @@ def test_json_booleans_are_not_numbers(server, path, body, param):
 
 
 def test_an_integer_is_still_a_float(server):
+    # The random model may sample its end token first, so the count is at most 2, not exactly 2.
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "ab", "temperature": 1, "top_p": 1,
-                                          "max_tokens": 2, "presence_penalty": 0})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+                                          "max_tokens": 2, "presence_penalty": 0, "seed": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert r.json()["usage"]["completion_tokens"] <= 2
 
 
 MESSAGES = [{"role": "user", "content": "hello"}]
