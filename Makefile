@@ -39,7 +39,7 @@ run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-
 
 test: system-deps $(TEST_STAMP) ## set up with the test extra (torch, transformers) and run pytest
 	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE \
-		$(VENV_PY) -m pytest $(PYTEST_ARGS)
+		$(VENV_PY) -m pytest --durations=25 $(PYTEST_ARGS)
 
 # The fast subset: no parity against transformers, no GUI, none of the slow tests (pytest markers in pyproject.toml).
 FAST_MARKERS := not slow and not gui and not parity
