@@ -306,10 +306,13 @@ class LayerKV:
                     scales[b, :, o : o + m] = scale
             t += m
 
-    def attend(self, q: np.ndarray, positions: np.ndarray, scale: float, window: int | None) -> np.ndarray:
-        """Attention of q [T, H, D] over this sequence's keys up to each query's position -> [T, H, Dv]."""
+    def attend(self, q: np.ndarray, positions: np.ndarray, scale: float, window: int | None,
+               sinks: np.ndarray | None = None) -> np.ndarray:
+        """Attention of q [T, H, D] over this sequence's keys up to each query's position -> [T, H, Dv]
+        (`sinks` [H]: per-head logits in each softmax's denominator, gpt-oss)."""
         a, seq = self.seq.pool.layers[self.j], self.seq
-        res = attend_paged(q, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(), positions, scale, window, seq.tracking)
+        res = attend_paged(q, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(), positions, scale, window, seq.tracking,
+                           sinks)
         if seq.tracking:
             res, weights = res
             seq.observe(weights)

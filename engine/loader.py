@@ -14,9 +14,10 @@ from typing import Any, Callable
 from engine.blocks.ffn import StreamingExpertSource
 from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import MANIFEST, Container, is_container
+from engine.formats.fused import split_fused
 from engine.formats.gguf_model import GGUFModel
 from engine.formats.hf import SafetensorsFolder, read_json
-from engine.models import ignored_tensors, spec_from_config
+from engine.models import fused_tensors, ignored_tensors, spec_from_config
 from engine.models.transformer import Transformer, expected_shapes
 from engine.spec import ModelSpec
 from engine.telemetry import NULL, Telemetry
@@ -137,8 +138,10 @@ def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool 
             source, where = SafetensorsFolder(path), str(path / "config.json")
         gen = _generation_config(path)
         tokenizer = Tokenizer.from_folder(path)
+    spec = spec_from_config(config, where)
+    source = split_fused(source, fused_tensors(config, where))   # fused experts -> per-expert tensors
     names = set(source.names())
-    spec = _with_tied_fallback(spec_from_config(config, where), names)
+    spec = _with_tied_fallback(spec, names)
     check_tensor_names(spec, names, config, where, source)
     return Checkpoint(path, config, spec, source, tokenizer, gen)
 

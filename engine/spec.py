@@ -106,6 +106,7 @@ class AttentionSpec:
     qk_norm: str | None = None        # None | "head" (per head, Qwen3) | "full" (whole projection, OLMoE)
     clip_qkv: float | None = None     # OLMoE: clamp q, k, v to [-c, c]
     sliding_window: int | None = None  # attend to the last `sliding_window` positions only
+    sinks: bool = False               # gpt-oss: a learned logit per head joins each softmax's denominator
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,10 @@ class MoESpec:
     prefix: str = "mlp"               # "mlp" or "block_sparse_moe"
     proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
     shared_prefix: str = "shared_expert"  # or "shared_experts" (DeepSeek)
+    router_bias: bool = False         # gpt-oss: gate.bias [E] added to the router logits
+    expert_bias: bool = False         # gpt-oss: every expert's gate, up and down carry a bias
+    swiglu_limit: float | None = None  # gpt-oss: (clamp(up, +-l) + 1) * g * sigmoid(alpha g), g = min(gate, l)
+    swiglu_alpha: float = 1.0         # with swiglu_limit
 
 
 @dataclass(frozen=True)
@@ -179,6 +184,9 @@ class ModelSpec:
     max_position: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    embedding_multiplier: float = 1.0  # Granite: the embeddings are scaled by it
+    residual_multiplier: float = 1.0   # Granite: each block's output is scaled by it before the residual add
+    logits_scaling: float = 1.0        # Granite: the logits are divided by it
     extra: dict = field(default_factory=dict, compare=False)  # source notes (format, file names)
 
     @property

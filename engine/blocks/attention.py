@@ -32,6 +32,8 @@ def attention_shapes(spec: AttentionSpec, prefix: str, hidden: int) -> dict[str,
         shapes |= {f"{prefix}.q_norm.weight": (spec.head_dim,), f"{prefix}.k_norm.weight": (spec.head_dim,)}
     elif spec.qk_norm == "full":
         shapes |= {f"{prefix}.q_norm.weight": (q_out,), f"{prefix}.k_norm.weight": (kv_out,)}
+    if spec.sinks:
+        shapes[f"{prefix}.sinks"] = (spec.n_heads,)
     return shapes
 
 
@@ -90,6 +92,7 @@ class Attention:
     bo: np.ndarray | None = None
     q_norm: np.ndarray | None = None
     k_norm: np.ndarray | None = None
+    sinks: np.ndarray | None = None  # [H] (gpt-oss)
 
     @classmethod
     def load(cls, spec: AttentionSpec, w: Weights, prefix: str, rotary: Rotary, rms_eps: float) -> "Attention":
@@ -101,6 +104,7 @@ class Attention:
             w.get(f"{prefix}.q_proj.bias"), w.get(f"{prefix}.k_proj.bias"),
             w.get(f"{prefix}.v_proj.bias"), w.get(f"{prefix}.o_proj.bias"),
             w.get(f"{prefix}.q_norm.weight"), w.get(f"{prefix}.k_norm.weight"),
+            w.get(f"{prefix}.sinks"),
         )
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, segments: Segments, probe: Probe | None = None) -> np.ndarray:
@@ -130,7 +134,7 @@ class Attention:
         for rows, cache in segments:
             pos = positions[rows]
             cache.write(int(pos[0]), k[rows], v[rows])
-            out[rows] = cache.attend(q[rows], pos, s.scale, s.sliding_window)
+            out[rows] = cache.attend(q[rows], pos, s.scale, s.sliding_window, self.sinks)
         out = out.reshape(t, -1)                                 # [T, H*D]
         if probe is not None:
             probe(f"{self.prefix}.o_proj.weight", out)

@@ -55,6 +55,57 @@ class ExpertWeights:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
 
+def expert_bias_shapes(prefix: str, hidden: int, intermediate: int,
+                       names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
+    """The biases of one expert's gate, up and down (gpt-oss), with their shapes."""
+    gate, up, down = names
+    return {f"{prefix}.{gate}.bias": (intermediate,), f"{prefix}.{up}.bias": (intermediate,),
+            f"{prefix}.{down}.bias": (hidden,)}
+
+
+@dataclass(frozen=True)
+class ExpertBiases:
+    """A layer's routed experts' biases, held resident beside the router (a few KB an expert)."""
+
+    gate: np.ndarray  # [E, I]
+    up: np.ndarray    # [E, I]
+    down: np.ndarray  # [E, hidden]
+
+    @classmethod
+    def load(cls, w: Weights, prefixes: Sequence[str], names: Sequence[str]) -> "ExpertBiases":
+        """Stack the biases of the experts whose tensor prefixes are `prefixes`, in order."""
+        return cls(*(np.stack([w.dense(f"{p}.{n}.bias") for p in prefixes]).astype(np.float32) for n in names))
+
+
+def clamped_swiglu(g: np.ndarray, u: np.ndarray, limit: float, alpha: float) -> np.ndarray:
+    """gpt-oss's activation: (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    lim = np.float32(limit)
+    g = np.minimum(g, lim)
+    u = np.clip(u, -lim, lim)
+    with np.errstate(over="ignore"):
+        glu = g / (np.float32(1.0) + np.exp(-np.float32(alpha) * g))
+    return ((u + np.float32(1.0)) * glu).astype(np.float32)
+
+
+def biased_expert(x: np.ndarray, e: ExpertWeights, spec: MoESpec, bias: "ExpertBiases | None", expert: int,
+                  probe: Probe | None = None) -> np.ndarray:
+    """One routed expert with biases and/or the clamped SwiGLU (gpt-oss): x [T, hidden] -> [T, hidden]."""
+    g, u = linear_many(x, (e.gate, e.up))                                     # [T, I] each
+    if bias is not None:
+        g, u = g + bias.gate[expert], u + bias.up[expert]
+    if spec.swiglu_limit is not None:
+        h = clamped_swiglu(g, u, spec.swiglu_limit, spec.swiglu_alpha)
+    else:
+        act = activation(spec.act)
+        h = silu_product(g, u) if act is silu else act(g) * u
+    if probe is not None:
+        probe(e.names[0], x)
+        probe(e.names[1], x)
+        probe(e.names[2], h)
+    out = linear(h, e.down)
+    return out + bias.down[expert] if bias is not None else out
+
+
 def gated_mlp(x: np.ndarray, e: ExpertWeights, act, probe: Probe | None = None) -> np.ndarray:
     """down(act(gate(x)) * up(x)) for x [T, hidden] -> [T, hidden]."""
     g, u = linear_many(x, (e.gate, e.up))                                     # [T, I] each
@@ -217,6 +268,13 @@ class MoE:
     shared: ExpertWeights | None
     shared_gate: np.ndarray | None           # [1, hidden]
     prefix: str = ""                         # tensor name prefix of the block
+    router_bias: np.ndarray | None = None    # [E] added to the router logits (gpt-oss)
+    expert_biases: ExpertBiases | None = None  # (gpt-oss)
+
+    def router_logits(self, x: np.ndarray) -> np.ndarray:
+        """The router's logits [T, E] of x [T, hidden]."""
+        logits = matmul_f32(x, self.router)
+        return logits + self.router_bias if self.router_bias is not None else logits
 
     def __call__(self, x: np.ndarray, source: ExpertSource, probe: Probe | None = None,
                  telemetry: Telemetry = NULL) -> tuple[np.ndarray, Routing]:
@@ -230,7 +288,7 @@ class MoE:
         with telemetry.phase("dense"):
             if probe is not None:
                 probe(f"{self.prefix}.gate.weight", x)
-            ids, weights = route(self.spec, matmul_f32(x, self.router), self.correction_bias)   # [T, K] each
+            ids, weights = route(self.spec, self.router_logits(x), self.correction_bias)   # [T, K] each
         k = ids.shape[1]
         flat = ids.reshape(-1)                                                         # [T*K] slot s = t*K + k
         needed = np.unique(ids)
@@ -253,10 +311,17 @@ class MoE:
     def _outputs(self, x, ids, experts, slots, y, act, probe) -> None:
         """y[s] for the given slots whose experts are in `experts`: one fused call, or one expert at a time."""
         first = next(iter(experts.values()))
-        if probe is None and self.spec.act == "silu" and is_quantized(first.gate):
+        plain = self.expert_biases is None and self.spec.swiglu_limit is None
+        if probe is None and plain and self.spec.act == "silu" and is_quantized(first.gate):
             expert_outputs(x, ids, experts, slots, y)
             return
         flat, k = ids.reshape(-1), ids.shape[1]
+        if not plain:
+            for expert_id, e in experts.items():
+                mine = slots[flat[slots] == expert_id]
+                if mine.size:
+                    y[mine] = biased_expert(x[mine // k], e, self.spec, self.expert_biases, expert_id, probe)
+            return
         for expert_id, e in experts.items():
             mine = slots[flat[slots] == expert_id]                   # slots routed here; a token picks it once
             if mine.size:

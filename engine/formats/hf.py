@@ -73,6 +73,10 @@ class SafetensorsFolder:
         """A tensor's stored dtype (safetensors spelling)."""
         return self._where[name].tensors[name][0]
 
+    def raw(self, name: str) -> np.ndarray:
+        """A tensor's stored values (bf16 as uint16), a read-only view of its file's map."""
+        return self._where[name].raw(name)
+
     def load(self, name: str) -> np.ndarray:
         """A tensor as float32 (a memory-mapped view when stored as F32)."""
         return self._where[name].float32(name)

@@ -38,6 +38,11 @@ def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
+def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored values of a floating-point dtype (safetensors spelling; bf16 as uint16) -> a float32 copy."""
+    return bf16_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32)
+
+
 class SafetensorsFile:
     """One .safetensors file: its tensor table and a read-only map of its bytes."""
 
@@ -109,6 +114,6 @@ class SafetensorsFile:
         raw = self.raw(name)
         if dtype == "F32":
             return raw
-        out = bf16_to_f32(raw) if dtype == "BF16" else raw.astype(np.float32)
+        out = to_float32(raw, dtype)
         out.flags.writeable = False
         return out

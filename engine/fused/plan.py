@@ -85,6 +85,8 @@ class FusedDecode:
 
     def __init__(self, model) -> None:
         spec = model.spec
+        if (spec.embedding_multiplier, spec.residual_multiplier, spec.logits_scaling) != (1.0, 1.0, 1.0):
+            raise _NotFusable("embedding, residual or logits multipliers")
         self.hidden = spec.hidden_size
         self._descs: list[tuple[int, ...]] = []
         self._items: list[tuple[int, int, int, int]] = []
@@ -186,8 +188,8 @@ class FusedDecode:
         if type(attn) is not Attention:
             raise _NotFusable("latent attention")
         s = attn.spec
-        if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head"):
-            raise _NotFusable("an output bias, q/k clipping or whole-projection q/k norms")
+        if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head") or s.sinks:
+            raise _NotFusable("an output bias, q/k clipping, whole-projection q/k norms or attention sinks")
         q_out, kv_out = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         mq, mk, mv = self._matrix(attn.wq), self._matrix(attn.wk), self._matrix(attn.wv)
         lay[i, fk.L_QKV0] = self._rows(mq, 0)[0]
@@ -231,6 +233,8 @@ class FusedDecode:
         if m.n_group != 1 or m.scoring not in ("softmax", "sigmoid") or ffn.shared is not None or \
                 m.act not in ("silu", "swish") or m.top_k > MAX_TOP_K:
             raise _NotFusable("expert groups, shared experts or another activation")
+        if m.router_bias or m.expert_bias or m.swiglu_limit is not None:
+            raise _NotFusable("a router bias, expert biases or the clamped SwiGLU")
         lay[i, fk.L_MOE], lay[i, fk.L_E], lay[i, fk.L_K], lay[i, fk.L_I] = 1, m.n_experts, m.top_k, m.expert_ffn
         lay[i, fk.L_ROWS_IN] = chunk_rows(self.hidden, m.expert_ffn)
         lay[i, fk.L_ROWS_DOWN] = chunk_rows(m.expert_ffn, self.hidden)

@@ -61,8 +61,11 @@ def _row_base(table, s, shift, heads_kv, kv, bsize):
 
 @njit(boundscheck=False)
 def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, scale, scores, so, keep, width,
-               out, oo):
+               out, oo, sink=-np.inf):
     """One query q[qo:qo+d] of kv head `kv` over positions lo .. p of a paged cache -> out[oo:oo+dv].
+
+    A finite `sink` (gpt-oss's per-head logit) joins the softmax's denominator as a key with no value; at
+    -inf it adds nothing, and the bits are those of the plain softmax.
 
     kb, vb are the cache's flat [NB, Hkv, B, D] key and value arrays (float32, fp16 bits or int8), ks, vs the flat
     [NB, Hkv, B] row scales; scores[so:so+width] is scratch, left holding the normalised weights
@@ -84,6 +87,9 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
             if sc > best:
                 best = sc
         s += n
+    sink32 = np.float32(sink)
+    if sink32 > best:                                                # the sink is the largest logit
+        best = sink32
     shift_v = vsplat(-best)
     one = vsplat(np.float32(1.0))
     for s in range(lo, p + 1, 16):                                   # e**(score - best), 16 lanes at a time
@@ -93,6 +99,8 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
     total = np.float32(0.0)
     for s in range(lo, p + 1):
         total += scores[so + U64(s)]
+    if sink32 > np.float32(-np.inf):
+        total += np.float32(math.exp(sink32 - best))
     inv = np.float32(1.0) / total
     for s in range(lo, p + 1):
         scores[so + U64(s)] = scores[so + U64(s)] * inv                 # the normalised weights
@@ -163,7 +171,7 @@ def encode_i8_row(x, n, out, o):
 
 @njit(parallel=True, cache=True, boundscheck=False)
 def _attend_paged(q, kb, ks, vb, vs, table, bsize, heads_kv, d, dv, positions, window, scale, keep, scores, out,
-                  n_heads):  # pragma: no cover - compiled
+                  n_heads, sinks):  # pragma: no cover - compiled
     t_count = positions.shape[0]
     group = n_heads // heads_kv
     width = scores.shape[0] // (t_count * n_heads)
@@ -175,25 +183,28 @@ def _attend_paged(q, kb, ks, vb, vs, table, bsize, heads_kv, d, dv, positions, w
         if window > 0 and p - window + 1 > 0:
             lo = p - window + 1
         attend_row(q, U64(i * d), d, kb, ks, vb, vs, heads_kv, bsize, dv, h // group, table, p, lo, scale,
-                   scores, U64(i * width), keep, width, out, U64(i * dv))
+                   scores, U64(i * width), keep, width, out, U64(i * dv), sinks[h])
 
 
 def attend_paged(q: np.ndarray, kb: np.ndarray, ks: np.ndarray, vb: np.ndarray, vs: np.ndarray, table: np.ndarray,
-                 positions: np.ndarray, scale: float, window: int | None = None, keep: bool = False):
+                 positions: np.ndarray, scale: float, window: int | None = None, keep: bool = False,
+                 sinks: np.ndarray | None = None):
     """Causal attention over a paged cache: q [T, H, D]; kb [NB, Hkv, B, D] and vb [NB, Hkv, B, Dv]
     (float32, fp16 bits or int8) with row scales ks, vs [NB, Hkv, B]; `table` [n] lists the blocks of the
     sequence in order (position s lives in block table[s // B], row s % B).
 
+    `sinks` [H] (gpt-oss) are per-head logits added to each softmax's denominator (None: none).
     Returns out [T, H, Dv], and with `keep` also the attention weights [T * H, S] (S = last position + 1).
     """
     t_count, n_heads, d = q.shape
+    sink_row = np.full(n_heads, -np.inf, np.float32) if sinks is None else np.ascontiguousarray(sinks, np.float32)
     width = int(positions.max()) + 1
     scores = np.empty((t_count * n_heads, width), np.float32)
     out = np.empty((t_count, n_heads, vb.shape[3]), np.float32)
     _attend_paged(np.ascontiguousarray(q, np.float32).reshape(-1), kb.reshape(-1), ks.reshape(-1), vb.reshape(-1),
                   vs.reshape(-1), table, kb.shape[2], kb.shape[1], d, vb.shape[3],
                   np.ascontiguousarray(positions, np.int64), int(window or 0), np.float32(scale), keep,
-                  scores.reshape(-1), out.reshape(-1), n_heads)
+                  scores.reshape(-1), out.reshape(-1), n_heads, sink_row)
     return (out, scores) if keep else out
 
 

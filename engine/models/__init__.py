@@ -3,7 +3,10 @@
 A family module exposes `ARCHITECTURES` (the names a config.json's `architectures` lists),
 `spec_from_config(cfg, architecture) -> ModelSpec` and `ignored_tensors(cfg)`: the patterns of tensors
 its checkpoints may carry that the model legitimately never reads (any other unused tensor is refused at
-open: a checkpoint that does not match its config). The shared `transformer` runs them all.
+open: a checkpoint that does not match its config). A family whose checkpoints fuse several tensors in
+one (all experts in a 3-D tensor, gate and up together) also exposes `fused_tensors(cfg)`: the
+`engine.formats.fused.FusedTensor` rules that cut them into the names the engine reads. The shared
+`transformer` runs them all.
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
-from engine.models import deepseek, llama, mixtral, olmoe, qwen2, qwen3, qwen_moe
+from engine.models import deepseek, gpt_oss, granitemoe, llama, mixtral, olmoe, qwen2, qwen3, qwen_moe
 from engine.models.config import Config
 from engine.spec import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {
     arch: module
-    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek)
+    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe)
     for arch in module.ARCHITECTURES
 }
 
@@ -53,3 +56,10 @@ def ignored_tensors(data: Mapping[str, Any], source: str = "config.json") -> re.
     """What a checkpoint of this config may carry unused (its family's allow-list), as one pattern."""
     family, _ = _family(data, source)
     return re.compile("|".join(f"(?:{p})" for p in family.ignored_tensors(Config(data, source))) or "(?!)")
+
+
+def fused_tensors(data: Mapping[str, Any], source: str = "config.json") -> tuple:
+    """How this config's checkpoints fuse tensors (its family's `FusedTensor` rules; none for most families)."""
+    family, _ = _family(data, source)
+    rules = getattr(family, "fused_tensors", None)      # optional: only families with fused checkpoints define it
+    return tuple(rules(Config(data, source))) if rules is not None else ()

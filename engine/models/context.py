@@ -179,5 +179,5 @@ class DecodeContext:
         if spec is None:
             spec = moe.spec if k == moe.spec.top_k else dataclasses.replace(moe.spec, top_k=k)
             self._guess_specs[(j, k)] = spec
-        ids, _ = route(spec, h @ moe.router.T, moe.correction_bias)           # [T, k]
+        ids, _ = route(spec, moe.router_logits(h), moe.correction_bias)       # [T, k]
         self.model.experts.prefetch(j, ids[0].tolist() if ids.shape[0] == 1 else np.unique(ids).tolist())

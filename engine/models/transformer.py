@@ -16,12 +16,14 @@ import numpy as np
 from engine.blocks.attention import Attention, attention_shapes
 from engine.blocks.ffn import (
     MLP,
+    ExpertBiases,
     ExpertSource,
     ExpertWeights,
     MoE,
     ResidentExperts,
     Routing,
     StreamingExpertSource,
+    expert_bias_shapes,
     mlp_shapes,
 )
 from engine.blocks.linear import Probe, linear
@@ -83,8 +85,12 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.{ffn.prefix}.gate.weight"] = (ffn.n_experts, h)
         if ffn.correction_bias:
             shapes[f"{p}.{ffn.prefix}.gate.e_score_correction_bias"] = (ffn.n_experts,)
+        if ffn.router_bias:
+            shapes[f"{p}.{ffn.prefix}.gate.bias"] = (ffn.n_experts,)
         for e in range(ffn.n_experts):
             shapes |= mlp_shapes(expert_prefix(i, ffn, e), h, ffn.expert_ffn, ffn.proj_names)
+            if ffn.expert_bias:
+                shapes |= expert_bias_shapes(expert_prefix(i, ffn, e), h, ffn.expert_ffn, ffn.proj_names)
         if ffn.shared_ffn:
             shapes |= mlp_shapes(f"{p}.{ffn.prefix}.{ffn.shared_prefix}", h, ffn.shared_ffn)
         if ffn.shared_gate:
@@ -176,6 +182,9 @@ class Transformer:
                 ExpertWeights.load(w, f"{p}.{f.prefix}.{f.shared_prefix}") if f.shared_ffn else None,
                 w.get(f"{p}.{f.prefix}.shared_expert_gate.weight"),
                 f"{p}.{f.prefix}",
+                w.get(f"{p}.{f.prefix}.gate.bias"),
+                ExpertBiases.load(w, [expert_prefix(i, f, e) for e in range(f.n_experts)], f.proj_names)
+                if f.expert_bias else None,
             )
         return Layer(w[f"{p}.input_layernorm.weight"], attn, w[f"{p}.post_attention_layernorm.weight"], ffn)
 
@@ -222,8 +231,10 @@ class Transformer:
         return ids
 
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
-        """The embeddings [T, hidden] of token ids [T]."""
-        return embed_rows(self.embed, ids)
+        """The embeddings [T, hidden] of token ids [T] (times the spec's embedding multiplier, Granite)."""
+        x = embed_rows(self.embed, ids)
+        m = self.spec.embedding_multiplier
+        return x * np.float32(m) if m != 1.0 else x
 
     def run_layers(
         self,
@@ -244,12 +255,15 @@ class Transformer:
         with each layer's output.
         """
         eps, tel = self.spec.rms_eps, telemetry
+        residual = np.float32(self.spec.residual_multiplier)     # Granite scales each block's output
+        scaled = self.spec.residual_multiplier != 1.0
         for i, layer in enumerate(self.layers):
             if layer is None:
                 layer = self.layer_source.layer(i)
             segments = [(r, cache.layers[i]) for r, cache in zip(rows, caches)]
             with tel.phase("attention"):
-                x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, segments, probe)
+                a = layer.attn(rms_norm(x, layer.input_norm, eps), positions, segments, probe)
+                x = x + (a * residual if scaled else a)
             h = rms_norm(x, layer.post_norm, eps)                           # [T, hidden]
             if isinstance(layer.ffn, MoE):
                 y, r = layer.ffn(h, self.experts, probe, tel)
@@ -259,15 +273,17 @@ class Transformer:
             else:
                 with tel.phase("dense"):
                     y = layer.ffn(h, probe)
-            x = x + y
+            x = x + (y * residual if scaled else y)
             if after_layer is not None:
                 after_layer(i, x)
         return x
 
     def head(self, x: np.ndarray, probe: Probe | None = None, telemetry: Telemetry = NULL) -> np.ndarray:
-        """The logits [T, V] of the final hidden states x [T, hidden]."""
+        """The logits [T, V] of the final hidden states x [T, hidden] (divided by the spec's logits scaling)."""
         x = rms_norm(x, self.norm, self.spec.rms_eps)
         if probe is not None:
             probe("lm_head.weight", x)
         with telemetry.phase("dense"):
-            return linear(x, self.lm_head)                                  # [T, V]
+            logits = linear(x, self.lm_head)                                # [T, V]
+        d = self.spec.logits_scaling
+        return logits / np.float32(d) if d != 1.0 else logits
