@@ -15,4 +15,9 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3", dict(MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                                         topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                                         n_shared_experts=1)),
+    # fused experts in the checkpoint; sinks, biases, a clamp that bites and a window shorter than the prompts
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+                                swiglu_limit=0.5)),
+    "granitemoe": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=4.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)),
 }
