@@ -120,7 +120,7 @@ def test_victim_is_the_least_attended_block_between_sinks_and_the_recent_window(
     assert choose_victim(scores, 2, bs, sink_tokens=4, recent_tokens=4) is None
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def tiny(request, tmp_path_factory):
     """A 4-bit container of each attention kind: its kernels are bitwise row-invariant, so cached,
     shared and batched runs must give exactly the logits of a fresh one."""
