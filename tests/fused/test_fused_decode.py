@@ -34,11 +34,17 @@ FUSED = {
     "qwen3-moe-head-norms-unnormed": ("qwen3_moe", dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                                         head_dim=16, norm_topk_prob=False, mlp_only_layers=[1])),
     "qwen2-qkv-bias-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "granitemoe-attention-multiplier": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                           attention_multiplier=0.2)),
 }
 BLOCKS_ONLY = {   # layers the fused kernel does not run: these decode through the blocks
     "qwen2moe-shared-expert": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=64,
                                                  num_experts=6, num_experts_per_tok=2)),
     "olmoe-clip-full-norms": ("olmoe", dict(num_experts=8, num_experts_per_tok=3, clip_qkv=0.8)),
+    "gptoss-sinks-biases-clamp": ("gpt_oss", dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                                                  sliding_window=4, swiglu_limit=0.5)),
+    "granitemoe-multipliers": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=2, residual_multiplier=0.5,
+                                                  logits_scaling=2.0)),
 }
 
 
