@@ -25,10 +25,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from engine.blocks.ffn import MoE
-from engine.blocks.linear import linear
 from engine.blocks.norm import rms_norm
 from engine.kv import KVCache
-from engine.models.transformer import Transformer, embed_rows
+from engine.models.transformer import Transformer
 from engine.spec import ModelSpec
 from engine.weights import TensorSource
 
@@ -170,19 +169,19 @@ def forward_from(model: Transformer, x: np.ndarray, start: int, keep: list[np.nd
     The steps of Transformer.forward, resumable at any layer (the layers before `start` are not
     run); `keep` collects each layer's input and the final hidden state (n_layers + 1 arrays).
     """
-    eps = model.spec.rms_eps
+    eps, residual = model.spec.rms_eps, np.float32(model.spec.residual_multiplier)   # Granite scales block outputs
     cache = KVCache(model.spec, x.shape[0])
     positions = cache.positions(x.shape[0])
     for i in range(start, model.spec.n_layers):
         if keep is not None:
             keep.append(x)
         layer = model.layers[i]
-        x = x + layer.attn(rms_norm(x, layer.input_norm, eps), positions, [(slice(None), cache.layers[i])])
+        x = x + residual * layer.attn(rms_norm(x, layer.input_norm, eps), positions, [(slice(None), cache.layers[i])])
         h = rms_norm(x, layer.post_norm, eps)
-        x = x + (layer.ffn(h, model.experts)[0] if isinstance(layer.ffn, MoE) else layer.ffn(h))
+        x = x + residual * (layer.ffn(h, model.experts)[0] if isinstance(layer.ffn, MoE) else layer.ffn(h))
     if keep is not None:
         keep.append(x)
-    return linear(rms_norm(x, model.norm, eps), model.lm_head)
+    return model.head(x)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -207,7 +206,7 @@ class Reference:
         probs, hidden, neg_entropy = [], [], 0.0
         for s in seqs:
             keep: list[np.ndarray] = []
-            lp = log_softmax(forward_from(model, embed_rows(model.embed, np.asarray(s)), 0, keep=keep))
+            lp = log_softmax(forward_from(model, model.embed_tokens(np.asarray(s)), 0, keep=keep))
             p = np.exp(lp)
             neg_entropy += float(np.einsum("tv,tv->", p, lp, dtype=np.float64))
             probs.append(p)
@@ -218,7 +217,7 @@ class Reference:
         """Mean KL(reference || model) per token, nats; the model's layers before `start` must be the reference's."""
         cross = 0.0
         for s, p, hid in zip(self.seqs, self.probs, self.hidden):
-            x = embed_rows(model.embed, np.asarray(s)) if start == 0 else hid[start]
+            x = model.embed_tokens(np.asarray(s)) if start == 0 else hid[start]
             cross += float(np.einsum("tv,tv->", p, log_softmax(forward_from(model, x, start)), dtype=np.float64))
         return (self.neg_entropy - cross) / sum(len(s) for s in self.seqs)
 

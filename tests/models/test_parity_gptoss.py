@@ -110,3 +110,14 @@ def test_granite_config_refuses_a_zero_multiplier():
               "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10, "logits_scaling": 0.0}
     with pytest.raises(ModelFormatError, match="logits_scaling"):
         spec_from_config(config)
+
+
+def test_the_planners_forward_pass_applies_granites_multipliers(tmp_path):
+    """`colibri convert --budget` measures sensitivity with its own resumable pass: it must be the model's."""
+    from engine.plan.sensitivity import forward_from
+
+    model_type, overrides = CASES["granitemoe-multipliers"]
+    model = load_model(build_checkpoint(tmp_path / "g", model_type, **overrides)).model
+    ours = model.forward(PROMPT, KVCache(model.spec, 64), all_logits=True)
+    planned = forward_from(model, model.embed_tokens(np.asarray(PROMPT)), 0)
+    assert relative_error(planned, ours) < 1e-5
