@@ -44,10 +44,12 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     """The spec of a gpt-oss config.json."""
     quant = cfg.opt("quantization_config", None, dict)
     if quant is not None:
+        method = quant.get("quant_method", "unknown")
+        what = "MXFP4 expert blocks and scales" if method == "mxfp4" else "a quantized layout"
         raise ModelFormatError(
-            f"{cfg.source}: this gpt-oss checkpoint is quantized ({quant.get('quant_method', 'unknown')!r}: "
-            "MXFP4 expert blocks and scales), which Colibri does not read yet; use a bfloat16 or float32 copy "
-            "(transformers can dequantize it on load and save_pretrained it)"
+            f"{cfg.source}: this gpt-oss checkpoint is quantized (quantization_config.quant_method {method!r}: "
+            f"{what}), which Colibri does not read yet; use a bfloat16 or float32 copy of the model "
+            "(transformers dequantizes it on load; save_pretrained then writes one)"
         )
     cfg = _with_defaults(cfg)
     n = cfg.req("num_hidden_layers")

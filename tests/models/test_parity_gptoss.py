@@ -44,9 +44,9 @@ CASES = {
     "granitemoe-multipliers": ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2,
                                                   embedding_multiplier=12.0, residual_multiplier=0.22,
                                                   attention_multiplier=0.05, logits_scaling=8.0)),
-    "granitemoe-top1-mqa-tied-bias": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=1,
+    "granitemoe-top1-mqa-tied-bias-scaled-embed": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=1,
                                                          num_key_value_heads=1, attention_bias=True,
-                                                         tie_word_embeddings=True)),
+                                                         tie_word_embeddings=True, embedding_multiplier=3.0)),
     "granitemoe-top3-linear-rope": ("granitemoe", dict(num_local_experts=6, num_experts_per_tok=3,
                                                        embedding_multiplier=2.0, residual_multiplier=1.5,
                                                        attention_multiplier=0.3, logits_scaling=0.5,
@@ -121,3 +121,11 @@ def test_the_planners_forward_pass_applies_granites_multipliers(tmp_path):
     ours = model.forward(PROMPT, KVCache(model.spec, 64), all_logits=True)
     planned = forward_from(model, model.embed_tokens(np.asarray(PROMPT)), 0)
     assert relative_error(planned, ours) < 1e-5
+
+
+def test_fused_experts_that_do_not_fit_the_config_are_refused(tmp_path):
+    folder = build_checkpoint(tmp_path / "bad", "granitemoe", num_local_experts=4, num_experts_per_tok=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))   # the tensors hold 96
+    with pytest.raises(ModelFormatError, match="input_linear.weight .*cannot hold"):
+        open_checkpoint(folder)
