@@ -1,4 +1,5 @@
-"""Grouped-query attention with a KV cache: projections, optional q/k norms, RoPE, causal softmax."""
+"""Grouped-query attention with a KV cache: projections, optional q/k norms, RoPE, causal softmax (with
+optional per-head sinks in its denominator, gpt-oss)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 The MoE block never holds routed experts itself: it asks an `ExpertSource` for the distinct
 experts a step needs (one request per layer step, the "Union" of the design), so that later
 sources can stream them from disk. Each call reports its routing (which experts, which weights,
-per token) so that the rest of the engine can cache, prefetch and display experts.
+per token) so that the rest of the engine can cache, prefetch and display experts. Experts with
+biases or gpt-oss's clamped SwiGLU run through `biased_expert`.
 """
 
 from __future__ import annotations
@@ -259,7 +260,11 @@ def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[n
 
 @dataclass(frozen=True)
 class MoE:
-    """A routed Mixture-of-Experts block with optional (gated) shared experts."""
+    """A routed Mixture-of-Experts block with optional (gated) shared experts.
+
+    gpt-oss adds a router bias and per-expert biases: the biases are held here, resident, for every expert
+    (a few KB each), so a streamed expert is its three matrices as for every family.
+    """
 
     spec: MoESpec
     layer: int
