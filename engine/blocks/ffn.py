@@ -66,7 +66,7 @@ def expert_bias_shapes(prefix: str, hidden: int, intermediate: int,
 
 @dataclass(frozen=True)
 class ExpertBiases:
-    """A layer's routed experts' biases, held resident beside the router (a few KB an expert)."""
+    """A layer's routed experts' biases, held resident beside the router (2 I + hidden floats an expert)."""
 
     gate: np.ndarray  # [E, I]
     up: np.ndarray    # [E, I]
@@ -263,7 +263,8 @@ class MoE:
     """A routed Mixture-of-Experts block with optional (gated) shared experts.
 
     gpt-oss adds a router bias and per-expert biases: the biases are held here, resident, for every expert
-    (a few KB each), so a streamed expert is its three matrices as for every family.
+    (2 I + hidden floats each, a small fraction of its matrices), so a streamed expert is its three
+    matrices as for every family.
     """
 
     spec: MoESpec
