@@ -122,6 +122,7 @@ class MLASpec:
     rope: RopeSpec
     scale: float
     bias: bool = False                # attention_bias on q_a_proj / kv_a_proj / o_proj
+    norm_eps: float | None = None     # eps of q_a_layernorm / kv_a_layernorm; None: the model's rms_eps
 
     @property
     def qk_head_dim(self) -> int:
@@ -149,6 +150,7 @@ class MoESpec:
     norm_topk_prob: bool = True       # renormalise the chosen experts' weights to sum to 1
     n_group: int = 1                  # group-limited routing (DeepSeek-V3)
     topk_group: int = 1
+    group_score: str = "top2"         # a group's rank: "top2" sum of its two best (V3) | "max" its best (V2)
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False     # e_score_correction_bias added for choice only
     shared_ffn: int = 0               # intermediate size of the shared expert(s); 0 = none

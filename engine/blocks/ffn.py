@@ -225,7 +225,8 @@ def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[n
     """Choose top-k experts per token from router logits [T, E] -> (ids [T, K], weights [T, K]).
 
     Without expert groups, one compiled row at a time (engine.kernels.rows.route_row: the fused
-    decode step routes with the same function); with groups (DeepSeek), in numpy.
+    decode step routes with the same function); with groups (DeepSeek), in numpy, each group ranked by
+    `spec.group_score`.
     """
     if spec.n_group == 1 and spec.scoring in ("softmax", "sigmoid"):
         scoring = SOFTMAX if spec.scoring == "softmax" else SIGMOID
@@ -240,9 +241,12 @@ def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[n
         scores /= scores.sum(axis=-1, keepdims=True)
     choice = scores + bias if bias is not None else scores.copy()
     if spec.n_group > 1:
-        # keep the topk_group groups whose two best experts score highest; mask the others
+        # keep the topk_group groups that score highest (sum of their two best, or their best); mask the others
         grouped = choice.reshape(t, spec.n_group, e // spec.n_group)
-        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)          # [T, G]
+        if spec.group_score == "max":
+            group_scores = grouped.max(axis=-1)                                   # [T, G]
+        else:
+            group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)      # [T, G]
         keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, : spec.topk_group]
         group_mask = np.zeros((t, spec.n_group), bool)
         np.put_along_axis(group_mask, keep, True, axis=-1)

@@ -64,6 +64,11 @@ class LatentAttention:
     bkv_a: np.ndarray | None = None
     bo: np.ndarray | None = None
 
+    @property
+    def latent_eps(self) -> float:
+        """The eps of the q and kv latent norms: the spec's own (DeepSeek keeps 1e-6), else the model's."""
+        return self.spec.norm_eps if self.spec.norm_eps is not None else self.rms_eps
+
     @classmethod
     def load(cls, spec: MLASpec, w: Weights, prefix: str, rotary: Rotary, rms_eps: float) -> "LatentAttention":
         """Take the block's tensors from `w`; splits kv_b_proj into its key and value halves."""
@@ -90,7 +95,7 @@ class LatentAttention:
             qa = linear(x, self.wq_a)
             if self.bq_a is not None:
                 qa = qa + self.bq_a
-            qa = rms_norm(qa, self.q_a_norm, self.rms_eps)
+            qa = rms_norm(qa, self.q_a_norm, self.latent_eps)
             if probe is not None:
                 probe(f"{p}.q_a_proj.weight", x)
                 probe(f"{p}.q_b_proj.weight", qa)
@@ -101,7 +106,7 @@ class LatentAttention:
         ckv = linear(x, self.wkv_a)                                     # [T, R+dr]
         if self.bkv_a is not None:
             ckv = ckv + self.bkv_a
-        latent = rms_norm(ckv[:, : s.kv_lora_rank], self.kv_a_norm, self.rms_eps)  # [T, R]
+        latent = rms_norm(ckv[:, : s.kv_lora_rank], self.kv_a_norm, self.latent_eps)  # [T, R]
         if probe is not None:
             probe(f"{p}.kv_b_proj.weight", latent)
         cos, sin = self.rotary.tables(positions)

@@ -40,6 +40,7 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
         rope=rope,
         scale=_softmax_scale(nope + rope_dim, rope),
         bias=cfg.opt("attention_bias", False, bool),
+        norm_eps=1e-6,                    # q_a_layernorm, kv_a_layernorm: RMSNorm's default, not rms_norm_eps
     )
     act = cfg.opt("hidden_act", "silu", str)
     n_experts, expert_ffn = cfg.first(("n_routed_experts", "num_local_experts")), cfg.req("moe_intermediate_size")

@@ -1,0 +1,154 @@
+"""GLM-4.5 (`glm4_moe`), DeepSeek-V2 and Kimi K2-shaped DeepSeek-V3 against transformers, on tiny random
+checkpoints read from disk: prompt logits within 1e-4 of the largest, 32 greedy tokens identical.
+
+The cases cover each family's options: GLM's partial RoPE (its default half, a quarter, all), q/k norms,
+q/k/v biases, expert groups, dense first layers and shared experts on and off; V2's greedy and
+group-limited routing, with and without a query low-rank, default and YaRN RoPE, the latent norms' own eps;
+K2's many experts in one group with its YaRN (beta_fast = beta_slow = 1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from engine.errors import ModelFormatError
+from engine.kv import KVCache
+from engine.loader import load_model
+from engine.models import spec_from_config
+from support.families import MLA
+from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+
+pytestmark = pytest.mark.parity
+
+PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 140, 31, 77, 2, 120, 56, 11]
+N_GREEDY = 32
+
+GLM_MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+YARN_UNEQUAL = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}
+K2_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16, "beta_fast": 1.0,
+           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+K2 = dict(MLA, q_lora_rank=32, n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1,
+          routed_scaling_factor=2.827, norm_topk_prob=True, rope_scaling=K2_YARN, max_position_embeddings=512)
+
+CASES = {
+    # GLM-4.5: half of each head rotating (transformers' default, which it writes into the config), no q/k
+    # norms, one dense layer
+    "glm-half-rope": ("glm4_moe", dict(GLM_MOE)),
+    "glm-qknorm-bias-groups-full-rope": ("glm4_moe", dict(
+        GLM_MOE, n_routed_experts=16, num_experts_per_tok=3, use_qk_norm=True, attention_bias=True, n_group=4,
+        topk_group=2, first_k_dense_replace=0, partial_rotary_factor=1.0, routed_scaling_factor=2.5,
+        norm_topk_prob=False, n_shared_experts=2)),
+    "glm-head-dim-quarter-rope-yarn": ("glm4_moe", dict(
+        GLM_MOE, head_dim=24, partial_rotary_factor=0.25, use_qk_norm=True, n_shared_experts=0,
+        first_k_dense_replace=2, num_hidden_layers=4, num_key_value_heads=1, rope_scaling=YARN,
+        tie_word_embeddings=True, rms_norm_eps=1e-6)),
+    "glm-groups-bias-no-dense": ("glm4_moe", dict(
+        GLM_MOE, attention_bias=True, n_group=2, topk_group=1, first_k_dense_replace=0, num_key_value_heads=4,
+        rope_theta=500000.0)),
+    # DeepSeek-V2-Lite: no query low-rank, greedy routing, two shared experts
+    "v2-lite-greedy": ("deepseek_v2", dict(MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3,
+                                           first_k_dense_replace=1, n_shared_experts=2)),
+    # DeepSeek-V2: query low-rank, group-limited routing (groups ranked by their best), YaRN, routed scaling
+    "v2-qlora-group-limited-yarn": ("deepseek_v2", dict(
+        MLA, q_lora_rank=32, n_routed_experts=16, num_experts_per_tok=3, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, routed_scaling_factor=4.0, first_k_dense_replace=1, n_shared_experts=1,
+        rope_scaling=YARN, attention_bias=True)),
+    "v2-greedy-unequal-mscale-top1": ("deepseek_v2", dict(
+        MLA, q_lora_rank=24, n_routed_experts=6, num_experts_per_tok=1, norm_topk_prob=True,
+        first_k_dense_replace=0, n_shared_experts=0, rope_scaling=YARN_UNEQUAL, rms_norm_eps=1e-2,
+        routed_scaling_factor=1.5)),
+    "v2-no-qlora-group-limited-dense-first": ("deepseek_v2", dict(
+        MLA, q_lora_rank=None, n_routed_experts=12, num_experts_per_tok=2, topk_method="group_limited_greedy",
+        n_group=3, topk_group=1, first_k_dense_replace=2, num_hidden_layers=4)),
+    # Kimi K2-shaped DeepSeek-V3: many experts, one group, K2's YaRN
+    # (a large rms_norm_eps: the latent norms keep 1e-6)
+    "k2-64-experts": ("deepseek_v3", dict(K2, n_routed_experts=64, num_experts_per_tok=6, rms_norm_eps=1e-2)),
+}
+SLOW_CASES = {
+    "k2-384-experts": ("deepseek_v3", dict(K2, n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=16,
+                                           num_hidden_layers=2)),
+}
+
+
+def _check(case: str, model_type: str, overrides: dict, tmp_path) -> None:
+    # a copy: transformers writes into the rope dicts it is given (partial_rotary_factor), which cases share
+    folder = build_checkpoint(tmp_path / case, model_type, **copy.deepcopy(overrides))
+    ref = load_reference(folder)
+    loaded = load_model(folder)
+    assert loaded.spec.architecture == ref.config.architectures[0]
+
+    cache = KVCache(loaded.spec, 256)
+    ours = loaded.model.forward(PROMPT, cache, all_logits=True)
+    expected = reference_logits(ref, PROMPT)
+    assert ours.shape == expected.shape
+    assert relative_error(ours, expected) < 1e-4
+
+    tokens, logits = [], ours[-1]
+    for _ in range(N_GREEDY):
+        tokens.append(int(logits.argmax()))
+        logits = loaded.model.forward([tokens[-1]], cache)[-1]
+    assert tokens == reference_greedy(ref, PROMPT, N_GREEDY)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_matches_transformers(case, tmp_path):
+    _check(case, *CASES[case], tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES))
+def test_many_expert_family_matches_transformers(case, tmp_path):
+    _check(case, *SLOW_CASES[case], tmp_path)
+
+
+def test_glm_spec_reads_the_references_defaults():
+    """Keys a GLM config leaves out take transformers' defaults: half of each head rotates, 8 KV heads."""
+    spec = spec_from_config({"architectures": ["Glm4MoeForCausalLM"], "hidden_size": 256, "num_attention_heads": 16,
+                             "num_hidden_layers": 3, "vocab_size": 100, "first_k_dense_replace": 1})
+    attn = spec.layers[0].attn
+    assert (attn.head_dim, attn.n_kv_heads, attn.rope.dim, attn.qk_norm) == (16, 8, 8, None)
+    moe = spec.layers[1].ffn
+    assert (moe.n_experts, moe.top_k, moe.shared_ffn, moe.scoring, moe.correction_bias) == (128, 8, 1408, "sigmoid", True)
+    assert spec.rms_eps == 1e-5 and spec.layers[0].ffn.intermediate == 10944
+
+
+V2 = {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "vocab_size": 100, "num_experts_per_tok": 2, "n_routed_experts": 8}
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"topk_method": "noaux_tc"}, "topk_method"),
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"norm_topk_prob": True}, "norm_topk_prob"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 1}, "n_group"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     "num_experts_per_tok"),
+])
+def test_deepseek_v2_refuses_what_it_does_not_run(change, key):
+    with pytest.raises(ModelFormatError, match=key):
+        spec_from_config({**V2, **change})
+
+
+def test_deepseek_v2_group_limited_routing_needs_its_groups():
+    with pytest.raises(ModelFormatError, match="n_group"):
+        spec_from_config({**V2, "topk_method": "group_limited_greedy"})
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"n_group": 3}, "n_group"),
+    ({"n_group": 8}, "n_group"),                               # one expert a group: no two best to rank by
+    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "num_experts_per_tok"),
+    ({"n_group": 2, "topk_group": 3}, "topk_group"),
+])
+def test_glm_refuses_groups_it_cannot_route(change, key):
+    config = {**V2, "architectures": ["Glm4MoeForCausalLM"], "num_key_value_heads": 4, **change}
+    with pytest.raises(ModelFormatError, match=key):
+        spec_from_config(config)
