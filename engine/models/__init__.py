@@ -20,6 +20,7 @@ from engine.models import (
     deepseek,
     deepseek_v2,
     glm4_moe,
+    glm4_moe_lite,
     gpt_oss,
     granitemoe,
     llama,
@@ -34,7 +35,8 @@ from engine.spec import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {
     arch: module
-    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe)
+    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
+                   glm4_moe_lite)
     for arch in module.ARCHITECTURES
 }
 

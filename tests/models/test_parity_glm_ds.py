@@ -65,6 +65,13 @@ CASES = {
     "v2-no-qlora-group-limited-dense-first": ("deepseek_v2", dict(
         MLA, q_lora_rank=None, n_routed_experts=12, num_experts_per_tok=2, topk_method="group_limited_greedy",
         n_group=3, topk_group=1, first_k_dense_replace=2, num_hidden_layers=4)),
+    # GLM-4.7-Flash: latent attention, GLM's router, dense and routed layers by mlp_layer_types
+    "glm-lite-qlora-interleaved": ("glm4_moe_lite", dict(MLA, q_lora_rank=32, n_routed_experts=8,
+                                                         num_experts_per_tok=2)),
+    "glm-lite-plain-rope-layer-types-groups": ("glm4_moe_lite", dict(
+        MLA, q_lora_rank=None, rope_interleave=False, mlp_layer_types=["sparse", "dense", "sparse", "dense"],
+        num_hidden_layers=4, n_routed_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2, n_shared_experts=0,
+        rope_scaling=YARN_UNEQUAL, attention_bias=True, norm_topk_prob=False)),
     # Kimi K2-shaped DeepSeek-V3: many experts, one group, K2's YaRN
     # (a large rms_norm_eps: the latent norms keep 1e-6)
     "k2-64-experts": ("deepseek_v3", dict(K2, n_routed_experts=64, num_experts_per_tok=6, rms_norm_eps=1e-2)),

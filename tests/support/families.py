@@ -20,4 +20,10 @@ FAMILIES = {
                                 swiglu_limit=0.5)),
     "granitemoe": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=4.0,
                                       residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)),
+    # no shared expert and one group, so that the fused step runs GLM's partial RoPE, q/k norms and biases
+    "glm4_moe": ("glm4_moe", dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, use_qk_norm=True,
+                                  attention_bias=True, n_shared_experts=0, first_k_dense_replace=1)),
+    "deepseek_v2": ("deepseek_v2", dict(MLA, q_lora_rank=None, n_routed_experts=16, num_experts_per_tok=3,
+                                        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                        routed_scaling_factor=2.0, first_k_dense_replace=1, n_shared_experts=1)),
 }
