@@ -16,7 +16,7 @@ import pytest
 from engine.errors import ModelFormatError
 from engine.kv import KVCache
 from engine.loader import load_model
-from engine.models import spec_from_config
+from engine.models import ignored_tensors, spec_from_config
 from support.families import MLA
 from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
 
@@ -159,3 +159,41 @@ def test_glm_refuses_groups_it_cannot_route(change, key):
     config = {**V2, "architectures": ["Glm4MoeForCausalLM"], "num_key_value_heads": 4, **change}
     with pytest.raises(ModelFormatError, match=key):
         spec_from_config(config)
+
+
+# the shapes of GLM-4.5 (355B) and DeepSeek-V2-Lite as their config.json files give them
+GLM45 = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "head_dim": 128, "hidden_size": 5120,
+         "intermediate_size": 12288, "max_position_embeddings": 131072, "moe_intermediate_size": 1536,
+         "n_group": 1, "n_routed_experts": 160, "n_shared_experts": 1, "norm_topk_prob": True,
+         "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 92, "num_key_value_heads": 8,
+         "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05, "rope_theta": 1000000,
+         "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": True, "vocab_size": 151552,
+         "first_k_dense_replace": 3, "eos_token_id": [151329, 151336, 151338], "tie_word_embeddings": False}
+V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "first_k_dense_replace": 1, "hidden_size": 2048,
+           "intermediate_size": 10944, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+           "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+           "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16, "num_experts_per_tok": 6,
+           "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None, "qk_nope_head_dim": 128,
+           "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000, "routed_scaling_factor": 1.0,
+           "scoring_func": "softmax", "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128,
+           "vocab_size": 102400, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                                   "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                                   "type": "yarn"}}
+
+
+def test_real_configs_parse_and_skip_their_mtp_layers():
+    glm = spec_from_config(GLM45)
+    attn, moe = glm.layers[0].attn, glm.layers[3].ffn
+    assert (attn.head_dim, attn.rope.dim, attn.qk_norm, attn.qkv_bias, attn.o_bias) == (128, 64, "head", True, False)
+    assert sum(isinstance(layer.ffn, type(moe)) for layer in glm.layers) == 89 and moe.shared_ffn == 1536
+    allowed = ignored_tensors(GLM45)
+    assert allowed.fullmatch("model.layers.92.mlp.experts.0.gate_proj.weight")
+    assert allowed.fullmatch("model.layers.92.eh_proj.weight")
+    assert not allowed.fullmatch("model.layers.91.mlp.experts.0.gate_proj.weight")
+
+    lite = spec_from_config(V2_LITE)
+    mla, moe = lite.layers[0].attn, lite.layers[1].ffn
+    assert mla.q_lora_rank is None and mla.rope.interleaved and mla.rope.kind == "yarn" and mla.norm_eps == 1e-6
+    assert mla.rope.cos_sin_scale == 1.0 and mla.scale > 192**-0.5       # mscale equal: on the scores only
+    assert (moe.scoring, moe.n_group, moe.top_k, moe.norm_topk_prob, moe.shared_ffn) == ("softmax", 1, 6, False, 2816)
+    assert not ignored_tensors(V2_LITE).fullmatch("model.layers.27.mlp.gate.weight")
