@@ -88,6 +88,17 @@ class Config:
         return out
 
 
+def with_defaults(cfg: Config, defaults: Mapping[str, Any], aliases: Mapping[str, str] | None = None) -> Config:
+    """The config with a family reference's defaults for the keys it leaves out (an alias, e.g. transformers'
+    `attribute_map`, counts as the key). A key present with null keeps its null: for some keys (q_lora_rank)
+    that is a choice, not an omission."""
+    data = dict(cfg.data)
+    for alias, key in (aliases or {}).items():
+        if key not in data and alias in data:
+            data[key] = data[alias]
+    return Config({**{k: v for k, v in defaults.items() if k not in data}, **data}, cfg.source)
+
+
 def rope_from_config(cfg: Config, dim: int, *, interleaved: bool = False) -> RopeSpec:
     """The RoPE of a config, from `rope_parameters` or the older `rope_theta` + `rope_scaling`."""
     for key in ("rope_scaling", "rope_parameters"):

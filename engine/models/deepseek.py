@@ -7,10 +7,30 @@ from __future__ import annotations
 import math
 
 from engine.errors import ModelFormatError
-from engine.models.config import ROPE_BUFFERS, Config, dense_mlp, model_fields, moe_counts, rope_from_config
+from engine.models.config import (
+    ROPE_BUFFERS,
+    Config,
+    dense_mlp,
+    model_fields,
+    moe_counts,
+    rope_from_config,
+    with_defaults,
+)
 from engine.spec import LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+# transformers' DeepseekV3Config defaults, for keys a config.json leaves out (q_lora_rank: an explicit null
+# means no query low-rank, a missing key the default rank); MTP layers are allowed only where a config counts them
+DEFAULTS = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, hidden_act="silu",
+    max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    rope_interleave=True, attention_bias=False,
+)
+ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 
 
 def _softmax_scale(qk_head_dim: int, rope) -> float:
@@ -23,7 +43,8 @@ def _softmax_scale(qk_head_dim: int, rope) -> float:
 
 
 def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
-    """The spec of a DeepSeek-V3 config.json."""
+    """The spec of a DeepSeek-V3 config.json (keys it leaves out take transformers' defaults)."""
+    cfg = with_defaults(cfg, DEFAULTS, ALIASES)
     scoring = cfg.opt("scoring_func", "sigmoid", str)
     if scoring != "sigmoid":
         raise ModelFormatError(f"{cfg.source}: scoring_func {scoring!r} is not supported for {architecture} (only sigmoid)")
@@ -78,6 +99,7 @@ def ignored_tensors(cfg: Config) -> tuple[str, ...]:
     (`model.layers.61.*`: their own embedding, norms, projection and decoder layer), used for speculative
     training, not by next-token decoding.
     """
+    cfg = with_defaults(cfg, DEFAULTS, ALIASES)
     n, mtp = cfg.req("num_hidden_layers"), cfg.opt("num_nextn_predict_layers", 0, int)
     cfg.require(mtp <= n, "num_nextn_predict_layers", mtp, f"at most num_hidden_layers ({n})")
     layers = "|".join(str(i) for i in range(n, n + mtp))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.models.config import Config, dense_mlp, model_fields, moe_counts, rope_from_config
-from engine.models.glm4_moe import mtp_and_empty_shared, with_defaults
+from engine.models.config import Config, dense_mlp, model_fields, moe_counts, rope_from_config, with_defaults
+from engine.models.glm4_moe import mtp_and_empty_shared
 from engine.spec import LayerSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM",)

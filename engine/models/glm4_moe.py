@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config import ROPE_BUFFERS, Config, dense_mlp, gqa_attention, model_fields, moe_counts
+from engine.models.config import (
+    ROPE_BUFFERS,
+    Config,
+    dense_mlp,
+    gqa_attention,
+    model_fields,
+    moe_counts,
+    with_defaults,
+)
 from engine.spec import LayerSpec, ModelSpec, MoESpec
 
 ARCHITECTURES = ("Glm4MoeForCausalLM",)
@@ -21,15 +29,6 @@ DEFAULTS: dict[str, Any] = dict(
     first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False, num_nextn_predict_layers=1,
 )
 ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
-
-
-def with_defaults(cfg: Config, defaults: dict[str, Any], aliases: dict[str, str]) -> Config:
-    """The config with the reference's defaults for the keys it leaves out (an alias counts as the key)."""
-    data = dict(cfg.data)
-    for alias, key in aliases.items():
-        if key not in data and alias in data:
-            data[key] = data[alias]
-    return Config({**{k: v for k, v in defaults.items() if k not in data}, **data}, cfg.source)
 
 
 def _rope_factor(cfg: Config) -> Config:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.models.config import Config, dense_mlp, model_fields
+from engine.models.config import Config, dense_mlp, model_fields, with_defaults
 from engine.models.deepseek_v2 import latent_attention
-from engine.models.glm4_moe import mtp_and_empty_shared, sigmoid_moe, with_defaults
+from engine.models.glm4_moe import mtp_and_empty_shared, sigmoid_moe
 from engine.spec import LayerSpec, ModelSpec
 
 ARCHITECTURES = ("Glm4MoeLiteForCausalLM",)

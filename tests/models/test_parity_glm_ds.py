@@ -186,3 +186,15 @@ def test_real_configs_parse_and_skip_their_mtp_layers():
     assert mla.rope.cos_sin_scale == 1.0 and mla.scale > 192**-0.5       # mscale equal: on the scores only
     assert (moe.scoring, moe.n_group, moe.top_k, moe.norm_topk_prob, moe.shared_ffn) == ("softmax", 1, 6, False, 2816)
     assert not ignored_tensors(V2_LITE).fullmatch("model.layers.27.mlp.gate.weight")
+
+
+def test_deepseek_v3_spec_reads_the_references_defaults():
+    """Keys a DeepSeek-V3 config leaves out take transformers' defaults (groups of 8, three dense layers, a
+    shared expert, a query low-rank), as the reference builds the model."""
+    spec = spec_from_config({"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
+                             "num_attention_heads": 4, "vocab_size": 100})
+    moe = spec.layers[3].ffn
+    assert [type(layer.ffn).__name__ for layer in spec.layers] == ["MLPSpec"] * 3 + ["MoESpec"]
+    assert (moe.n_experts, moe.n_group, moe.topk_group, moe.shared_ffn, moe.routed_scaling_factor) == \
+        (256, 8, 4, 2048, 2.5)
+    assert spec.layers[0].attn.q_lora_rank == 1536
