@@ -34,9 +34,10 @@ ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn
 
 
 def _softmax_scale(qk_head_dim: int, rope) -> float:
-    """head_dim^-0.5, times YaRN's mscale^2 when the context is extended with mscale_all_dim."""
+    """head_dim^-0.5, times YaRN's mscale^2 where a scaled RoPE (of any type, as transformers'
+    `yarn_apply_mscale`) sets mscale_all_dim."""
     scale = qk_head_dim**-0.5
-    if rope.kind == "yarn" and rope.mscale_all_dim and rope.factor > 1:
+    if rope.kind != "default" and rope.mscale_all_dim and rope.factor > 1:
         m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
         scale *= m * m
     return scale

@@ -72,6 +72,10 @@ CASES = {
         MLA, q_lora_rank=None, rope_interleave=False, mlp_layer_types=["sparse", "dense", "sparse", "dense"],
         num_hidden_layers=4, n_routed_experts=12, num_experts_per_tok=3, n_group=3, topk_group=2, n_shared_experts=0,
         rope_scaling=YARN_UNEQUAL, attention_bias=True, norm_topk_prob=False)),
+    # DeepSeek-V3 with a linear RoPE that sets mscale_all_dim: the reference scales the scores all the same
+    "v3-linear-rope-mscale": ("deepseek_v3", dict(MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2,
+                                                  n_group=1, topk_group=1, rope_scaling={
+                                                      "rope_type": "linear", "factor": 4.0, "mscale_all_dim": 1.0})),
     # Kimi K2-shaped DeepSeek-V3: many experts, one group, K2's YaRN
     # (a large rms_norm_eps: the latent norms keep 1e-6)
     "k2-64-experts": ("deepseek_v3", dict(K2, n_routed_experts=64, num_experts_per_tok=6, rms_norm_eps=1e-2)),
