@@ -5,12 +5,12 @@ by its best expert, unlike V3's two best), with routed scaling and shared expert
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from engine.models.config import Config, dense_mlp, model_fields, moe_counts, rope_from_config, with_defaults
+from engine.models.deepseek import _softmax_scale
 from engine.models.glm4_moe import mtp_and_empty_shared
-from engine.spec import LayerSpec, MLASpec, ModelSpec, MoESpec, RopeSpec
+from engine.spec import LayerSpec, MLASpec, ModelSpec, MoESpec
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM",)
 
@@ -29,16 +29,6 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 LATENT_EPS = 1e-6     # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, whatever rms_norm_eps says
 
 
-def softmax_scale(qk_head_dim: int, rope: RopeSpec) -> float:
-    """head_dim^-0.5, times YaRN's mscale^2 where a scaled RoPE sets mscale_all_dim (transformers'
-    `yarn_apply_mscale`: any RoPE type but the default)."""
-    scale = qk_head_dim**-0.5
-    if rope.kind != "default" and rope.mscale_all_dim and rope.factor > 1:
-        m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
-        scale *= m * m
-    return scale
-
-
 def latent_attention(cfg: Config, interleaved: bool) -> MLASpec:
     """The MLA block of a DeepSeek-style config; its RoPE covers the `qk_rope_head_dim` features."""
     rope_dim, nope = cfg.req("qk_rope_head_dim"), cfg.req("qk_nope_head_dim")
@@ -51,7 +41,7 @@ def latent_attention(cfg: Config, interleaved: bool) -> MLASpec:
         qk_rope_dim=rope_dim,
         v_head_dim=cfg.req("v_head_dim"),
         rope=rope,
-        scale=softmax_scale(nope + rope_dim, rope),
+        scale=_softmax_scale(nope + rope_dim, rope),     # V3's: the same in transformers
         bias=cfg.req("attention_bias", bool),
         norm_eps=LATENT_EPS,
     )
