@@ -30,7 +30,13 @@ class ThinkingModel:
     folder: Path
     text: str           # the whole answer with both markers
     reasoning: str      # between the markers
-    content: str        # before the opening marker and after the closing one
+    before: str         # the answer's text before the opening marker
+    after: str          # and after the closing one
+
+    @property
+    def content(self) -> str:
+        """The whole answer, without the reasoning."""
+        return self.before + self.after
 
 
 def _greedy_ids(folder: Path, messages: list[dict], n: int) -> list[int]:
@@ -78,4 +84,4 @@ def thinking_model(folder: Path) -> ThinkingModel:
     text = "".join(pieces[i] for i in ids)
     before, rest = text.split("<think>")
     reasoning, after = rest.split("</think>")
-    return ThinkingModel(folder, text, reasoning.strip("\n"), before + after.lstrip("\n"))
+    return ThinkingModel(folder, text, reasoning.strip("\n"), before.lstrip("\n"), after.lstrip("\n"))
