@@ -68,3 +68,34 @@ def test_history_reasoning_goes_back_to_the_template(server):
     without = httpx.post(server.url + "/v1/chat/completions", json=_body(False, plain), timeout=60).json()["usage"]
     # the template renders "(be kind) " for the assistant turn: 10 characters, one token each
     assert usage["prompt_tokens"] == without["prompt_tokens"] + len("(be kind) ")
+
+
+def test_a_remote_service_gets_the_reasoning_apart(thinking, server):
+    """The desktop app on another machine: RemoteService reads `reasoning_content` from the stream."""
+    import threading
+
+    from app.service.messages import Generation, ModelLoaded
+    from app.service.remote import RemoteService
+    from engine.events import DoneEvent, TokenEvent
+    from engine.generation.sampling import SamplingParams
+
+    events: list = []
+    arrived = threading.Event()
+
+    def listen(event) -> None:
+        events.append(event)
+        if isinstance(event, ModelLoaded) or (isinstance(event, Generation) and isinstance(event.event, DoneEvent)):
+            arrived.set()
+
+    with RemoteService(server.url, on_event=listen) as remote:
+        remote.load()
+        assert arrived.wait(60) and any(isinstance(e, ModelLoaded) for e in events)
+        arrived.clear()
+        remote.generate(messages=MESSAGES, sampling=SamplingParams(), max_tokens=ANSWER_TOKENS)
+        assert arrived.wait(60)
+    stream = [e.event for e in events if isinstance(e, Generation)]
+    tokens = [e for e in stream if isinstance(e, TokenEvent)]
+    done = stream[-1]
+    assert (done.reasoning, done.text) == (thinking.reasoning, thinking.content)
+    assert "".join(t.reasoning for t in tokens) == thinking.reasoning
+    assert "".join(t.text for t in tokens) == thinking.content
