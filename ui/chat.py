@@ -13,8 +13,17 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QFont, QFontDatabase, QKeyEvent, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFormat
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import (
+    QFont,
+    QFontDatabase,
+    QKeyEvent,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextDocument,
+    QTextFormat,
+)
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
@@ -63,8 +72,7 @@ class Transcript(QTextBrowser):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setOpenExternalLinks(True)
-        self.setOpenLinks(False)                # the reasoning blocks' links toggle them; web links still open
-        self.anchorClicked.connect(self._on_anchor)
+        self.anchorClicked.connect(self._on_anchor)     # a reasoning block's link opens or closes it
         self.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction
                                      | Qt.TextInteractionFlag.TextSelectableByKeyboard)
         self.document().setDocumentMargin(12)
@@ -184,10 +192,15 @@ class Transcript(QTextBrowser):
         """Whether the reasoning of turn `key` (LIVE: of the answer being written) is shown."""
         return key in self._open
 
-    def _on_anchor(self, url) -> None:
-        fragment = url.fragment()
-        if url.isRelative() and fragment.startswith(THINKING):
-            self.toggle_reasoning(int(fragment[len(THINKING):]))
+    def _on_anchor(self, url: QUrl) -> None:
+        if _reasoning_link(url):
+            self.toggle_reasoning(int(url.fragment()[len(THINKING):]))
+
+    def doSetSource(self, name: QUrl, type: QTextDocument.ResourceType = QTextDocument.ResourceType.UnknownResource
+                    ) -> None:
+        """Links are followed as QTextBrowser does, except a reasoning block's (it toggles in place)."""
+        if not _reasoning_link(name):
+            super().doSetSource(name, type)
 
     @property
     def answering(self) -> bool:
@@ -246,7 +259,8 @@ class Transcript(QTextBrowser):
         link.setAnchorHref(f"#{THINKING}{key}")
         link.setForeground(colors.muted)
         shown = key in self._open
-        cursor.insertText(f"{'▾' if shown else '▸'} Reasoning ({len(text.split())} words)", link)
+        words = len(text.split())
+        cursor.insertText(f"{'▾' if shown else '▸'} Reasoning ({words} word{'' if words == 1 else 's'})", link)
         if shown:
             block = QTextBlockFormat()
             block.setLeftMargin(14)
@@ -299,6 +313,10 @@ class Transcript(QTextBrowser):
     def _scroll_to_end(self) -> None:
         bar = self.verticalScrollBar()
         bar.setValue(bar.maximum())
+
+
+def _reasoning_link(url: QUrl) -> bool:
+    return url.isRelative() and url.fragment().startswith(THINKING)
 
 
 class _SendOnEnter(QObject):

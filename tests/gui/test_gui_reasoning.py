@@ -67,6 +67,40 @@ def test_past_answers_show_their_reasoning_closed_until_clicked(qtbot):
     assert view.reasoning_open(1)
 
 
+def test_web_links_in_an_answer_still_open(qtbot):
+    """The reasoning links toggle in place; an answer's web link still goes to the system's browser."""
+    from PySide6.QtCore import QObject, QUrl, Slot
+    from PySide6.QtGui import QDesktopServices
+
+    from ui.chat import Transcript
+
+    class Opened(QObject):
+        def __init__(self):
+            super().__init__()
+            self.urls: list[str] = []
+
+        @Slot(QUrl)
+        def open(self, url: QUrl) -> None:
+            self.urls.append(url.toString())
+
+    opened = Opened()
+    QDesktopServices.setUrlHandler("https", opened, "open")
+    try:
+        view = Transcript()
+        qtbot.addWidget(view)
+        view.resize(600, 400)
+        view.show()
+        view.show_conversation(Conversation.new().with_turn(Turn("user", "q")).with_turn(
+            Turn("assistant", "see [the site](https://example.org/x)", {"tokens": 1}, "one")))
+        _click_link(qtbot, view, "▸ Reasoning (1 word)")
+        qtbot.waitUntil(lambda: view.reasoning_open(1))
+        _click_link(qtbot, view, "the site")
+        qtbot.waitUntil(lambda: opened.urls == ["https://example.org/x"])
+        assert "one\nsee the site" in view.toPlainText()
+    finally:
+        QDesktopServices.unsetUrlHandler("https")
+
+
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory):
     return thinking_model(tmp_path_factory.mktemp("thinking"))
