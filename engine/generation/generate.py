@@ -26,6 +26,7 @@ from engine.generation.sampling import History, SamplingParams, apply_processors
 from engine.generation.speculative import DraftModel, SpeculationController, SpeculativeSettings, make_drafter, verify
 from engine.kv import KVCache, KVFullError
 from engine.models.transformer import Transformer
+from engine.tokenizer.detokenize import StreamDecoder
 from engine.tokenizer.reasoning import ReasoningFormat, open_parser
 from engine.tokenizer.text import clean_text
 
@@ -299,11 +300,10 @@ def stream_generate(
     yield DoneEvent(reason, tuple(tokens), "".join(text), stats, end.content, "".join(thought), end.reasoning)
 
 
-def request_decoder(tokenizer, request: GenerationRequest):
+def request_decoder(tokenizer, request: GenerationRequest) -> StreamDecoder | None:
     """The stream decoder `request` reads its text with (None without a tokenizer): special tokens skipped as it
     asks, the markers of its reasoning format kept."""
     if tokenizer is None:
         return None
     keep = request.reasoning.marker_ids if request.reasoning is not None else frozenset()
     return tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens, keep_ids=keep)
-
