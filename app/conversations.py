@@ -42,12 +42,15 @@ class Turn:
     role: str                                   # "user" | "assistant"
     content: str
     stats: Mapping[str, Any] | None = None      # answers: ttft_s, tok_s, tokens, finish_reason, model
+    reasoning: str = ""                         # answers: the model's reasoning, apart from the answer
 
     def to_json(self) -> dict[str, Any]:
-        """Plain values for the file."""
+        """Plain values for the file (reasoning only when there is some)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.stats is not None:
             out["stats"] = dict(self.stats)
+        if self.reasoning:
+            out["reasoning"] = self.reasoning
         return out
 
 
@@ -96,9 +99,11 @@ class Conversation:
         return replace(self, turns=turns, updated=time.time())
 
     def messages(self) -> list[dict[str, str]]:
-        """The chat template's input: the system prompt (when set), then the turns."""
+        """The chat template's input: the system prompt (when set), then the turns (an answer's reasoning as
+        `reasoning_content`: the template decides whether to keep it)."""
         head = [{"role": "system", "content": self.system}] if self.system.strip() else []
-        return head + [{"role": t.role, "content": t.content} for t in self.turns]
+        return head + [{"role": t.role, "content": t.content, **({"reasoning_content": t.reasoning} if t.reasoning
+                                                                 else {})} for t in self.turns]
 
     def to_json(self) -> dict[str, Any]:
         """The file's content."""
@@ -123,7 +128,10 @@ class Conversation:
             for t in data["turns"]:
                 if t["role"] not in ROLES or not isinstance(t["content"], str):
                     raise ValueError(f"a turn with role {t['role']!r} is not a chat turn")
-                turns.append(Turn(t["role"], t["content"], t.get("stats")))
+                reasoning = t.get("reasoning", "")
+                if not isinstance(reasoning, str):
+                    raise ValueError(f"a turn's reasoning is {type(reasoning).__name__}, not text")
+                turns.append(Turn(t["role"], t["content"], t.get("stats"), reasoning))
             known = Sampling.__dataclass_fields__
             sampling = Sampling(**{k: v for k, v in (data.get("sampling") or {}).items() if k in known})
             return cls(str(data["id"]), str(data["title"]), float(data["created"]), float(data["updated"]),

@@ -54,11 +54,15 @@ class PromptLogitsEvent:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token and the text it completes (may be empty while UTF-8 or a stop string is pending)."""
+    """One generated token and the text it completes (may be empty while UTF-8 or a stop string is pending).
+
+    For a chat whose model reasons apart (engine.tokenizer.reasoning), `text` is the answer's part and
+    `reasoning` the reasoning's; the format's markers are in neither."""
 
     index: int
     token_id: int
     text: str
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class DoneEvent:
     text: str                   # the whole generated text, stop string removed
     stats: GenerationStats
     tail: str = ""              # the end of `text` that no TokenEvent carried (it was held back)
+    reasoning: str = ""         # the whole reasoning, apart from `text` (empty unless the request splits it)
+    reasoning_tail: str = ""    # the end of `reasoning` that no TokenEvent carried
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@ Regenerate, the system prompt and sampling settings, and a stats line under ever
 
 Tokens only append to a string; the transcript re-renders the answer from it on a timer at
 REDRAW_HZ, so the UI never paints once per token. Conversations are saved (app.conversations)
-when a question is sent and when its answer ends.
+when a question is sent and when its answer ends. A model's reasoning (sent apart from the answer:
+engine.tokenizer.reasoning) shows above its answer as a block that a click on its "Reasoning" line
+opens or closes: open while the answer is being written, closed in the answers of the past.
 """
 
 from __future__ import annotations
@@ -11,8 +13,17 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from PySide6.QtCore import QEvent, QObject, Qt, QTimer, Signal
-from PySide6.QtGui import QFont, QFontDatabase, QKeyEvent, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFormat
+from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import (
+    QFont,
+    QFontDatabase,
+    QKeyEvent,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextDocument,
+    QTextFormat,
+)
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QHBoxLayout,
@@ -37,6 +48,8 @@ from ui.theme import chat_colors
 log = logging.getLogger(__name__)
 
 REDRAW_HZ = 30      # the streaming answer is re-rendered at most this often
+THINKING = "reasoning-"     # the reasoning blocks' link targets: "#reasoning-<turn index>" (LIVE: the answer)
+LIVE = -1
 
 
 def stats_line(stats: dict) -> str:
@@ -59,12 +72,15 @@ class Transcript(QTextBrowser):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setOpenExternalLinks(True)
+        self.anchorClicked.connect(self._on_anchor)     # a reasoning block's link opens or closes it
         self.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction
                                      | Qt.TextInteractionFlag.TextSelectableByKeyboard)
         self.document().setDocumentMargin(12)
         self._shown: Conversation | None = None  # the conversation as last rendered whole
         self._answer_start: int | None = None   # document position where the streaming answer begins
         self._text = ""                         # the answer so far
+        self._thought = ""                      # the answer's reasoning so far
+        self._open: set[int] = set()            # turns (LIVE: the answer) whose reasoning is shown
         self._dirty = False
         self.redraws = 0                        # answer renders (tests check they stay below the token count)
         self._timer = QTimer(self)
@@ -84,10 +100,15 @@ class Transcript(QTextBrowser):
         self.stop_answer()
         self._shown = conv
         self.clear()
-        for turn in conv.turns:
+        for i, turn in enumerate(conv.turns):
             self._header(turn.role)
             if turn.role == "assistant":
-                self._markdown(turn.content)
+                start = None
+                if turn.reasoning:
+                    cursor = self._end_block()
+                    self._insert_reasoning(cursor, turn.reasoning, i)
+                    start = cursor.position()
+                self._markdown(turn.content, start=start)
                 if turn.stats:
                     self._note(stats_line(dict(turn.stats)))
             else:
@@ -116,20 +137,24 @@ class Transcript(QTextBrowser):
         self._header("assistant")
         cursor = self._end_block()
         self._answer_start = cursor.position()
-        self._text, self._dirty = "", True
+        self._text, self._thought, self._dirty = "", "", True
+        self._open.add(LIVE)
         self._timer.start()
 
-    def add_text(self, text: str) -> None:
-        """Append to the answer (drawn at the next tick, not now)."""
-        if text:
+    def add_text(self, text: str, reasoning: str = "") -> None:
+        """Append to the answer and to its reasoning (drawn at the next tick, not now)."""
+        if text or reasoning:
             self._text += text
+            self._thought += reasoning
             self._dirty = True
 
-    def end_answer(self, text: str, note: str = "", error: bool = False) -> None:
-        """Draw the final answer and its stats line."""
+    def end_answer(self, text: str, note: str = "", error: bool = False, reasoning: str | None = None) -> None:
+        """Draw the final answer (and its reasoning: None keeps what streamed) and its stats line."""
         if self._answer_start is None:
             return
         self._text, self._dirty = text, True
+        if reasoning is not None:
+            self._thought = reasoning
         self._flush()
         self.stop_answer()
         if note:
@@ -144,6 +169,38 @@ class Transcript(QTextBrowser):
     def text(self) -> str:
         """The streaming answer's text so far."""
         return self._text
+
+    @property
+    def reasoning(self) -> str:
+        """The streaming answer's reasoning so far."""
+        return self._thought
+
+    def toggle_reasoning(self, key: int) -> None:
+        """Open or close the reasoning of turn `key` (LIVE: of the answer being written). A past turn's block
+        changes at once when no answer is being written, else when the conversation is next drawn whole."""
+        self._open ^= {key}
+        if key == LIVE:
+            self._dirty = True
+            self._flush()
+        elif not self.answering and self._shown is not None:
+            bar = self.verticalScrollBar()
+            where = bar.value()
+            self.show_conversation(self._shown)
+            bar.setValue(where)
+
+    def reasoning_open(self, key: int) -> bool:
+        """Whether the reasoning of turn `key` (LIVE: of the answer being written) is shown."""
+        return key in self._open
+
+    def _on_anchor(self, url: QUrl) -> None:
+        if _reasoning_link(url):
+            self.toggle_reasoning(int(url.fragment()[len(THINKING):]))
+
+    def doSetSource(self, name: QUrl, type: QTextDocument.ResourceType = QTextDocument.ResourceType.UnknownResource
+                    ) -> None:
+        """Links are followed as QTextBrowser does, except a reasoning block's (it toggles in place)."""
+        if not _reasoning_link(name):
+            super().doSetSource(name, type)
 
     @property
     def answering(self) -> bool:
@@ -161,7 +218,11 @@ class Transcript(QTextBrowser):
         cursor.setPosition(self._answer_start)
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
         cursor.removeSelectedText()
-        self._markdown(self._text if self._text else "…", start=self._answer_start)
+        start = self._answer_start
+        if self._thought:
+            self._insert_reasoning(cursor, self._thought, LIVE)
+            start = cursor.position()
+        self._markdown(self._text if self._text else ("" if self._thought else "…"), start=start)
         if follow:
             self._scroll_to_end()
 
@@ -188,6 +249,27 @@ class Transcript(QTextBrowser):
         fmt.setFontWeight(QFont.Weight.Bold)
         fmt.setForeground(colors.user if role == "user" else colors.assistant)
         cursor.insertText({"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role), fmt)
+
+    def _insert_reasoning(self, cursor: QTextCursor, text: str, key: int) -> None:
+        """Reasoning at `cursor` (the end, in an empty block): a "Reasoning" link that opens or closes it, then
+        the text, muted, when open; `cursor` ends in a fresh block for the answer."""
+        colors = chat_colors(self.palette())
+        link = QTextCharFormat()
+        link.setAnchor(True)
+        link.setAnchorHref(f"#{THINKING}{key}")
+        link.setForeground(colors.muted)
+        shown = key in self._open
+        words = len(text.split())
+        cursor.insertText(f"{'▾' if shown else '▸'} Reasoning ({words} word{'' if words == 1 else 's'})", link)
+        if shown:
+            block = QTextBlockFormat()
+            block.setLeftMargin(14)
+            body = QTextCharFormat()
+            body.setForeground(colors.muted)
+            body.setFontItalic(True)
+            cursor.insertBlock(block, body)
+            cursor.insertText(text, body)
+        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
 
     def _plain(self, text: str) -> None:
         cursor = self._end_block()
@@ -233,6 +315,10 @@ class Transcript(QTextBrowser):
         bar.setValue(bar.maximum())
 
 
+def _reasoning_link(url: QUrl) -> bool:
+    return url.isRelative() and url.fragment().startswith(THINKING)
+
+
 class _SendOnEnter(QObject):
     """Enter sends, Shift+Enter starts a new line, Escape stops the answer."""
 
@@ -266,6 +352,7 @@ class ChatPanel(QWidget):
         self._answering: Conversation | None = None  # the conversation that answer belongs to
         self._tokens = 0
         self._partial = ""                      # the answer in flight so far (shown or not)
+        self._partial_reasoning = ""            # and its reasoning
         self._build()
         bridge.generation.connect(self._on_generation)
         self._show(self.conversation)
@@ -348,7 +435,7 @@ class ChatPanel(QWidget):
         self._show(conv)
         if self._answering is not None and self._answering.id == conv.id:   # back to the answer being written
             self.transcript.begin_answer()
-            self.transcript.add_text(self._partial)
+            self.transcript.add_text(self._partial, self._partial_reasoning)
         self._update_buttons()
 
     def new_conversation(self) -> None:
@@ -412,7 +499,7 @@ class ChatPanel(QWidget):
         s = self.conversation.sampling
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, repetition_penalty=s.repetition_penalty)
         self._answering = self.conversation
-        self._tokens, self._partial = 0, ""
+        self._tokens, self._partial, self._partial_reasoning = 0, "", ""
         self._request = self.bridge.service.generate(messages=self.conversation.messages(), sampling=params,
                                                      max_tokens=s.max_tokens)
         self.transcript.begin_answer()
@@ -426,8 +513,9 @@ class ChatPanel(QWidget):
         if isinstance(event, TokenEvent):
             self._tokens += 1
             self._partial += event.text
+            self._partial_reasoning += event.reasoning
             if shown:
-                self.transcript.add_text(event.text)
+                self.transcript.add_text(event.text, event.reasoning)
             if self._tokens == 1 or self._tokens % 16 == 0:
                 self._set_status(f"Writing… {self._tokens} tokens")
         elif isinstance(event, ProgressEvent):
@@ -448,13 +536,13 @@ class ChatPanel(QWidget):
                  "finish_reason": done.finish_reason, "model": self.info.name if self.info else None}
         conv = self._answering
         self._request = self._answering = None
-        if conv is not None and (done.text or done.finish_reason != "cancelled"):
-            conv = conv.with_turn(Turn("assistant", done.text, stats))
+        if conv is not None and (done.text or done.reasoning or done.finish_reason != "cancelled"):
+            conv = conv.with_turn(Turn("assistant", done.text, stats, done.reasoning))
             self._save(conv)
             if conv.id == self.conversation.id:
                 self.conversation = conv
         if shown and self.transcript.answering:
-            self.transcript.end_answer(done.text, stats_line(stats))
+            self.transcript.end_answer(done.text, stats_line(stats), reasoning=done.reasoning)
             self.transcript.remember(self.conversation)
         elif shown:
             self.transcript.show_conversation(self.conversation)

@@ -4,6 +4,8 @@ Multi-turn history goes through the model's chat template; `/reset` forgets it, 
 Ctrl-D) leaves, Ctrl-C stops the answer being written and keeps the chat open. A `--session` file is
 held by one chat at a time (a second is refused before its model loads); a save that fails, on a full
 disk say, is reported in one line and the chat goes on, the file keeping its last good save.
+A model that reasons apart (engine.tokenizer.reasoning) shows its reasoning under a "[thinking]" line, dimmed
+on a terminal, then its answer under "[answer]"; the history keeps the reasoning for the template.
 """
 
 from __future__ import annotations
@@ -95,8 +97,12 @@ class ChatSession:
         from engine.generation.scheduler import Scheduler
 
         self.messages.append({"role": "user", "content": text})
-        ids = self.loaded.tokenizer.encode_chat(self.messages, add_generation_prompt=True)
-        request = GenerationRequest(prompt=tuple(ids), max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop)
+        tokenizer = self.loaded.tokenizer
+        prompt = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        fmt = tokenizer.reasoning_format
+        request = GenerationRequest(prompt=tuple(ids), max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop,
+                                    reasoning=fmt.after(prompt) if fmt is not None else None)
         sched = Scheduler(self.loaded.model, self.pool, max_len=self.ctx, tokenizer=self.loaded.tokenizer,
                           stop_ids=self.loaded.stop_ids)
         seq = sched.submit(request, cancel, self.cache, keep=True)
@@ -113,7 +119,10 @@ class ChatSession:
                 self.reused = seq.reused
         finally:
             if done is not None:
-                self.messages.append({"role": "assistant", "content": done.text})
+                turn = {"role": "assistant", "content": done.text}
+                if done.reasoning:
+                    turn["reasoning_content"] = done.reasoning
+                self.messages.append(turn)
             else:
                 self.messages.pop()  # the turn failed or was abandoned before it ended: forget it
 
@@ -135,6 +144,37 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+class AnswerWriter:
+    """Writes an answer as it streams: its reasoning under a "[thinking]" line (dimmed when `color`), then the
+    answer under "[answer]"; an answer without reasoning is written as it comes."""
+
+    DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, out, color: bool):
+        self.out, self.color = out, color
+        self.part = ""              # "" (nothing yet), "reasoning" or "answer"
+
+    def write(self, text: str, reasoning: str = "") -> None:
+        """Add pieces of the answer and of its reasoning."""
+        if reasoning:
+            if self.part != "reasoning":
+                self.out.write((self.DIM if self.color else "") + "[thinking]\n")
+                self.part = "reasoning"
+            self.out.write(reasoning)
+        if text:
+            if self.part == "reasoning":
+                self.out.write((self.RESET if self.color else "") + "\n[answer]\n")
+            self.part = "answer"
+            self.out.write(text)
+        self.out.flush()
+
+    def end(self) -> None:
+        """The answer is complete: leave the terminal's colours as they were."""
+        if self.part == "reasoning" and self.color:
+            self.out.write(self.RESET)
+        self.out.flush()
 
 
 def _save(session: ChatSession, sessions) -> None:
@@ -190,16 +230,19 @@ def _chat(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
         # Ctrl-C while answering only raises the flag: the generator sees it before its next
         # forward pass and ends the answer cleanly (an exception inside it would lose the turn)
         previous = signal.signal(signal.SIGINT, lambda *_: cancel.set())
+        writer = AnswerWriter(sys.stdout, sys.stdout.isatty())
         try:
             for event in session.answer(text, cancel):
                 if isinstance(event, TokenEvent):
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
+                    writer.write(event.text, event.reasoning)
                 elif isinstance(event, ErrorEvent):
+                    writer.end()
                     print(f"\nerror: {event.message}", file=sys.stderr)
                 elif isinstance(event, DoneEvent):
                     s = event.stats
-                    sys.stdout.write(event.tail + "\n")
+                    writer.write(event.tail, event.reasoning_tail)
+                    writer.end()
+                    sys.stdout.write("\n")
                     sys.stdout.flush()
                     if event.finish_reason == "cancelled":
                         print("[stopped]", file=sys.stderr)

@@ -19,6 +19,7 @@ from app.service.local import EngineService, Generation, QueueFull, ServiceEvent
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent
 from engine.generation.sampling import SamplingParams
+from engine.tokenizer.reasoning import ReasoningFormat
 
 __all__ = ["Counters", "QueueFull", "Served", "Ticket"]
 
@@ -98,8 +99,9 @@ class Served:
         return self.info.settings.context_length
 
     def submit(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-               loop: asyncio.AbstractEventLoop) -> Ticket:
-        """Start a generation; raises QueueFull when too many wait for room in the batch."""
+               loop: asyncio.AbstractEventLoop, reasoning: ReasoningFormat | None = None) -> Ticket:
+        """Start a generation (its text split into reasoning and answer by `reasoning`, when given); raises
+        QueueFull when too many wait for room in the batch."""
         ticket = Ticket(self.service)
 
         def listen(event: ServiceEvent) -> None:     # engine thread
@@ -113,7 +115,7 @@ class Served:
 
         try:
             ticket.request = self.service.generate(prompt, sampling=sampling, max_tokens=max_tokens, stop=stop,
-                                                   listener=listen)
+                                                   listener=listen, reasoning=reasoning)
         except QueueFull:
             self.counters.rejected += 1
             raise

@@ -1,5 +1,8 @@
 """The OpenAI-compatible routes: `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions`,
-streamed as server-sent events ending with `data: [DONE]` (`"stream": true`) or whole.
+streamed as server-sent events ending with `data: [DONE]` (`"stream": true`) or whole. A chat with a model that
+reasons apart (its template has a reasoning format: engine.tokenizer.reasoning) answers its reasoning in
+`reasoning_content` (in `message`, or in streamed `delta`s) and only the answer in `content`; a message's
+`reasoning_content` goes back to the template.
 
 Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type
 (a JSON boolean is no number), a value out of range, an unknown model, a prompt longer than the context (with the
@@ -36,6 +39,7 @@ from app.server.errors import sse as _sse
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
+from engine.tokenizer.reasoning import ReasoningFormat
 
 RETRY_AFTER = 2             # seconds a client is told to wait when the queue is full
 
@@ -149,6 +153,8 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None       # harmless: a chat template has no place for it
+    reasoning_content: StrictStr | None = None   # an assistant turn's reasoning, as answers give it (the template
+                                                 # decides whether to keep it)
     tool_calls: Any = None
     audio: Any = None
 
@@ -195,12 +201,15 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         _check_model(body.model)
         if tokenizer is None or not tokenizer.has_chat_template:
             raise ApiError(400, f"{engine.name} has no chat template; use /v1/completions", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                     "reasoning_content": m.reasoning_content} for m in body.messages]
         try:
-            prompt = tokenizer.encode_chat(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            prompt = tokenizer.encode(text, add_special_tokens=False)
         except ColibriError as exc:
             raise ApiError(400, str(exc), "messages") from None
-        return await _generate(body, prompt, request, chat=True)
+        fmt = tokenizer.reasoning_format
+        return await _generate(body, prompt, request, chat=True, reasoning=fmt.after(text) if fmt else None)
 
     @app.post("/v1/completions", responses=responses(400, 401, 404, 408, 413, 429, 503, stream=True))
     async def completions(body: CompletionBody, request: Request):
@@ -229,7 +238,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(404, f"model {name!r} is not served here; GET /v1/models lists {engine.name!r}",
                            "model", "model_not_found")
 
-    async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool):
+    async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool,
+                        reasoning: ReasoningFormat | None = None):
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         room = engine.ctx - len(prompt)
@@ -246,7 +256,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         sampling = body.sampling(engine.info.vocab_size)
         try:
             ticket = engine.submit(list(prompt), max_tokens=limit or room, sampling=sampling, stop=stops,
-                                   loop=asyncio.get_running_loop())
+                                   loop=asyncio.get_running_loop(), reasoning=reasoning)
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER)}) from None
@@ -281,8 +291,10 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if event.finish_reason == "cancelled":      # the client left (its ticket's watcher saw it): nobody reads
             return error(499, "the client closed the request")
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": event.text},
-                      "finish_reason": _finish(event), "logprobs": None}
+            message = {"role": "assistant", "content": event.text}
+            if event.reasoning:
+                message["reasoning_content"] = event.reasoning
+            choice = {"index": 0, "message": message, "finish_reason": _finish(event), "logprobs": None}
             kind = "chat.completion"
         else:
             choice = {"index": 0, "text": event.text, "finish_reason": _finish(event), "logprobs": None}
@@ -309,6 +321,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             while True:
                 event = await ticket.events.get()
                 if isinstance(event, TokenEvent):
+                    if event.reasoning and chat:
+                        yield chunk({"reasoning_content": event.reasoning}, None)
                     if event.text:
                         yield chunk({"content": event.text} if chat else event.text, None)
                 elif isinstance(event, ErrorEvent):
@@ -316,6 +330,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                                           "param": None, "code": None}})
                     break
                 elif isinstance(event, DoneEvent):
+                    if event.reasoning_tail and chat:
+                        yield chunk({"reasoning_content": event.reasoning_tail}, None)
                     if event.tail:
                         yield chunk({"content": event.tail} if chat else event.tail, None)
                     yield chunk({} if chat else "", _finish(event))

@@ -304,12 +304,14 @@ class EngineThread:
             self._answer(req.id, ErrorEvent("no model is loaded: open one first"))
             return
         try:
-            prompt = req.prompt if req.prompt is not None else tuple(self._chat_prompt(model.loaded, req.messages))
+            prompt, reasoning = (req.prompt, req.reasoning) if req.prompt is not None else \
+                self._chat_prompt(model.loaded, req.messages)
             sched = model.batcher()
         except ColibriError as exc:
             self._answer(req.id, ErrorEvent(_message(exc)))
             return
-        request = GenerationRequest(prompt=prompt, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop)
+        request = GenerationRequest(prompt=prompt, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop,
+                                    reasoning=reasoning)
         if not self._live:
             model.telemetry.begin()
         seq = sched.submit(request, cancel)
@@ -369,12 +371,16 @@ class EngineThread:
                 self._answer(req.id, ErrorEvent(message))
 
     @staticmethod
-    def _chat_prompt(loaded, messages: tuple[ChatMessage, ...]) -> list[int]:
-        if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
+    def _chat_prompt(loaded, messages: tuple[ChatMessage, ...]):
+        """The prompt ids of a conversation and the reasoning format its answer is split with (None: none)."""
+        tokenizer = loaded.tokenizer
+        if tokenizer is None or not tokenizer.has_chat_template:
             raise ColibriError(f"{loaded.name} has no chat template, so it cannot chat; "
                                "send token ids, or open an instruction-tuned model")
-        return loaded.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages],
-                                            add_generation_prompt=True)
+        chat = [{"role": m.role, "content": m.content, "reasoning_content": m.reasoning or None} for m in messages]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+        fmt = tokenizer.reasoning_format
+        return tuple(tokenizer.encode(text, add_special_tokens=False)), fmt.after(text) if fmt is not None else None
 
     # --- live settings ---
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.events import Event
 from engine.generation.sampling import SamplingParams
+from engine.tokenizer.reasoning import ReasoningFormat
 
 # Expert tiers as `EngineService.subscribe_tiers` reports them: an int8 grid [layers, experts] of these codes
 TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT = -1, 0, 1, 2, 3
@@ -59,6 +60,14 @@ class ChatMessage:
 
     role: str       # "system" | "user" | "assistant"
     content: str
+    reasoning: str = ""     # an assistant turn's reasoning, handed to the template as `reasoning_content`
+
+
+def chat_message(message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
+    """A conversation turn as the service carries it (a dict's `reasoning_content` becomes `reasoning`)."""
+    if isinstance(message, ChatMessage):
+        return message
+    return ChatMessage(str(message["role"]), str(message["content"]), str(message.get("reasoning_content") or ""))
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class GenerateRequest:
     sampling: SamplingParams
     max_tokens: int
     stop: tuple[str, ...]
+    reasoning: ReasoningFormat | None = None    # split the answer of token ids so; messages find their own
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from app.service.messages import (
     SettingsChange,
     UnloadRequest,
     _Shutdown,
+    chat_message,
 )
 from app.service.wire import (
     CONNECT_TIMEOUT,
@@ -147,8 +148,7 @@ class RemoteService:
         """A streamed completion from token ids or chat messages; events come back as `Generation` with this id."""
         if (prompt is None) == (messages is None):
             raise ValueError("generate: give either prompt token ids or chat messages")
-        msgs = None if messages is None else tuple(
-            m if isinstance(m, ChatMessage) else ChatMessage(str(m["role"]), str(m["content"])) for m in messages)
+        msgs = None if messages is None else tuple(chat_message(m) for m in messages)
         ids = None if prompt is None else tuple(int(t) for t in prompt)
         return self._put(lambda i: GenerateRequest(i, ids, msgs, sampling, int(max_tokens), tuple(stop)))
 
@@ -376,6 +376,7 @@ class RemoteService:
         chat = req.messages is not None
         body = completion_body(req, self._info.name if self._info is not None else "default")
         pieces: list[str] = []
+        thoughts: list[str] = []     # the reasoning the server sends apart (`reasoning_content`)
         first = last = None
         usage: Mapping[str, Any] = {}
         finish: str | None = None
@@ -403,12 +404,15 @@ class RemoteService:
                 if payload.get("usage"):
                     usage = payload["usage"]
                 for choice in payload.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if text:
+                    delta = (choice.get("delta") or {}) if chat else {}
+                    text = delta.get("content") if chat else choice.get("text")
+                    thought = delta.get("reasoning_content") or ""
+                    if text or thought:
                         last = time.perf_counter()
                         first = first or last
-                        self._emit(Generation(req.id, TokenEvent(len(pieces), UNKNOWN_TOKEN, text)))
-                        pieces.append(text)
+                        self._emit(Generation(req.id, TokenEvent(len(pieces), UNKNOWN_TOKEN, text or "", thought)))
+                        pieces.append(text or "")
+                        thoughts.append(thought)
                     finish = choice.get("finish_reason") or finish
             else:
                 if not cancel.is_set():
@@ -429,7 +433,8 @@ class RemoteService:
         ttft = (first - t0) if first is not None else 0.0
         stats = GenerationStats(int(usage.get("prompt_tokens", 0)), n, ttft,
                                 (last - first) if first is not None else 0.0, ttft)
-        self._emit(Generation(req.id, DoneEvent(reason, (UNKNOWN_TOKEN,) * n, "".join(pieces), stats)))
+        self._emit(Generation(req.id, DoneEvent(reason, (UNKNOWN_TOKEN,) * n, "".join(pieces), stats,
+                                                reasoning="".join(thoughts))))
 
     # --- the telemetry thread --------------------------------------------------------------------------
 

@@ -229,7 +229,8 @@ def completion_body(req: GenerateRequest, model: str) -> dict:
     body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                             "temperature": s.temperature, "top_p": s.top_p, "max_tokens": req.max_tokens}
     if req.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in req.messages]
+        body["messages"] = [{"role": m.role, "content": m.content, **({"reasoning_content": m.reasoning} if m.reasoning
+                                                                      else {})} for m in req.messages]
     else:
         body["prompt"] = list(req.prompt or ())
     if req.stop:

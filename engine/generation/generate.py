@@ -26,6 +26,8 @@ from engine.generation.sampling import History, SamplingParams, apply_processors
 from engine.generation.speculative import DraftModel, SpeculationController, SpeculativeSettings, make_drafter, verify
 from engine.kv import KVCache, KVFullError
 from engine.models.transformer import Transformer
+from engine.tokenizer.detokenize import StreamDecoder
+from engine.tokenizer.reasoning import ReasoningFormat, open_parser
 from engine.tokenizer.text import clean_text
 
 
@@ -41,6 +43,7 @@ class GenerationRequest:
     prompt_logits: bool = False               # send the prompt's logits [T, V] as an event
     skip_special_tokens: bool = True          # leave control tokens out of the text
     speculative: SpeculativeSettings | None = None  # draft and verify several tokens per pass (same output)
+    reasoning: ReasoningFormat | None = None  # split the text into reasoning and answer (a chat's prompt decides)
 
 
 class Seen:
@@ -248,10 +251,12 @@ def stream_generate(
     logits = chunks[-1][-1]
     t_prefill = time.perf_counter()
     stops = request.stop_ids if request.stop_ids is not None else stop_ids
-    decoder = tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens) if tokenizer else None
+    decoder = request_decoder(tokenizer, request)
     matcher = StopStrings(request.stop)
+    splitter = open_parser(request.reasoning)
     tokens: list[int] = []
     text: list[str] = []
+    thought: list[str] = []
     reason, hit, sampled = "length", False, 0
     t_first = t_last = t_prefill
     steps = generate_step(model, prompt, cache, request.sampling, first_logits=logits,
@@ -267,8 +272,10 @@ def stream_generate(
                 break
             tokens.append(token)
             delta, hit = matcher.feed(decoder.push(token) if decoder else "")
-            text.append(delta)
-            yield TokenEvent(len(tokens) - 1, token, delta)
+            part = splitter.feed(delta)
+            text.append(part.content)
+            thought.append(part.reasoning)
+            yield TokenEvent(len(tokens) - 1, token, part.content, part.reasoning)
             if hit:
                 reason = "stop"
                 break
@@ -286,6 +293,17 @@ def stream_generate(
     if not hit:  # text held back as a possible stop-string start, or an unfinished byte sequence
         tail, hit = matcher.feed(decoder.flush() if decoder else "")
         tail += "" if hit else matcher.flush()
-    text.append(tail)
+    end = splitter.feed(tail) + splitter.flush()
+    text.append(end.content)
+    thought.append(end.reasoning)
     stats = GenerationStats(len(prompt), sampled, t_prefill - t0, t_last - t_first, t_first - t0)
-    yield DoneEvent(reason, tuple(tokens), "".join(text), stats, tail)
+    yield DoneEvent(reason, tuple(tokens), "".join(text), stats, end.content, "".join(thought), end.reasoning)
+
+
+def request_decoder(tokenizer, request: GenerationRequest) -> StreamDecoder | None:
+    """The stream decoder `request` reads its text with (None without a tokenizer): special tokens skipped as it
+    asks, the markers of its reasoning format kept."""
+    if tokenizer is None:
+        return None
+    keep = request.reasoning.marker_ids if request.reasoning is not None else frozenset()
+    return tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens, keep_ids=keep)

@@ -24,11 +24,12 @@ import numpy as np
 
 from engine.errors import ColibriError, GenerationError
 from engine.events import DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, TokenEvent
-from engine.generation.generate import GenerationRequest, Seen, StopStrings
+from engine.generation.generate import GenerationRequest, Seen, StopStrings, request_decoder
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.generation.sampling import History, apply_processors, make_logits_processors, make_sampler
 from engine.kv import KVCache, KVPool
 from engine.models.transformer import Transformer
+from engine.tokenizer.reasoning import open_parser
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class Sequence:
     pending: int | None = None  # the sampled token the next step feeds
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    thought: list[str] = field(default_factory=list)   # the reasoning, when the request splits it off
     sampled: int = 0
     t0: float = 0.0
     t_prefill: float = 0.0
@@ -104,9 +106,9 @@ class Scheduler:
         seq.sampler = make_sampler(request.sampling)
         seq.processors = make_logits_processors(request.sampling)
         seq.seen = Seen(request.prompt)     # prompt then sampled ids: what the processors read
-        seq.decoder = self.tokenizer.stream_decoder(skip_special_tokens=request.skip_special_tokens) \
-            if self.tokenizer is not None else None
+        seq.decoder = request_decoder(self.tokenizer, request)
         seq.matcher = StopStrings(request.stop)
+        seq.splitter = open_parser(request.reasoning)
         self.waiting.append(seq)
         return seq
 
@@ -205,8 +207,10 @@ class Scheduler:
             return
         seq.tokens.append(token)
         delta, hit = seq.matcher.feed(seq.decoder.push(token) if seq.decoder else "")
-        seq.text.append(delta)
-        seq.events.append(TokenEvent(len(seq.tokens) - 1, token, delta))
+        part = seq.splitter.feed(delta)
+        seq.text.append(part.content)
+        seq.thought.append(part.reasoning)
+        seq.events.append(TokenEvent(len(seq.tokens) - 1, token, part.content, part.reasoning))
         if hit:
             self._finish(seq, "stop", hit=True)
         elif len(seq.tokens) >= req.max_tokens or (seq.cache.overflow == "error" and seq.cache.length + 1 >= seq.cache.max_len):
@@ -219,11 +223,14 @@ class Scheduler:
         if not hit:
             tail, hit = seq.matcher.feed(seq.decoder.flush() if seq.decoder else "")
             tail += "" if hit else seq.matcher.flush()
-        seq.text.append(tail)
+        last = seq.splitter.feed(tail) + seq.splitter.flush()
+        seq.text.append(last.content)
+        seq.thought.append(last.reasoning)
         end = seq.t_prefill or time.perf_counter()
         stats = GenerationStats(len(seq.request.prompt), seq.sampled, end - seq.t0, seq.t_last - seq.t_first,
                                 (seq.t_first or end) - seq.t0)
-        seq.events.append(DoneEvent(reason, tuple(seq.tokens), "".join(seq.text), stats, tail))
+        seq.events.append(DoneEvent(reason, tuple(seq.tokens), "".join(seq.text), stats, last.content,
+                                    "".join(seq.thought), last.reasoning))
         self._leave(seq)
 
     def abort(self, message: str) -> list[Sequence]:

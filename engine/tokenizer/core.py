@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as Backend
 
 from engine.tokenizer.chat_template import render_chat, select_template
 from engine.tokenizer.detokenize import StreamDecoder
+from engine.tokenizer.reasoning import ReasoningFormat, detect_format
 from engine.tokenizer.text import clean_text
 
 # Decoders whose output, past one token of context, is the plain concatenation of each token's text
@@ -75,6 +76,7 @@ class Tokenizer:
         decoder = backend.decoder
         kinds = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
         self._windowed = not self._clean_up and kinds <= _WINDOW_SAFE_DECODERS
+        self.reasoning_format: ReasoningFormat | None = detect_format(self._templates or None, self.token_to_id)
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -130,11 +132,15 @@ class Tokenizer:
         """The id of one vocabulary entry, or None."""
         return self._backend.token_to_id(token)
 
-    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
-        """A decoder that turns ids into text one at a time (for streaming generation)."""
-        invisible = self.special_ids if skip_special_tokens else frozenset()
-        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens), self._hold_ids, self._windowed,
-                             invisible)
+    def stream_decoder(self, skip_special_tokens: bool = False, keep_ids: frozenset[int] = frozenset()) -> StreamDecoder:
+        """A decoder that turns ids into text one at a time (for streaming generation); with skip_special_tokens,
+        the special tokens in `keep_ids` (a reasoning format's markers) still show in the text."""
+        invisible = self.special_ids - keep_ids if skip_special_tokens else frozenset()
+        if not (skip_special_tokens and keep_ids & self.special_ids):
+            return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens), self._hold_ids, self._windowed,
+                                 invisible)
+        return StreamDecoder(lambda ids: self.decode([i for i in ids if i not in invisible]), self._hold_ids,
+                             self._windowed, invisible)
 
     # ---- chat -------------------------------------------------------------------------------
 
