@@ -16,13 +16,13 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
-from engine.models import deepseek, gpt_oss, granitemoe, llama, mixtral, olmoe, qwen2, qwen3, qwen_moe
+from engine.models import deepseek, gpt_oss, granitemoe, llama, mixtral, olmoe, qwen2, qwen3, qwen3_next, qwen_moe
 from engine.models.config import Config
 from engine.spec import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {
     arch: module
-    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe)
+    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, qwen3_next)
     for arch in module.ARCHITECTURES
 }
 
