@@ -20,4 +20,8 @@ FAMILIES = {
                                 swiglu_limit=0.5)),
     "granitemoe": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=4.0,
                                       residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0)),
+    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, head_dim=16, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, mlp_only_layers=[1])),
 }
