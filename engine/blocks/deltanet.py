@@ -139,11 +139,11 @@ class GatedDeltaNet:
         keep_each = t <= KEEP_STEP
         states = []
         for i in range(t):
-            rec = rec * decay[i][:, None, None]                            # [Hv, Dk, Dv]
-            remembered = np.einsum("hkv,hk->hv", rec, k[i])                # [Hv, Dv]
+            rec = rec * decay[i][:, None, None]           # [Hv, Dk, Dv], a new array: held and kept states stay
+            remembered = np.matmul(k[i][:, None, :], rec)[:, 0]           # [Hv, Dv]
             delta = (v[i] - remembered) * beta[i][:, None]
-            rec = rec + k[i][:, :, None] * delta[:, None, :]
-            out[i] = np.einsum("hkv,hk->hv", rec, q[i])
+            rec += k[i][:, :, None] * delta[:, None, :]
+            out[i] = np.matmul(q[i][:, None, :], rec)[:, 0]
             if keep_each or i == t - 1:
                 states.append((inputs[i + 1 : i + k_taps].copy(), rec))
         cache.write(states)

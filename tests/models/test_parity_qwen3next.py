@@ -16,7 +16,7 @@ import pytest
 
 from app.hub.convert import ConvertSettings, convert
 from engine.errors import ColibriError, GenerationError, ModelFormatError
-from engine.fused.plan import FusedDecode
+from engine.fused.plan import FusedDecode, _NotFusable
 from engine.generation.generate import generate_step
 from engine.generation.sampling import SamplingParams
 from engine.generation.session import KVSettings, SessionError
@@ -118,6 +118,8 @@ def _solo(model, tokens: list[int], steps: int = 0) -> list[np.ndarray]:
 
 def test_the_fused_step_declines_deltanet_and_gated_attention(model, tmp_path):
     assert FusedDecode.for_model(model) is None
+    with pytest.raises(_NotFusable, match="DeltaNet"):             # for that reason, not another
+        FusedDecode(model)
     # gated full attention alone, dense: every other layer feature would fuse on a 4-bit container
     src = build_checkpoint(tmp_path / "gated", "qwen3_next", head_dim=16, num_experts=0,
                            layer_types=["full_attention"] * 2, num_hidden_layers=2)
@@ -126,6 +128,8 @@ def test_the_fused_step_declines_deltanet_and_gated_attention(model, tmp_path):
     try:
         assert not gated.spec.is_recurrent
         assert FusedDecode.for_model(gated.model) is None
+        with pytest.raises(_NotFusable, match="gated attention output"):
+            FusedDecode(gated.model)
     finally:
         gated.close()
 
