@@ -14,7 +14,7 @@ import numpy as np
 
 from engine.blocks.attention import Segments
 from engine.blocks.linear import Probe, linear
-from engine.blocks.norm import activation
+from engine.blocks.norm import activation, rms_norm
 from engine.kv import KEEP_STEP, LayerState
 from engine.spec import GatedDeltaNetSpec
 from engine.weights import Weights
@@ -48,9 +48,13 @@ def _orders(s: GatedDeltaNetSpec) -> tuple[np.ndarray, np.ndarray]:
     return qkvz, ba
 
 
-def _l2norm(x: np.ndarray) -> np.ndarray:
-    """x / sqrt(sum(x^2) + 1e-6) over the last axis (the reference's epsilon)."""
-    return x / np.sqrt((x * x).sum(axis=-1, keepdims=True) + np.float32(1e-6))
+def _l2norm(x: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """x / sqrt(sum(x^2) + 1e-6) * scale over the last axis (the reference's epsilon).
+
+    As the RMSNorm kernel computes it, x / sqrt(sum/D + 1e-6/D) * (scale / sqrt(D)): its sums run in a fixed
+    order per row, so a token's bits do not depend on how many rows the step has (numpy's may)."""
+    d = x.shape[-1]
+    return rms_norm(x, np.full(d, scale / np.sqrt(d), np.float32), 1e-6 / d)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -111,8 +115,7 @@ class GatedDeltaNet:
             core[rows] = self._run(mixed[rows], beta[rows], decay[rows], cache)
         # the gated RMSNorm: each head's output normalised, scaled, then gated by silu(z)
         zh = z.reshape(t, s.n_v_heads, s.v_head_dim)
-        inv = np.float32(1.0) / np.sqrt((core * core).mean(axis=-1, keepdims=True) + np.float32(s.rms_eps))
-        out = (self.norm * (core * inv)) * (zh * _sigmoid(zh))
+        out = rms_norm(core, self.norm, s.rms_eps) * (zh * _sigmoid(zh))
         out = out.reshape(t, value)                                        # [T, Hv*Dv]
         if probe is not None:
             probe(f"{self.prefix}.out_proj.weight", out)
@@ -133,17 +136,19 @@ class GatedDeltaNet:
         q = conv[:, :key].reshape(t, s.n_k_heads, s.k_head_dim)
         k = conv[:, key : 2 * key].reshape(t, s.n_k_heads, s.k_head_dim)
         v = conv[:, 2 * key :].reshape(t, s.n_v_heads, s.v_head_dim)       # [T, Hv, Dv]
-        q = np.repeat(_l2norm(q), r, axis=1) * np.float32(s.k_head_dim**-0.5)   # [T, Hv, Dk]
+        q = np.repeat(_l2norm(q, s.k_head_dim**-0.5), r, axis=1)           # [T, Hv, Dk], scaled by Dk^-0.5
         k = np.repeat(_l2norm(k), r, axis=1)                               # [T, Hv, Dk]
         out = np.empty((t, s.n_v_heads, s.v_head_dim), np.float32)
         keep_each = t <= KEEP_STEP
         states = []
         for i in range(t):
+            # sums over Dk row by row, in a fixed order: a product kernel's order could follow the data's
+            # alignment, and a token's bits would then depend on where its step began
             rec = rec * decay[i][:, None, None]           # [Hv, Dk, Dv], a new array: held and kept states stay
-            remembered = np.matmul(k[i][:, None, :], rec)[:, 0]           # [Hv, Dv]
+            remembered = (rec * k[i][:, :, None]).sum(axis=1)             # [Hv, Dv]
             delta = (v[i] - remembered) * beta[i][:, None]
             rec += k[i][:, :, None] * delta[:, None, :]
-            out[i] = np.matmul(q[i][:, None, :], rec)[:, 0]
+            out[i] = (rec * q[i][:, :, None]).sum(axis=1)
             if keep_each or i == t - 1:
                 states.append((inputs[i + 1 : i + k_taps].copy(), rec))
         cache.write(states)
