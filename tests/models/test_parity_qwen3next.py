@@ -24,6 +24,7 @@ from engine.generation.speculative import SpeculativeSettings
 from engine.kv import KVCache, KVPool, blocks_for
 from engine.loader import load_model
 from engine.models import spec_from_config
+from engine.offload.budget import kv_bytes, working_bytes
 from engine.spec import GatedDeltaNetSpec
 from support.families import FAMILIES
 from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
@@ -196,6 +197,21 @@ def test_what_the_state_cannot_do_is_refused(model):
         KVSettings.of(cache)
     with pytest.raises(ColibriError, match="overflow 'slide'"):
         KVCache(model.spec, 128, overflow="slide")
+
+
+def test_memory_figures_count_a_state_per_sequence(model):
+    """The recurrent layers add their state once (held and the next step's), not per token; only the full
+    attention layers' keys and values grow with the context."""
+    spec = model.spec
+    full = [layer.attn for layer in spec.layers if not isinstance(layer.attn, GatedDeltaNetSpec)]
+    states = [layer.attn for layer in spec.layers if isinstance(layer.attn, GatedDeltaNetSpec)]
+    state = sum(4 * int(np.prod(shape)) for a in states for shape in a.state_shapes)
+    per_token = sum(2 * a.n_kv_heads * (a.head_dim * 4 + 4) for a in full)
+    assert kv_bytes(spec, 0) == 2 * state and kv_bytes(spec, 100) == 2 * state + 100 * per_token
+    assert working_bytes(spec, 100) > 0
+    cache = KVCache(spec, 128)
+    model.forward(PROMPT, cache)
+    assert cache.nbytes == len(cache.table) * cache.pool.block_bytes + state
 
 
 # --- config reading ---
