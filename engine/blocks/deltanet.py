@@ -3,7 +3,8 @@
 Per value head the layer keeps a matrix S [Dk, Dv]. Each token decays it by exp(g), writes the part of
 its value that S does not already predict from its key (the delta rule, at rate beta), and reads its
 output with its query. The sequence's state (the convolution's last K-1 inputs and S) lives in the
-cache (`engine.kv.LayerState`), so prefill and decode run the same recurrence token by token.
+cache (`engine.kv.LayerState`), so prefill and decode run the same recurrence token by token
+(engine/kernels/deltanet.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 from engine.blocks.attention import Segments
 from engine.blocks.linear import Probe, linear
 from engine.blocks.norm import activation, rms_norm
+from engine.kernels.deltanet import delta_rule
 from engine.kv import KEEP_STEP, LayerState
 from engine.spec import GatedDeltaNetSpec
 from engine.weights import Weights
@@ -138,18 +140,18 @@ class GatedDeltaNet:
         v = conv[:, 2 * key :].reshape(t, s.n_v_heads, s.v_head_dim)       # [T, Hv, Dv]
         q = np.repeat(_l2norm(q, s.k_head_dim**-0.5), r, axis=1)           # [T, Hv, Dk], scaled by Dk^-0.5
         k = np.repeat(_l2norm(k), r, axis=1)                               # [T, Hv, Dk]
+        q, k = np.ascontiguousarray(q), np.ascontiguousarray(k)
+        v, decay, beta = np.ascontiguousarray(v), np.ascontiguousarray(decay), np.ascontiguousarray(beta)
         out = np.empty((t, s.n_v_heads, s.v_head_dim), np.float32)
-        keep_each = t <= KEEP_STEP
+        rec = rec.copy()                                  # the step's own: held and kept states stay as they are
+        if t > KEEP_STEP:                                 # a long step keeps only the state after its last token
+            delta_rule(rec, q, k, v, decay, beta, out)
+            cache.write([(inputs[t : t + k_taps - 1].copy(), rec)])
+            return out
         states = []
-        for i in range(t):
-            # sums over Dk row by row, in a fixed order: a product kernel's order could follow the data's
-            # alignment, and a token's bits would then depend on where its step began
-            rec = rec * decay[i][:, None, None]           # [Hv, Dk, Dv], a new array: held and kept states stay
-            remembered = (rec * k[i][:, :, None]).sum(axis=1)             # [Hv, Dv]
-            delta = (v[i] - remembered) * beta[i][:, None]
-            rec += k[i][:, :, None] * delta[:, None, :]
-            out[i] = (rec * q[i][:, :, None]).sum(axis=1)
-            if keep_each or i == t - 1:
-                states.append((inputs[i + 1 : i + k_taps].copy(), rec))
+        for i in range(t):                                # a short one keeps the state after each token
+            a = slice(i, i + 1)
+            delta_rule(rec, q[a], k[a], v[a], decay[a], beta[a], out[a])
+            states.append((inputs[i + 1 : i + k_taps].copy(), rec if i == t - 1 else rec.copy()))
         cache.write(states)
         return out
