@@ -2,8 +2,7 @@
 
 Checkpoints are built with `AutoModelForCausalLM.from_config`, given non-trivial norms, biases (DeltaNet's
 `dt_bias` too), router biases and attention sinks (so that a block that ignores them fails), saved with
-`save_pretrained` and then
-read back from disk by both sides: Colibri reads the files, never torch's memory.
+`save_pretrained` and then read back from disk by both sides: Colibri reads the files, never torch's memory.
 """
 
 from __future__ import annotations
