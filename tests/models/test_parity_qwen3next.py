@@ -16,9 +16,11 @@ import pytest
 
 from app.hub.convert import ConvertSettings, convert
 from engine.errors import ColibriError, GenerationError, ModelFormatError
+from engine.events import DoneEvent
 from engine.fused.plan import FusedDecode, _NotFusable
-from engine.generation.generate import generate_step
+from engine.generation.generate import GenerationRequest, generate_step
 from engine.generation.sampling import SamplingParams
+from engine.generation.scheduler import Scheduler
 from engine.generation.session import KVSettings, SessionError
 from engine.generation.speculative import SpeculativeSettings
 from engine.kv import KVCache, KVPool, blocks_for
@@ -166,6 +168,19 @@ def test_prefix_reuse_falls_back_without_changing_outputs(model):
     diverged = PROMPT[:10] + [1, 2, 3]
     assert first.adopt(diverged) == 0                              # cannot go back to 10: runs afresh
     assert np.array_equal(model.forward(diverged, first)[-1], _solo(model, diverged)[0][-1])
+
+
+def test_the_scheduler_batches_and_chunks_without_changing_tokens(model):
+    """Requests sharing a prefix, prefilled in chunks beside others' decoding, give their solo tokens."""
+    prompts = [PROMPT[:12], PROMPT[:8] + [9, 31], PROMPT[3:] + [6, 18, 44, 2, 90], [7]]
+    greedy = SamplingParams()
+    want = [list(itertools.islice(generate_step(model, p, KVCache(model.spec, 64), greedy), 10)) for p in prompts]
+    sched = Scheduler(model, KVPool(model.spec, 64, block_size=4), max_len=64, prefill_chunk=8)
+    seqs = [sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=10, sampling=greedy)) for p in prompts]
+    sched.run()
+    got = [[e for e in s.drain() if isinstance(e, DoneEvent)][0].tokens for s in seqs]
+    assert [list(g) for g in got] == want
+    assert sched.pool.hits == 0 and sched.pool.used_blocks == 0
 
 
 def test_truncating_into_the_last_short_step_and_no_further(model):
