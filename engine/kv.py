@@ -15,6 +15,11 @@
   the first tokens (attention sinks) and the recent window (`"retain"`). Either way the positions
   of the blocks after the evicted one move down (their rotary keys are rotated back), so positions
   stay inside the context the model knows. Both change outputs and are only on when asked.
+- A recurrent layer (gated DeltaNet) has no blocks: its `LayerState` keeps the sequence's state (a
+  convolution's last inputs and a recurrent matrix per head) after the held tokens, and after each
+  token of a short step, so a sequence can go back into its last step (speculative drafts) but not
+  further. Such a sequence neither publishes nor adopts prefix blocks (blocks alone cannot rebuild
+  its state), and overflow past `max_len` is refused.
 - `kv_bits=16` stores rows as fp16 (half the memory of float32, rounded to nearest); `kv_bits=8` as
   int8 with one float32 scale per row (per head for keys and values).
 """
@@ -31,7 +36,7 @@ import numpy as np
 
 from engine.errors import ColibriError, GenerationError
 from engine.kernels.attention import attend_latent, attend_paged
-from engine.spec import MLASpec, ModelSpec, RopeSpec
+from engine.spec import GatedDeltaNetSpec, MLASpec, ModelSpec, RopeSpec
 
 BLOCK_SIZE = 32           # positions per block: small blocks slow decode attention (`colibri bench --kv blocks`),
                           # large ones coarsen prefix sharing; 32 sits where neither costs
@@ -39,6 +44,7 @@ OVERFLOW = ("error", "slide", "retain")
 KV_BITS = (32, 16, 8)     # how keys and values are stored: float32, fp16, int8 with a float32 scale per row
 SINK_TOKENS = 4           # retention: the first tokens always kept (attention sinks)
 PAGE = 4096
+KEEP_STEP = 16            # a recurrent layer keeps its state after each token of a step this short (drafts roll back)
 
 
 class KVFullError(GenerationError):
@@ -57,6 +63,8 @@ class _Part:
 def _layer_parts(attn, block: int, bits: int) -> list[_Part]:
     store = np.dtype({8: np.int8, 16: np.uint16}.get(bits, np.float32))   # fp16 rows as their bits
     f32 = np.dtype(np.float32)
+    if isinstance(attn, GatedDeltaNetSpec):    # a recurrent state per sequence (LayerState), nothing per position
+        return []
     if isinstance(attn, MLASpec):
         return [_Part("k", (block, attn.kv_lora_rank), store), _Part("ks", (block,), f32),
                 _Part("v", (block, attn.qk_rope_dim), store), _Part("vs", (block,), f32)]
@@ -115,7 +123,7 @@ class KVPool:
             raise ColibriError(f"a KV pool of {n_blocks} blocks holds nothing; it needs at least one")
         self.spec, self.block_size, self.bits, self.n_blocks = spec, block_size, bits, int(n_blocks)
         self.prefix_cache = prefix_cache
-        self.rope = [layer.attn.rope for layer in spec.layers]
+        self.rope = [None if isinstance(layer.attn, GatedDeltaNetSpec) else layer.attn.rope for layer in spec.layers]
         self.latent = [isinstance(layer.attn, MLASpec) for layer in spec.layers]
         # one anonymous mapping per layer and array, reserved for every block and committed as blocks are
         # written: each array is C-contiguous [n_blocks, ...], so the kernels' inner loops run at unit stride
@@ -330,6 +338,57 @@ class LayerKV:
         return res
 
 
+State = tuple[np.ndarray, np.ndarray]   # a recurrent layer's state: conv inputs [K-1, C], matrices [Hv, Dk, Dv]
+
+
+class LayerState:
+    """One recurrent layer's view of a sequence: its state after the held tokens (zeros before any).
+
+    A step reads `state()` and hands `write` the states after its tokens; they become the held ones at
+    `commit`, so a step that fails, or is prepared again, runs again from the same state. After a step of
+    at most KEEP_STEP tokens the state after each of them is kept: `truncate` may go back into that step.
+    """
+
+    def __init__(self, seq: "KVCache", spec: GatedDeltaNetSpec):
+        self.seq, self.shapes = seq, spec.state_shapes
+        self.held: dict[int, State] = {}            # sequence length -> the state after that many tokens
+        self.pending: list[State] | None = None     # after each of the step's tokens, or after its last only
+
+    def state(self) -> State:
+        """The state after the sequence's held tokens (fresh zeros at the start)."""
+        held = self.held.get(self.seq.length)
+        if held is not None:
+            return held
+        assert self.seq.length == 0, "a recurrent state is missing for the held tokens"
+        return np.zeros(self.shapes[0], np.float32), np.zeros(self.shapes[1], np.float32)
+
+    def write(self, states: list[State]) -> None:
+        """The states after the step's tokens: one per token, or only the last one's."""
+        self.pending = states
+
+    def can_return(self, n: int) -> bool:
+        """Whether the state after n tokens is at hand (0, the held length, or a token of the last short step)."""
+        return n == 0 or n == self.seq.length or n in self.held
+
+    def commit(self, base: int, n: int) -> None:
+        """The step of n tokens after `base` is done: its states become the held ones."""
+        states, self.pending = self.pending, None
+        assert states is not None and len(states) in (1, n), "a recurrent layer did not run in the step"
+        first = base + n - len(states) + 1
+        self.held = {first + i: st for i, st in enumerate(states)}
+
+    def truncate(self, n: int) -> None:
+        """Keep only the state after n tokens (`can_return(n)` must hold)."""
+        kept = self.held.get(n)
+        self.held = {n: kept} if kept is not None else {}
+        self.pending = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the states held."""
+        return sum(a.nbytes + b.nbytes for a, b in self.held.values())
+
+
 def _encode(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | np.float32]:
     """Rows of x [..., D] as stored: float32 or fp16 bits (uint16) with scale 1, or int8 with scale absmax / 127
     per row."""
@@ -357,6 +416,9 @@ class KVCache:
         if pool is None:
             pool = KVPool(spec, blocks_for(self.max_len) + 1, prefix_cache=False)
         check_kv_settings(pool.block_size, pool.bits, overflow)
+        if spec.is_recurrent and overflow != "error":
+            raise ColibriError(f"overflow {overflow!r} is not available for {spec.architecture}: its recurrent layers "
+                               "cannot forget evicted tokens; use overflow 'error' and a larger --ctx")
         self.pool, self.spec, self.overflow = pool, spec, overflow
         self.sink_tokens = sink_tokens
         self.recent_tokens = recent_tokens if recent_tokens is not None else self.max_len // 4
@@ -365,7 +427,10 @@ class KVCache:
         self.length = 0
         self._table_np: np.ndarray | None = None
         self._digests: list[bytes] = []         # prefix hash of each full block still matching its prefix
-        self.layers = [LayerKV(self, j) for j in range(len(spec.layers))]
+        self.layers: list[LayerKV | LayerState] = [
+            LayerState(self, layer.attn) if isinstance(layer.attn, GatedDeltaNetSpec) else LayerKV(self, j)
+            for j, layer in enumerate(spec.layers)]
+        self.states = [layer for layer in self.layers if isinstance(layer, LayerState)]
         self.tracking = overflow == "retain"
         self.heat = np.zeros(0, np.float64)     # attention received per position (retention)
         self.born = np.zeros(0, np.int64)       # the step each position was written at
@@ -392,13 +457,19 @@ class KVCache:
             self._privatize(last)
         del self.tokens[self.length :]
         self.tokens.extend(int(t) for t in ids)
+        for state in self.states:             # a step prepared again runs again from the held state
+            state.pending = None
         if self.tracking:
             self._grow_scores(self.length + n)
             self.born[self.length : self.length + n] = self.steps
         return np.arange(self.length, self.length + n, dtype=np.int64)
 
     def commit(self, n: int) -> None:
-        """Mark n more positions as filled (after every layer wrote them); index blocks that became full."""
+        """Mark n more positions as filled (after every layer wrote them); index blocks that became full.
+
+        A recurrent sequence's blocks are not indexed: another sequence could not rebuild its state from them."""
+        for state in self.states:
+            state.commit(self.length, n)
         self.length += n
         self.steps += n
         bs = self.pool.block_size
@@ -409,7 +480,7 @@ class KVCache:
             fresh = parent and not self.evicted and min(block) >= 0   # contents a fresh run would compute
             digest = prefix_digest(parent, block) if fresh else b""
             self._digests.append(digest)
-            if digest:
+            if digest and not self.states:
                 self.pool.publish(self.table[i], digest)
 
     def table_array(self) -> np.ndarray:
@@ -419,8 +490,16 @@ class KVCache:
         return self._table_np
 
     def truncate(self, n: int) -> None:
-        """Forget every position from n on; blocks past it go back to the pool."""
+        """Forget every position from n on; blocks past it go back to the pool.
+
+        A recurrent sequence goes back to 0, or into its last step when it was short (`can_truncate`); further
+        back it cannot and raises GenerationError."""
         n = max(0, min(self.length, int(n)))
+        if not self.can_truncate(n):
+            raise GenerationError(f"{self.spec.architecture} keeps a recurrent state that cannot go back from "
+                                  f"{self.length} to {n} tokens; run the sequence again from its start")
+        for state in self.states:
+            state.truncate(n)
         bs = self.pool.block_size
         keep = blocks_for(n, bs)
         for b in self.table[keep:]:
@@ -431,6 +510,10 @@ class KVCache:
         self.length = n
         del self.tokens[n:]
         del self._digests[n // bs :]
+
+    def can_truncate(self, n: int) -> bool:
+        """Whether `truncate(n)` can keep the first n tokens (always, without recurrent layers)."""
+        return all(state.can_return(n) for state in self.states)
 
     def release(self) -> None:
         """Give every block back (the sequence ended or was cancelled); the cache is empty afterwards."""
@@ -449,9 +532,10 @@ class KVCache:
             if a != b:
                 break
             same += 1
-        self.truncate(same)
+        # a recurrent state can only go on from where it is (or a short step back): else the prompt runs afresh
+        self.truncate(same if self.can_truncate(same) else 0)
         bs = self.pool.block_size
-        if not self.pool.prefix_cache or self.length % bs or self.evicted:
+        if not self.pool.prefix_cache or self.length % bs or self.evicted or self.states:
             return self.length
         while self.length + bs <= limit:
             parent = self._digests[-1] if self._digests else ROOT
@@ -572,5 +656,5 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks this sequence holds."""
-        return len(self.table) * self.pool.block_bytes
+        """Bytes of the blocks this sequence holds, and of its recurrent states."""
+        return len(self.table) * self.pool.block_bytes + sum(state.nbytes for state in self.states)

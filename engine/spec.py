@@ -107,6 +107,7 @@ class AttentionSpec:
     clip_qkv: float | None = None     # OLMoE: clamp q, k, v to [-c, c]
     sliding_window: int | None = None  # attend to the last `sliding_window` positions only
     sinks: bool = False               # gpt-oss: a learned logit per head joins each softmax's denominator
+    output_gate: bool = False         # q_proj also yields, per head, a gate: out * sigmoid(gate) (Qwen3-Next)
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,30 @@ class MLASpec:
     def qk_head_dim(self) -> int:
         """Query/key features per head."""
         return self.qk_nope_dim + self.qk_rope_dim
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Gated DeltaNet linear attention (Qwen3-Next): a short causal convolution, then a per-head recurrent
+    state [Dk, Dv] updated by the gated delta rule. It keeps that state per sequence instead of a KV cache."""
+
+    n_k_heads: int                    # query/key heads
+    n_v_heads: int                    # value heads (a multiple of n_k_heads; each k head serves a group)
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int                  # taps of the depthwise causal convolution over q, k, v
+    act: str = "silu"                 # the convolution's activation
+    rms_eps: float = 1e-6             # the gated output norm's epsilon
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the convolution runs over: q, k and v side by side."""
+        return 2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one sequence's state: the convolution's last inputs, the recurrent matrices."""
+        return (self.conv_kernel - 1, self.conv_dim), (self.n_v_heads, self.k_head_dim, self.v_head_dim)
 
 
 @dataclass(frozen=True)
@@ -169,7 +194,7 @@ class MoESpec:
 class LayerSpec:
     """One decoder layer: pre-norm attention then pre-norm feed-forward."""
 
-    attn: AttentionSpec | MLASpec
+    attn: AttentionSpec | MLASpec | GatedDeltaNetSpec
     ffn: MLPSpec | MoESpec
 
 
@@ -189,6 +214,7 @@ class ModelSpec:
     embedding_multiplier: float = 1.0  # Granite: the embeddings are scaled by it
     residual_multiplier: float = 1.0   # Granite: each block's output is scaled by it before the residual add
     logits_scaling: float = 1.0        # Granite: the logits are divided by it
+    norm_offset: float = 0.0          # added to the layer, q/k and final RMSNorm weights: 1 for (1 + w) norms
     extra: dict = field(default_factory=dict, compare=False)  # source notes (format, file names)
 
     @property
@@ -200,3 +226,8 @@ class ModelSpec:
     def is_moe(self) -> bool:
         """Whether any layer routes to experts."""
         return any(isinstance(layer.ffn, MoESpec) for layer in self.layers)
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether some layer keeps a recurrent state per sequence (that a prefix of KV blocks cannot rebuild)."""
+        return any(isinstance(layer.attn, GatedDeltaNetSpec) for layer in self.layers)

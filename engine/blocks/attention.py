@@ -1,5 +1,6 @@
 """Grouped-query attention with a KV cache: projections, optional q/k norms, RoPE, causal softmax (with
-optional per-head sinks in its denominator, gpt-oss)."""
+optional per-head sinks in its denominator, gpt-oss), and optionally a sigmoid gate on each head's output
+(Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from engine.weights import Weights
 def attention_shapes(spec: AttentionSpec, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
     """The tensors of one attention block, by name, with their shapes."""
     q_out, kv_out = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    q_rows = 2 * q_out if spec.output_gate else q_out     # each head's query, then its output gate
     shapes: dict[str, tuple[int, ...]] = {
-        f"{prefix}.q_proj.weight": (q_out, hidden),
+        f"{prefix}.q_proj.weight": (q_rows, hidden),
         f"{prefix}.k_proj.weight": (kv_out, hidden),
         f"{prefix}.v_proj.weight": (kv_out, hidden),
         f"{prefix}.o_proj.weight": (hidden, q_out),
     }
     if spec.qkv_bias:
-        shapes |= {f"{prefix}.q_proj.bias": (q_out,), f"{prefix}.k_proj.bias": (kv_out,), f"{prefix}.v_proj.bias": (kv_out,)}
+        shapes |= {f"{prefix}.q_proj.bias": (q_rows,), f"{prefix}.k_proj.bias": (kv_out,), f"{prefix}.v_proj.bias": (kv_out,)}
     if spec.o_bias:
         shapes[f"{prefix}.o_proj.bias"] = (hidden,)
     if spec.qk_norm == "head":
@@ -83,7 +85,7 @@ class Attention:
     rotary: Rotary
     rms_eps: float
     prefix: str     # tensor name prefix, e.g. "model.layers.3.self_attn"
-    wq: np.ndarray  # [H*D, hidden]
+    wq: np.ndarray  # [H*D, hidden] ([2*H*D, hidden] with an output gate)
     wk: np.ndarray  # [Hkv*D, hidden]
     wv: np.ndarray  # [Hkv*D, hidden]
     wo: np.ndarray  # [hidden, H*D]
@@ -119,6 +121,10 @@ class Attention:
         q, k, v = linear_many(x, (self.wq, self.wk, self.wv))     # [T, H*D], [T, Hkv*D] x 2
         if self.bq is not None:
             q, k, v = q + self.bq, k + self.bk, v + self.bv
+        gate = None
+        if s.output_gate:                                        # per head: D query features, then D gate features
+            qg = q.reshape(t, s.n_heads, 2, s.head_dim)
+            q, gate = qg[:, :, 0].reshape(t, -1), qg[:, :, 1].reshape(t, -1)   # [T, H*D] each
         if s.qk_norm == "full":
             q, k = rms_norm(q, self.q_norm, self.rms_eps), rms_norm(k, self.k_norm, self.rms_eps)
         if s.clip_qkv is not None:
@@ -137,6 +143,9 @@ class Attention:
             cache.write(int(pos[0]), k[rows], v[rows])
             out[rows] = cache.attend(q[rows], pos, s.scale, s.sliding_window, self.sinks)
         out = out.reshape(t, -1)                                 # [T, H*D]
+        if gate is not None:
+            with np.errstate(over="ignore"):                     # exp overflows to inf: the gate is then 0
+                out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)))
         if probe is not None:
             probe(f"{self.prefix}.o_proj.weight", out)
         out = linear(out, self.wo)

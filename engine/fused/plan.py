@@ -33,6 +33,7 @@ import numba
 import numpy as np
 
 from engine.blocks.attention import Attention
+from engine.blocks.deltanet import GatedDeltaNet
 from engine.blocks.ffn import MLP, MoE, ResidentExperts, Routing, StreamingExpertSource
 from engine.errors import GenerationError
 from engine.fused import kernel as fk
@@ -185,11 +186,15 @@ class FusedDecode:
 
     def _attention(self, i: int, layer, lay: np.ndarray, lf: np.ndarray, sizes: dict) -> None:
         attn = layer.attn
+        if isinstance(attn, GatedDeltaNet):
+            raise _NotFusable("gated DeltaNet (a recurrent state the kernel does not keep)")
         if type(attn) is not Attention:
             raise _NotFusable("latent attention")
         s = attn.spec
         if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head") or s.sinks:
             raise _NotFusable("an output bias, q/k clipping, whole-projection q/k norms or attention sinks")
+        if s.output_gate:
+            raise _NotFusable("a gated attention output")
         q_out, kv_out = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         mq, mk, mv = self._matrix(attn.wq), self._matrix(attn.wk), self._matrix(attn.wv)
         lay[i, fk.L_QKV0] = self._rows(mq, 0)[0]

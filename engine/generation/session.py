@@ -138,7 +138,11 @@ class KVSettings:
 
     @classmethod
     def of(cls, cache: KVCache) -> KVSettings:
-        """The settings a cache runs with."""
+        """The settings a cache runs with; refused for a model with recurrent layers, whose state a session
+        does not save (restoring its blocks alone would compute something else)."""
+        if cache.spec.is_recurrent:
+            raise SessionError(f"{cache.spec.architecture} keeps a recurrent state per conversation that saved "
+                               "sessions do not hold yet; chat without a session file")
         return cls(cache.pool.block_size, cache.pool.bits, cache.max_len, cache.overflow,
                    cache.sink_tokens, cache.recent_tokens)
 
@@ -323,6 +327,9 @@ class SessionFile:
         Refuses a file saved for another model or other KV settings; a torn or damaged last save falls
         back to the one before it, and `self.dropped` says what was left out (None when nothing was).
         """
+        if pool.spec.is_recurrent:
+            raise SessionError(f"session file {self.path}: {pool.spec.architecture} keeps a recurrent state that "
+                               "sessions do not hold; it cannot be restored from KV blocks")
         if (pool.block_size, pool.bits) != (self.settings.block_size, self.settings.bits):
             raise SessionError(f"session file {self.path}: the pool has block size {pool.block_size} and "
                                f"{pool.bits}-bit KV but the session was opened for block size "

@@ -28,6 +28,7 @@ from engine.models import (
     olmoe,
     qwen2,
     qwen3,
+    qwen3_next,
     qwen_moe,
 )
 from engine.models.config import Config
@@ -36,7 +37,7 @@ from engine.spec import ModelSpec
 FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
-                   glm4_moe_lite)
+                   glm4_moe_lite, qwen3_next)
     for arch in module.ARCHITECTURES
 }
 

@@ -8,12 +8,14 @@ model's `DecodeContext` (engine/models/context.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from engine.blocks.attention import Attention, attention_shapes
+from engine.blocks.deltanet import GatedDeltaNet, deltanet_shapes
 from engine.blocks.ffn import (
     MLP,
     ExpertBiases,
@@ -33,7 +35,7 @@ from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
 from engine.models.context import DecodeContext
-from engine.spec import LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from engine.spec import GatedDeltaNetSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource, Weights
 
@@ -74,7 +76,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         p = layer_prefix(i)
         shapes[f"{p}.input_layernorm.weight"] = (h,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-        if isinstance(layer.attn, MLASpec):
+        if isinstance(layer.attn, GatedDeltaNetSpec):
+            shapes |= deltanet_shapes(layer.attn, f"{p}.linear_attn", h)
+        elif isinstance(layer.attn, MLASpec):
             shapes |= mla_shapes(layer.attn, f"{p}.self_attn", h)
         else:
             shapes |= attention_shapes(layer.attn, f"{p}.self_attn", h)
@@ -110,7 +114,7 @@ class Layer:
     """One decoder layer's blocks."""
 
     input_norm: np.ndarray        # [hidden]
-    attn: Attention | LatentAttention
+    attn: Attention | LatentAttention | GatedDeltaNet
     post_norm: np.ndarray         # [hidden]
     ffn: MLP | MoE
 
@@ -141,7 +145,7 @@ class Transformer:
         self.layer_source = layers
         w = Weights(source, expected_shapes(spec))
         self.embed = w["model.embed_tokens.weight"]                          # [V, hidden]
-        self.norm = w["model.norm.weight"]
+        self.norm = self._norm_weight(w["model.norm.weight"])
         self.lm_head = self.embed if spec.tie_embeddings else w["lm_head.weight"]  # [V, hidden]
         rotaries: dict = {}
         self.layers: list[Layer | None] = []     # None: a streamed layer, built from the layer source per use
@@ -163,13 +167,26 @@ class Transformer:
         shapes = {n: s for n, s in expected_shapes(self.spec).items() if n.startswith(p)}
         return self._load_layer(i, self.spec.layers[i], Weights(source, shapes), self._rotaries, {})
 
+    def _norm_weight(self, weight: np.ndarray) -> np.ndarray:
+        """An RMSNorm weight as the norm multiplies by it: (1 + w) for zero-centred norms (`norm_offset`)."""
+        if not self.spec.norm_offset:
+            return weight
+        return (np.float32(self.spec.norm_offset) + weight).astype(np.float32)
+
     def _load_layer(self, i: int, ls: LayerSpec, w: Weights, rotaries: dict, resident: dict) -> Layer:
         p, eps = layer_prefix(i), self.spec.rms_eps
-        rotary = rotaries.setdefault(ls.attn.rope, Rotary(ls.attn.rope))  # layers share cos/sin tables
-        if isinstance(ls.attn, MLASpec):
-            attn = LatentAttention.load(ls.attn, w, f"{p}.self_attn", rotary, eps)
+        attn: Attention | LatentAttention | GatedDeltaNet
+        if isinstance(ls.attn, GatedDeltaNetSpec):
+            attn = GatedDeltaNet.load(ls.attn, w, f"{p}.linear_attn")
         else:
-            attn = Attention.load(ls.attn, w, f"{p}.self_attn", rotary, eps)
+            rotary = rotaries.setdefault(ls.attn.rope, Rotary(ls.attn.rope))  # layers share cos/sin tables
+            if isinstance(ls.attn, MLASpec):
+                attn = LatentAttention.load(ls.attn, w, f"{p}.self_attn", rotary, eps)
+            else:
+                attn = Attention.load(ls.attn, w, f"{p}.self_attn", rotary, eps)
+                if self.spec.norm_offset and attn.q_norm is not None:
+                    attn = dataclasses.replace(attn, q_norm=self._norm_weight(attn.q_norm),
+                                               k_norm=self._norm_weight(attn.k_norm))
         f = ls.ffn
         if isinstance(f, MLPSpec):
             ffn: MLP | MoE = MLP(f, ExpertWeights.load(w, f"{p}.{f.prefix}"))
@@ -186,7 +203,8 @@ class Transformer:
                 ExpertBiases.load(w, [expert_prefix(i, f, e) for e in range(f.n_experts)], f.proj_names)
                 if f.expert_bias else None,
             )
-        return Layer(w[f"{p}.input_layernorm.weight"], attn, w[f"{p}.post_attention_layernorm.weight"], ffn)
+        return Layer(self._norm_weight(w[f"{p}.input_layernorm.weight"]), attn,
+                     self._norm_weight(w[f"{p}.post_attention_layernorm.weight"]), ffn)
 
     def forward(
         self,

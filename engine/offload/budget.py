@@ -9,31 +9,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.errors import ColibriError
 from engine.formats.container import Container
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.offload.io import PAGE, round_up
-from engine.spec import MLASpec, ModelSpec, MoESpec
+from engine.spec import GatedDeltaNetSpec, MLASpec, ModelSpec, MoESpec
 
 
 def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:
     """KV cache bytes for `ctx` tokens as engine.kv stores them: float32, fp16 or int8 rows, each with a
-    float32 scale (MLA caches its compressed latent and rotary key)."""
+    float32 scale (MLA caches its compressed latent and rotary key). A recurrent layer adds one sequence's
+    float32 state, twice (held, and the next step's)."""
     size = bits // 8
-    per_token = 0
+    per_token = state = 0
     for layer in spec.layers:
         a = layer.attn
-        if isinstance(a, MLASpec):
+        if isinstance(a, GatedDeltaNetSpec):
+            state += 2 * 4 * sum(int(np.prod(shape)) for shape in a.state_shapes)
+        elif isinstance(a, MLASpec):
             per_token += (a.kv_lora_rank + a.qk_rope_dim) * size + 8
         else:
             per_token += 2 * a.n_kv_heads * (a.head_dim * size + 4)
-    return per_token * ctx
+    return per_token * ctx + state
 
 
 def working_bytes(spec: ModelSpec, ctx: int) -> int:
     """The largest buffers a prefill chunk makes: attention scores, logits, activations."""
     chunk = min(PREFILL_CHUNK, ctx)
-    heads = max(layer.attn.n_heads for layer in spec.layers)
+    heads = max((layer.attn.n_heads for layer in spec.layers if not isinstance(layer.attn, GatedDeltaNetSpec)),
+                default=0)
     scores = heads * chunk * ctx * 4 * 2                      # scores and probabilities
     logits = chunk * spec.vocab_size * 4
     widest = max(getattr(layer.ffn, "intermediate", 0) or getattr(layer.ffn, "expert_ffn", 0) * 2

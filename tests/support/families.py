@@ -26,4 +26,8 @@ FAMILIES = {
     "deepseek_v2": ("deepseek_v2", dict(MLA, q_lora_rank=None, n_routed_experts=16, num_experts_per_tok=3,
                                         topk_method="group_limited_greedy", n_group=4, topk_group=2,
                                         routed_scaling_factor=2.0, first_k_dense_replace=1, n_shared_experts=1)),
+    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, head_dim=16, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, mlp_only_layers=[1])),
 }

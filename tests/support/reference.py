@@ -1,8 +1,8 @@
 """The reference side of parity tests: tiny random transformers checkpoints and their outputs.
 
-Checkpoints are built with `AutoModelForCausalLM.from_config`, given non-trivial norms, biases,
-router biases and attention sinks (so that a block that ignores them fails), saved with `save_pretrained` and then
-read back from disk by both sides: Colibri reads the files, never torch's memory.
+Checkpoints are built with `AutoModelForCausalLM.from_config`, given non-trivial norms, biases (DeltaNet's
+`dt_bias` too), router biases and attention sinks (so that a block that ignores them fails), saved with
+`save_pretrained` and then read back from disk by both sides: Colibri reads the files, never torch's memory.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def build_checkpoint(folder: Path, model_type: str, seed: int = 0, dtype: str = 
                 p.normal_(1.0, 0.3)
             elif name.endswith((".bias", "_proj_bias")):      # gpt-oss's fused expert biases start at zero
                 p.normal_(0.0, 0.2)
-            elif name.endswith(".sinks"):                       # gpt-oss: large enough to move the softmax
+            elif name.endswith((".sinks", ".dt_bias")):          # gpt-oss's sinks: large enough to move the softmax;
+                                                                 # DeltaNet's dt_bias starts as ones: vary it per head
                 p.normal_(0.0, 1.0)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
