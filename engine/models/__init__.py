@@ -13,13 +13,13 @@ from types import ModuleType
 from typing import Any, Mapping
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
-from engine.models import deepseek, llama, mixtral, olmoe, qwen2, qwen3, qwen_moe
+from engine.models import deepseek, glm_moe_dsa, llama, mixtral, olmoe, qwen2, qwen3, qwen_moe
 from engine.models.config import Config
 from engine.spec import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {
     arch: module
-    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek)
+    for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, glm_moe_dsa)
     for arch in module.ARCHITECTURES
 }
 

@@ -15,4 +15,8 @@ FAMILIES = {
     "deepseek_v3": ("deepseek_v3", dict(MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
                                         topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
                                         n_shared_experts=1)),
+    # GLM-5: latent attention with the sparse-attention indexer (top-4 keys: the selection matters past 4 tokens)
+    "glm_moe_dsa": ("glm_moe_dsa", dict(MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                        topk_group=1, mlp_layer_types=["dense", "sparse", "sparse"],
+                                        index_topk=4, index_head_dim=32, index_n_heads=8)),
 }
