@@ -15,26 +15,32 @@ from numba import njit, prange
 
 from engine.kernels.simd import tof32
 
+# Reassociation lets the compiler vectorize the dot products; the order it picks is fixed in the compiled
+# loop, the same for every row (as engine.kernels.attention's latent kernel).
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
 
-@njit(parallel=True, cache=True, boundscheck=False)
+
+@njit(parallel=True, cache=True, fastmath=_FAST, boundscheck=False)
 def _index_scores(q, w, kb, ks, table, bsize, positions, scale, out):  # pragma: no cover - compiled
     t_count, n_heads, d = q.shape
-    for t in prange(t_count):
-        p = positions[t]
-        for s in range(p + 1):
-            b = table[s // bsize]
-            o = s % bsize
-            total = np.float32(0.0)
-            for h in range(n_heads):
-                acc = np.float32(0.0)
-                for j in range(d):
-                    acc += q[t, h, j] * tof32(kb[b, o, j])
-                v = acc * ks[b, o] * scale
-                if v > 0:                               # relu
-                    total += w[t, h] * v
-            out[t, s] = total
-        for s in range(p + 1, out.shape[1]):
+    width = out.shape[1]
+    for i in prange(t_count * width):           # every (query, key) pair apart: a single decoded row runs parallel
+        t = i // width
+        s = i % width
+        if s > positions[t]:
             out[t, s] = -np.inf
+            continue
+        b = table[s // bsize]
+        o = s % bsize
+        total = np.float32(0.0)
+        for h in range(n_heads):
+            acc = np.float32(0.0)
+            for j in range(d):
+                acc += q[t, h, j] * tof32(kb[b, o, j])
+            v = acc * ks[b, o] * scale
+            if v > 0:                               # relu
+                total += w[t, h] * v
+        out[t, s] = total
 
 
 def index_scores(q: np.ndarray, w: np.ndarray, kb: np.ndarray, ks: np.ndarray, table: np.ndarray,
@@ -69,7 +75,7 @@ def top_keys(scores: np.ndarray, positions: np.ndarray, topk: int) -> tuple[np.n
     return sel, counts
 
 
-@njit(parallel=True, cache=True, boundscheck=False)
+@njit(parallel=True, cache=True, fastmath=_FAST, boundscheck=False)
 def _attend_selected(q_nope, q_rot, w_uk, w_uv, lb, ls, rb, rs, table, bsize, sel, counts, scale, keep,
                      q_lat, ctx, weights, scores, out):  # pragma: no cover - compiled
     t_count, n_heads, dn = q_nope.shape

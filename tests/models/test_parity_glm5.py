@@ -7,7 +7,6 @@ lifted), in the prompt's prefill, in a prefill that continues a cache, and in ca
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from engine.errors import ModelFormatError
