@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.kernels.simd import tof32
+from engine.kernels.topk import reference_topk
 
 # Reassociation lets the compiler vectorize the dot products; the order it picks is fixed in the compiled
 # loop, the same for every row (as engine.kernels.attention's latent kernel).
@@ -58,9 +59,13 @@ def index_scores(q: np.ndarray, w: np.ndarray, kb: np.ndarray, ks: np.ndarray, t
 
 def top_keys(scores: np.ndarray, positions: np.ndarray, topk: int) -> tuple[np.ndarray, np.ndarray]:
     """The keys each query attends to: its `topk` best-scored keys, or every key up to its position when it
-    sees no more than `topk`. Returns (positions [T, K] ascending, counts [T]); ties go to the earlier key."""
-    t_count = scores.shape[0]
-    k = min(topk, scores.shape[1])
+    sees no more than `topk`. Returns (positions [T, K] ascending, counts [T]).
+
+    Exactly tied scores across the top-k boundary are kept as the reference's torch.topk keeps them, over
+    the same row (`scores` [T, S], -inf past each query's position, as its causal mask leaves them).
+    """
+    t_count, width = scores.shape
+    k = min(topk, width)
     sel = np.zeros((t_count, k), np.int64)
     counts = np.empty(t_count, np.int64)
     for t in range(t_count):
@@ -68,10 +73,14 @@ def top_keys(scores: np.ndarray, positions: np.ndarray, topk: int) -> tuple[np.n
         if n <= topk:
             sel[t, :n] = np.arange(n)
             counts[t] = n
+            continue
+        row = scores[t]
+        order = np.argsort(-row[:n], kind="stable")
+        if row[order[k - 1]] == row[order[k]]:             # a tie across the boundary: the reference's pick
+            sel[t] = reference_topk(row, k)
         else:
-            best = np.argsort(-scores[t, :n], kind="stable")[:topk]
-            sel[t] = np.sort(best)
-            counts[t] = topk
+            sel[t] = np.sort(order[:k])
+        counts[t] = k
     return sel, counts
 
 

@@ -7,6 +7,7 @@ lifted), in the prompt's prefill, in a prefill that continues a cache, and in ca
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine.errors import ModelFormatError
@@ -38,6 +39,8 @@ CASES = {
                                          num_experts_per_tok=4, n_group=2, topk_group=2, index_topk=8,
                                          index_head_dim=24, index_n_heads=16, first_k_dense_replace=0,
                                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # 4 indexer heads: relu zeroes whole score rows, so exact ties straddle the top-k boundary (kept as torch.topk does)
+    "glm5-few-index-heads-ties": dict(GLM5, n_routed_experts=8, num_experts_per_tok=2, index_topk=4, index_n_heads=4),
 }
 
 
@@ -144,3 +147,20 @@ def test_mtp_layers_are_ignored():
     pattern = ignored_tensors(_config(num_nextn_predict_layers=1))
     assert pattern.fullmatch("model.layers.6.eh_proj.weight")
     assert not pattern.fullmatch("model.layers.5.self_attn.indexer.wk.weight")
+
+
+@pytest.mark.parametrize("n", [3, 10, 40, 300])
+def test_tied_scores_are_kept_as_torch_topk_keeps_them(n):
+    """Among exactly equal scores the reference keeps what libstdc++'s selection leaves in front."""
+    import torch
+
+    from engine.kernels.topk import reference_topk
+
+    rng = np.random.default_rng(n)
+    for trial in range(40):
+        x = np.where(rng.random(n) < 0.5, 0.0, rng.standard_normal(n)).astype(np.float32)
+        if trial % 4 == 0:
+            x[: n // 2] = -np.inf                         # a causal row's masked tail (here in front)
+        for k in sorted({1, 2, min(4, n), min(8, n)}):
+            want = torch.from_numpy(x).topk(k).indices.sort().values.tolist()
+            assert reference_topk(x, k) == want, (trial, k)
