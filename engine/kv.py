@@ -1,7 +1,8 @@
 """The paged KV cache: a pool of fixed-size blocks shared by sequences, a prefix index, retention.
 
 - `KVPool` holds, for every layer, keys and values (or, for multi-head latent attention, the
-  compressed latent and the shared rotary key) in blocks of `block_size` positions. Each layer's
+  compressed latent and the shared rotary key, plus the sparse-attention indexer's key where the
+  layer has one) in blocks of `block_size` positions. Each layer's
   arrays are C-contiguous [n_blocks, ...] anonymous mappings, reserved up front but committed only
   as blocks are written; a block that is freed hands its pages back to the system.
 - A full block is indexed by a hash of its tokens and of everything before it. A sequence that
@@ -36,6 +37,7 @@ import numpy as np
 
 from engine.errors import ColibriError, GenerationError
 from engine.kernels.attention import attend_latent, attend_paged
+from engine.kernels.sparse import attend_selected, index_scores
 from engine.spec import GatedDeltaNetSpec, MLASpec, ModelSpec, RopeSpec
 
 BLOCK_SIZE = 32           # positions per block: small blocks slow decode attention (`colibri bench --kv blocks`),
@@ -66,8 +68,11 @@ def _layer_parts(attn, block: int, bits: int) -> list[_Part]:
     if isinstance(attn, GatedDeltaNetSpec):    # a recurrent state per sequence (LayerState), nothing per position
         return []
     if isinstance(attn, MLASpec):
-        return [_Part("k", (block, attn.kv_lora_rank), store), _Part("ks", (block,), f32),
-                _Part("v", (block, attn.qk_rope_dim), store), _Part("vs", (block,), f32)]
+        parts = [_Part("k", (block, attn.kv_lora_rank), store), _Part("ks", (block,), f32),
+                 _Part("v", (block, attn.qk_rope_dim), store), _Part("vs", (block,), f32)]
+        if attn.indexer is not None and not attn.indexer.shared:   # the sparse-attention indexer's own keys
+            parts += [_Part("ik", (block, attn.indexer.head_dim), store), _Part("iks", (block,), f32)]
+        return parts
     h, d = attn.n_kv_heads, attn.head_dim
     return [_Part("k", (h, block, d), store), _Part("ks", (h, block), f32),
             _Part("v", (h, block, d), store), _Part("vs", (h, block), f32)]
@@ -290,19 +295,31 @@ class LayerKV:
 
     def __init__(self, seq: "KVCache", j: int):
         self.seq, self.j = seq, j
+        # sparse attention: (first position, rows, selected keys [T, K], counts [T]) of the latest pass, which
+        # the layers sharing this layer's indexer reuse in the same pass
+        self.selected: tuple[int, int, np.ndarray, np.ndarray] | None = None
 
     def write(self, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store rows k [T, Hkv, D], v [T, Hkv, Dv] (or latent [T, R], rotary key [T, dr]) at positions start.."""
+        self._store(start, (("k", k), ("v", v)))
+
+    def write_index(self, start: int, keys: np.ndarray) -> None:
+        """Store the sparse-attention indexer's keys [T, Di] at positions start.. (a latent layer with an indexer)."""
+        self._store(start, (("ik", keys),))
+
+    def _store(self, start: int, parts: tuple[tuple[str, np.ndarray], ...]) -> None:
+        """Store each (array name, rows [T, ...]) at positions start.., block by block, encoded as the pool keeps them."""
         seq, arrays, bs = self.seq, self.seq.pool.layers[self.j], self.seq.pool.block_size
         table = seq.table
         latent = seq.pool.latent[self.j]
         t = 0
-        n = k.shape[0]
+        n = parts[0][1].shape[0]
         while t < n:
             s = start + t
             b, o = table[s // bs], s % bs
             m = min(bs - o, n - t)
-            for name, x in (("k", k[t : t + m]), ("v", v[t : t + m])):
+            for name, part in parts:
+                x = part[t : t + m]
                 store, scales = arrays[name], arrays[name + "s"]
                 if latent:
                     rows, scale = _encode(x, store.dtype)                       # [m, R], [m]
@@ -326,12 +343,23 @@ class LayerKV:
             seq.observe(weights)
         return res
 
+    def index_scores(self, q: np.ndarray, w: np.ndarray, positions: np.ndarray, scale: float) -> np.ndarray:
+        """The indexer's scores [T, S] of this sequence's keys for queries q [T, Hi, Di] with head weights w [T, Hi]."""
+        a = self.seq.pool.layers[self.j]
+        return index_scores(q, w, a["ik"], a["iks"], self.seq.table_array(), positions, scale)
+
     def attend_latent(self, q_nope: np.ndarray, q_rot: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
-                      positions: np.ndarray, scale: float) -> np.ndarray:
-        """Latent attention of q [T, H, dn + dr] over this sequence's latents -> [T, H, dv]."""
+                      positions: np.ndarray, scale: float,
+                      selected: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Latent attention of q [T, H, dn + dr] over this sequence's latents -> [T, H, dv]; with `selected`
+        (keys [T, K], counts [T]) over those keys only (sparse attention)."""
         a, seq = self.seq.pool.layers[self.j], self.seq
-        res = attend_latent(q_nope, q_rot, w_uk, w_uv, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(),
-                            positions, scale, seq.tracking)
+        if selected is not None:
+            res = attend_selected(q_nope, q_rot, w_uk, w_uv, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(),
+                                  selected[0], selected[1], int(positions.max()) + 1, scale, seq.tracking)
+        else:
+            res = attend_latent(q_nope, q_rot, w_uk, w_uv, a["k"], a["ks"], a["v"], a["vs"], seq.table_array(),
+                                positions, scale, seq.tracking)
         if seq.tracking:
             res, weights = res
             seq.observe(weights)
@@ -620,13 +648,15 @@ class KVCache:
             pool.unpublish(self.table[k])
             b = self.table[k]
             for j, arrays in enumerate(pool.layers):
-                key, scale = (arrays["v"], arrays["vs"]) if pool.latent[j] else (arrays["k"], arrays["ks"])
-                stored = key[b].view(np.float16) if key.dtype == np.uint16 else key[b]
-                rows = stored.astype(np.float32) * scale[b][..., None]
-                _rotate_back(rows, pool.rope[j], -bs)
-                stored, s = _encode(rows, key.dtype)
-                key[b] = stored
-                scale[b] = s
+                rotated = ("v", "ik") if pool.latent[j] else ("k",)   # rotary keys (and the indexer's, whose
+                for name in (n for n in rotated if n in arrays):       # first rope.dim features rotate)
+                    key, scale = arrays[name], arrays[name + "s"]
+                    stored = key[b].view(np.float16) if key.dtype == np.uint16 else key[b]
+                    rows = stored.astype(np.float32) * scale[b][..., None]
+                    _rotate_back(rows, pool.rope[j], -bs)
+                    stored, s = _encode(rows, key.dtype)
+                    key[b] = stored
+                    scale[b] = s
         pool.release(self.table.pop(i))
         self._table_np = None
         lo, hi = i * bs, (i + 1) * bs

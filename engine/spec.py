@@ -111,6 +111,25 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class IndexerSpec:
+    """DeepSeek sparse attention's indexer (GLM-5): each query attends only to the `topk` keys it scores best.
+
+    Its own small query (from the q LoRA latent) and single shared key (cached per token), both with RoPE
+    on their first `rope_dim` features; a key's score is sum over heads of w_h * relu(q_h . k) * D^-0.5.
+    A `shared` layer has no indexer of its own: it reuses the selection of the nearest full layer before it.
+    """
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    rope_dim: int
+    rope_interleaved: bool = True     # GLM-5 rotates pairs (x0, x1), ...; DeepSeek-V3.2 halves
+    norm_eps: float = 1e-6            # the key's LayerNorm
+    shared: bool = False
+    source: int | None = None         # shared: the layer whose selection it reuses
+
+
+@dataclass(frozen=True)
 class MLASpec:
     """Multi-head latent attention (DeepSeek-V2/V3): keys and values from a compressed latent."""
 
@@ -123,7 +142,8 @@ class MLASpec:
     rope: RopeSpec
     scale: float
     bias: bool = False                # attention_bias on q_a_proj / kv_a_proj / o_proj
-    norm_eps: float | None = None     # eps of q_a_layernorm / kv_a_layernorm; None: the model's rms_eps
+    norm_eps: float | None = None     # q_a / kv_a RMSNorm epsilon; None: the model's rms_eps
+    indexer: IndexerSpec | None = None  # sparse attention (GLM-5): attend only to the keys it selects
 
     @property
     def qk_head_dim(self) -> int:

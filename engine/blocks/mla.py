@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.blocks.attention import Segments
+from engine.blocks.indexer import Indexer, indexer_shapes
 from engine.blocks.linear import Probe, linear
 from engine.blocks.norm import rms_norm
 from engine.blocks.rope import Rotary
@@ -40,6 +41,8 @@ def mla_shapes(spec: MLASpec, prefix: str, hidden: int) -> dict[str, tuple[int, 
         shapes[f"{prefix}.o_proj.bias"] = (hidden,)
         if spec.q_lora_rank is not None:
             shapes[f"{prefix}.q_a_proj.bias"] = (spec.q_lora_rank,)
+    if spec.indexer is not None:
+        shapes |= indexer_shapes(spec.indexer, f"{prefix}.indexer", hidden, spec.q_lora_rank)
     return shapes
 
 
@@ -63,6 +66,7 @@ class LatentAttention:
     bq_a: np.ndarray | None = None
     bkv_a: np.ndarray | None = None
     bo: np.ndarray | None = None
+    indexer: Indexer | None = None  # sparse attention: the keys each query attends to
 
     @property
     def latent_eps(self) -> float:
@@ -71,8 +75,11 @@ class LatentAttention:
 
     @classmethod
     def load(cls, spec: MLASpec, w: Weights, prefix: str, rotary: Rotary, rms_eps: float) -> "LatentAttention":
-        """Take the block's tensors from `w`; splits kv_b_proj into its key and value halves."""
+        """Take the block's tensors from `w`; splits kv_b_proj into its key and value halves.
+
+        The q / kv latents' norms use `spec.norm_eps` when the family sets it, else `rms_eps`."""
         kv_b = w.dense(f"{prefix}.kv_b_proj.weight").reshape(spec.n_heads, spec.qk_nope_dim + spec.v_head_dim, spec.kv_lora_rank)
+        indexer = Indexer.load(spec.indexer, w, f"{prefix}.indexer") if spec.indexer is not None else None
         return cls(
             spec, rotary, rms_eps, prefix,
             w.get(f"{prefix}.q_proj.weight"), w.get(f"{prefix}.q_a_proj.weight"),
@@ -81,12 +88,15 @@ class LatentAttention:
             np.ascontiguousarray(kv_b[:, : spec.qk_nope_dim]), np.ascontiguousarray(kv_b[:, spec.qk_nope_dim :]),
             w[f"{prefix}.o_proj.weight"],
             w.get(f"{prefix}.q_a_proj.bias"), w.get(f"{prefix}.kv_a_proj_with_mqa.bias"), w.get(f"{prefix}.o_proj.bias"),
+            indexer,
         )
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, segments: Segments, probe: Probe | None = None) -> np.ndarray:
         """x [T, hidden] at `positions` -> [T, hidden]; rows of several sequences as in `Attention`,
-        each writing its latents to its own cache."""
+        each writing its latents to its own cache. With an indexer, each query attends only to the keys
+        it selects (their indexer keys cached beside the latents)."""
         s, t, p = self.spec, x.shape[0], self.prefix
+        qa = None
         if self.wq is not None:
             if probe is not None:
                 probe(f"{p}.q_proj.weight", x)
@@ -112,11 +122,17 @@ class LatentAttention:
         cos, sin = self.rotary.tables(positions)
         k_rot = self.rotary.apply(ckv[:, None, s.kv_lora_rank :], cos, sin)[:, 0]  # [T, dr]
         q_rot = self.rotary.apply(q[..., s.qk_nope_dim :], cos, sin)    # [T, H, dr]
+        ix = self.indexer
+        projected = ix.project(x, qa, cos, sin, probe) if ix is not None else None
         out = np.empty((t, s.n_heads, s.v_head_dim), np.float32)
         for rows, cache in segments:
             pos = positions[rows]
             cache.write(int(pos[0]), latent[rows], k_rot[rows])
-            out[rows] = cache.attend_latent(q[rows, :, : s.qk_nope_dim], q_rot[rows], self.w_uk, self.w_uv, pos, s.scale)
+            selected = None
+            if ix is not None:
+                selected = ix.select(None if projected is None else projected[rows], pos, cache)
+            out[rows] = cache.attend_latent(q[rows, :, : s.qk_nope_dim], q_rot[rows], self.w_uk, self.w_uv, pos,
+                                            s.scale, selected)
         out = out.reshape(t, -1)                                        # [T, H*dv]
         if probe is not None:
             probe(f"{p}.o_proj.weight", out)

@@ -71,7 +71,7 @@ _HEAD_BYTES = _HEAD.size + _CRC.size
 _SUM = 16                            # blake2b digest of head + payload, after the payload
 _META = struct.Struct("<I")
 HEADER, BLOCK, TAIL = b"H"[0], b"B"[0], b"T"[0]
-_PARTS = ("k", "ks", "v", "vs")
+_PARTS = ("k", "ks", "v", "vs")    # every layer's arrays; latent layers with a sparse-attention indexer add "ik", "iks"
 
 
 class SessionError(ColibriError):
@@ -570,18 +570,23 @@ def _state(meta: dict, seen: np.ndarray) -> SessionState:
 
 # --- blocks ---
 
+def _parts(arrays: dict) -> tuple[str, ...]:
+    """The names of one layer's arrays, in their saved order: k, ks, v, vs, then any a layer adds (indexer keys)."""
+    return _PARTS + tuple(name for name in arrays if name not in _PARTS)
+
+
 def _layer_shapes(pool: KVPool) -> list[list]:
     """Each layer's arrays per block: [name, dtype, shape], what a block record holds."""
-    return [[[name, arrays[name].dtype.str, list(arrays[name].shape[1:])] for name in _PARTS]
+    return [[[name, arrays[name].dtype.str, list(arrays[name].shape[1:])] for name in _parts(arrays)]
             for arrays in pool.layers]
 
 
 def _block_arrays(pool: KVPool, b: int) -> list[np.ndarray]:
-    return [arrays[name][b] for arrays in pool.layers for name in _PARTS]
+    return [arrays[name][b] for arrays in pool.layers for name in _parts(arrays)]
 
 
 def _put_block(pool: KVPool, b: int, rows: Sequence[np.ndarray], path: Path) -> None:
-    targets = [(arrays, name) for arrays in pool.layers for name in _PARTS]
+    targets = [(arrays, name) for arrays in pool.layers for name in _parts(arrays)]
     if len(rows) != len(targets) or any(r.shape != a[n].shape[1:] or r.dtype != a[n].dtype
                                         for r, (a, n) in zip(rows, targets)):
         raise SessionError(f"session file {path}: a block's arrays do not match the model's layers; "
@@ -595,7 +600,7 @@ def _last_rows(pool: KVPool, b: int) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     last = pool.block_size - 1
     for latent, arrays in zip(pool.latent, pool.layers):
-        for name in _PARTS:
+        for name in _parts(arrays):
             a = arrays[name][b]
             h.update(np.ascontiguousarray(a[last] if latent else a[:, last]).tobytes())
     return h.digest()

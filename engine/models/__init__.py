@@ -21,6 +21,7 @@ from engine.models import (
     deepseek_v2,
     glm4_moe,
     glm4_moe_lite,
+    glm_moe_dsa,
     gpt_oss,
     granitemoe,
     llama,
@@ -37,7 +38,8 @@ from engine.spec import ModelSpec
 FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
-                   glm4_moe_lite, qwen3_next)
+                   glm4_moe_lite, qwen3_next,
+                   glm_moe_dsa)
     for arch in module.ARCHITECTURES
 }
 

@@ -20,8 +20,8 @@ from engine.spec import GatedDeltaNetSpec, MLASpec, ModelSpec, MoESpec
 
 def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:
     """KV cache bytes for `ctx` tokens as engine.kv stores them: float32, fp16 or int8 rows, each with a
-    float32 scale (MLA caches its compressed latent and rotary key). A recurrent layer adds one sequence's
-    float32 state, twice (held, and the next step's)."""
+    float32 scale (MLA caches its compressed latent and rotary key, and a sparse-attention indexer's key). A
+    recurrent layer adds one sequence's float32 state, twice (held, and the next step's)."""
     size = bits // 8
     per_token = state = 0
     for layer in spec.layers:
@@ -30,6 +30,8 @@ def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:
             state += 2 * 4 * sum(int(np.prod(shape)) for shape in a.state_shapes)
         elif isinstance(a, MLASpec):
             per_token += (a.kv_lora_rank + a.qk_rope_dim) * size + 8
+            if a.indexer is not None and not a.indexer.shared:   # the sparse-attention indexer's key, and its scale
+                per_token += a.indexer.head_dim * size + 4
         else:
             per_token += 2 * a.n_kv_heads * (a.head_dim * size + 4)
     return per_token * ctx + state

@@ -30,4 +30,8 @@ FAMILIES = {
                                       shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
                                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                       linear_value_head_dim=16, mlp_only_layers=[1])),
+    # GLM-5: latent attention with the sparse-attention indexer (top-4 keys: the selection matters past 4 tokens)
+    "glm_moe_dsa": ("glm_moe_dsa", dict(MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                                        topk_group=1, mlp_layer_types=["dense", "sparse", "sparse"],
+                                        index_topk=4, index_head_dim=32, index_n_heads=8)),
 }
