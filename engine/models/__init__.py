@@ -27,6 +27,7 @@ from engine.models import (
     llama,
     mixtral,
     olmoe,
+    phi3,
     qwen2,
     qwen3,
     qwen3_next,
@@ -39,7 +40,7 @@ FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
                    glm4_moe_lite, qwen3_next,
-                   glm_moe_dsa)
+                   glm_moe_dsa, phi3)
     for arch in module.ARCHITECTURES
 }
 

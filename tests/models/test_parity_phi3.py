@@ -1,0 +1,97 @@
+"""Phi-3 against transformers on tiny random checkpoints read from disk.
+
+Its checkpoints fuse q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`); engine/formats/fused.py cuts them
+by rows. Prompt logits must agree within 1e-4 of the logits' largest magnitude, and 32 greedy tokens
+(ours with the KV cache, the reference recomputing) must be identical. The prompt (20 tokens) is longer
+than the windows below, so they matter.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.errors import ModelFormatError
+from engine.kv import KVCache
+from engine.loader import load_model
+from engine.models import fused_tensors, spec_from_config
+from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+
+pytestmark = pytest.mark.parity
+
+PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 140, 31, 77, 2, 120, 56, 11]
+N_GREEDY = 32
+
+CASES = {
+    # the reference's defaults at a tiny size: GQA, untied, no window, full rotary
+    "gqa-untied-default-rope": dict(),
+    # MHA (num_key_value_heads null), tied embeddings, a window shorter than the prompt, another theta
+    "mha-tied-window6": dict(num_key_value_heads=None, tie_word_embeddings=True, sliding_window=6,
+                             rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    # MQA, half the head rotated, a window of 3, GELU-tanh gate
+    "mqa-partial-rotary-window3-gelu": dict(num_key_value_heads=1, sliding_window=3, hidden_act="gelu_pytorch_tanh",
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_phi3_matches_transformers(case, tmp_path):
+    # Phi3Config's token ids (32000) lie outside the tiny vocabulary
+    folder = build_checkpoint(tmp_path / case, "phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2, **CASES[case])
+    ref = load_reference(folder)
+    loaded = load_model(folder)
+    assert loaded.spec.architecture == "Phi3ForCausalLM"
+
+    cache = KVCache(loaded.spec, 256)
+    ours = loaded.model.forward(PROMPT, cache, all_logits=True)
+    expected = reference_logits(ref, PROMPT)
+    assert ours.shape == expected.shape
+    assert relative_error(ours, expected) < 1e-4
+
+    tokens, logits = [], ours[-1]
+    for _ in range(N_GREEDY):
+        tokens.append(int(logits.argmax()))
+        logits = loaded.model.forward([tokens[-1]], cache)[-1]
+    assert tokens == reference_greedy(ref, PROMPT, N_GREEDY)
+
+
+def _config(**overrides) -> dict:
+    cfg = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=160)
+    cfg.update(overrides)
+    return cfg
+
+
+def test_fused_rows_follow_the_heads():
+    rules = fused_tensors(_config(num_key_value_heads=1))
+    qkv = rules[0].pieces
+    assert [(p.start, p.stop) for p in qkv] == [(0, 64), (64, 80), (80, 96)]
+    assert [(p.start, p.stop) for p in rules[1].pieces] == [(0, 96), (96, 192)]
+
+
+def test_reference_defaults_fill_a_sparse_config():
+    spec = spec_from_config(_config())
+    assert spec.rms_eps == 1e-5 and spec.max_position == 4096 and spec.eos_token_ids == (32000,)
+    assert all(layer.attn.sliding_window is None for layer in spec.layers)
+    spec = spec_from_config(_config(sliding_window=2047))
+    assert all(layer.attn.sliding_window == 2047 for layer in spec.layers)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+    {"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+    {"rope_scaling": {"type": "yarn", "factor": 4.0}},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+])
+def test_rope_other_than_default_is_refused(scaling, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_config(**scaling)))
+    with pytest.raises(ModelFormatError, match="rope type"):
+        spec_from_config(json.loads(path.read_text()), str(path))
+
+
+def test_a_zero_window_is_refused():
+    with pytest.raises(ModelFormatError, match="sliding_window"):
+        spec_from_config(_config(sliding_window=0))
