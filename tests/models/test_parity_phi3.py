@@ -95,3 +95,30 @@ def test_rope_other_than_default_is_refused(scaling, tmp_path):
 def test_a_zero_window_is_refused():
     with pytest.raises(ModelFormatError, match="sliding_window"):
         spec_from_config(_config(sliding_window=0))
+
+
+def test_bf16_checkpoint_converts_to_a_container_of_cut_tensors(tmp_path):
+    """The fused rows are cut from a bfloat16 file, and `colibri convert` stores the cut tensors, which load and
+    run like the float32 model they stand for."""
+    import numpy as np
+    import torch
+
+    from app.hub.convert import ConvertSettings, convert
+    from engine.formats.container import Container
+    from engine.loader import open_checkpoint
+
+    folder = build_checkpoint(tmp_path / "bf16", "phi3", dtype="bfloat16", pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2, num_key_value_heads=1)
+    ckpt = open_checkpoint(folder)
+    qkv = load_reference(folder).model.layers[1].self_attn.qkv_proj.weight
+    with torch.no_grad():
+        assert np.array_equal(ckpt.source.load("model.layers.1.self_attn.k_proj.weight"), qkv[64:80].float().numpy())
+
+    out = convert(folder, tmp_path / "q8", ConvertSettings(bits=8), log=lambda m: None)
+    names = set(Container.open(out).names())
+    assert "model.layers.0.self_attn.v_proj.weight" in names and "model.layers.0.mlp.up_proj.weight" in names
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in names)
+    quantized, plain = load_model(out).model, load_model(folder).model
+    ours = quantized.forward(PROMPT, KVCache(quantized.spec, 64), all_logits=True)
+    expected = plain.forward(PROMPT, KVCache(plain.spec, 64), all_logits=True)
+    assert np.abs(ours - expected).max() <= 5e-2 * np.abs(expected).max()
