@@ -36,6 +36,10 @@ FUSED = {
     "qwen2-qkv-bias-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "granitemoe-attention-multiplier": ("granitemoe", dict(num_local_experts=8, num_experts_per_tok=2,
                                                            attention_multiplier=0.2)),
+    "phi3-fused-rows-partial-rotary-window": ("phi3", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                           sliding_window=5, rope_parameters={
+                                                               "rope_type": "default", "rope_theta": 10000.0,
+                                                               "partial_rotary_factor": 0.5})),
 }
 BLOCKS_ONLY = {   # layers the fused kernel does not run: these decode through the blocks
     "qwen2moe-shared-expert": ("qwen2_moe", dict(moe_intermediate_size=32, shared_expert_intermediate_size=64,
