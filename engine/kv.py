@@ -326,6 +326,21 @@ class LayerKV:
             seq.observe(weights)
         return res
 
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of positions start .. stop - 1 as float32 [Hkv, stop - start, D] (what attention the
+        paged kernel does not run reads; rows written this step included)."""
+        a, bs = self.seq.pool.layers[self.j], self.seq.pool.block_size
+        blocks = self.seq.table[start // bs : blocks_for(stop, bs)]
+        first = start // bs * bs
+        out = []
+        for name in ("k", "v"):
+            store, scales = a[name][blocks], a[name + "s"][blocks]           # [nb, Hkv, B, D], [nb, Hkv, B]
+            rows = store.view(np.float16) if store.dtype == np.uint16 else store
+            x = rows.astype(np.float32) * scales[..., None]
+            x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])   # [Hkv, nb * B, D]
+            out.append(np.ascontiguousarray(x[:, start - first : stop - first]))
+        return out[0], out[1]
+
     def attend_latent(self, q_nope: np.ndarray, q_rot: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
                       positions: np.ndarray, scale: float) -> np.ndarray:
         """Latent attention of q [T, H, dn + dr] over this sequence's latents -> [T, H, dv]."""

@@ -19,12 +19,15 @@ from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.models import (
     deepseek,
     deepseek_v2,
+    gemma,
     glm4_moe,
     glm4_moe_lite,
     gpt_oss,
     granitemoe,
     llama,
+    mistral,
     mixtral,
+    olmo2,
     olmoe,
     qwen2,
     qwen3,
@@ -37,7 +40,7 @@ from engine.spec import ModelSpec
 FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
-                   glm4_moe_lite, qwen3_next)
+                   glm4_moe_lite, qwen3_next, mistral, gemma, olmo2)
     for arch in module.ARCHITECTURES
 }
 
