@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+from engine.blocks.norm import activation
 from engine.models.config import (
     ROPE_BUFFERS,
     Config,
@@ -27,10 +28,12 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 # The reference's defaults where config.json leaves a key out (a key given as null means "off" instead)
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "Gemma2ForCausalLM": dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, rms_norm_eps=1e-6,
+    "Gemma2ForCausalLM": dict(bos_token_id=2, eos_token_id=1, num_key_value_heads=4,
+                              head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, rms_norm_eps=1e-6,
                               tie_word_embeddings=True, max_position_embeddings=8192, final_logit_softcapping=30.0,
                               attn_logit_softcapping=50.0, hidden_activation="gelu_pytorch_tanh"),
-    "Gemma3ForCausalLM": dict(num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, rms_norm_eps=1e-6,
+    "Gemma3ForCausalLM": dict(bos_token_id=2, eos_token_id=1, num_key_value_heads=4,
+                              head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, rms_norm_eps=1e-6,
                               tie_word_embeddings=True, max_position_embeddings=131_072,
                               final_logit_softcapping=None, attn_logit_softcapping=None,
                               hidden_activation="gelu_pytorch_tanh"),
@@ -116,6 +119,7 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     base = dataclasses.replace(base, scale=scalar**-0.5, softcap=softcap, clip_qkv=None)
     ropes = _ropes(cfg, architecture, base.head_dim)
     mlp = dense_mlp(cfg, cfg.opt("hidden_activation", "gelu_pytorch_tanh", str))
+    activation(mlp.act)                                   # refused here, at open, when not one the engine runs
     layers = tuple(
         LayerSpec(dataclasses.replace(base, rope=ropes[t], sliding_window=window if t == "sliding_attention" else None),
                   mlp, norms="sandwich")

@@ -8,7 +8,8 @@ from engine.spec import LayerSpec, ModelSpec
 ARCHITECTURES = ("MistralForCausalLM",)
 # The reference's defaults where config.json leaves a key out (null keeps its meaning: no window, as many
 # key/value heads as heads, head_dim from the hidden size)
-DEFAULTS = dict(sliding_window=4096, num_key_value_heads=8, max_position_embeddings=4096 * 32, rms_norm_eps=1e-6)
+DEFAULTS = dict(bos_token_id=1, eos_token_id=2,
+                sliding_window=4096, num_key_value_heads=8, max_position_embeddings=4096 * 32, rms_norm_eps=1e-6)
 
 
 def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:

@@ -9,7 +9,7 @@ from engine.models.config import ROPE_BUFFERS, Config, dense_mlp, gqa_attention,
 from engine.spec import LayerSpec, ModelSpec
 
 ARCHITECTURES = ("Olmo2ForCausalLM",)
-DEFAULTS = dict(rms_norm_eps=1e-5, max_position_embeddings=2048)   # the reference's, where config.json has none
+DEFAULTS = dict(eos_token_id=50279, rms_norm_eps=1e-5, max_position_embeddings=2048)   # the reference's, where config.json has none
 
 
 def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
