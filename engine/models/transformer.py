@@ -138,6 +138,12 @@ class Layer:
         return self.input_norm is not None and self.post_norm is not None and self.attn_out_norm is None \
             and self.ffn_out_norm is None
 
+    @property
+    def norm_bytes(self) -> int:
+        """Bytes of the layer's norm weights."""
+        return sum(int(n.nbytes) for n in (self.input_norm, self.post_norm, self.attn_out_norm, self.ffn_out_norm)
+                   if n is not None)
+
     def attn_input(self, x: np.ndarray, eps: float) -> np.ndarray:
         """The attention's input [T, hidden] from the residual stream x."""
         return x if self.input_norm is None else rms_norm(x, self.input_norm, eps)
