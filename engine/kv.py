@@ -25,7 +25,8 @@
 - A sliding-window layer needs only its window: once no sequence holding a block can attend to it any more
   in that layer (every holder's next query lies more than the window past it), the layer's rows of the block
   are dropped (their pages returned), while full-attention layers keep theirs. A sequence that truncates or
-  adopts a prefix back to where a window's rows are gone holds less (the rest is computed again).
+  adopts a prefix back to where a window's rows are gone holds less (the rest is computed again); retention
+  evicts no block a window would reach again once the later blocks move down.
 """
 
 from __future__ import annotations
@@ -312,14 +313,18 @@ def prefix_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 ROOT = b"colibri-kv-1"
 
 
-def choose_victim(scores: np.ndarray, n_blocks: int, block_size: int, sink_tokens: int, recent_tokens: int) -> int | None:
+def choose_victim(scores: np.ndarray, n_blocks: int, block_size: int, sink_tokens: int, recent_tokens: int,
+                  before: int | None = None) -> int | None:
     """The block to evict under retention: among the full blocks after the sinks and before the
-    recent window, the one whose tokens drew the least attention on average; None if none qualifies.
+    recent window (and before block `before` when given), the one whose tokens drew the least attention on
+    average; None if none qualifies.
 
     `scores` [n_blocks * block_size] holds each held position's mean attention received so far.
     """
     first = blocks_for(sink_tokens, block_size)
     last = n_blocks - 1 - blocks_for(recent_tokens, block_size)     # the last block is never full-and-old
+    if before is not None:
+        last = min(last, before - 1)
     if last < first:
         return None
     per_block = scores[: n_blocks * block_size].reshape(n_blocks, block_size)[first : last + 1].mean(axis=1)
@@ -730,22 +735,29 @@ class KVCache:
             raise GenerationError(
                 f"the sequence would reach {self.length + n} tokens but the context holds {self.max_len}; "
                 "use a shorter prompt, fewer --max-tokens, a larger --ctx, or --overflow retain|slide")
-        # evicting inside a sliding layer's window would pull rows it dropped back into the window: with rows
-        # dropped, retention keeps the largest such window as recent, or evicts the oldest block as "slide" does
-        deep = [w for g, w in enumerate(self.pool.windows) if self._front[g]]
-        recent = max([self.recent_tokens] + [w + bs for w in deep])
         while self.length + n > self.max_len:
             full = self.length // bs
             if self.overflow == "slide":
                 victim = 0 if full else None
             else:
-                victim = choose_victim(self.mean_attention(), full, bs, self.sink_tokens, recent) if full else None
+                before = self._evictable()
+                victim = choose_victim(self.mean_attention(), full, bs, self.sink_tokens, self.recent_tokens,
+                                       before) if full else None
                 if victim is None and full:
-                    victim = 0 if deep else min(blocks_for(self.sink_tokens, bs), full - 1)
+                    victim = min(blocks_for(self.sink_tokens, bs), full - 1)
+                    if before is not None and victim >= before:
+                        victim = 0
             if victim is None:
                 raise GenerationError(f"the context of {self.max_len} tokens has no full block left to evict; "
                                       "raise --ctx")
             self._evict(victim)
+
+    def _evictable(self) -> int | None:
+        """Evicting a block moves the later ones a block down, so a sliding layer's window then reaches a block
+        further back. Where the window already starts at its front (the block before is dropped), only blocks
+        before the front may go; the bound over the window groups, or None."""
+        fronts = [f for g, f in enumerate(self._front) if f and f == self._frontier(g, self.length)]
+        return min(fronts, default=None)
 
     def _evict(self, i: int) -> None:
         """Drop block i of the table; later positions move down one block (keys rotated back)."""

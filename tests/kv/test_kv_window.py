@@ -141,7 +141,8 @@ def test_prefix_reuse_holds_only_whole_windows(tmp_path):
 def test_overflow_never_evicts_into_a_dropped_window(overflow, tmp_path):
     model = _model(tmp_path, GEMMA2)
     cache = KVCache(model.spec, 48, pool=KVPool(model.spec, 32, block_size=4), overflow=overflow, recent_tokens=0)
-    logits = prefill(model, _tokens(40, seed=3), cache, chunk=8)
+    prompt = _tokens(40, seed=3)
+    logits = prefill(model, prompt, cache, chunk=8)
     for _ in range(60):                                      # past the context: blocks evicted as the window moves
         _poison(cache.pool)
         if overflow == "retain":                             # the least attended block: one inside the window
@@ -150,3 +151,4 @@ def test_overflow_never_evicts_into_a_dropped_window(overflow, tmp_path):
         logits = model.forward([int(logits.argmax())], cache)[-1]
         assert np.all(np.isfinite(logits))
     assert cache.evicted > 0 and cache.pool.dropped.any()
+    assert overflow == "slide" or cache.tokens[:4] == prompt[:4]    # retention kept the sinks
