@@ -1,6 +1,6 @@
 """Grouped-query attention with a KV cache: projections, optional q/k norms, RoPE, causal softmax (with
-optional per-head sinks in its denominator, gpt-oss), and optionally a sigmoid gate on each head's output
-(Qwen3-Next)."""
+optional per-head sinks in its denominator, gpt-oss; soft-capped scores, Gemma 2), and optionally a sigmoid
+gate on each head's output (Qwen3-Next)."""
 
 from __future__ import annotations
 
