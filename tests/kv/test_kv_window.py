@@ -152,3 +152,53 @@ def test_overflow_never_evicts_into_a_dropped_window(overflow, tmp_path):
         assert np.all(np.isfinite(logits))
     assert cache.evicted > 0 and cache.pool.dropped.any()
     assert overflow == "slide" or cache.tokens[:4] == prompt[:4]    # retention kept the sinks
+
+
+def _check_counts(pool: KVPool, caches: list[KVCache]) -> None:
+    """The pool's per-block counts are the holders still attending; nothing they attend to is dropped."""
+    want = np.zeros_like(pool.need)
+    for cache in caches:
+        for g, front in enumerate(cache._front):
+            for b in cache.table[front:]:
+                want[g, b] += 1
+                assert not pool.dropped[g, b]
+    assert np.array_equal(pool.need, want)
+
+
+def test_random_steps_truncations_and_reuse_keep_counts_and_outputs(tmp_path):
+    model = _model(tmp_path, GEMMA2)
+    rng = np.random.default_rng(5)
+    doc = _tokens(120, seed=4)
+    pool = KVPool(model.spec, 160, block_size=4)
+    caches = [KVCache(model.spec, 300, pool=pool) for _ in range(3)]
+    reused = 0
+    for _ in range(40):
+        cache = caches[rng.integers(3)]
+        op = rng.integers(4)
+        if op == 0 or cache.length == 0:     # reuse another sequence's tokens or the document's, then run the rest
+            other = caches[rng.integers(3)]
+            head = list(other.tokens[: other.length]) if other.length and rng.integers(2) else \
+                doc[: rng.integers(8, 120)]
+            cache.release()
+            prompt = head + _tokens(int(rng.integers(1, 6)), seed=int(rng.integers(99)))
+            held = cache.adopt(prompt)
+            reused += held
+            prefill(model, prompt[held:], cache, chunk=int(rng.integers(3, 20)))
+        elif op == 1:                                        # a step of a few tokens, rolled back in part
+            base = cache.length
+            model.forward(_tokens(int(rng.integers(1, 8)), seed=int(rng.integers(99))), cache)
+            assert cache.truncate(base + int(rng.integers(0, cache.length - base + 1))) >= base
+        elif op == 2:                                        # back anywhere: may hold less, then recompute
+            target = int(rng.integers(0, cache.length + 1))
+            kept = cache.truncate(target)
+            assert kept <= target and kept == cache.length
+        else:                                                # decode
+            model.forward(_tokens(int(rng.integers(1, 4)), seed=int(rng.integers(99))), cache)
+        _check_counts(pool, caches)
+        _poison(pool)
+        if cache.length:                                     # the next token's logits as a fresh run gives them
+            tokens = list(cache.tokens[: cache.length])
+            got = model.forward([7], cache)[-1]
+            assert np.allclose(got, _fresh(model, tokens + [7])[-1], atol=1e-5, rtol=0)
+            _check_counts(pool, caches)
+    assert pool.dropped.any() and reused > 0
