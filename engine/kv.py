@@ -23,6 +23,11 @@
   its state), and overflow past `max_len` is refused.
 - `kv_bits=16` stores rows as fp16 (half the memory of float32, rounded to nearest); `kv_bits=8` as
   int8 with one float32 scale per row (per head for keys and values).
+- A sliding-window layer needs only its window: once no sequence holding a block can attend to it any more
+  in that layer (every holder's next query lies more than the window past it), the layer's rows of the block
+  are dropped (their pages returned), while full-attention layers keep theirs. A sequence that truncates or
+  adopts a prefix back to where a window's rows are gone holds less (the rest is computed again); retention
+  evicts no block a window would reach again once the later blocks move down.
 """
 
 from __future__ import annotations
@@ -128,22 +133,35 @@ class KVPool:
             raise ColibriError(f"a KV pool of {n_blocks} blocks holds nothing; it needs at least one")
         self.spec, self.block_size, self.bits, self.n_blocks = spec, block_size, bits, int(n_blocks)
         self.prefix_cache = prefix_cache
+        # sliding-window layers by window: group g's layers attend to the last windows[g] positions only
+        self.windows = tuple(sorted({w for layer in spec.layers if (w := getattr(layer.attn, "sliding_window", None))}))
+        self.group = [self.windows.index(w) if (w := getattr(layer.attn, "sliding_window", None)) else -1
+                      for layer in spec.layers]
+        self.need = np.zeros((len(self.windows), self.n_blocks), np.int32)   # holders still attending to a block
+        self.dropped = np.zeros((len(self.windows), self.n_blocks), bool)    # the group's rows of a block are gone
         self.rope = [None if isinstance(layer.attn, GatedDeltaNetSpec) else layer.attn.rope for layer in spec.layers]
         self.latent = [isinstance(layer.attn, MLASpec) for layer in spec.layers]
         # one anonymous mapping per layer and array, reserved for every block and committed as blocks are
         # written: each array is C-contiguous [n_blocks, ...], so the kernels' inner loops run at unit stride
         self._maps: list[mmap.mmap] = []
         self.layers: list[dict[str, np.ndarray]] = []
+        self._layer_maps: list[list[tuple[np.ndarray, mmap.mmap]]] = []   # per layer: its arrays and their maps
         for layer in spec.layers:
             arrays = {}
+            self._layer_maps.append([])
             for part in _layer_parts(layer.attn, block_size, bits):
                 size = self.n_blocks * int(np.prod(part.shape)) * part.dtype.itemsize
                 m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
                 self._maps.append(m)
                 arrays[part.name] = np.frombuffer(m, part.dtype, count=size // part.dtype.itemsize).reshape(
                     (self.n_blocks, *part.shape))
+                self._layer_maps[-1].append((arrays[part.name], m))
             self.layers.append(arrays)
         self.block_bytes = block_bytes(spec, block_size, bits)
+        self.group_bytes = [sum(int(np.prod(part.shape)) * part.dtype.itemsize
+                                for j, layer in enumerate(spec.layers) if self.group[j] == g
+                                for part in _layer_parts(layer.attn, block_size, bits))
+                            for g in range(len(self.windows))]     # one block of each group's layers
         self.ref = np.zeros(self.n_blocks, np.int32)
         self.hashes: list[bytes | None] = [None] * self.n_blocks
         self.index: dict[bytes, int] = {}
@@ -167,6 +185,8 @@ class KVPool:
                 "raise --max-memory, lower --ctx, or run fewer requests at once")
         self.ref[b] = 1
         self.touched[b] = True
+        self.need[:, b] = 0
+        self.dropped[:, b] = False
         return b
 
     def retain(self, b: int) -> None:
@@ -187,16 +207,20 @@ class KVPool:
 
     def _free(self, b: int) -> None:
         self.free.append(b)
+        self.dropped[:, b] = False
         if self.touched[b]:
             self.touched[b] = False
-            for array, m in zip((a for layer in self.layers for a in layer.values()), self._maps):
-                row = array[0].nbytes
-                lo, hi = -(-b * row // PAGE) * PAGE, (b + 1) * row // PAGE * PAGE   # whole pages inside the block
-                if hi > lo:
-                    try:
-                        m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-                    except (AttributeError, OSError):   # pragma: no cover - no madvise: pages stay until reused
-                        return
+            _discard(b, [pair for pairs in self._layer_maps for pair in pairs])
+
+    def drop(self, g: int, b: int) -> None:
+        """Give back the rows of block b in window group g's layers (no holder attends to them any more)."""
+        self.dropped[g, b] = True
+        _discard(b, [pair for j, pairs in enumerate(self._layer_maps) if self.group[j] == g for pair in pairs])
+
+    def held_blocks(self, j: int) -> int:
+        """Blocks (in use or cached) whose rows of layer j are kept: a sliding-window layer keeps its window."""
+        held = self.n_blocks - len(self.free)
+        return held - int(np.count_nonzero(self.dropped[self.group[j]])) if self.group[j] >= 0 else held
 
     def _unindex(self, b: int) -> None:
         h = self.hashes[b]
@@ -205,12 +229,16 @@ class KVPool:
             if self.index.get(h) == b:
                 del self.index[h]
 
-    def copy(self, src: int) -> int:
-        """A private copy of block src (copy on write)."""
+    def copy(self, src: int, without: Sequence[int] = ()) -> int:
+        """A private copy of block src (copy on write), but for the rows of the window groups `without`
+        (dropped in the copy)."""
         dst = self.allocate()
-        for arrays in self.layers:
-            for a in arrays.values():
-                a[dst] = a[src]
+        for j, arrays in enumerate(self.layers):
+            if self.group[j] < 0 or self.group[j] not in without:
+                for a in arrays.values():
+                    a[dst] = a[src]
+        for g in without:
+            self.drop(g, dst)
         return dst
 
     def drop_cached(self) -> None:
@@ -250,8 +278,10 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of blocks in use or cached (what the pool holds in memory)."""
-        return (self.n_blocks - len(self.free)) * self.block_bytes
+        """Bytes of blocks in use or cached (what the pool holds in memory), less the rows sliding-window layers
+        dropped."""
+        dropped = sum(int(np.count_nonzero(self.dropped[g])) * n for g, n in enumerate(self.group_bytes))
+        return (self.n_blocks - len(self.free)) * self.block_bytes - dropped
 
     @property
     def capacity_bytes(self) -> int:
@@ -268,6 +298,18 @@ class KVPool:
                 pass
 
 
+def _discard(b: int, pairs: Sequence[tuple[np.ndarray, mmap.mmap]]) -> None:
+    """Return the pages of block b in each (array, its map) to the system: they read as zeros afterwards."""
+    for array, m in pairs:
+        row = array[0].nbytes
+        lo, hi = -(-b * row // PAGE) * PAGE, (b + 1) * row // PAGE * PAGE   # whole pages inside the block
+        if hi > lo:
+            try:
+                m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (AttributeError, OSError):   # pragma: no cover - no madvise: pages stay until reused
+                return
+
+
 def prefix_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The hash of a block: its tokens and the hash of everything before it."""
     return hashlib.blake2b(parent + np.asarray(tokens, np.int64).tobytes(), digest_size=16).digest()
@@ -276,14 +318,18 @@ def prefix_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
 ROOT = b"colibri-kv-1"
 
 
-def choose_victim(scores: np.ndarray, n_blocks: int, block_size: int, sink_tokens: int, recent_tokens: int) -> int | None:
+def choose_victim(scores: np.ndarray, n_blocks: int, block_size: int, sink_tokens: int, recent_tokens: int,
+                  before: int | None = None) -> int | None:
     """The block to evict under retention: among the full blocks after the sinks and before the
-    recent window, the one whose tokens drew the least attention on average; None if none qualifies.
+    recent window (and before block `before` when given), the one whose tokens drew the least attention on
+    average; None if none qualifies.
 
     `scores` [n_blocks * block_size] holds each held position's mean attention received so far.
     """
     first = blocks_for(sink_tokens, block_size)
     last = n_blocks - 1 - blocks_for(recent_tokens, block_size)     # the last block is never full-and-old
+    if before is not None:
+        last = min(last, before - 1)
     if last < first:
         return None
     per_block = scores[: n_blocks * block_size].reshape(n_blocks, block_size)[first : last + 1].mean(axis=1)
@@ -347,6 +393,21 @@ class LayerKV:
         """The indexer's scores [T, S] of this sequence's keys for queries q [T, Hi, Di] with head weights w [T, Hi]."""
         a = self.seq.pool.layers[self.j]
         return index_scores(q, w, a["ik"], a["iks"], self.seq.table_array(), positions, scale)
+
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of positions start .. stop - 1 as float32 [Hkv, stop - start, D] (what attention the
+        paged kernel does not run reads; rows written this step included)."""
+        a, bs = self.seq.pool.layers[self.j], self.seq.pool.block_size
+        blocks = self.seq.table[start // bs : blocks_for(stop, bs)]
+        first = start // bs * bs
+        out = []
+        for name in ("k", "v"):
+            store, scales = a[name][blocks], a[name + "s"][blocks]           # [nb, Hkv, B, D], [nb, Hkv, B]
+            rows = store.view(np.float16) if store.dtype == np.uint16 else store
+            x = rows.astype(np.float32) * scales[..., None]
+            x = x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])   # [Hkv, nb * B, D]
+            out.append(np.ascontiguousarray(x[:, start - first : stop - first]))
+        return out[0], out[1]
 
     def attend_latent(self, q_nope: np.ndarray, q_rot: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
                       positions: np.ndarray, scale: float,
@@ -436,6 +497,11 @@ class KVCache:
     Without a pool it makes its own, private, sized for `max_len` (every caller that needs one cache).
     The interface the model uses: `prepare(ids)` (positions of the next tokens, blocks allocated),
     per-layer `write` + `attend` through `layers[j]`, `commit(T)`; `truncate(n)` forgets the tail.
+
+    For each window group of the pool (sliding-window layers of one window), the first `_front[g]` blocks of
+    the table are ones this sequence no longer attends to in those layers (counted out of the pool's `need`);
+    every later block's rows are kept. The front moves on as `prepare` starts each step, never past what the
+    step's first position needs, so a step can be rolled back (`truncate`) to its start exactly.
     """
 
     def __init__(self, spec: ModelSpec, max_len: int | None = None, *, pool: KVPool | None = None,
@@ -464,6 +530,7 @@ class KVCache:
         self.born = np.zeros(0, np.int64)       # the step each position was written at
         self.steps = 0
         self.evicted = 0                        # positions evicted past the context limit
+        self._front = [0] * len(pool.windows)   # per window group: leading blocks no longer attended to
 
     # --- the model's interface ---
 
@@ -477,12 +544,14 @@ class KVCache:
         if self.length + n > self.max_len:
             self._overflow(n)
         bs = self.pool.block_size
-        while len(self.table) * bs < self.length + n:
-            self.table.append(self.pool.allocate())
-            self._table_np = None
         last = self.length // bs
         if self.length % bs and self._shared(last):   # writing into a shared block: copy it first
             self._privatize(last)
+        counted = len(self.table)
+        while len(self.table) * bs < self.length + n:
+            self.table.append(self.pool.allocate())
+            self._table_np = None
+        self._settle(counted, [self._frontier(g, self.length) for g in range(len(self._front))])
         del self.tokens[self.length :]
         self.tokens.extend(int(t) for t in ids)
         for state in self.states:             # a step prepared again runs again from the held state
@@ -517,8 +586,10 @@ class KVCache:
             self._table_np = np.asarray(self.table, np.int32)
         return self._table_np
 
-    def truncate(self, n: int) -> None:
-        """Forget every position from n on; blocks past it go back to the pool.
+    def truncate(self, n: int) -> int:
+        """Forget every position from n on; blocks past it go back to the pool. Returns the length kept: n, or
+        less where a sliding-window layer has dropped rows position n would attend to (never within the last
+        step: rolling a step back to its start is always exact).
 
         A recurrent sequence goes back to 0, or into its last step when it was short (`can_truncate`); further
         back it cannot and raises GenerationError."""
@@ -526,18 +597,79 @@ class KVCache:
         if not self.can_truncate(n):
             raise GenerationError(f"{self.spec.architecture} keeps a recurrent state that cannot go back from "
                                   f"{self.length} to {n} tokens; run the sequence again from its start")
+        n = self._intact(n)
         for state in self.states:
             state.truncate(n)
-        bs = self.pool.block_size
+        counted = self._cut(n, len(self.table))
+        self._settle(counted, [min(f, self._frontier(g, n)) for g, f in enumerate(self._front)])
+        return n
+
+    def _cut(self, n: int, counted: int) -> int:
+        """Forget positions from n on; table entries from `counted` on are not counted in the pool's `need`.
+        Returns where the counted entries end now."""
+        bs, pool = self.pool.block_size, self.pool
         keep = blocks_for(n, bs)
-        for b in self.table[keep:]:
-            self.pool.release(b)
+        for k in range(keep, len(self.table)):
+            for g, front in enumerate(self._front):
+                if front <= k < counted:
+                    self._unneed(g, k, leaving=True)
+            pool.release(self.table[k])
         if len(self.table) > keep:
             del self.table[keep:]
             self._table_np = None
+        self._front = [min(f, keep) for f in self._front]
         self.length = n
         del self.tokens[n:]
         del self._digests[n // bs :]
+        return min(counted, keep)
+
+    # --- sliding-window layers: rows no longer attended to are dropped ---
+
+    def _frontier(self, g: int, pos: int) -> int:
+        """Blocks wholly before the window of a query at `pos` in window group g."""
+        return max(0, pos - self.pool.windows[g] + 1) // self.pool.block_size
+
+    def _intact(self, n: int) -> int:
+        """The largest length <= n whose next query finds every row its windows need."""
+        bs, pool = self.pool.block_size, self.pool
+        while pool.windows:
+            bad = -1
+            for g, w in enumerate(pool.windows):
+                for k in range(max(0, n - w + 1) // bs, blocks_for(n, bs)):
+                    if pool.dropped[g, self.table[k]]:
+                        bad = max(bad, k)
+            if bad < 0:
+                break
+            n = bad * bs
+        return n
+
+    def _unneed(self, g: int, k: int, leaving: bool = False) -> None:
+        """This sequence no longer attends to table entry k in group g; its rows go when no holder does (kept
+        when this sequence is leaving a block no one else holds: it stays cached for a prefix to reuse)."""
+        pool, b = self.pool, self.table[k]
+        pool.need[g, b] -= 1
+        if pool.need[g, b] == 0 and not pool.dropped[g, b] and (not leaving or pool.ref[b] > 1):
+            pool.drop(g, b)
+
+    def _settle(self, counted: int, fronts: list[int]) -> None:
+        """Move each group's front to fronts[g]: entries [front, counted) are counted in `need` now, entries
+        from `counted` on (just appended or adopted) are not; afterwards exactly [fronts[g], table end) are."""
+        pool, n = self.pool, len(self.table)
+        for g, f in enumerate(fronts):
+            front = self._front[g]
+            for k in range(front, min(counted, f)):
+                self._unneed(g, k)
+            for k in list(range(f, min(front, n))) + list(range(max(f, counted, front), n)):
+                b = self.table[k]
+                if pool.dropped[g, b]:
+                    raise ColibriError(f"KV cache: block {b} of a sliding-window layer was dropped while position "
+                                       f"{self.length} still attends to it (an engine bug; please report it)")
+                pool.need[g, b] += 1
+            for k in range(counted, min(f, n)):          # taken over, never attended to: nothing needs them here
+                b = self.table[k]
+                if pool.need[g, b] == 0 and not pool.dropped[g, b]:
+                    pool.drop(g, b)
+            self._front[g] = f
 
     def can_truncate(self, n: int) -> bool:
         """Whether `truncate(n)` can keep the first n tokens (always, without recurrent layers)."""
@@ -565,6 +697,7 @@ class KVCache:
         bs = self.pool.block_size
         if not self.pool.prefix_cache or self.length % bs or self.evicted or self.states:
             return self.length
+        counted = len(self.table)
         while self.length + bs <= limit:
             parent = self._digests[-1] if self._digests else ROOT
             digest = prefix_digest(parent, prompt[self.length : self.length + bs])
@@ -579,6 +712,9 @@ class KVCache:
             self.length += bs
             if self.tracking:
                 self._grow_scores(self.length)
+        # a prefix whose windows' rows are dropped (its holder moved on) is held only up to where they are whole
+        counted = self._cut(self._intact(self.length), counted)
+        self._settle(counted, [self._frontier(g, self.length) for g in range(len(self._front))])
         return self.length
 
     # --- saved sessions (engine.generation.session) ---
@@ -590,9 +726,9 @@ class KVCache:
 
     def restore(self, table: list[int], tokens: list[int], length: int, digests: list[bytes], heat: np.ndarray,
                 born: np.ndarray, steps: int, evicted: int) -> None:
-        """Take over blocks filled from a saved session (already allocated in this pool): the table,
-        tokens and length, the prefix hashes (republished, so prefix reuse finds them) and the
-        retention state."""
+        """Take over blocks filled from a saved session (already allocated in this pool, into a cache that held
+        none): the table, tokens and length, the prefix hashes (republished, so prefix reuse finds them) and the
+        retention state. Sliding-window layers' rows the next query does not attend to are dropped."""
         self.table, self.tokens, self.length = list(table), list(tokens), int(length)
         self._digests, self._table_np = list(digests), None
         for b, digest in zip(self.table, self._digests):
@@ -600,6 +736,8 @@ class KVCache:
                 self.pool.publish(b, digest)
         self.heat, self.born = np.array(heat, np.float64), np.array(born, np.int64)
         self.steps, self.evicted = int(steps), int(evicted)
+        self._front = [0] * len(self._front)      # the blocks were filled outside `prepare`: none is counted yet
+        self._settle(0, [self._frontier(g, self.length) for g in range(len(self._front))])
 
     # --- retention past max_len ---
 
@@ -630,14 +768,24 @@ class KVCache:
             if self.overflow == "slide":
                 victim = 0 if full else None
             else:
-                victim = choose_victim(self.mean_attention(), full, bs, self.sink_tokens, self.recent_tokens) \
-                    if full else None
+                before = self._evictable()
+                victim = choose_victim(self.mean_attention(), full, bs, self.sink_tokens, self.recent_tokens,
+                                       before) if full else None
                 if victim is None and full:
                     victim = min(blocks_for(self.sink_tokens, bs), full - 1)
+                    if before is not None and victim >= before:
+                        victim = 0
             if victim is None:
                 raise GenerationError(f"the context of {self.max_len} tokens has no full block left to evict; "
                                       "raise --ctx")
             self._evict(victim)
+
+    def _evictable(self) -> int | None:
+        """Evicting a block moves the later ones a block down, so a sliding layer's window then reaches a block
+        further back. Where the window already starts at its front (the block before is dropped), only blocks
+        before the front may go; the bound over the window groups, or None."""
+        fronts = [f for g, f in enumerate(self._front) if f and f == self._frontier(g, self.length)]
+        return min(fronts, default=None)
 
     def _evict(self, i: int) -> None:
         """Drop block i of the table; later positions move down one block (keys rotated back)."""
@@ -648,6 +796,8 @@ class KVCache:
             pool.unpublish(self.table[k])
             b = self.table[k]
             for j, arrays in enumerate(pool.layers):
+                if pool.group[j] >= 0 and pool.dropped[pool.group[j], b]:
+                    continue                                   # rows dropped: nothing to rotate
                 rotated = ("v", "ik") if pool.latent[j] else ("k",)   # rotary keys (and the indexer's, whose
                 for name in (n for n in rotated if n in arrays):       # first rope.dim features rotate)
                     key, scale = arrays[name], arrays[name + "s"]
@@ -657,6 +807,11 @@ class KVCache:
                     stored, s = _encode(rows, key.dtype)
                     key[b] = stored
                     scale[b] = s
+        for g, front in enumerate(self._front):
+            if i < front:
+                self._front[g] = front - 1
+            else:
+                self._unneed(g, i, leaving=True)
         pool.release(self.table.pop(i))
         self._table_np = None
         lo, hi = i * bs, (i + 1) * bs
@@ -676,7 +831,13 @@ class KVCache:
     def _privatize(self, i: int) -> None:
         b = self.table[i]
         if self.pool.ref[b] > 1:
-            self.table[i] = self.pool.copy(b)
+            passed = [g for g, front in enumerate(self._front) if i < front]   # rows not needed in the copy
+            dst = self.pool.copy(b, passed)
+            for g in range(len(self._front)):
+                if g not in passed:
+                    self._unneed(g, i, leaving=True)
+                    self.pool.need[g, dst] += 1
+            self.table[i] = dst
             self.pool.release(b)
             self._table_np = None
         else:
@@ -686,5 +847,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks this sequence holds, and of its recurrent states."""
-        return len(self.table) * self.pool.block_bytes + sum(state.nbytes for state in self.states)
+        """Bytes of the blocks this sequence holds (less the rows its sliding-window layers dropped), and of its
+        recurrent states."""
+        pool, table = self.pool, self.table_array()
+        dropped = sum(int(np.count_nonzero(pool.dropped[g, table])) * n for g, n in enumerate(pool.group_bytes))
+        return len(table) * pool.block_bytes - dropped + sum(state.nbytes for state in self.states)

@@ -108,6 +108,7 @@ class AttentionSpec:
     sliding_window: int | None = None  # attend to the last `sliding_window` positions only
     sinks: bool = False               # gpt-oss: a learned logit per head joins each softmax's denominator
     output_gate: bool = False         # q_proj also yields, per head, a gate: out * sigmoid(gate) (Qwen3-Next)
+    softcap: float | None = None      # Gemma 2: scores -> tanh(scores / c) * c before the mask
 
 
 @dataclass(frozen=True)
@@ -212,10 +213,15 @@ class MoESpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: pre-norm attention then pre-norm feed-forward."""
+    """One decoder layer: attention then feed-forward, each with its residual, normed as `norms` says.
+
+    "pre": RMSNorm before each block (Llama). "sandwich": before and after each block (Gemma 2/3).
+    "post": after each block only, before the residual add (OLMo 2).
+    """
 
     attn: AttentionSpec | MLASpec | GatedDeltaNetSpec
     ffn: MLPSpec | MoESpec
+    norms: str = "pre"                # pre | sandwich | post
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,8 @@ class ModelSpec:
     residual_multiplier: float = 1.0   # Granite: each block's output is scaled by it before the residual add
     logits_scaling: float = 1.0        # Granite: the logits are divided by it
     norm_offset: float = 0.0          # added to the layer, q/k and final RMSNorm weights: 1 for (1 + w) norms
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to float32 as the reference does
+    final_softcap: float | None = None  # Gemma 2: logits -> tanh(logits / c) * c
     extra: dict = field(default_factory=dict, compare=False)  # source notes (format, file names)
 
     @property

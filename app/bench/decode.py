@@ -154,7 +154,7 @@ def decode_bytes_per_token(model: Any) -> int:
 
     total = int(model.norm.nbytes) + int(model.lm_head.nbytes) + int(model.embed.nbytes) // model.spec.vocab_size
     for i, layer in enumerate(model.layers):
-        total += int(layer.input_norm.nbytes) + int(layer.post_norm.nbytes) + _block_bytes(layer.attn)
+        total += layer.norm_bytes + _block_bytes(layer.attn)
         total += _block_bytes(layer.ffn)
         if isinstance(layer.ffn, MoE):
             s = layer.ffn.spec
@@ -170,7 +170,7 @@ def model_weight_bytes(model: Any) -> int:
     if model.lm_head is not model.embed:
         total += int(model.lm_head.nbytes)
     for i, layer in enumerate(model.layers):
-        total += int(layer.input_norm.nbytes) + int(layer.post_norm.nbytes)
+        total += layer.norm_bytes
         total += _block_bytes(layer.attn) + _block_bytes(layer.ffn)
         if isinstance(layer.ffn, MoE):
             total += round(layer.ffn.spec.n_experts * _routed_expert_bytes(model, i, layer.ffn.spec.n_experts))

@@ -76,7 +76,7 @@ def converse(model: Transformer, tokenizer: Tokenizer, prompts: Sequence[str], a
         shared = _common_prefix(ids, passage.tokens)
         if len(ids) - shared + answer_tokens >= cache.max_len:
             break  # the context is full: the chat ends here
-        cache.truncate(shared)
+        shared = cache.truncate(shared)     # fewer where a sliding window's rows are gone: those run again
         del passage.tokens[shared:], passage.keep[shared:]
         new = ids[shared:]
         keep = [shared + j >= content[0] and shared + j < content[1] and shared + j > 0 for j in range(len(new))]

@@ -1,6 +1,6 @@
 """Grouped-query attention with a KV cache: projections, optional q/k norms, RoPE, causal softmax (with
-optional per-head sinks in its denominator, gpt-oss), and optionally a sigmoid gate on each head's output
-(Qwen3-Next)."""
+optional per-head sinks in its denominator, gpt-oss; soft-capped scores, Gemma 2), and optionally a sigmoid
+gate on each head's output (Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,35 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale:
     return out.transpose(2, 0, 1, 3).reshape(t, h, v.shape[-1])  # [T, H, Dv]
 
 
+def attend_capped(q: np.ndarray, positions: np.ndarray, cache: LayerKV, spec: AttentionSpec) -> np.ndarray:
+    """Attention with soft-capped scores (Gemma 2): softmax(tanh(q k^T * scale / c) * c) v over each query's
+    keys (its window when the layer has one); q [T, H, D] -> [T, H, D].
+
+    Row by row, each over exactly the keys it sees, so a token's bits do not depend on how many came with it
+    (a prompt, a decode step); the attention weights go to the cache's retention scores when it keeps them.
+    """
+    t, h, d = q.shape
+    g = h // spec.n_kv_heads
+    w = spec.sliding_window
+    first = max(0, int(positions.min()) - w + 1) if w else 0
+    k, v = cache.read(first, int(positions.max()) + 1)                # [Hkv, S, D] each
+    cap, scale = np.float32(spec.softcap), np.float32(spec.scale)
+    out = np.empty((t, h, v.shape[2]), np.float32)
+    for i, p in enumerate(positions.tolist()):
+        lo = max(0, p - w + 1) if w else 0
+        kk, vv = k[:, lo - first : p + 1 - first], v[:, lo - first : p + 1 - first]    # [Hkv, S_i, D]
+        qg = q[i].reshape(spec.n_kv_heads, g, d)                              # [Hkv, G, D]
+        scores = np.matmul(qg, kk.transpose(0, 2, 1)) * scale                # [Hkv, G, S_i]
+        scores = np.tanh(scores / cap) * cap
+        probs = softmax_rows(scores)
+        out[i] = np.matmul(probs, vv).reshape(h, -1)                         # [H, D]
+        if cache.seq.tracking:
+            weights = np.zeros((h, p + 1), np.float32)
+            weights[:, lo:] = probs.reshape(h, -1)
+            cache.seq.observe(weights)
+    return out
+
+
 @dataclass(frozen=True)
 class Attention:
     """One GQA block's weights and its forward pass."""
@@ -141,7 +170,10 @@ class Attention:
         for rows, cache in segments:
             pos = positions[rows]
             cache.write(int(pos[0]), k[rows], v[rows])
-            out[rows] = cache.attend(q[rows], pos, s.scale, s.sliding_window, self.sinks)
+            if s.softcap is None:
+                out[rows] = cache.attend(q[rows], pos, s.scale, s.sliding_window, self.sinks)
+            else:
+                out[rows] = attend_capped(q[rows], pos, cache, s)
         out = out.reshape(t, -1)                                 # [T, H*D]
         if gate is not None:
             with np.errstate(over="ignore"):                     # exp overflows to inf: the gate is then 0

@@ -1,7 +1,7 @@
 """The fused decode step's plan: a model's weights as the tables engine/fused/kernel.py reads.
 
-`FusedDecode.for_model` accepts the common decoder shape: grouped-query attention (q/k/v biases and
-per-head q/k norms allowed, any RoPE, sliding windows included), a SiLU-gated MLP or a MoE routed by
+`FusedDecode.for_model` accepts the common decoder shape: pre-norm layers of grouped-query attention (q/k/v
+biases and per-head q/k norms allowed, any RoPE, sliding windows included; no soft-capping), a SiLU-gated MLP or a MoE routed by
 softmax or sigmoid without expert groups or shared experts, every matrix quantized, the experts
 resident or streamed by an expert store. The KV cache may hold float32, fp16 or int8 rows and keep
 attention weights for retention. Anything else (a step of several tokens of a sequence, a probe)
@@ -100,7 +100,11 @@ class FusedDecode:
         sizes = {"qkv": 0, "att": 0, "rl": 0, "gl": 0, "gu": 0, "hb": 0, "y": self.hidden, "scr": 0}
         self.top_k = 0
         self._moe: list[tuple[int, int]] = []
+        if spec.final_softcap is not None:
+            raise _NotFusable("soft-capped logits")
         for i, layer in enumerate(model.layers):
+            if not layer.plain:
+                raise _NotFusable("norms after the blocks or no norm before them")
             self._attention(i, layer, lay, lf, sizes)
             self._ffn(i, layer.ffn, model.experts, lay, lf, sizes)
         self.moe = tuple(self._moe)
@@ -191,8 +195,10 @@ class FusedDecode:
         if type(attn) is not Attention:
             raise _NotFusable("latent attention")
         s = attn.spec
-        if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head") or s.sinks:
-            raise _NotFusable("an output bias, q/k clipping, whole-projection q/k norms or attention sinks")
+        if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head") or s.sinks \
+                or s.softcap is not None:
+            raise _NotFusable("an output bias, q/k clipping, whole-projection q/k norms, attention sinks or "
+                              "soft-capped scores")
         if s.output_gate:
             raise _NotFusable("a gated attention output")
         q_out, kv_out = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim

@@ -19,13 +19,16 @@ from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.models import (
     deepseek,
     deepseek_v2,
+    gemma,
     glm4_moe,
     glm4_moe_lite,
     glm_moe_dsa,
     gpt_oss,
     granitemoe,
     llama,
+    mistral,
     mixtral,
+    olmo2,
     olmoe,
     phi3,
     qwen2,
@@ -39,8 +42,7 @@ from engine.spec import ModelSpec
 FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
-                   glm4_moe_lite, qwen3_next,
-                   glm_moe_dsa, phi3)
+                   glm4_moe_lite, qwen3_next, glm_moe_dsa, phi3, mistral, gemma, olmo2)
     for arch in module.ARCHITECTURES
 }
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from engine.blocks.ffn import MoE, Routing, route
 from engine.blocks.linear import Probe
-from engine.blocks.norm import rms_norm
 from engine.errors import GenerationError
 from engine.fused.plan import FusedDecode, record
 from engine.kv import KVCache
@@ -172,7 +171,7 @@ class DecodeContext:
         if layer is None or not isinstance(layer.ffn, MoE):
             return
         moe = layer.ffn
-        h = rms_norm(x, layer.post_norm, self.model.spec.rms_eps)            # [T, hidden]
+        h = layer.ffn_input(x, self.model.spec.rms_eps)                     # [T, hidden]
         extra = moe.spec.top_k // 2 if self.lookahead_extra is None else self.lookahead_extra
         k = min(moe.spec.n_experts, moe.spec.top_k + extra)
         spec = self._guess_specs.get((j, k))

@@ -53,6 +53,18 @@ class LayerSource(Protocol):
         """Layer i, in memory until the next call (reads of the following layers start here)."""
 
 
+# Each norm layout's tensors, in the order of Layer's fields input_norm, post_norm, attn_out_norm, ffn_out_norm
+# (None: the layout has no such norm). post_attention_layernorm is the feed-forward's input norm in Llama's
+# layout and the attention output's norm in Gemma's and OLMo 2's.
+NORM_FIELDS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
+    "pre": ("input_layernorm", "post_attention_layernorm", None, None),
+    "sandwich": ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": (None, None, "post_attention_layernorm", "post_feedforward_layernorm"),
+}
+NORM_NAMES = {layout: tuple(n for n in names if n) for layout, names in NORM_FIELDS.items()}
+
+
 def layer_prefix(i: int) -> str:
     """The tensor name prefix of decoder layer i."""
     return f"model.layers.{i}"
@@ -74,8 +86,8 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i, layer in enumerate(spec.layers):
         p = layer_prefix(i)
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        for name in NORM_NAMES[layer.norms]:
+            shapes[f"{p}.{name}.weight"] = (h,)
         if isinstance(layer.attn, GatedDeltaNetSpec):
             shapes |= deltanet_shapes(layer.attn, f"{p}.linear_attn", h)
         elif isinstance(layer.attn, MLASpec):
@@ -111,12 +123,42 @@ def embed_rows(embed, ids: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer's blocks."""
+    """One decoder layer's blocks and its RMSNorm weights (None where its layout has no such norm)."""
 
-    input_norm: np.ndarray        # [hidden]
+    input_norm: np.ndarray | None  # [hidden], the attention's input
     attn: Attention | LatentAttention | GatedDeltaNet
-    post_norm: np.ndarray         # [hidden]
+    post_norm: np.ndarray | None   # [hidden], the feed-forward's input
     ffn: MLP | MoE
+    attn_out_norm: np.ndarray | None = None  # [hidden], the attention's output (Gemma, OLMo 2)
+    ffn_out_norm: np.ndarray | None = None   # [hidden], the feed-forward's output (Gemma, OLMo 2)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the layer is pre-norm only (Llama's layout, the one the fused step runs)."""
+        return self.input_norm is not None and self.post_norm is not None and self.attn_out_norm is None \
+            and self.ffn_out_norm is None
+
+    @property
+    def norm_bytes(self) -> int:
+        """Bytes of the layer's norm weights."""
+        return sum(int(n.nbytes) for n in (self.input_norm, self.post_norm, self.attn_out_norm, self.ffn_out_norm)
+                   if n is not None)
+
+    def attn_input(self, x: np.ndarray, eps: float) -> np.ndarray:
+        """The attention's input [T, hidden] from the residual stream x."""
+        return x if self.input_norm is None else rms_norm(x, self.input_norm, eps)
+
+    def ffn_input(self, x: np.ndarray, eps: float) -> np.ndarray:
+        """The feed-forward's input [T, hidden] from the residual stream x."""
+        return x if self.post_norm is None else rms_norm(x, self.post_norm, eps)
+
+    def attn_output(self, y: np.ndarray, eps: float) -> np.ndarray:
+        """What the attention adds to the residual stream, from its output y [T, hidden]."""
+        return y if self.attn_out_norm is None else rms_norm(y, self.attn_out_norm, eps)
+
+    def ffn_output(self, y: np.ndarray, eps: float) -> np.ndarray:
+        """What the feed-forward adds to the residual stream, from its output y [T, hidden]."""
+        return y if self.ffn_out_norm is None else rms_norm(y, self.ffn_out_norm, eps)
 
 
 class Transformer:
@@ -146,6 +188,7 @@ class Transformer:
         w = Weights(source, expected_shapes(spec))
         self.embed = w["model.embed_tokens.weight"]                          # [V, hidden]
         self.norm = self._norm_weight(w["model.norm.weight"])
+        self._embed_scale = None if spec.embed_scale is None else np.float32(spec.embed_scale)
         self.lm_head = self.embed if spec.tie_embeddings else w["lm_head.weight"]  # [V, hidden]
         rotaries: dict = {}
         self.layers: list[Layer | None] = []     # None: a streamed layer, built from the layer source per use
@@ -203,8 +246,8 @@ class Transformer:
                 ExpertBiases.load(w, [expert_prefix(i, f, e) for e in range(f.n_experts)], f.proj_names)
                 if f.expert_bias else None,
             )
-        return Layer(self._norm_weight(w[f"{p}.input_layernorm.weight"]), attn,
-                     self._norm_weight(w[f"{p}.post_attention_layernorm.weight"]), ffn)
+        norms = [None if name is None else self._norm_weight(w[f"{p}.{name}.weight"]) for name in NORM_FIELDS[ls.norms]]
+        return Layer(norms[0], attn, norms[1], ffn, norms[2], norms[3])
 
     def forward(
         self,
@@ -249,10 +292,15 @@ class Transformer:
         return ids
 
     def embed_tokens(self, ids: np.ndarray) -> np.ndarray:
-        """The embeddings [T, hidden] of token ids [T] (times the spec's embedding multiplier, Granite)."""
+        """The embeddings [T, hidden] of token ids [T] (times the spec's embedding multiplier, Granite, or its
+        embed_scale, Gemma's sqrt(hidden))."""
         x = embed_rows(self.embed, ids)
         m = self.spec.embedding_multiplier
-        return x * np.float32(m) if m != 1.0 else x
+        if m != 1.0:
+            x = x * np.float32(m)
+        if self._embed_scale is not None:
+            x = x * self._embed_scale
+        return x
 
     def run_layers(
         self,
@@ -280,9 +328,9 @@ class Transformer:
                 layer = self.layer_source.layer(i)
             segments = [(r, cache.layers[i]) for r, cache in zip(rows, caches)]
             with tel.phase("attention"):
-                a = layer.attn(rms_norm(x, layer.input_norm, eps), positions, segments, probe)
+                a = layer.attn_output(layer.attn(layer.attn_input(x, eps), positions, segments, probe), eps)
                 x = x + (a * residual if scaled else a)
-            h = rms_norm(x, layer.post_norm, eps)                           # [T, hidden]
+            h = layer.ffn_input(x, eps)                                     # [T, hidden]
             if isinstance(layer.ffn, MoE):
                 y, r = layer.ffn(h, self.experts, probe, tel)
                 tel.route(i, r.experts)
@@ -291,17 +339,24 @@ class Transformer:
             else:
                 with tel.phase("dense"):
                     y = layer.ffn(h, probe)
+            y = layer.ffn_output(y, eps)
             x = x + (y * residual if scaled else y)
             if after_layer is not None:
                 after_layer(i, x)
         return x
 
     def head(self, x: np.ndarray, probe: Probe | None = None, telemetry: Telemetry = NULL) -> np.ndarray:
-        """The logits [T, V] of the final hidden states x [T, hidden] (divided by the spec's logits scaling)."""
+        """The logits [T, V] of the final hidden states x [T, hidden] (divided by the spec's logits scaling, or
+        soft-capped when the spec says so)."""
         x = rms_norm(x, self.norm, self.spec.rms_eps)
         if probe is not None:
             probe("lm_head.weight", x)
         with telemetry.phase("dense"):
             logits = linear(x, self.lm_head)                                # [T, V]
         d = self.spec.logits_scaling
-        return logits / np.float32(d) if d != 1.0 else logits
+        if d != 1.0:
+            logits = logits / np.float32(d)
+        cap = self.spec.final_softcap
+        if cap is not None:                                                 # Gemma 2: tanh(logits / c) * c
+            logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
+        return logits

@@ -25,7 +25,6 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from engine.blocks.ffn import MoE
-from engine.blocks.norm import rms_norm
 from engine.kv import KVCache
 from engine.models.transformer import Transformer
 from engine.spec import ModelSpec
@@ -176,9 +175,11 @@ def forward_from(model: Transformer, x: np.ndarray, start: int, keep: list[np.nd
         if keep is not None:
             keep.append(x)
         layer = model.layers[i]
-        x = x + residual * layer.attn(rms_norm(x, layer.input_norm, eps), positions, [(slice(None), cache.layers[i])])
-        h = rms_norm(x, layer.post_norm, eps)
-        x = x + residual * (layer.ffn(h, model.experts)[0] if isinstance(layer.ffn, MoE) else layer.ffn(h))
+        x = x + residual * layer.attn_output(
+            layer.attn(layer.attn_input(x, eps), positions, [(slice(None), cache.layers[i])]), eps)
+        h = layer.ffn_input(x, eps)
+        x = x + residual * layer.ffn_output(
+            layer.ffn(h, model.experts)[0] if isinstance(layer.ffn, MoE) else layer.ffn(h), eps)
     if keep is not None:
         keep.append(x)
     return model.head(x)
