@@ -796,14 +796,15 @@ class KVCache:
             pool.unpublish(self.table[k])
             b = self.table[k]
             for j, arrays in enumerate(pool.layers):
-                if pool.group[j] >= 0 and pool.dropped[pool.group[j], b]:
-                    continue                                   # rows dropped: nothing to rotate
+                rope = pool.rope[j]
+                if rope is None or (pool.group[j] >= 0 and pool.dropped[pool.group[j], b]):
+                    continue                                   # a recurrent layer, or rows dropped: nothing to rotate
                 rotated = ("v", "ik") if pool.latent[j] else ("k",)   # rotary keys (and the indexer's, whose
                 for name in (n for n in rotated if n in arrays):       # first rope.dim features rotate)
                     key, scale = arrays[name], arrays[name + "s"]
                     stored = key[b].view(np.float16) if key.dtype == np.uint16 else key[b]
                     rows = stored.astype(np.float32) * scale[b][..., None]
-                    _rotate_back(rows, pool.rope[j], -bs)
+                    _rotate_back(rows, rope, -bs)
                     stored, s = _encode(rows, key.dtype)
                     key[b] = stored
                     scale[b] = s
