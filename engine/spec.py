@@ -19,25 +19,28 @@ class RopeSpec:
 
     dim: int                      # rotated features per head (even)
     theta: float                  # base wavelength
-    kind: str = "default"         # default | linear | llama3 | yarn
-    factor: float = 1.0           # context extension factor (linear, llama3, yarn)
+    kind: str = "default"         # default | linear | llama3 | yarn | longrope
+    factor: float = 1.0           # context extension factor (linear, llama3, yarn, longrope)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    original_max_position: int = 0  # llama3, yarn
+    original_max_position: int = 0  # llama3, yarn, longrope
     beta_fast: float = 32.0       # yarn
     beta_slow: float = 1.0        # yarn
     mscale: float = 0.0           # yarn
     mscale_all_dim: float = 0.0   # yarn
-    attention_factor: float | None = None  # yarn: cos/sin scale; derived when None
+    attention_factor: float | None = None  # yarn, longrope: cos/sin scale; derived when None
     truncate: bool = True         # yarn
     interleaved: bool = False     # pairs (x0, x1), (x2, x3) rotate together (DeepSeek-V3)
-    freq_factors: tuple[float, ...] | None = None  # per-frequency divisors (GGUF rope_freqs, e.g. Llama 3.1)
+    # per-frequency divisors: GGUF rope_freqs (e.g. Llama 3.1), or longrope's factors (the ones in use)
+    freq_factors: tuple[float, ...] | None = None
 
     def inv_freq(self) -> np.ndarray:
         """Inverse frequencies [dim/2] as float32, computed the way the reference does."""
         exponent = np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.dim)
         base = np.float32(self.theta) ** exponent  # float32 like the reference
         inv = (np.float32(1.0) / base).astype(np.float32)
+        if self.kind == "longrope":       # 1 / (factor * base^x), in the reference's order of operations
+            return (np.float32(1.0) / (np.asarray(self.freq_factors, np.float32) * base)).astype(np.float32)
         if self.freq_factors is not None:  # llama.cpp stores the scaling as factors instead of a rope type
             return (inv / np.asarray(self.freq_factors, np.float32)).astype(np.float32)
         if self.kind == "linear":
@@ -50,7 +53,10 @@ class RopeSpec:
 
     @property
     def cos_sin_scale(self) -> float:
-        """Factor applied to cos and sin (YaRN's attention factor; 1 otherwise)."""
+        """Factor applied to cos and sin (YaRN's and LongRoPE's attention factor; 1 otherwise)."""
+        if self.kind == "longrope":
+            return float(self.attention_factor) if self.attention_factor is not None else \
+                _longrope_attention(self.factor, self.original_max_position)
         if self.kind != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -62,6 +68,10 @@ class RopeSpec:
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _longrope_attention(factor: float, original: int) -> float:
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv: np.ndarray, r: RopeSpec) -> np.ndarray:
@@ -183,6 +193,7 @@ class MLPSpec:
     intermediate: int
     act: str = "silu"
     prefix: str = "mlp"               # tensor name prefix inside the layer
+    bias: bool = False                # gate, up and down carry biases (ERNIE 4.5's use_bias)
 
 
 @dataclass(frozen=True)
@@ -192,15 +203,20 @@ class MoESpec:
     n_experts: int
     top_k: int
     expert_ffn: int                   # intermediate size of one routed expert
-    scoring: str = "softmax"          # softmax | sigmoid
+    scoring: str = "softmax"          # softmax | sigmoid | sparsemixer (PhiMoE: two experts, see blocks.ffn)
     norm_topk_prob: bool = True       # renormalise the chosen experts' weights to sum to 1
     n_group: int = 1                  # group-limited routing (DeepSeek-V3)
     topk_group: int = 1
     group_score: str = "top2"         # a group's rank: "top2" sum of its two best (V3) | "max" its best (V2)
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False     # e_score_correction_bias added for choice only
+    bias_name: str = "gate.e_score_correction_bias"   # that bias's tensor, under `prefix`
+    bias_shape: tuple[int, ...] = ()  # its shape when not [n_experts] (ERNIE 4.5: [1, n_experts])
+    norm_min: float = 0.0             # renormalisation divides by max(sum, norm_min) (ERNIE 4.5's moe_norm_min)
+    jitter_eps: float = 0.0           # sparsemixer: experts within 2 * jitter_eps of the best share its softmax
     shared_ffn: int = 0               # intermediate size of the shared expert(s); 0 = none
     shared_gate: bool = False         # sigmoid(shared_expert_gate(x)) scales the shared output
+    shared_bias: bool = False         # the shared expert's projections carry biases (ERNIE 4.5's use_bias)
     act: str = "silu"
     prefix: str = "mlp"               # "mlp" or "block_sparse_moe"
     proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
@@ -243,6 +259,8 @@ class ModelSpec:
     norm_offset: float = 0.0          # added to the layer, q/k and final RMSNorm weights: 1 for (1 + w) norms
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden), rounded to float32 as the reference does
     final_softcap: float | None = None  # Gemma 2: logits -> tanh(logits / c) * c
+    norm: str = "rms"                 # rms (RMSNorm) | layer (LayerNorm with a bias: PhiMoE), for every norm
+    lm_head_bias: bool = False        # the output head adds lm_head.bias
     extra: dict = field(default_factory=dict, compare=False)  # source notes (format, file names)
 
     @property

@@ -89,9 +89,10 @@ def classify(ckpt: Checkpoint) -> Matrices:
     """Split the model's tensors into planned matrices and float32 ones; group routed experts."""
     m = Matrices()
     for name, shape in expected_shapes(ckpt.spec).items():
-        # routers, the shared expert's gate, MLA's kv_b (used whole) and the sparse-attention indexer's head
-        # weights (a top-k selection rides on them; the reference keeps them float32 too) stay float32
-        keep_float = len(shape) != 2 or (
+        # routers, the shared expert's gate, MLA's kv_b (used whole), the sparse-attention indexer's head
+        # weights (a top-k selection rides on them; the reference keeps them float32 too) and router biases
+        # ([1, E] in ERNIE) stay float32
+        keep_float = len(shape) != 2 or name.endswith("e_score_correction_bias") or (
             _EXPERT not in name and name.endswith((".gate.weight", ".shared_expert_gate.weight", "kv_b_proj.weight",
                                                    ".indexer.weights_proj.weight"))
         )

@@ -25,14 +25,18 @@ from engine.weights import Weights
 
 
 def mlp_shapes(prefix: str, hidden: int, intermediate: int,
-               names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> dict[str, tuple[int, ...]]:
-    """Tensors of one gated MLP (gate, up, down) with their shapes."""
+               names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"), bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """Tensors of one gated MLP (gate, up, down, and their biases when `bias`) with their shapes."""
     gate, up, down = names
-    return {
+    shapes = {
         f"{prefix}.{gate}.weight": (intermediate, hidden),
         f"{prefix}.{up}.weight": (intermediate, hidden),
         f"{prefix}.{down}.weight": (hidden, intermediate),
     }
+    if bias:
+        shapes |= {f"{prefix}.{gate}.bias": (intermediate,), f"{prefix}.{up}.bias": (intermediate,),
+                   f"{prefix}.{down}.bias": (hidden,)}
+    return shapes
 
 
 @dataclass(frozen=True)
@@ -43,17 +47,25 @@ class ExpertWeights:
     up: np.ndarray    # [I, hidden]
     down: np.ndarray  # [hidden, I]
     names: tuple[str, str, str] = ("", "", "")  # tensor names of gate, up, down (for probes)
+    gate_bias: np.ndarray | None = None   # [I]: dense and shared MLPs of families with biases (ERNIE 4.5)
+    up_bias: np.ndarray | None = None     # [I]
+    down_bias: np.ndarray | None = None   # [hidden]
 
     @classmethod
-    def load(cls, w: Weights, prefix: str, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj")) -> "ExpertWeights":
-        """Take gate, up and down of the MLP at `prefix`."""
+    def load(cls, w: Weights, prefix: str, names: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
+             bias: bool = False) -> "ExpertWeights":
+        """Take gate, up and down of the MLP at `prefix` (and their biases when `bias`)."""
         full = tuple(f"{prefix}.{n}.weight" for n in names)
-        return cls(w[full[0]], w[full[1]], w[full[2]], full)
+        if not bias:
+            return cls(w[full[0]], w[full[1]], w[full[2]], full)
+        b = [w[f"{prefix}.{n}.bias"] for n in names]
+        return cls(w[full[0]], w[full[1]], w[full[2]], full, b[0], b[1], b[2])
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the three matrices."""
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        """Bytes of the three matrices (and their biases)."""
+        biases = sum(b.nbytes for b in (self.gate_bias, self.up_bias, self.down_bias) if b is not None)
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes + biases
 
 
 def expert_bias_shapes(prefix: str, hidden: int, intermediate: int,
@@ -108,14 +120,17 @@ def biased_expert(x: np.ndarray, e: ExpertWeights, spec: MoESpec, bias: "ExpertB
 
 
 def gated_mlp(x: np.ndarray, e: ExpertWeights, act, probe: Probe | None = None) -> np.ndarray:
-    """down(act(gate(x)) * up(x)) for x [T, hidden] -> [T, hidden]."""
+    """down(act(gate(x)) * up(x)) for x [T, hidden] -> [T, hidden] (each projection adding its bias, if any)."""
     g, u = linear_many(x, (e.gate, e.up))                                     # [T, I] each
+    if e.gate_bias is not None:
+        g, u = g + e.gate_bias, u + e.up_bias
     h = silu_product(g, u) if act is silu else act(g) * u
     if probe is not None:
         probe(e.names[0], x)
         probe(e.names[1], x)
         probe(e.names[2], h)
-    return linear(h, e.down)
+    out = linear(h, e.down)                                                   # [T, hidden]
+    return out + e.down_bias if e.down_bias is not None else out
 
 
 @dataclass(frozen=True)
@@ -225,10 +240,13 @@ def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[n
     """Choose top-k experts per token from router logits [T, E] -> (ids [T, K], weights [T, K]).
 
     Without expert groups, one compiled row at a time (engine.kernels.rows.route_row: the fused
-    decode step routes with the same function); with groups (DeepSeek), in numpy, each group ranked by
-    `spec.group_score`.
+    decode step routes with the same function); with groups (DeepSeek), each group ranked by
+    `spec.group_score`, or a floor under the renormalisation's divisor (ERNIE 4.5's norm_min), in numpy;
+    PhiMoE's sparse mixer in `sparsemixer`.
     """
-    if spec.n_group == 1 and spec.scoring in ("softmax", "sigmoid"):
+    if spec.scoring == "sparsemixer":
+        return sparsemixer(logits, spec.top_k, spec.jitter_eps)
+    if spec.n_group == 1 and spec.scoring in ("softmax", "sigmoid") and not spec.norm_min:
         scoring = SOFTMAX if spec.scoring == "softmax" else SIGMOID
         return route_rows(logits, spec.top_k, scoring, bias, spec.norm_topk_prob, spec.routed_scaling_factor)
     t, e = logits.shape
@@ -257,9 +275,37 @@ def route(spec: MoESpec, logits: np.ndarray, bias: np.ndarray | None) -> tuple[n
         denominator = weights.sum(axis=-1, keepdims=True)
         if spec.scoring == "sigmoid":
             denominator = denominator + np.float32(1e-20)
+        if spec.norm_min:
+            denominator = np.maximum(denominator, np.float32(spec.norm_min))
         weights = weights / denominator
     weights = (weights * np.float32(spec.routed_scaling_factor)).astype(np.float32)
     return ids.astype(np.int64), weights
+
+
+def sparsemixer(logits: np.ndarray, top_k: int, jitter_eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """PhiMoE's sparse-mixer routing at inference, router logits [T, E] -> (ids [T, K], weights [T, K]).
+
+    The best expert, weighted by its softmax over the experts whose logit is within a relative 2 * jitter_eps of
+    it (the others masked out); then the second best the same way with the first masked out. The reference
+    defines exactly two: slots past the second (only a read-ahead guess asks for more) take the next best
+    logits with weight 0.
+    """
+    t, e = logits.shape
+    scores = np.ascontiguousarray(logits, np.float32)                            # [T, E]
+    rows = np.arange(t)
+    ids = np.argsort(-scores, axis=-1, kind="stable")[:, :top_k].astype(np.int64)   # ties to the lower id
+    weights = np.zeros((t, top_k), np.float32)
+    masked = scores.copy()
+    threshold = np.float32(2 * jitter_eps)
+    for slot in range(min(2, top_k)):
+        best = masked[rows, ids[:, slot]][:, None]                               # [T, 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            far = (best - scores) / np.maximum(np.abs(scores), best) > threshold    # [T, E]
+        gates = np.where(far, np.float32(-np.inf), masked)
+        gates = np.exp(gates - best)                                             # best is the row's max
+        weights[:, slot] = gates[rows, ids[:, slot]] / gates.sum(axis=-1)
+        masked[rows, ids[:, slot]] = -np.inf                                     # the second excludes the first
+    return ids, weights
 
 
 @dataclass(frozen=True)

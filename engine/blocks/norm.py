@@ -1,16 +1,26 @@
-"""RMSNorm and activations, in float32."""
+"""RMSNorm (and LayerNorm, for the families that use it) and activations, in float32."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from engine.errors import ModelFormatError
-from engine.kernels.rows import rms_norm_rows
+from engine.kernels.rows import layer_norm_rows, rms_norm_rows
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * weight over the last axis, in float32 (row by row, the same bits in any batch)."""
     return rms_norm_rows(x, weight, eps)
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, in float32 (row by row)."""
+    return layer_norm_rows(x, weight, bias, eps)
+
+
+def normalize(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float, kind: str = "rms") -> np.ndarray:
+    """A model's norm of kind `kind` (ModelSpec.norm): RMSNorm, or LayerNorm with its bias."""
+    return layer_norm(x, weight, bias, eps) if kind == "layer" else rms_norm(x, weight, eps)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -1,8 +1,9 @@
 """The fused decode step's plan: a model's weights as the tables engine/fused/kernel.py reads.
 
-`FusedDecode.for_model` accepts the common decoder shape: pre-norm layers of grouped-query attention (q/k/v
-biases and per-head q/k norms allowed, any RoPE, sliding windows included; no soft-capping), a SiLU-gated MLP or a MoE routed by
-softmax or sigmoid without expert groups or shared experts, every matrix quantized, the experts
+`FusedDecode.for_model` accepts the common decoder shape: pre-norm layers (RMSNorm) of grouped-query attention
+(q/k/v biases, per-head q/k norms or, without biases, whole-projection ones, any RoPE, sliding windows included;
+no soft-capping), a SiLU-gated MLP without biases or a MoE routed by softmax or sigmoid without expert groups or
+shared experts, an output head without a bias, every matrix quantized, the experts
 resident or streamed by an expert store. The KV cache may hold float32, fp16 or int8 rows and keep
 attention weights for retention. Anything else (a step of several tokens of a sequence, a probe)
 runs through `Transformer.forward_batch` one block at a time; both give the same bits for the same
@@ -88,6 +89,8 @@ class FusedDecode:
         spec = model.spec
         if (spec.embedding_multiplier, spec.residual_multiplier, spec.logits_scaling) != (1.0, 1.0, 1.0):
             raise _NotFusable("embedding, residual or logits multipliers")
+        if spec.norm != "rms" or model.lm_head_bias is not None:
+            raise _NotFusable("LayerNorm or an output-head bias")
         self.hidden = spec.hidden_size
         self._descs: list[tuple[int, ...]] = []
         self._items: list[tuple[int, int, int, int]] = []
@@ -228,6 +231,8 @@ class FusedDecode:
             if ffn.spec.act not in ("silu", "swish"):
                 raise _NotFusable(f"activation {ffn.spec.act}")
             w = ffn.weights
+            if w.gate_bias is not None:
+                raise _NotFusable("MLP biases")
             lay[i, fk.L_MOE], lay[i, fk.L_I] = 0, w.gate.shape[0]
             lay[i, fk.L_ROWS_IN] = chunk_rows(self.hidden, w.gate.shape[0])
             lay[i, fk.L_ROWS_DOWN] = chunk_rows(w.gate.shape[0], self.hidden)
@@ -242,8 +247,8 @@ class FusedDecode:
             raise _NotFusable("experts not quantized")
         m = ffn.spec
         if m.n_group != 1 or m.scoring not in ("softmax", "sigmoid") or ffn.shared is not None or \
-                m.act not in ("silu", "swish") or m.top_k > MAX_TOP_K:
-            raise _NotFusable("expert groups, shared experts or another activation")
+                m.act not in ("silu", "swish") or m.top_k > MAX_TOP_K or m.norm_min:
+            raise _NotFusable("expert groups, another scoring, shared experts, another activation or a norm floor")
         if m.router_bias or m.expert_bias or m.swiglu_limit is not None:
             raise _NotFusable("a router bias, expert biases or the clamped SwiGLU")
         lay[i, fk.L_MOE], lay[i, fk.L_E], lay[i, fk.L_K], lay[i, fk.L_I] = 1, m.n_experts, m.top_k, m.expert_ffn

@@ -6,7 +6,8 @@ Each step is one compiled function of one row, called by the batched blocks (a l
 and by the fused decode step (engine/models/decode_step.py) alike. None uses fastmath and the only
 reduction (the norm's sum of squares) runs in the kernels' fixed 16-lane order, so a row's bits
 are the same in a prefill of 500 tokens, in a batch of sequences and in the fused step: the
-engine's tenet that batch size never changes the answer.
+engine's tenet that batch size never changes the answer. (LayerNorm, for the few families that use it,
+sums in index order: the blocks run it, never the fused step.)
 """
 
 from __future__ import annotations
@@ -61,6 +62,35 @@ def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     if x.size:
         kernel = _norm_rows_parallel if x.size >= PARALLEL_ELEMENTS else _norm_rows
         kernel(x.reshape(-1), w, F32(eps), w.size, out.reshape(-1))
+    return out
+
+
+@njit(cache=True, boundscheck=False)
+def _layer_norm_rows(x, w, b, eps, n, out):
+    for r in range(x.shape[0] // n):
+        o = r * n
+        total = 0.0                                   # float64 sums in index order: a row's bits in any batch
+        for j in range(n):
+            total += x[o + j]
+        mean = F32(total / n)
+        sq = 0.0
+        for j in range(n):
+            d = x[o + j] - mean
+            sq += d * d
+        inv = F32(1.0) / np.sqrt(F32(sq / n) + eps)
+        for j in range(n):
+            out[o + j] = (x[o + j] - mean) * inv * w[j] + b[j]
+
+
+def layer_norm_rows(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm over the last axis of x [..., D]: (x - mean) / sqrt(var + eps) * weight + bias, in float32
+    (variance biased, as torch's) -> a new array of x's shape."""
+    x = np.ascontiguousarray(x, np.float32)
+    w = np.ascontiguousarray(weight, np.float32).reshape(-1)
+    out = np.empty_like(x)
+    if x.size:
+        _layer_norm_rows(x.reshape(-1), w, np.ascontiguousarray(bias, np.float32).reshape(-1), F32(eps), w.size,
+                         out.reshape(-1))
     return out
 
 

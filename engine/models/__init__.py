@@ -19,6 +19,7 @@ from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.models import (
     deepseek,
     deepseek_v2,
+    ernie,
     gemma,
     glm4_moe,
     glm4_moe_lite,
@@ -26,11 +27,13 @@ from engine.models import (
     gpt_oss,
     granitemoe,
     llama,
+    minimax_m2,
     mistral,
     mixtral,
     olmo2,
     olmoe,
     phi3,
+    phimoe,
     qwen2,
     qwen3,
     qwen3_next,
@@ -42,7 +45,7 @@ from engine.spec import ModelSpec
 FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
-                   glm4_moe_lite, qwen3_next, glm_moe_dsa, phi3, mistral, gemma, olmo2)
+                   glm4_moe_lite, qwen3_next, glm_moe_dsa, phi3, mistral, gemma, olmo2, minimax_m2, ernie, phimoe)
     for arch in module.ARCHITECTURES
 }
 

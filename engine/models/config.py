@@ -247,3 +247,4 @@ def _eos(cfg: Config) -> tuple[int, ...]:
     cfg.require(all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids), "eos_token_id", value,
                 "a token id or a list of them")
     return eos_ids(value)
+

@@ -30,7 +30,7 @@ from engine.blocks.ffn import (
 )
 from engine.blocks.linear import Probe, linear
 from engine.blocks.mla import LatentAttention, mla_shapes
-from engine.blocks.norm import rms_norm
+from engine.blocks.norm import normalize, rms_norm
 from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
@@ -84,10 +84,18 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
+    if spec.lm_head_bias:
+        shapes["lm_head.bias"] = (spec.vocab_size,)
+    norm_bias = spec.norm == "layer"
+    if norm_bias:
+        shapes["model.norm.bias"] = (h,)
     for i, layer in enumerate(spec.layers):
         p = layer_prefix(i)
         for name in NORM_NAMES[layer.norms]:
             shapes[f"{p}.{name}.weight"] = (h,)
+        if norm_bias:
+            shapes[f"{p}.input_layernorm.bias"] = (h,)
+            shapes[f"{p}.post_attention_layernorm.bias"] = (h,)
         if isinstance(layer.attn, GatedDeltaNetSpec):
             shapes |= deltanet_shapes(layer.attn, f"{p}.linear_attn", h)
         elif isinstance(layer.attn, MLASpec):
@@ -96,11 +104,11 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes |= attention_shapes(layer.attn, f"{p}.self_attn", h)
         ffn = layer.ffn
         if isinstance(ffn, MLPSpec):
-            shapes |= mlp_shapes(f"{p}.{ffn.prefix}", h, ffn.intermediate)
+            shapes |= mlp_shapes(f"{p}.{ffn.prefix}", h, ffn.intermediate, bias=ffn.bias)
             continue
         shapes[f"{p}.{ffn.prefix}.gate.weight"] = (ffn.n_experts, h)
         if ffn.correction_bias:
-            shapes[f"{p}.{ffn.prefix}.gate.e_score_correction_bias"] = (ffn.n_experts,)
+            shapes[f"{p}.{ffn.prefix}.{ffn.bias_name}"] = ffn.bias_shape or (ffn.n_experts,)
         if ffn.router_bias:
             shapes[f"{p}.{ffn.prefix}.gate.bias"] = (ffn.n_experts,)
         for e in range(ffn.n_experts):
@@ -108,7 +116,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             if ffn.expert_bias:
                 shapes |= expert_bias_shapes(expert_prefix(i, ffn, e), h, ffn.expert_ffn, ffn.proj_names)
         if ffn.shared_ffn:
-            shapes |= mlp_shapes(f"{p}.{ffn.prefix}.{ffn.shared_prefix}", h, ffn.shared_ffn)
+            shapes |= mlp_shapes(f"{p}.{ffn.prefix}.{ffn.shared_prefix}", h, ffn.shared_ffn, bias=ffn.shared_bias)
         if ffn.shared_gate:
             shapes[f"{p}.{ffn.prefix}.shared_expert_gate.weight"] = (1, h)
     return shapes
@@ -131,6 +139,8 @@ class Layer:
     ffn: MLP | MoE
     attn_out_norm: np.ndarray | None = None  # [hidden], the attention's output (Gemma, OLMo 2)
     ffn_out_norm: np.ndarray | None = None   # [hidden], the feed-forward's output (Gemma, OLMo 2)
+    input_norm_bias: np.ndarray | None = None   # [hidden]: LayerNorm models only (ModelSpec.norm == "layer")
+    post_norm_bias: np.ndarray | None = None    # [hidden]
 
     @property
     def plain(self) -> bool:
@@ -145,12 +155,16 @@ class Layer:
                    if n is not None)
 
     def attn_input(self, x: np.ndarray, eps: float) -> np.ndarray:
-        """The attention's input [T, hidden] from the residual stream x."""
-        return x if self.input_norm is None else rms_norm(x, self.input_norm, eps)
+        """The attention's input [T, hidden] from the residual stream x (LayerNorm where the norm has a bias)."""
+        if self.input_norm is None:
+            return x
+        return normalize(x, self.input_norm, self.input_norm_bias, eps, "rms" if self.input_norm_bias is None else "layer")
 
     def ffn_input(self, x: np.ndarray, eps: float) -> np.ndarray:
-        """The feed-forward's input [T, hidden] from the residual stream x."""
-        return x if self.post_norm is None else rms_norm(x, self.post_norm, eps)
+        """The feed-forward's input [T, hidden] from the residual stream x (LayerNorm where the norm has a bias)."""
+        if self.post_norm is None:
+            return x
+        return normalize(x, self.post_norm, self.post_norm_bias, eps, "rms" if self.post_norm_bias is None else "layer")
 
     def attn_output(self, y: np.ndarray, eps: float) -> np.ndarray:
         """What the attention adds to the residual stream, from its output y [T, hidden]."""
@@ -189,7 +203,9 @@ class Transformer:
         self.embed = w["model.embed_tokens.weight"]                          # [V, hidden]
         self.norm = self._norm_weight(w["model.norm.weight"])
         self._embed_scale = None if spec.embed_scale is None else np.float32(spec.embed_scale)
+        self.norm_bias = w.get("model.norm.bias")                           # [hidden] or None
         self.lm_head = self.embed if spec.tie_embeddings else w["lm_head.weight"]  # [V, hidden]
+        self.lm_head_bias = w.get("lm_head.bias")                           # [V] or None
         rotaries: dict = {}
         self.layers: list[Layer | None] = []     # None: a streamed layer, built from the layer source per use
         resident: dict[int, list[ExpertWeights]] = {}
@@ -232,14 +248,15 @@ class Transformer:
                                                k_norm=self._norm_weight(attn.k_norm))
         f = ls.ffn
         if isinstance(f, MLPSpec):
-            ffn: MLP | MoE = MLP(f, ExpertWeights.load(w, f"{p}.{f.prefix}"))
+            ffn: MLP | MoE = MLP(f, ExpertWeights.load(w, f"{p}.{f.prefix}", bias=f.bias))
         else:
             if not self.streamed:
                 resident[i] = [ExpertWeights.load(w, expert_prefix(i, f, e), f.proj_names) for e in range(f.n_experts)]
+            bias = w.get(f"{p}.{f.prefix}.{f.bias_name}")
             ffn = MoE(
                 f, i, w[f"{p}.{f.prefix}.gate.weight"],
-                w.get(f"{p}.{f.prefix}.gate.e_score_correction_bias"),
-                ExpertWeights.load(w, f"{p}.{f.prefix}.{f.shared_prefix}") if f.shared_ffn else None,
+                bias.reshape(-1) if bias is not None else None,                     # [E]
+                ExpertWeights.load(w, f"{p}.{f.prefix}.{f.shared_prefix}", bias=f.shared_bias) if f.shared_ffn else None,
                 w.get(f"{p}.{f.prefix}.shared_expert_gate.weight"),
                 f"{p}.{f.prefix}",
                 w.get(f"{p}.{f.prefix}.gate.bias"),
@@ -247,7 +264,8 @@ class Transformer:
                 if f.expert_bias else None,
             )
         norms = [None if name is None else self._norm_weight(w[f"{p}.{name}.weight"]) for name in NORM_FIELDS[ls.norms]]
-        return Layer(norms[0], attn, norms[1], ffn, norms[2], norms[3])
+        return Layer(norms[0], attn, norms[1], ffn, norms[2], norms[3],
+                     w.get(f"{p}.input_layernorm.bias"), w.get(f"{p}.post_attention_layernorm.bias"))
 
     def forward(
         self,
@@ -346,13 +364,15 @@ class Transformer:
         return x
 
     def head(self, x: np.ndarray, probe: Probe | None = None, telemetry: Telemetry = NULL) -> np.ndarray:
-        """The logits [T, V] of the final hidden states x [T, hidden] (divided by the spec's logits scaling, or
-        soft-capped when the spec says so)."""
-        x = rms_norm(x, self.norm, self.spec.rms_eps)
+        """The logits [T, V] of the final hidden states x [T, hidden] (plus the head's bias, if any, divided by
+        the spec's logits scaling, or soft-capped when the spec says so)."""
+        x = normalize(x, self.norm, self.norm_bias, self.spec.rms_eps, self.spec.norm)
         if probe is not None:
             probe("lm_head.weight", x)
         with telemetry.phase("dense"):
             logits = linear(x, self.lm_head)                                # [T, V]
+            if self.lm_head_bias is not None:
+                logits = logits + self.lm_head_bias
         d = self.spec.logits_scaling
         if d != 1.0:
             logits = logits / np.float32(d)

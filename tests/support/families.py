@@ -34,4 +34,9 @@ FAMILIES = {
     "glm_moe_dsa": ("glm_moe_dsa", dict(MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                                         topk_group=1, mlp_layer_types=["dense", "sparse", "sparse"],
                                         index_topk=4, index_head_dim=32, index_n_heads=8)),
+    "minimax_m2": ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=8)),
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+                                          moe_num_shared_experts=0)),       # fused: interleaved RoPE, biased router
+    "phimoe": ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                              router_jitter_noise=0.3)),
 }

@@ -30,7 +30,8 @@ def build_checkpoint(folder: Path, model_type: str, seed: int = 0, dtype: str = 
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.3)
-            elif name.endswith((".bias", "_proj_bias")):      # gpt-oss's fused expert biases start at zero
+            elif name.endswith((".bias", "_proj_bias", "e_score_correction_bias")):   # gpt-oss's fused expert
+                # biases start at zero; ERNIE keeps its router bias as a parameter
                 p.normal_(0.0, 0.2)
             elif name.endswith((".sinks", ".dt_bias")):          # gpt-oss's sinks: large enough to move the softmax;
                                                                  # DeltaNet's dt_bias starts as ones: vary it per head
