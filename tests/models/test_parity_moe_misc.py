@@ -210,3 +210,25 @@ def test_fused_step_declines_what_it_does_not_compute(tmp_path_factory, model_ty
     model = _converted(tmp_path_factory, model_type, **overrides).model
     _greedy(model, fused=True)
     assert model.context.fused is None
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.3, lm_head_bias=True)),
+    ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+                          use_bias=True, moe_norm_min=0.6)),
+])
+def test_a_batch_gives_each_sequence_its_own_bits(tmp_path_factory, model_type, overrides):
+    """LayerNorm, the sparse mixer and the norm floor are computed row by row: two sequences run together (a prompt
+    each, then a token each) give exactly the logits each gives alone."""
+    model = _converted(tmp_path_factory, model_type, **overrides).model
+    prompts = [PROMPT[:9], PROMPT[4:17]]
+    alone = []
+    for p in prompts:
+        cache = KVCache(model.spec, 64)
+        first = model.forward(p, cache)
+        alone.append((first, model.forward([int(first.argmax())], cache)))
+    caches = [KVCache(model.spec, 64) for _ in prompts]
+    firsts = model.forward_batch(list(zip(prompts, caches)))
+    seconds = model.forward_batch([([int(f.argmax())], c) for f, c in zip(firsts, caches)])
+    for (want_first, want_second), first, second in zip(alone, firsts, seconds):
+        assert np.array_equal(first, want_first) and np.array_equal(second, want_second)
