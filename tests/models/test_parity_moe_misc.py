@@ -232,3 +232,19 @@ def test_a_batch_gives_each_sequence_its_own_bits(tmp_path_factory, model_type, 
     seconds = model.forward_batch([([int(f.argmax())], c) for f, c in zip(firsts, caches)])
     for (want_first, want_second), first, second in zip(alone, firsts, seconds):
         assert np.array_equal(first, want_first) and np.array_equal(second, want_second)
+
+
+def test_the_planners_forward_runs_layernorm_and_the_head_bias(tmp_path):
+    """The sensitivity pass resumes the forward pass at a layer: with LayerNorm and a head bias it is still the
+    model's own forward, bit for bit."""
+    from engine.loader import open_checkpoint
+    from engine.models.transformer import Transformer, embed_rows
+    from engine.plan.sensitivity import Resident, forward_from
+
+    ckpt = open_checkpoint(build_checkpoint(tmp_path, "phimoe", num_local_experts=4, num_experts_per_tok=2,
+                                            lm_head_bias=True, attention_bias=True))
+    model = Transformer(ckpt.spec, Resident(ckpt.source))
+    expected = model.forward(PROMPT, KVCache(model.spec, len(PROMPT)), all_logits=True)
+    keep: list[np.ndarray] = []
+    assert np.array_equal(forward_from(model, embed_rows(model.embed, np.asarray(PROMPT)), 0, keep=keep), expected)
+    assert np.array_equal(forward_from(model, keep[2], 2), expected)
