@@ -145,6 +145,19 @@ def test_released_configs_parse_as_those_models():
     assert attn.rope.freq_factors == tuple(PHI35_MOE["rope_scaling"]["short_factor"])
 
 
+def test_left_out_keys_take_the_references_defaults():
+    """A key missing from config.json reads as the family's modelling code defaults it, not as the generic readers do."""
+    trimmed = {k: v for k, v in MINIMAX_M2.items() if k not in ("head_dim", "rope_theta", "num_key_value_heads")}
+    attn = spec_from_config(trimmed).layers[0].attn
+    assert (attn.head_dim, attn.rope.theta, attn.n_kv_heads, attn.rope.dim) == (128, 5e6, 8, 64)
+    ernie = spec_from_config({k: v for k, v in ERNIE.items() if k not in ("tie_word_embeddings", "rope_theta")})
+    assert ernie.tie_embeddings and ernie.layers[0].attn.rope.theta == 500000.0
+    phi = {k: v for k, v in PHI35_MOE.items() if k not in ("router_jitter_noise", "num_key_value_heads")}
+    assert spec_from_config(phi).layers[0].ffn.jitter_eps == 0.01
+    assert spec_from_config(phi).layers[0].attn.n_kv_heads == 8
+    assert spec_from_config({**phi, "num_key_value_heads": None}).layers[0].attn.n_kv_heads == 32   # null: MHA
+
+
 @pytest.mark.parametrize(("config", "key", "expected"), [
     ({**MINIMAX_M2, "use_qk_norm": False}, "use_qk_norm", "always normalises q and k"),
     ({**MINIMAX_M2, "qk_norm_type": "per_head"}, "qk_norm_type", "'per_layer'"),
