@@ -29,7 +29,7 @@ from engine.fused.sync import LINE, atomic_load, atomic_store, cycles, fence, sp
 from engine.kernels.attention import attend_row, encode_i8_row
 from engine.kernels.experts import silu_rows
 from engine.kernels.matmul import TILE, otf_rows, planes, tile_rows
-from engine.kernels.rows import norm_row, rope_row, route_row
+from engine.kernels.rows import norm_row, norm_scale, rope_row, route_row
 from engine.kernels.simd import U64, address_as_voidptr, f32_to_f16, fma32
 
 F32 = np.float32
@@ -61,7 +61,7 @@ FLAG_COMING = 2     # flags: a streamed expert being read, published once in mem
 
 (L_IN_NORM, L_POST_NORM, L_QKV0, L_QKV1, L_O0, L_O1, L_H, L_HKV, L_D, L_DV, L_ROT, L_ROPE_D, L_INTERLEAVED,
  L_WINDOW, L_MOE, L_E, L_K, L_I, L_ROUTER, L_SCORING, L_NORM_TOPK, L_BIAS, L_EXP0, L_GATE, L_DOWN,
- L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, L_STREAMED, L_RES0, L_GUESS, N_LAY) = range(33)
+ L_QKV_BIAS, L_QK_NORM, L_ROWS_IN, L_ROWS_DOWN, L_STREAMED, L_RES0, L_GUESS, L_QK_FULL, N_LAY) = range(34)
 (G_HIDDEN, G_LAYERS, G_NORM, G_HEAD0, G_HEAD1, G_QKV, G_ATT, G_O, G_RL, G_GU, G_HB, G_Y, G_PRIV, G_STEPS,
  G_LAYER, G_AHEAD, G_GL, G_POST, G_FLAGW, G_WAKE, G_P_WORD, G_P_GUESSED, G_P_NEEDED, G_P_REFUSED, G_P_DECIDING,
  G_P_GUESS_IDS, G_P_NEED_IDS, G_P_MASK, G_P_SECOND, N_G) = range(30)
@@ -121,13 +121,20 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         qkv = lb[g[G_QKV]:]
         bias = lay[l, L_QKV_BIAS]                      # fpar offset of the q, k, v biases laid end to end, or -1
         qk_norm = lay[l, L_QK_NORM]                    # fpar offset of the per-head q then k norm weights, or -1
+        qk_full = lay[l, L_QK_FULL] > 0                # instead one norm over all heads' q, one over all k (no biases)
         t1 = scr[d:2 * d]
         t2 = scr[2 * d:3 * d]
         o = q_out + c * d if kind == S_KV else c * d   # this head's q or k features
         for j in range(d):
             t1[j] = qkv[o + j] + fpar[bias + o + j] if bias >= 0 else qkv[o + j]
         src = t1
-        if qk_norm >= 0:
+        if qk_full:
+            # this head's slice of the whole projection's norm: the factor over all of q (or k), its own weights
+            inv = norm_scale(qkv, U64(q_out if kind == S_KV else 0), eps, n_kv * d if kind == S_KV else q_out)
+            for j in range(d):
+                t2[j] = (t1[j] * inv) * fpar[qk_norm + o + j]
+            src = t2
+        elif qk_norm >= 0:
             norm_row(t1, U64(0), fpar[qk_norm + (d if kind == S_KV else 0):], eps, d, t2, U64(0))
             src = t2
         if kind == S_KV:

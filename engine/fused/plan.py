@@ -198,10 +198,10 @@ class FusedDecode:
         if type(attn) is not Attention:
             raise _NotFusable("latent attention")
         s = attn.spec
-        if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head") or s.sinks \
-                or s.softcap is not None:
-            raise _NotFusable("an output bias, q/k clipping, whole-projection q/k norms, attention sinks or "
-                              "soft-capped scores")
+        if attn.bo is not None or s.clip_qkv is not None or s.qk_norm not in (None, "head", "full") or s.sinks \
+                or s.softcap is not None or (s.qk_norm == "full" and attn.bq is not None):
+            raise _NotFusable("an output bias, q/k clipping, whole-projection q/k norms after biases, attention sinks "
+                              "or soft-capped scores")
         if s.output_gate:
             raise _NotFusable("a gated attention output")
         q_out, kv_out = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
@@ -219,8 +219,9 @@ class FusedDecode:
         lay[i, fk.L_INTERLEAVED], lay[i, fk.L_WINDOW] = int(rope.interleaved), int(s.sliding_window or 0)
         if attn.bq is not None:
             lay[i, fk.L_QKV_BIAS] = self._param(np.concatenate([attn.bq, attn.bk, attn.bv]))
-        if s.qk_norm == "head":
+        if s.qk_norm is not None:               # per head: [D] then [D]; whole projection: [H*D] then [Hkv*D]
             lay[i, fk.L_QK_NORM] = self._param(np.concatenate([attn.q_norm, attn.k_norm]))
+            lay[i, fk.L_QK_FULL] = int(s.qk_norm == "full")
         lf[i, 0] = np.float32(s.scale)
         sizes["qkv"] = max(sizes["qkv"], q_out + 2 * kv_out)
         sizes["att"] = max(sizes["att"], q_out)

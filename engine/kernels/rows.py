@@ -42,6 +42,20 @@ def norm_row(x, xo, w, eps, n, out, oo):
         out[oo + U64(j)] = (x[xo + U64(j)] * inv) * w[j]
 
 
+@njit(boundscheck=False)
+def norm_scale(x, xo, eps, n):
+    """1 / sqrt(mean of squares of x[xo:xo+n] + eps), summed in norm_row's order (the same bits as its factor)."""
+    acc = vzero()
+    k16 = n // 16
+    for j in range(k16):
+        v = vload(x, xo + U64(16 * j))
+        acc = vfma(v, v, acc)
+    ss = vsum(acc)
+    for j in range(k16 * 16, n):
+        ss = fma32(x[xo + U64(j)], x[xo + U64(j)], ss)
+    return F32(1.0) / np.sqrt(ss / F32(n) + eps)
+
+
 @njit(cache=True, boundscheck=False)
 def _norm_rows(x, w, eps, n, out):
     for r in range(x.shape[0] // n):

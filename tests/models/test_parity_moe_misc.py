@@ -202,10 +202,16 @@ def _greedy(model, fused: bool) -> np.ndarray:
     return np.stack(rows)
 
 
-def test_fused_step_runs_ernie_as_the_blocks_do(tmp_path_factory):
-    """Interleaved RoPE and softmax routing with a correction bias, through the fused kernel: the same bits."""
-    model = _converted(tmp_path_factory, "ernie4_5_moe", moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
-                       moe_num_shared_experts=0).model
+@pytest.mark.parametrize("model_type, overrides", [
+    # interleaved RoPE, softmax routing with a correction bias
+    ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=0)),
+    # q/k norms over the whole projection, partial RoPE, sigmoid routing with a correction bias
+    ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=8, num_key_value_heads=1)),
+    ("olmoe", dict(num_experts=8, num_experts_per_tok=2)),      # whole-projection norms without clip_qkv
+])
+def test_fused_step_runs_the_family_as_the_blocks_do(tmp_path_factory, model_type, overrides):
+    """Through the fused kernel, the same bits as the blocks one at a time."""
+    model = _converted(tmp_path_factory, model_type, **overrides).model
     want = _greedy(model, fused=False)
     got = _greedy(model, fused=True)
     assert model.context.fused not in (None, False)              # it ran fused
@@ -213,13 +219,12 @@ def test_fused_step_runs_ernie_as_the_blocks_do(tmp_path_factory):
 
 
 @pytest.mark.parametrize("model_type, overrides", [
-    ("minimax_m2", dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, rotary_dim=8)),
     ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2, lm_head_bias=True)),
     ("ernie4_5_moe", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=0,
                           use_bias=True)),
 ])
 def test_fused_step_declines_what_it_does_not_compute(tmp_path_factory, model_type, overrides):
-    """Whole-projection q/k norms, LayerNorm and the sparse mixer, biases on MLPs and the head: the blocks run."""
+    """LayerNorm and the sparse mixer, biases on MLPs and the head: the blocks run."""
     model = _converted(tmp_path_factory, model_type, **overrides).model
     _greedy(model, fused=True)
     assert model.context.fused is None
