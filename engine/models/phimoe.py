@@ -79,9 +79,7 @@ def _rope(cfg: Config, head_dim: int) -> RopeSpec:
 
 def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     """The spec of a Phi-3.5-MoE config.json."""
-    # a null num_key_value_heads means one per attention head (multi-head), as the reference reads it
-    kv_null = "num_key_value_heads" in cfg.data and cfg.data["num_key_value_heads"] is None
-    cfg = with_defaults(cfg, {k: v for k, v in DEFAULTS.items() if not (kv_null and k == "num_key_value_heads")})
+    cfg = with_defaults(cfg, DEFAULTS)     # a null num_key_value_heads stays null: multi-head, as the reference
     n_experts, top_k = cfg.first(("num_local_experts", "num_experts")), cfg.req("num_experts_per_tok")
     moe_counts(cfg, n_experts, top_k, "num_local_experts")
     cfg.require(top_k == 2, "num_experts_per_tok", top_k,
