@@ -9,6 +9,10 @@ VENV := .venv
 VENV_PY := $(VENV)/bin/python
 CACHE := $(CURDIR)/.cache
 PYTEST_ARGS ?=
+# pytest-xdist workers; a test module stays in one worker (its fixtures are made once). Two fill this
+# project's two-core CI machine; TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope)
 
 # Debian packages the tests need; installed by `system-deps` when missing (with sudo unless root).
 # The desktop app (Qt's xcb platform, OpenGL through Mesa) and the GUI tests' virtual display (Xvfb):
@@ -39,14 +43,14 @@ run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-
 
 test: system-deps $(TEST_STAMP) ## set up with the test extra (torch, transformers) and run pytest
 	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE \
-		$(VENV_PY) -m pytest --durations=25 $(PYTEST_ARGS)
+		$(VENV_PY) -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # The fast subset: no parity against transformers, no GUI, none of the slow tests (pytest markers in pyproject.toml).
 FAST_MARKERS := not slow and not gui and not parity
 
 test-fast: system-deps $(TEST_STAMP) ## run the fast subset of the tests (no slow, gui or parity markers)
 	NUMBA_CACHE_DIR=$(CACHE)/numba XDG_CACHE_HOME=$(CACHE)/xdg HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE \
-		$(VENV_PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+		$(VENV_PY) -m pytest $(XDIST) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # Every check runs and reports; the target fails if any of them did.
 lint: $(TEST_STAMP) ## check style (ruff), types of the engine's core (mypy) and who imports whom (import-linter)
