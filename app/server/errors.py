@@ -37,6 +37,13 @@ _WHY = {400: "The request is malformed or a value is out of range (the message n
         503: "The server is busy or its model is not ready: retry shortly."}
 
 
+# One server-sent event as OpenAPI 3.0/3.1 describe a `text/event-stream` item: the parsed fields of the event
+# (what schemathesis checks each event of a stream against), its `data` a JSON chunk or `[DONE]`.
+SSE_EVENT: dict[str, Any] = {"type": "object", "required": ["data"],
+                             "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                            "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def responses(*statuses: int, stream: bool = False, text: bool = False) -> dict[int | str, dict[str, Any]]:
     """The `responses=` of a route: its error answers in OpenAI's shape, any other error status too ("default"),
     and, for a route that streams, server-sent events as the other form of its 200. A route answering plain
@@ -48,7 +55,7 @@ def responses(*statuses: int, stream: bool = False, text: bool = False) -> dict[
     if stream:
         out[200] = {"description": "The answer: JSON, or with `\"stream\": true` server-sent events "
                                    "(`data: {chunk}` lines, the last `data: [DONE]`).",
-                    "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}}}
+                    "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}}}
     return out
 
 

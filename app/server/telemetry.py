@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from app.server.engine import Served
-from app.server.errors import ApiError, responses
+from app.server.errors import SSE_EVENT, ApiError, responses
 from app.server.errors import sse as _sse
 
 
@@ -40,7 +40,7 @@ def add_telemetry_routes(app: FastAPI, engine: Served) -> None:
 
     @app.get("/v1/telemetry", response_class=StreamingResponse, responses={**responses(400, 401, 404), 200: {
         "description": "Server-sent events, each `data: {snapshot}`, for as long as the client reads",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+        "content": {"text/event-stream": {"schema": SSE_EVENT}}}})
     async def telemetry(request: Request, interval: float = 0.5, recent: int = 32, tiers: bool = False):
         if service.snapshot() is None:
             raise ApiError(404, "no model is loaded, so there is no telemetry", code="not_found")

@@ -35,6 +35,11 @@ def server(tmp_path_factory):
     service = EngineService(max_queue=2)
     service.load_and_wait(container, LoadOptions(context_length=CTX, max_batch=2))
     live = LiveServer(create_app(service, api_key=KEY, max_body=64 * 1024), HttpLimits(max_connections=32))
+    # One whole answer first, however long the kernels take to compile into a cold numba cache: the fuzzed
+    # requests below each have a minute, which is for answering, not compiling.
+    warm = httpx.post(live.url + "/v1/completions", headers=AUTH, timeout=900,
+                      json={"model": "tiny", "prompt": "warm", "max_tokens": CTX // 2})
+    assert warm.status_code == 200, warm.text
     yield live
     live.stop()
     service.close()
