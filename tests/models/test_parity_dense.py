@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv import KVCache
-from engine.loader import load_model
-from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+from support.reference import (
+    assert_matches_reference,
+    build_checkpoint,
+)
 
 pytestmark = pytest.mark.parity   # this module checks each architecture against transformers
 
@@ -57,20 +58,4 @@ CASES = {
 def test_dense_family_matches_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
     folder = build_checkpoint(tmp_path / case, model_type, **overrides)
-    ref = load_reference(folder)
-    loaded = load_model(folder)
-    assert loaded.spec.architecture == ref.config.architectures[0]
-
-    cache = KVCache(loaded.spec, 256)
-    ours = loaded.model.forward(PROMPT, cache, all_logits=True)
-    expected = reference_logits(ref, PROMPT)
-    assert ours.shape == expected.shape
-    err = relative_error(ours, expected)
-    print(f"{case}: largest relative error {err:.2e}")
-    assert err < 1e-4
-
-    tokens, logits = [], ours[-1]
-    for _ in range(N_GREEDY):
-        tokens.append(int(logits.argmax()))
-        logits = loaded.model.forward([tokens[-1]], cache)[-1]
-    assert tokens == reference_greedy(ref, PROMPT, N_GREEDY)
+    assert_matches_reference(folder, PROMPT, N_GREEDY)

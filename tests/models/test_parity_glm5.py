@@ -15,7 +15,13 @@ from engine.kv import KVCache
 from engine.loader import load_model
 from engine.models import spec_from_config
 from support.families import MLA
-from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+from support.reference import (
+    assert_matches_reference,
+    build_checkpoint,
+    load_reference,
+    reference_logits,
+    relative_error,
+)
 
 pytestmark = pytest.mark.parity   # this module checks GLM-5 against transformers
 
@@ -56,22 +62,9 @@ def _dense_reference(folder):
 @pytest.mark.parametrize("case", list(CASES))
 def test_glm5_matches_transformers(case, tmp_path):
     folder = build_checkpoint(tmp_path / case, "glm_moe_dsa", **CASES[case])
-    ref = load_reference(folder)
-    loaded = load_model(folder)
-    assert loaded.spec.architecture == "GlmMoeDsaForCausalLM"
-
-    cache = KVCache(loaded.spec, 256)
-    ours = loaded.model.forward(PROMPT, cache, all_logits=True)
-    expected = reference_logits(ref, PROMPT)
-    assert relative_error(ours, expected) < 1e-4
+    _, _, expected = assert_matches_reference(folder, PROMPT, N_GREEDY, architecture="GlmMoeDsaForCausalLM")
     if CASES[case]["index_topk"] < len(PROMPT):      # the selection is exercised: lifting it changes the answer
         assert relative_error(reference_logits(_dense_reference(folder), PROMPT), expected) > 1e-3
-
-    tokens, logits = [], ours[-1]
-    for _ in range(N_GREEDY):
-        tokens.append(int(logits.argmax()))
-        logits = loaded.model.forward([tokens[-1]], cache)[-1]
-    assert tokens == reference_greedy(ref, PROMPT, N_GREEDY)
 
 
 def test_a_prefill_continuing_a_cache_selects_among_the_cached_keys(tmp_path):

@@ -16,7 +16,11 @@ from engine.errors import ModelFormatError
 from engine.kv import KVCache
 from engine.loader import load_model
 from engine.models import fused_tensors, spec_from_config
-from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+from support.reference import (
+    assert_matches_reference,
+    build_checkpoint,
+    load_reference,
+)
 
 pytestmark = pytest.mark.parity
 
@@ -40,21 +44,7 @@ CASES = {
 def test_phi3_matches_transformers(case, tmp_path):
     # Phi3Config's token ids (32000) lie outside the tiny vocabulary
     folder = build_checkpoint(tmp_path / case, "phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2, **CASES[case])
-    ref = load_reference(folder)
-    loaded = load_model(folder)
-    assert loaded.spec.architecture == "Phi3ForCausalLM"
-
-    cache = KVCache(loaded.spec, 256)
-    ours = loaded.model.forward(PROMPT, cache, all_logits=True)
-    expected = reference_logits(ref, PROMPT)
-    assert ours.shape == expected.shape
-    assert relative_error(ours, expected) < 1e-4
-
-    tokens, logits = [], ours[-1]
-    for _ in range(N_GREEDY):
-        tokens.append(int(logits.argmax()))
-        logits = loaded.model.forward([tokens[-1]], cache)[-1]
-    assert tokens == reference_greedy(ref, PROMPT, N_GREEDY)
+    assert_matches_reference(folder, PROMPT, N_GREEDY, architecture="Phi3ForCausalLM")
 
 
 def _config(**overrides) -> dict:

@@ -29,7 +29,10 @@ from engine.models import spec_from_config
 from engine.offload.budget import kv_bytes, working_bytes
 from engine.spec import GatedDeltaNetSpec
 from support.families import FAMILIES
-from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+from support.reference import (
+    assert_matches_reference,
+    build_checkpoint,
+)
 
 pytestmark = pytest.mark.parity
 
@@ -68,21 +71,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_qwen3_next_matches_transformers(case, tmp_path):
     folder = build_checkpoint(tmp_path / case, "qwen3_next", **CASES[case])
-    ref = load_reference(folder)
-    loaded = load_model(folder)
-    assert loaded.spec.architecture == "Qwen3NextForCausalLM"
+    loaded, ref, _ = assert_matches_reference(folder, PROMPT, N_GREEDY, architecture="Qwen3NextForCausalLM")
     assert loaded.spec.is_recurrent == ("linear_attention" in ref.config.layer_types)
-
-    cache = KVCache(loaded.spec, 256)
-    ours = loaded.model.forward(PROMPT, cache, all_logits=True)
-    expected = reference_logits(ref, PROMPT)
-    assert relative_error(ours, expected) < 1e-4
-
-    tokens, logits = [], ours[-1]
-    for _ in range(N_GREEDY):
-        tokens.append(int(logits.argmax()))
-        logits = loaded.model.forward([tokens[-1]], cache)[-1]
-    assert tokens == reference_greedy(ref, PROMPT, N_GREEDY)
 
 
 # --- the cache's features on a 4-bit container ---

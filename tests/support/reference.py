@@ -73,3 +73,29 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
 def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
     """Largest absolute difference relative to the reference's largest magnitude."""
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def assert_matches_reference(folder: Path, prompt: list[int], n_greedy: int = 32, *, architecture: str | None = None):
+    """The parity check every family's test makes: Colibri reads `folder` as transformers does (its
+    architecture, or `architecture`), its prompt logits are within 1e-4 of the reference's largest, and
+    its `n_greedy` greedy tokens, decoded through the KV cache, are the reference's recomputed ones.
+
+    Returns (loaded model, reference model, reference prompt logits) for checks of the family's own.
+    """
+    from engine.kv import KVCache
+    from engine.loader import load_model
+
+    ref = load_reference(folder)
+    loaded = load_model(folder)
+    assert loaded.spec.architecture == (architecture or ref.config.architectures[0])
+    cache = KVCache(loaded.spec, 256)
+    ours = loaded.model.forward(prompt, cache, all_logits=True)
+    expected = reference_logits(ref, prompt)
+    assert ours.shape == expected.shape
+    assert relative_error(ours, expected) < 1e-4
+    tokens, logits = [], ours[-1]
+    for _ in range(n_greedy):
+        tokens.append(int(logits.argmax()))
+        logits = loaded.model.forward([tokens[-1]], cache)[-1]
+    assert tokens == reference_greedy(ref, prompt, n_greedy)
+    return loaded, ref, expected
