@@ -14,16 +14,31 @@ import numpy as np
 from engine.errors import ColibriError
 from engine.formats.container import Container
 from engine.generation.prefill import PREFILL_CHUNK
+from engine.kv import BLOCK_SIZE
 from engine.offload.io import PAGE, round_up
 from engine.spec import GatedDeltaNetSpec, MLASpec, ModelSpec, MoESpec
 
 
-def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:
+def window_positions(window: int, ctx: int, block_size: int = BLOCK_SIZE, chunk: int = PREFILL_CHUNK) -> int:
+    """Positions a sliding-window layer's rows take in engine.kv at most, for a context of `ctx` tokens.
+
+    During a step of up to `chunk` tokens from position L the layer keeps the blocks from the one holding
+    L - window + 1 (its first query's reach) to the one holding the step's last position: at worst
+    window + chunk - 1 positions, plus up to block_size - 1 before them in the first block, in whole blocks."""
+    step = min(chunk, ctx)
+    blocks = -(-(window + step + block_size - 2) // block_size)
+    return min(ctx, blocks * block_size)
+
+
+def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32, block_size: int = BLOCK_SIZE,
+             chunk: int = PREFILL_CHUNK) -> int:
     """KV cache bytes for `ctx` tokens as engine.kv stores them: float32, fp16 or int8 rows, each with a
     float32 scale (MLA caches its compressed latent and rotary key, and a sparse-attention indexer's key). A
-    recurrent layer adds one sequence's float32 state, twice (held, and the next step's)."""
+    sliding-window layer holds only its window, the step being run (`chunk` tokens at most) and the block
+    rounding of both (`window_positions`). A recurrent layer adds one sequence's float32 state, twice (held,
+    and the next step's)."""
     size = bits // 8
-    per_token = state = 0
+    per_token = state = windowed = 0
     for layer in spec.layers:
         a = layer.attn
         if isinstance(a, GatedDeltaNetSpec):
@@ -32,9 +47,12 @@ def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32) -> int:
             per_token += (a.kv_lora_rank + a.qk_rope_dim) * size + 8
             if a.indexer is not None and not a.indexer.shared:   # the sparse-attention indexer's key, and its scale
                 per_token += a.indexer.head_dim * size + 4
+        elif getattr(a, "sliding_window", None):
+            windowed += 2 * a.n_kv_heads * (a.head_dim * size + 4) * window_positions(a.sliding_window, ctx,
+                                                                                      block_size, chunk)
         else:
             per_token += 2 * a.n_kv_heads * (a.head_dim * size + 4)
-    return per_token * ctx + state
+    return per_token * ctx + windowed + state
 
 
 def working_bytes(spec: ModelSpec, ctx: int) -> int:
