@@ -80,7 +80,13 @@ def _ttft(loaded, pool: KVPool, prompt: list[int], ctx: int) -> float:
 
 def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50, trials: int = 3,
                 block: int = BLOCK_SIZE, log: Log = print) -> None:
-    """TTFT of question after system prompt: computed afresh each time against with the system prompt cached."""
+    """TTFT of question after system prompt: computed afresh each time against with the system prompt cached.
+
+    Skipped (and said so) for a model with recurrent layers: its blocks cannot rebuild their state, so engine.kv
+    neither publishes nor adopts them and there is no reuse to measure."""
+    if loaded.spec.is_recurrent:
+        log("prefix reuse  (skipped: recurrent layers keep a state that cached blocks cannot rebuild)")
+        return
     ctx = system + question + 8
     sys_ids = random_prompt(loaded, system, seed=1)
     questions = [random_prompt(loaded, question, seed=10 + i) for i in range(trials + 1)]
@@ -123,11 +129,15 @@ def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, ge
 
 def block_sizes(loaded, report: KVReport, sizes=(8, 16, 32, 64, 128), context: int = 2048, chunk: int = 256,
                 log: Log = print) -> None:
-    """The attention kernel alone, on the model's first layer shapes, at `context` positions."""
+    """The attention kernel alone, on the shapes of the model's first attention layer (recurrent layers have no
+    blocks), at `context` positions."""
     from engine.kernels.attention import attend_paged
-    from engine.spec import MLASpec
+    from engine.spec import GatedDeltaNetSpec, MLASpec
 
-    attn = loaded.spec.layers[0].attn
+    attn = next((layer.attn for layer in loaded.spec.layers if not isinstance(layer.attn, GatedDeltaNetSpec)), None)
+    if attn is None:
+        log("block size    (skipped: no attention layer, nothing is stored in blocks)")
+        return
     if isinstance(attn, MLASpec):
         log("block size    (skipped: latent attention)")
         return
@@ -172,6 +182,13 @@ def int8_error(loaded, report: KVReport, text: str, tokens: int = 512, log: Log 
     log(report.lines()[-1])
 
 
+def _overflow_refused(loaded, log: Log) -> bool:
+    """Whether the model's recurrent layers rule out `--overflow retain|slide` (said in the log)."""
+    if loaded.spec.is_recurrent:
+        log("retention     (skipped: recurrent layers hold the whole past in their state; overflow is refused)")
+    return loaded.spec.is_recurrent
+
+
 FILLER = ("The committee met again on Tuesday to review the quarterly figures. Sales in the northern region were "
           "flat, while the southern offices reported a modest rise. Several members asked for clearer charts, and "
           "the chair promised a revised format for the next meeting. The discussion then turned to travel budgets, "
@@ -184,8 +201,11 @@ def retention(loaded, report: KVReport, ctx: int = 512, doc_tokens: int = 1400, 
     """A fact in the first lines of a document longer than the context, asked about at its end: is it recalled?
 
     Greedy answers of 12 tokens; a trial counts when the answer contains the secret word. The full
-    context (no eviction) is the reference of what the model can do at all.
+    context (no eviction) is the reference of what the model can do at all. Skipped for a model with recurrent
+    layers, whose overflow engine.kv refuses.
     """
+    if _overflow_refused(loaded, log):
+        return
     tok = loaded.tokenizer
     filler = tok.encode(FILLER, add_special_tokens=False)
     found: dict[str, int] = {"full": 0, "retain": 0, "slide": 0}
@@ -218,7 +238,10 @@ def retention(loaded, report: KVReport, ctx: int = 512, doc_tokens: int = 1400, 
 def retention_perplexity(loaded, report: KVReport, text: str, ctx: int = 256, chunk: int = 32,
                          log: Log = print) -> None:
     """Perplexity of held-out text read `chunk` tokens at a time through a context of `ctx` tokens,
-    with each overflow mode, against the whole text in context (StreamingLLM's measure)."""
+    with each overflow mode, against the whole text in context (StreamingLLM's measure). Skipped for a model with
+    recurrent layers, whose overflow engine.kv refuses."""
+    if _overflow_refused(loaded, log):
+        return
     ids = loaded.tokenizer.encode(text)[: 4 * ctx]
     for mode in ("full", "retain", "slide"):
         size = len(ids) + 1 if mode == "full" else ctx

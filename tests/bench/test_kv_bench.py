@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.bench.kv import KVReport, batching, block_sizes, int8_error, prefix_ttft
+from app.bench.kv import KVReport, batching, block_sizes, int8_error, prefix_ttft, retention_perplexity
 from app.cli import main
 from engine.loader import load_model
+from support.families import FAMILIES
 from support.reference import build_checkpoint
 
 
@@ -32,3 +33,21 @@ def test_parts_report_consistent_figures(tiny):
 def test_unknown_parts_are_refused(capsys):
     assert main(["bench", "whatever", "--kv", "prefix,nonsense"]) != 0
     assert "--kv prefix,nonsense: use all or any of prefix,batch,blocks,int8,retention" in capsys.readouterr().err
+
+
+def test_a_recurrent_model_runs_the_parts_that_apply(tmp_path):
+    # Qwen3-Next: layer 0 is a DeltaNet layer; block sizes are measured on the first attention layer's shapes
+    model_type, overrides = FAMILIES["qwen3_next"]
+    loaded = load_model(build_checkpoint(tmp_path, model_type, **overrides))
+    assert not hasattr(loaded.spec.layers[0].attn, "n_kv_heads")
+    report, lines = KVReport(), []
+    prefix_ttft(loaded, report, system=16, question=4, trials=1, block=16, log=lines.append)
+    retention_perplexity(loaded, report, "", log=lines.append)
+    assert report.ttft_uncached_s == 0 and not report.retention_ppl
+    assert "prefix reuse  (skipped: recurrent layers" in lines[0] and "overflow is refused" in lines[1]
+    block_sizes(loaded, report, sizes=(4, 16), context=64, chunk=8, log=lines.append)
+    assert set(report.blocks) == {4, 16} and all(dec > 0 and pre > 0 for dec, pre in report.blocks.values())
+    batching(loaded, report, counts=(2,), prompt=8, gen=4, log=lines.append)
+    int8_error(loaded, report, "", tokens=32, log=lines.append)
+    assert set(report.batch) == {2} and report.int8_kl >= 0 and report.int8_bytes_ratio < 0.6
+    assert len(lines) == 6
