@@ -3,7 +3,11 @@
 One decoded token at context position S costs
 
     token_s + L x layer_s              fixed: interpreter, dispatch, barriers, norms, routing, bookkeeping
-  + L x key_s x keys(S)                attention over the KV cache (keys(S) = S + 1, or the window)
+                                       (and a recurrent layer's state update, the same at every S)
+  + key_s x sum of keys(S)             attention over the KV cache: S + 1 keys per attention layer, or its
+                                       window; a sparse-attention layer its top-k keys plus its indexer's
+                                       scoring of all S + 1 (at that work's share of a key's); none for a
+                                       recurrent (gated DeltaNet) layer
   + the quantized matvec kernels       when the engine runs the token as one fused parallel step
                                        (engine/fused/plan.py), the weights it reads at the rate of one
                                        large call; else each kernel call it makes (matrices sharing an
@@ -35,7 +39,7 @@ import numpy as np
 
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.plan.planner import FLOAT_BITS, Plan
-from engine.spec import MLASpec, MLPSpec, ModelSpec, MoESpec
+from engine.spec import GatedDeltaNetSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 
 HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
@@ -64,8 +68,9 @@ def decode_calls(spec: ModelSpec, mats: Matrices) -> tuple[list[tuple[Call, ...]
     """The kernel calls one decoded token makes in each layer, in order, and the head's call.
 
     `mats` maps each quantized matrix to (shape, bits). Follows the engine's blocks: q/k/v in one call
-    and o_proj in another (MLA: one call per matrix); gate and up in one call, down in another; a MoE
-    layer's top_k routed experts in two fused calls (gate and up of all, then down of all).
+    and o_proj in another (MLA: one call per matrix, its sparse-attention indexer's three matrices too; gated
+    DeltaNet: in_proj_qkvz, in_proj_ba and out_proj one call each); gate and up in one call, down in another;
+    a MoE layer's top_k routed experts in two fused calls (gate and up of all, then down of all).
     """
     layers = []
     for i, layer in enumerate(spec.layers):
@@ -78,9 +83,13 @@ def decode_calls(spec: ModelSpec, mats: Matrices) -> tuple[list[tuple[Call, ...]
 
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
-        if isinstance(layer.attn, MLASpec):
-            for m in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
-                add([f"{a}.{m}.weight"])
+        if isinstance(layer.attn, GatedDeltaNetSpec):
+            for m in ("in_proj_qkvz", "in_proj_ba", "out_proj"):
+                add([f"{p}.linear_attn.{m}.weight"])
+        elif isinstance(layer.attn, MLASpec):
+            for m in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "indexer.wk", "indexer.wq_b",
+                      "indexer.weights_proj", "o_proj"):
+                add([f"{a}.{m}.weight"])      # a shared indexer layer has no matrices of its own: none present
         else:
             add([f"{a}.{m}_proj.weight" for m in "qkv"])
             add([f"{a}.o_proj.weight"])
@@ -292,12 +301,29 @@ class StepTime:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def index_share(attn: MLASpec) -> float:
+    """The indexer's multiply-adds per key scored over latent attention's per key attended (scores against the
+    latent and rotary key, then the latent weighted into the output): what one scored key costs in keys."""
+    ix = attn.indexer
+    return ix.n_heads * ix.head_dim / (attn.n_heads * (2 * attn.kv_lora_rank + attn.qk_rope_dim))
+
+
 def _window_keys(spec: ModelSpec, start: int, tokens: int) -> float:
-    """Query-key pairs over all layers of `tokens` queries at positions start.. (each sees itself and before)."""
+    """Query-key pairs over all layers of `tokens` queries at positions start.. (each sees itself and before).
+
+    A recurrent layer attends to no keys; a sparse-attention layer to its top-k, after its indexer (a shared
+    one reuses another layer's choice) scored every key it sees, counted at `index_share`."""
     pos = np.arange(start, start + tokens, dtype=np.float64) + 1.0
     total = 0.0
     for layer in spec.layers:
-        window = getattr(layer.attn, "sliding_window", None)
+        a = layer.attn
+        if isinstance(a, GatedDeltaNetSpec):
+            continue
+        if isinstance(a, MLASpec) and a.indexer is not None:
+            total += float(np.minimum(pos, a.indexer.topk).sum())
+            total += 0.0 if a.indexer.shared else float(pos.sum()) * index_share(a)
+            continue
+        window = getattr(a, "sliding_window", None)
         total += float(np.minimum(pos, window).sum() if window else pos.sum())
     return total
 

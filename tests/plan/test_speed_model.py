@@ -184,3 +184,59 @@ def test_measured_constants_are_positive_and_cover_every_call(tmp_path: Path, sh
         assert getattr(rates, name) >= 0 and math.isfinite(getattr(rates, name))
     assert rates.ram_gbs > 0 and rates.seconds > 0
     assert sm.predict_speeds(work, rates, 256).decode_tok_s > 0
+
+
+def _family_config(model_type: str, **overrides) -> dict:
+    """A tiny config.json of a family (tests/support/families.py's shapes), as transformers writes it."""
+    from transformers import AutoConfig
+
+    from support.families import FAMILIES
+    from support.reference import BASE
+
+    cfg = AutoConfig.for_model(model_type, **{**BASE, **FAMILIES[model_type][1], **overrides}).to_dict()
+    cfg["architectures"] = [{"qwen3_next": "Qwen3NextForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[model_type]]
+    return cfg
+
+
+def _decode_weights(work: sm.Work) -> int:
+    """Weights the layers' decode calls multiply, each call as often as a token makes it."""
+    return sum(k * c.weights for c, k in work.calls.items())
+
+
+def test_deltanet_layers_count_their_projections_and_no_keys(tmp_path: Path) -> None:
+    work = _work(tmp_path, _family_config("qwen3_next"), name="next")
+    spec = work.spec
+    recurrent = [i for i, layer in enumerate(spec.layers) if isinstance(layer.attn, sm.GatedDeltaNetSpec)]
+    attention = [i for i in range(spec.n_layers) if i not in recurrent]
+    assert recurrent and attention
+    a = spec.layers[recurrent[0]].attn
+    key, value = a.n_k_heads * a.k_head_dim, a.n_v_heads * a.v_head_dim
+    h = spec.hidden_size
+    shapes = {c.shapes for c in work.layer_calls[recurrent[0]]}
+    assert {((2 * key + 2 * value, h),), ((2 * a.n_v_heads, h),), ((h, value),)} <= shapes
+    # every quantized matrix outside the routed experts and the head is in some call, as the fused count has it
+    assert _decode_weights(work) - sum(int(w) for w in work.experts.values()) == sum(work.dense.values())
+    # attention: only the attention layers see keys, each every one before it
+    assert sm._window_keys(spec, 99, 1) == 100 * len(attention)
+    assert sm._window_keys(spec, 0, 10) == 55 * len(attention)
+
+
+def test_the_sparse_attention_indexer_is_counted(tmp_path: Path) -> None:
+    work = _work(tmp_path, _family_config("glm_moe_dsa"), name="glm5")
+    spec = work.spec
+    a = spec.layers[0].attn
+    assert isinstance(a, sm.MLASpec) and a.indexer is not None and not a.indexer.shared
+    ix, h = a.indexer, spec.hidden_size
+    shapes = {c.shapes for c in work.layer_calls[0]}
+    assert {((ix.head_dim, h),), ((ix.n_heads * ix.head_dim, a.q_lora_rank),)} <= shapes
+    assert ((ix.n_heads, h),) not in shapes           # its head weights stay float32: read at the RAM rate
+    assert _decode_weights(work) - sum(int(w) for w in work.experts.values()) == sum(work.dense.values())
+    # the main attention reads the top-k keys only; the indexer scores all of them at its share of a key
+    share = sm.index_share(a)
+    assert share == ix.n_heads * ix.head_dim / (a.n_heads * (2 * a.kv_lora_rank + a.qk_rope_dim))
+    keys = sm._window_keys(spec, 999, 1)
+    assert keys == pytest.approx(spec.n_layers * (ix.topk + 1000 * share))
+    assert sm._window_keys(spec, 1, 1) == pytest.approx(spec.n_layers * 2 * (1 + share))    # fewer than top-k seen
+    dense = dataclasses.replace(spec, layers=tuple(dataclasses.replace(layer, attn=dataclasses.replace(
+        layer.attn, indexer=None)) for layer in spec.layers))
+    assert sm._window_keys(dense, 999, 1) == 1000 * spec.n_layers         # without it: every key
