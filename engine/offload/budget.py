@@ -47,7 +47,7 @@ def kv_bytes(spec: ModelSpec, ctx: int, bits: int = 32, block_size: int = BLOCK_
             per_token += (a.kv_lora_rank + a.qk_rope_dim) * size + 8
             if a.indexer is not None and not a.indexer.shared:   # the sparse-attention indexer's key, and its scale
                 per_token += a.indexer.head_dim * size + 4
-        elif getattr(a, "sliding_window", None):
+        elif a.sliding_window:
             windowed += 2 * a.n_kv_heads * (a.head_dim * size + 4) * window_positions(a.sliding_window, ctx,
                                                                                       block_size, chunk)
         else:
