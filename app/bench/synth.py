@@ -87,6 +87,56 @@ def olmoe_config(*, experts: int, top_k: int, **kw: Any) -> dict[str, Any]:
     }
 
 
+def glm4_moe_config(*, experts: int, top_k: int, moe_ffn: int, dense_layers: int, shared_experts: int = 1,
+                    qk_norm: bool = True, partial_rotary: float = 0.5, **kw: Any) -> dict[str, Any]:
+    """A Glm4MoeForCausalLM (GLM-4.5) config.json (without dtype and version): sigmoid routing with a
+    score-correction bias, `dense_layers` dense layers first, partial RoPE."""
+    config = _common("Glm4MoeForCausalLM", "glm4_moe", **kw) | {
+        "attention_bias": False, "first_k_dense_replace": dense_layers, "moe_intermediate_size": moe_ffn,
+        "n_group": 1, "n_routed_experts": experts, "n_shared_experts": shared_experts, "norm_topk_prob": True,
+        "num_experts_per_tok": top_k, "num_nextn_predict_layers": 0, "output_router_logits": False,
+        "routed_scaling_factor": 1.0, "topk_group": 1, "use_qk_norm": qk_norm,
+    }
+    config["rope_parameters"] = config["rope_parameters"] | {"partial_rotary_factor": partial_rotary}
+    return config
+
+
+def glm_moe_dsa_config(*, experts: int, top_k: int, moe_ffn: int, dense_layers: int, q_lora: int, kv_lora: int,
+                       nope_dim: int, rope_dim: int, v_dim: int, index_heads: int, index_dim: int, index_topk: int,
+                       indexer_types: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+    """A GlmMoeDsaForCausalLM (GLM-5) config.json (without dtype and version): latent attention with a
+    sparse-attention indexer per layer ("full", or "shared": reuses the previous full layer's pick)."""
+    layers = kw["layers"]
+    config = _common("GlmMoeDsaForCausalLM", "glm_moe_dsa", kv_heads=kw["heads"], **kw) | {
+        "attention_bias": False, "first_k_dense_replace": dense_layers, "head_dim": rope_dim,
+        "index_head_dim": index_dim, "index_n_heads": index_heads, "index_topk": index_topk,
+        "indexer_types": indexer_types or ["full"] * layers, "kv_lora_rank": kv_lora,
+        "layer_types": ["indexed_attention"] * layers, "mlp_bias": False,
+        "mlp_layer_types": ["dense"] * dense_layers + ["sparse"] * (layers - dense_layers),
+        "moe_intermediate_size": moe_ffn, "n_group": 1, "n_routed_experts": experts, "n_shared_experts": 1,
+        "norm_topk_prob": True, "num_experts_per_tok": top_k, "output_router_logits": False, "q_lora_rank": q_lora,
+        "qk_head_dim": nope_dim + rope_dim, "qk_nope_head_dim": nope_dim, "qk_rope_head_dim": rope_dim,
+        "routed_scaling_factor": 2.5, "topk_group": 1, "v_head_dim": v_dim,
+    }
+    return config
+
+
+def gpt_oss_config(*, head_dim: int, experts: int, top_k: int, sliding_window: int, **kw: Any) -> dict[str, Any]:
+    """A GptOssForCausalLM config.json (without dtype and version): alternating sliding and full
+    attention with sinks, biased experts with the clamped SwiGLU, YaRN RoPE."""
+    config = _common("GptOssForCausalLM", "gpt_oss", **kw) | {
+        "attention_bias": True, "head_dim": head_dim,
+        "layer_types": ["sliding_attention", "full_attention"] * (kw["layers"] // 2) + ["sliding_attention"] * (kw["layers"] % 2),
+        "num_experts_per_tok": top_k, "num_local_experts": experts, "output_router_logits": False,
+        "router_aux_loss_coef": 0.001, "sliding_window": sliding_window, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+    }
+    config["rope_parameters"] = {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": kw["max_pos"] // 32,
+        "rope_theta": float(kw["rope_theta"]), "rope_type": "yarn", "truncate": False,
+    }
+    return config
+
+
 @dataclass(frozen=True)
 class Shape:
     """A named architecture shape: a config.json without dtype, and what it is for."""
@@ -103,12 +153,28 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("olmoe-7b", "OLMoE-1B-7B's shape, 64 experts top-8, q/k norms", olmoe_config(
         hidden=2048, layers=16, heads=16, kv_heads=16, experts=64, top_k=8, ffn=1024,
         vocab=50304, rope_theta=1e4, max_pos=4096, eps=1e-5)),
+    Shape("glm5-256e", "GLM-5's experts scaled down: 256 experts top-8, latent attention, indexer",
+          glm_moe_dsa_config(
+              hidden=1024, layers=6, heads=16, experts=256, top_k=8, moe_ffn=256, ffn=1536, dense_layers=1,
+              q_lora=512, kv_lora=512, nope_dim=192, rope_dim=64, v_dim=256, index_heads=32, index_dim=128,
+              index_topk=2048, vocab=32000, rope_theta=1e6, max_pos=8192, eps=1e-5)),
     Shape("mixtral-tiny", "a few-MB Mixtral for tests and quick runs", mixtral_config(
         hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2, ffn=128,
         vocab=1024, rope_theta=1e6, max_pos=512, eps=1e-5)),
     Shape("olmoe-tiny", "a few-MB OLMoE for tests and quick runs", olmoe_config(
         hidden=128, layers=4, heads=4, kv_heads=4, experts=8, top_k=2, ffn=128,
         vocab=1024, rope_theta=1e4, max_pos=512, eps=1e-5)),
+    Shape("glm4-moe-tiny", "a few-MB GLM-4.5 (sigmoid routing, shared expert, partial RoPE)", glm4_moe_config(
+        hidden=128, layers=4, heads=4, kv_heads=2, experts=8, top_k=2, moe_ffn=64, ffn=256, dense_layers=1,
+        vocab=1024, rope_theta=1e6, max_pos=512, eps=1e-5)),
+    Shape("glm5-tiny", "a few-MB GLM-5 (latent attention, sparse-attention indexer, shared indexer layer)",
+          glm_moe_dsa_config(
+              hidden=128, layers=4, heads=4, experts=8, top_k=2, moe_ffn=64, ffn=256, dense_layers=1,
+              q_lora=64, kv_lora=32, nope_dim=32, rope_dim=16, v_dim=32, index_heads=4, index_dim=32, index_topk=4,
+              indexer_types=["full", "full", "shared", "full"], vocab=1024, rope_theta=1e4, max_pos=512, eps=1e-5)),
+    Shape("gpt-oss-tiny", "a few-MB gpt-oss (sinks, sliding window, biased clamped-SwiGLU experts)", gpt_oss_config(
+        hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2, ffn=128, sliding_window=4,
+        vocab=1024, rope_theta=1.5e5, max_pos=4096, eps=1e-5)),
     Shape("llama-tiny", "a few-MB dense Llama for tests and quick runs", llama_config(
         hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, ffn=384,
         vocab=1024, rope_theta=1e4, max_pos=512, eps=1e-5)),
@@ -180,24 +246,52 @@ def _tensor_order(names: list[str]) -> list[str]:
     return sorted(names, key=key)  # stable: keeps the spec's order inside a layer
 
 
-def _active_params(spec: ModelSpec, total: int) -> int:
+def _active_params(spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> int:
+    """All parameters but the routed experts a token does not pick (per-expert or fused tensors alike)."""
+    total = sum(int(np.prod(dims, dtype=np.int64)) for dims in shapes.values())
     idle = 0
-    for layer in spec.layers:
+    for i, layer in enumerate(spec.layers):
         if isinstance(layer.ffn, MoESpec):
-            per_expert = 3 * spec.hidden_size * layer.ffn.expert_ffn
-            idle += (layer.ffn.n_experts - layer.ffn.top_k) * per_expert
+            prefix = f"model.layers.{i}."   # routed experts sit under ".experts." (shared ones: "shared_experts")
+            routed = sum(int(np.prod(dims, dtype=np.int64)) for name, dims in shapes.items()
+                         if name.startswith(prefix) and ".experts." in name)
+            idle += routed * (layer.ffn.n_experts - layer.ffn.top_k) // layer.ffn.n_experts
     return total - idle
 
 
+def _stored_shapes(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Colibri's tensor names -> the names and shapes transformers saves for the family.
+
+    gpt-oss checkpoints hold each layer's experts fused ([E, hidden, 2*ffn] gate/up interleaved, [E, ffn,
+    hidden] down, their biases) and the router as `mlp.router`; transformers reads no other layout.
+    """
+    if config["model_type"] != "gpt_oss":
+        return shapes
+    out: dict[str, tuple[int, ...]] = {}
+    e, h, i = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
+    for name, dims in shapes.items():
+        if ".mlp.experts." in name:
+            if name.endswith(".experts.0.gate_proj.weight"):
+                base = name[:-len("0.gate_proj.weight")]
+                out |= {base + "gate_up_proj": (e, h, 2 * i), base + "gate_up_proj_bias": (e, 2 * i),
+                        base + "down_proj": (e, i, h), base + "down_proj_bias": (e, h)}
+        elif ".mlp.gate." in name:
+            out[name.replace(".mlp.gate.", ".mlp.router.")] = dims
+        else:
+            out[name] = dims
+    return out
+
+
 def plan_checkpoint(shape_name: str, dtype: str = "bf16", shard_bytes: int = SHARD_BYTES) -> SynthPlan:
-    """Lay out the checkpoint of `shape_name`: tensors, shard files, parameter and byte counts."""
+    """Lay out the checkpoint of `shape_name`: tensors (named and shaped as transformers saves the family),
+    shard files, parameter and byte counts."""
     from engine.models import spec_from_config  # imported here: `colibri --help` stays quick
     from engine.models.transformer import expected_shapes
 
     shape = get_shape(shape_name)
     config = config_for(shape, dtype)
     spec = spec_from_config(config, f"synth shape {shape.name}")
-    shapes = expected_shapes(spec)
+    shapes = _stored_shapes(config, expected_shapes(spec))
     item = DTYPES[dtype][1]
     groups: list[list[tuple[str, tuple[int, ...], int]]] = [[]]
     used = 0
@@ -219,7 +313,7 @@ def plan_checkpoint(shape_name: str, dtype: str = "bf16", shard_bytes: int = SHA
             offset += nbytes
     total = sum(t.size for t in tensors)
     return SynthPlan(shape, dtype, config, spec, tuple(tensors), files, total,
-                     _active_params(spec, total), sum(t.nbytes for t in tensors))
+                     _active_params(spec, shapes), sum(t.nbytes for t in tensors))
 
 
 # ---- weights --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from app.bench.synth import (
 from engine.errors import ColibriError
 from support.reference import load_reference, reference_logits, relative_error
 
-SMALL = ["mixtral-tiny", "olmoe-tiny", "llama-tiny"]
+SMALL = ["mixtral-tiny", "olmoe-tiny", "llama-tiny", "glm4-moe-tiny", "glm5-tiny", "gpt-oss-tiny"]
 IDS = [1, 5, 300, 17, 900, 42, 7, 1000, 3]
 SENTENCES = [
     "Hello world!",
@@ -154,6 +154,35 @@ def test_big_shapes_counted_without_writing() -> None:
         names = [t.name for t in plan.tensors]
         assert len(names) == len(set(names))
         assert all(t.init == "ones" for t in plan.tensors if t.name.endswith("norm.weight"))
+
+
+def test_glm5_256e_counted_without_writing() -> None:
+    from engine.spec import MLASpec, MoESpec
+
+    plan = plan_checkpoint("glm5-256e")
+    moe = [layer.ffn for layer in plan.spec.layers if isinstance(layer.ffn, MoESpec)]
+    assert len(moe) == 5 and len(plan.spec.layers) == 6
+    assert all((m.n_experts, m.top_k) == (256, 8) for m in moe)
+    assert all(isinstance(layer.attn, MLASpec) and layer.attn.indexer is not None for layer in plan.spec.layers)
+    h, ffn = 1024, 256
+    experts = [t for t in plan.tensors if ".mlp.experts." in t.name]
+    assert len(experts) == 5 * 256 * 3                    # gate, up, down of every routed expert
+    assert sum(t.size for t in experts) == 5 * 256 * 3 * h * ffn
+    assert plan.total_params - plan.active_params == 5 * (256 - 8) * 3 * h * ffn
+    assert 2e9 < plan.nbytes == 2 * plan.total_params < 4e9          # a few GB in bf16
+    assert len(plan.files) == 2 and max(t.offset + t.nbytes for t in plan.tensors) <= 2_000_000_000
+
+
+def test_gpt_oss_experts_are_stored_fused() -> None:
+    plan = plan_checkpoint("gpt-oss-tiny", "f32")
+    names = {t.name: t.shape for t in plan.tensors}
+    e, h, i = 8, 128, 128
+    assert names["model.layers.0.mlp.experts.gate_up_proj"] == (e, h, 2 * i)
+    assert names["model.layers.0.mlp.experts.down_proj_bias"] == (e, h)
+    assert names["model.layers.0.mlp.router.weight"] == (e, h)
+    assert not any(".experts.0." in n or ".mlp.gate." in n for n in names)
+    routed = 4 * e * (2 * h * i + 2 * i + i * h + h)      # fused weights and biases of 4 layers
+    assert plan.total_params - plan.active_params == routed * (e - 2) // e
 
 
 def test_weights_are_seeded_normal_and_independent_of_layout() -> None:
