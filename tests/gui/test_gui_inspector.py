@@ -374,6 +374,27 @@ def test_brain_colours_follow_tiers_and_heat(qtbot):
     assert tuple(wider[1, 5, :3]) == theme.flash
 
 
+def test_brain_labels_whole_layers_and_experts_at_cell_centres_on_256_experts(qtbot, inspector):
+    gen = Generation(4, 256)
+    gen.decode(2)
+    inspector.set_model_info(4, 256, None)
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+
+    brain = inspector.brain
+    assert brain.rgba.shape == (4, 256, 4)
+    for axis, n, most in (("left", 4, 4), ("bottom", 256, 12)):
+        (ticks,) = brain.plot.getAxis(axis)._tickLevels            # what setTicks was given
+        labels = [int(label) for _, label in ticks]               # whole indices, never "0.5"
+        assert labels[0] == 0 and labels[-1] < n and len(labels) <= most
+        assert [pos for pos, _ in ticks] == [i + 0.5 for i in labels]
+    # the last expert of the last layer is a cell like any other: hover names it
+    QTest.mouseMove(brain.view.viewport(), cell_point(brain, 3, 255))
+    qtbot.waitUntil(lambda: brain.hovered == (3, 255), timeout=3000)
+    assert brain.hover_text(3, 255).startswith("layer 3, expert 255")
+
+
 # --- selection between Brain and Atlas -----------------------------------------------------------
 
 def test_selecting_in_the_brain_highlights_in_the_atlas_and_back(qtbot, inspector):

@@ -61,6 +61,14 @@ def grid_rgba(theme: Theme, shape: tuple[int, int], tiers: np.ndarray | None, he
     return rgba
 
 
+def cell_ticks(n: int, most: int = 12) -> list[tuple[float, str]]:
+    """Axis ticks for n cells: whole indices at cell centres, every 1, 2, 5, 10, 20, 50... so at most `most` show."""
+    step = 1
+    while n > step * most:
+        step = step * 5 // 2 if str(step)[0] == "2" else step * 2      # 1, 2, 5, 10, 20, 50, ...
+    return [(i + 0.5, str(i)) for i in range(0, n, step)]
+
+
 class BrainView(QWidget):
     """The layers x experts grid; emits `selected(layer, expert)` when the user clicks a cell."""
 
@@ -138,6 +146,9 @@ class BrainView(QWidget):
             vb = self.plot.getViewBox()
             vb.setLimits(xMin=0, xMax=shape[1], yMin=0, yMax=shape[0])
             vb.setRange(xRange=(0, shape[1]), yRange=(0, shape[0]), padding=0)
+            # cells are indices, not coordinates: label each at its centre, never 0.5 or an edge
+            self.plot.getAxis("left").setTicks([cell_ticks(shape[0])])
+            self.plot.getAxis("bottom").setTicks([cell_ticks(shape[1])])
         self.status.setText("" if frame.tiers is not None else "tiers not reported")
 
     def set_selected(self, cell: tuple[int, int] | None) -> None:
