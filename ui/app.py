@@ -65,6 +65,7 @@ class _InspectorPlaceholder(QLabel):
         self.setAlignment(Qt.AlignmentFlag.AlignCenter)
 
     def set_snapshot(self, snapshot) -> None: ...
+    def set_generating(self, active: bool) -> None: ...
     def set_model_info(self, n_layers: int, n_experts: int, budget_bytes: int | None) -> None: ...
     def set_tiers(self, tiers) -> None: ...
     def set_atlas(self, atlas) -> None: ...
@@ -198,6 +199,8 @@ class MainWindow(QMainWindow):
         self.models.openRequested.connect(self.open_model)
         self.models.converted.connect(self.open_model)
         self.chat.conversationsChanged.connect(self._refresh_conversations)
+        self.chat.generatingChanged.connect(self.inspector.set_generating)
+        self.inspector.set_generating(self.chat.generating)
         self.conversations.selected.connect(self._open_conversation)
         self.conversations.newRequested.connect(self._new_conversation)
         self.conversations.deleteRequested.connect(self._delete_conversation)

@@ -342,6 +342,7 @@ class ChatPanel(QWidget):
     """One conversation at a time: shows it, sends questions through the service, streams the answers."""
 
     conversationsChanged = Signal()     # a conversation was saved or started (the list refreshes)
+    generatingChanged = Signal(bool)    # an answer started (True) or ended, stopped or failed (False)
 
     def __init__(self, bridge: Bridge, store: ConversationStore, parent: QWidget | None = None):
         super().__init__(parent)
@@ -349,6 +350,7 @@ class ChatPanel(QWidget):
         self.info: ModelInfo | None = None
         self.conversation = Conversation.new()
         self._request: int | None = None        # the generation in flight
+        self._busy_shown = False                # what generatingChanged last said
         self._answering: Conversation | None = None  # the conversation that answer belongs to
         self._tokens = 0
         self._partial = ""                      # the answer in flight so far (shown or not)
@@ -593,6 +595,9 @@ class ChatPanel(QWidget):
 
     def _update_buttons(self) -> None:
         busy = self._request is not None
+        if busy != self._busy_shown:
+            self._busy_shown = busy
+            self.generatingChanged.emit(busy)
         ready = self.info is not None and self.info.chat
         self.send_button.setEnabled(ready and not busy and bool(self.input.toPlainText().strip()))
         self.stop_button.setEnabled(busy)

@@ -50,14 +50,18 @@ def test_a_question_streams_its_answer_into_the_transcript(qtbot, window):
     stream = Stream(window.bridge)
     chat.input.setPlainText("Hello, tiny model")
     assert chat.send_button.isEnabled()
+    states = []
+    chat.generatingChanged.connect(states.append)
     qtbot.mouseClick(chat.send_button, _left())
     assert chat.generating and chat.stop_button.isEnabled() and not chat.send_button.isEnabled()
+    assert states == [True] and window.inspector._generating
     assert chat.input.toPlainText() == ""
     # text shows up while the answer is still being written
     qtbot.waitUntil(lambda: len(chat.transcript.text) >= 20 and chat.transcript.text[:20]
                     in chat.transcript.toPlainText(), timeout=LOAD_TIMEOUT_MS)
     assert chat.generating
     qtbot.waitUntil(lambda: stream.done() is not None and not chat.generating, timeout=LOAD_TIMEOUT_MS)
+    assert states == [True, False] and not window.inspector._generating   # the Brain stops flashing
     done = stream.done()
     assert len(done.tokens) == 300 and done.text
     assert "".join(t.text for t in stream.tokens()) + done.tail == done.text

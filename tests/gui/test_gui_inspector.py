@@ -357,6 +357,14 @@ def test_brain_flashes_the_current_tokens_experts_and_names_a_hovered_cell(qtbot
     assert QToolTip.text() == text
     assert "atlas: never chosen by the probes" in brain.hover_text(0, 1)
 
+    # once the answer ends, the last token's experts are history: nothing flashes
+    inspector.set_generating(False)
+    redraw(qtbot, inspector)
+    assert not (brain.image.image[..., :3] == flash).all(axis=-1).any()
+    inspector.set_generating(True)
+    redraw(qtbot, inspector)
+    assert (brain.image.image[routed][:, :3] == flash).all()
+
 
 def test_brain_colours_follow_tiers_and_heat(qtbot):
     theme = theme_for(QPalette(QColor(250, 250, 250)))

@@ -12,6 +12,7 @@ Threads: `set_snapshot` and `set_tiers` store one reference and may be called fr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -53,6 +54,7 @@ class Inspector(QWidget):
         layout.addWidget(self.tabs)
 
         self._snapshot: Snapshot | None = None
+        self._generating = True     # until told otherwise, flash what the snapshots say
         self._drawn: Snapshot | None = None   # the snapshot of the last redraw
         self._dirty = True                    # something besides the snapshot changed
         self._replot = True                   # draw the plots at the next tick, whatever PLOT_HZ allows
@@ -81,6 +83,12 @@ class Inspector(QWidget):
     def set_snapshot(self, snapshot: Snapshot) -> None:
         """Keep the latest telemetry snapshot; the next tick draws it (cheap, any thread)."""
         self._snapshot = snapshot
+
+    def set_generating(self, active: bool) -> None:
+        """Whether an answer is being written: the current token's experts flash only while one is."""
+        if active != self._generating:
+            self._generating = active
+            self._dirty = True
 
     def set_model_info(self, n_layers: int, n_experts: int, budget_bytes: int | None) -> None:
         """The Brain grid's shape and the memory budget (None: no budget, or the "budget" gauge)."""
@@ -165,6 +173,8 @@ class Inspector(QWidget):
 
     def _frame(self, plots: bool) -> Frame:
         snap = self._snapshot
+        if snap is not None and snap.current and not self._generating:
+            snap = dataclasses.replace(snap, current=())    # the last token's route is history once the answer ends
         shape = self._shape
         for grid in (snap.heat if snap is not None else None, self._tiers):
             if grid is not None and grid.ndim == 2:
