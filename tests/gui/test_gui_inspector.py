@@ -378,6 +378,11 @@ def test_brain_colours_follow_tiers_and_heat(qtbot):
     bg = np.array(theme.background)
     # a cold cached expert sits nearer the background than a hot one
     assert np.abs(cold[0, 1, :3] - bg).sum() < np.abs(rgba[0, 1, :3].astype(int) - bg).sum()
+    # never routed, an expert in RAM still reads apart from one on disk, on either theme
+    for t in (theme, theme_for(QPalette(QColor(30, 30, 30)))):
+        frozen = grid_rgba(t, (1, 4), tiers, np.zeros((1, 4), np.float32), ()).astype(int)
+        assert np.abs(frozen[0, 1, :3] - frozen[0, 2, :3]).sum() > 100          # cached vs disk
+        assert np.abs(frozen[0, 0, :3] - frozen[0, 2, :3]).sum() > 100          # pinned vs disk
     wider = grid_rgba(theme, (2, 6), tiers, heat, ((1, (5, 9)),))  # grids grow; ids outside are ignored
     assert tuple(wider[1, 5, :3]) == theme.flash
 

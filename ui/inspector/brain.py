@@ -1,9 +1,10 @@
 """The Brain tab: every expert of every layer as one cell of a grid [layers x experts].
 
-Colour is the expert's tier, brightness its heat (decayed routing count, log-scaled against the
-hottest), and the experts the current token routed to flash. The whole grid is one RGBA image
-built with numpy and handed to a single ImageItem per redraw, so 20,000 experts cost one array
-and one texture, not 20,000 items. Hovering a cell shows its tooltip; clicking selects it.
+Colour is the expert's tier, its strength the heat (decayed routing count, log-scaled against the
+hottest; a cold expert in RAM keeps more of its colour than one on disk), and the experts the
+current token routed to flash. The whole grid is one RGBA image built with numpy and handed to a
+single ImageItem per redraw, so 20,000 experts cost one array and one texture, not 20,000 items.
+Hovering a cell shows its tooltip; clicking selects it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from ui.inspector.data import (
 )
 
 _CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
+# How much of its tier's colour a never-routed cell keeps: an expert in RAM stays plainly coloured when
+# cold, so that residency reads at a glance, while a cold expert on disk fades nearly to the background.
+_FLOOR = np.array([0.0, 0.15, 0.45, 0.45, 0.45, 0.3], np.float32)
 
 
 def _fit(a: np.ndarray | None, shape: tuple[int, int], fill: float, dtype: type) -> np.ndarray:
@@ -47,7 +51,8 @@ def grid_rgba(theme: Theme, shape: tuple[int, int], tiers: np.ndarray | None, he
     h = _fit(heat, shape, 0.0, np.float32)                                                 # [L, E]
     hmax = float(h.max()) if h.size else 0.0
     level = np.log1p(h) / np.log1p(hmax) if hmax > 0 else h                                # 0..1
-    mix = 0.22 + 0.78 * level                                                              # cold cells keep a hint of their tier
+    floor = _FLOOR[codes + 1]                                                              # [L, E]
+    mix = floor + (1.0 - floor) * level                                                    # cold cells keep their tier's colour
     rgb = bg + (lut[codes + 1] - bg) * mix[..., None]                                      # [L, E, 3]
     rgb[codes == TIER_NONE] = bg + (fg - bg) * 0.06                                        # no expert: just off the background
     rgba = np.empty((*shape, 4), np.uint8)
@@ -102,7 +107,7 @@ class BrainView(QWidget):
             self.legend.addWidget(swatch)
             self.legend.addWidget(QLabel(text))
             self.legend.addSpacing(8)
-        self.legend.addWidget(QLabel("brighter = routed more lately"))
+        self.legend.addWidget(QLabel("faint = not routed lately"))   # true on light and dark themes alike
         self.legend.addStretch(1)
         self.status = QLabel("")
         self.legend.addWidget(self.status)
