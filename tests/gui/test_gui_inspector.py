@@ -298,6 +298,27 @@ def test_time_draws_one_stacked_bar_per_record_and_the_averages(qtbot, inspector
     assert view.mean_line.value() == pytest.approx(10.0)
 
 
+def test_time_scales_to_decoded_tokens_and_cuts_a_prompt_spike(qtbot, inspector):
+    gen = Generation()
+    with gen.tel.phase("attention"):                  # a slow first prompt chunk: 400 ms per token
+        gen.clock.advance(400 * 8)
+    gen.tel.end_token(n=8, prefill=True)
+    gen.decode(30)
+    inspector.resize(900, 600)
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+
+    view = inspector.time
+    # decoded bars are 10 ms: the scale leaves them room (twice the mean), not the 400 ms spike
+    assert view.scale == 25.0
+    assert view.plot.getPlotItem().getViewBox().viewRange()[1] == pytest.approx([0.0, 25.0])
+    assert len(view.clip_marks.data) == 1 and view.clip_marks.data["x"][0] < 1
+    assert "1 bars cut at the top" in view.total.text() and "400.0 ms" in view.total.text()
+    # the bars use the tab's width; the table sits under them
+    assert view.plot.width() > 0.9 * view.width()
+
+
 def test_views_redraw_on_timer_ticks_not_per_snapshot(qtbot, inspector):
     gen = Generation()
     redraw(qtbot, inspector)                  # the first tick after show

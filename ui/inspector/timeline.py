@@ -2,8 +2,11 @@
 
 One bar per record of the snapshot's `recent` window (oldest left). A prefill chunk of n tokens
 is drawn at its time per token and marked with a triangle; the averages (the telemetry's own) are
-over decoded tokens only. The table follows every frame; the bars (one BarGraphItem per phase, its
-arrays replaced) only frames with `plots` set, at most PLOT_HZ.
+over decoded tokens only. The height scale follows the decoded tokens (`scale_ms`), so that a
+prompt chunk or a rare cold read does not flatten every other bar: a bar taller than the scale is
+cut at the top and marked with an arrow, and the text below says how high the highest one went.
+The table follows every frame; the bars (one BarGraphItem per phase, its arrays replaced) only
+frames with `plots` set, at most PLOT_HZ.
 """
 
 from __future__ import annotations
@@ -23,6 +26,18 @@ LABELS = {"attention": "attention", "dense": "dense matmuls", "experts": "expert
 _FIELDS = attrgetter("n", *PHASES)  # a record's token count and seconds per phase
 
 
+def scale_ms(tops: np.ndarray, prefill: np.ndarray, mean_ms: float) -> float:
+    """The plot's height in ms: room for nearly every decoded bar and twice the mean, not for outliers.
+
+    `tops` [R] are the bars' heights, `prefill` [R] marks prompt chunks. The 95th percentile of the
+    decoded bars (all bars when none is decoded) sets it; bars above are drawn cut.
+    """
+    decoded = tops[~prefill] if (~prefill).any() else tops
+    if decoded.size == 0:
+        return 1.0
+    return nice_ceil(1.1 * max(float(np.percentile(decoded, 95)), 2.0 * mean_ms))
+
+
 class TimeView(QWidget):
     """Stacked per-phase bars of the recent tokens and a table of averages."""
 
@@ -36,6 +51,10 @@ class TimeView(QWidget):
             item.addItem(bar)
         self.prefill_marks = pg.ScatterPlotItem(symbol="t", size=7)
         item.addItem(self.prefill_marks)
+        self.clip_marks = pg.ScatterPlotItem(symbol="arrow_up", size=9)   # bars cut at the top of the scale
+        item.addItem(self.clip_marks)
+        self.scale = 1.0                                                   # the plot's height, ms
+        self._clipped = ""                                                 # the summary's note on cut bars
         self.mean_line = pg.InfiniteLine(angle=0, movable=False)
         self.mean_line.setVisible(False)
         item.addItem(self.mean_line)
@@ -58,15 +77,19 @@ class TimeView(QWidget):
         self.total.setWordWrap(True)
         side = QWidget()
         col = QVBoxLayout(side)
+        col.setContentsMargins(0, 0, 0, 0)
         col.addWidget(QLabel("<b>Mean per decoded token</b>"))
         col.addLayout(table)
-        col.addWidget(self.total)
         col.addStretch(1)
-        side.setFixedWidth(300)
+        side.setMaximumWidth(360)
 
-        layout = QHBoxLayout(self)
+        # the bars take the tab's whole width; the table and the summary sit under them
+        under = QHBoxLayout()
+        under.addWidget(side, 1)
+        under.addWidget(self.total, 1)
+        layout = QVBoxLayout(self)
         layout.addWidget(self.plot, 1)
-        layout.addWidget(side)
+        layout.addLayout(under)
         self.set_theme(theme)
 
     def set_theme(self, theme: Theme) -> None:
@@ -76,8 +99,9 @@ class TimeView(QWidget):
         for p, bar in self.bars.items():
             bar.setOpts(brush=pg.mkBrush(theme.qcolor(theme.phases[p])), pen=pg.mkPen(None))
             self.swatches[p].setStyleSheet(swatch_css(theme.phases[p]))
-        self.prefill_marks.setBrush(pg.mkBrush(theme.qcolor(theme.foreground)))
-        self.prefill_marks.setPen(pg.mkPen(None))
+        for marks in (self.prefill_marks, self.clip_marks):
+            marks.setBrush(pg.mkBrush(theme.qcolor(theme.foreground)))
+            marks.setPen(pg.mkPen(None))
         self.mean_line.setPen(pg.mkPen(theme.qcolor(theme.foreground), width=1, style=pg.QtCore.Qt.PenStyle.DashLine))
 
     def bar_count(self) -> int:
@@ -94,13 +118,13 @@ class TimeView(QWidget):
         for p in PHASES:
             self.averages[p].setText(fmt_ms(avg.get(p, 0.0)) if snap.tokens else "—")
             self.shares[p].setText(fmt_percent(avg.get(p, 0.0) / wall) if wall > 0 else "")
-        if wall > 0:
-            self.total.setText(f"mean {fmt_ms(wall)} per decoded token ({snap.tok_per_s:.1f} tok/s); "
-                               f"{len(snap.recent)} records shown, triangles mark prompt chunks")
-        else:
-            self.total.setText("no decoded tokens yet")
         if frame.plots:
             self._plot(snap.recent, wall)
+        if wall > 0:
+            self.total.setText(f"mean {fmt_ms(wall)} per decoded token ({snap.tok_per_s:.1f} tok/s); "
+                               f"{len(snap.recent)} records shown, triangles mark prompt chunks" + self._clipped)
+        else:
+            self.total.setText("no decoded tokens yet")
 
     def _plot(self, recent: tuple[TokenTimes, ...], wall: float) -> None:
         """Stacked bars of the records (seconds per phase), the mean line at `wall` s (0: none)."""
@@ -115,11 +139,15 @@ class TimeView(QWidget):
             self.bars[p].setOpts(x0=x0, width=width, y0=bottoms[:, j], height=per_token[:, j])
         prefill = np.fromiter((rec.prefill for rec in recent), bool, r)
         tops = per_token.sum(axis=1)                                                                    # [R]
-        self.prefill_marks.setData(x=(x0 + width / 2)[prefill], y=tops[prefill])
+        # a round height, so the axis (costly to redraw) changes only when the decoded bars outgrow it
+        self.scale = scale_ms(tops, prefill, wall * 1e3)
+        cut = tops > self.scale
+        centres = x0 + width / 2
+        self.prefill_marks.setData(x=centres[prefill], y=np.minimum(tops[prefill], self.scale))
+        self.clip_marks.setData(x=centres[cut], y=np.full(int(cut.sum()), self.scale * 0.97))
+        self._clipped = (f"; {int(cut.sum())} bars cut at the top (arrows), the highest {fmt_ms(float(tops.max()) / 1e3)}"
+                         if cut.any() else "")
         self.mean_line.setVisible(wall > 0)
         if wall > 0:
             self.mean_line.setPos(wall * 1e3)
-        peak = max(float(tops.max(initial=0.0)), wall * 1e3)
-        # the height in round numbers, so the axis (costly to redraw) changes only when the bars outgrow it
-        self.plot.getPlotItem().getViewBox().setRange(xRange=(0, max(r, 1)), yRange=(0, nice_ceil(peak * 1.05)),
-                                                      padding=0)
+        self.plot.getPlotItem().getViewBox().setRange(xRange=(0, max(r, 1)), yRange=(0, self.scale), padding=0)
