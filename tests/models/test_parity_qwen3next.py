@@ -142,14 +142,16 @@ def test_a_batch_gives_each_sequence_its_solo_result(model):
 
 
 def test_prefix_reuse_falls_back_without_changing_outputs(model):
-    """Another sequence's blocks are never adopted (they cannot rebuild the state); the same sequence goes on
-    from where it is when the prompt extends what it holds, and starts afresh when it diverges."""
+    """Another sequence's blocks are not adopted without a state checkpoint (blocks cannot rebuild the state;
+    this pool is too small to set blocks aside for one: tests/kv/test_recurrent_checkpoints.py has room); the
+    same sequence goes on from where it is when the prompt extends what it holds, and starts afresh when it
+    diverges."""
     pool = KVPool(model.spec, 4 * (blocks_for(128) + 1), block_size=4)
     first = KVCache(model.spec, 128, pool=pool)
     model.forward(PROMPT, first)
     other = KVCache(model.spec, 128, pool=pool)
     assert other.adopt(PROMPT + [3, 4]) == 0                       # full blocks exist, yet none is taken
-    assert pool.hits == 0
+    assert pool.checkpoints.made == 0
 
     longer = PROMPT + [33, 44, 55]
     assert first.adopt(longer) == len(PROMPT)                      # the sequence itself goes on
