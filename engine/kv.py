@@ -454,7 +454,7 @@ class LayerState:
     def __init__(self, seq: "KVCache", spec: GatedDeltaNetSpec):
         self.seq, self.shapes = seq, spec.state_shapes
         self.held: dict[int, State] = {}            # sequence length -> the state after that many tokens
-        self.pending: tuple[list[State], list[int]] | None = None   # the step's states, after how many tokens
+        self.pending: tuple[list[State], list[int] | None] | None = None   # the step's states, after how many tokens
         self.marks: dict[int, State] = {}           # the last step's block-boundary state, for a checkpoint
 
     def state(self) -> State:
@@ -647,7 +647,7 @@ class KVCache:
         digest = self._digests[boundary // bs - 1]
         states = [state.at(boundary) for state in self.states]
         if digest and all(st is not None for st in states):
-            checkpoints.put(digest, states)
+            checkpoints.put(digest, [st for st in states if st is not None])
         for state in self.states:
             state.marks = {}
 
@@ -772,6 +772,7 @@ class KVCache:
         counted = len(self.table)
         start = self.length
         marks = [start]                    # lengths at which the recurrent states are at hand
+        checkpoints = self.pool.checkpoints
         while self.length + bs <= limit:
             parent = self._digests[-1] if self._digests else ROOT
             digest = prefix_digest(parent, prompt[self.length : self.length + bs])
@@ -786,18 +787,18 @@ class KVCache:
             self.length += bs
             if self.tracking:
                 self._grow_scores(self.length)
-            if self.states and self.pool.checkpoints.has(digest):
+            if self.states and checkpoints is not None and checkpoints.has(digest):
                 marks.append(self.length)
         # a prefix whose windows' rows are dropped (its holder moved on) is held only up to where they are whole,
         # and with recurrent layers only up to the last boundary whose states were checkpointed
         target = self._intact(self.length)
-        if self.states:
+        states = None
+        if self.states and checkpoints is not None:
             target = max((m for m in marks if m <= target), default=0)
-            states = self.pool.checkpoints.get(self._digests[target // bs - 1]) if target > start else None
+            states = checkpoints.get(self._digests[target // bs - 1]) if target > start else None
         counted = self._cut(target, counted)
-        if self.states and target > start:
-            for state, st in zip(self.states, states):
-                state.restore(target, st)
+        for state, st in zip(self.states, states or ()):
+            state.restore(target, st)
         self._settle(counted, [self._frontier(g, self.length) for g in range(len(self._front))])
         return self.length
 
