@@ -143,3 +143,16 @@ def test_a_pool_without_prefix_cache_keeps_no_checkpoints(model):
     cache = KVCache(model.spec, 128, pool=pool)
     assert np.array_equal(_chunked(model, PROMPT, 7, cache), greedy_run(model, PROMPT, 0)[0])
     assert KVCache(model.spec, 128, pool=pool).adopt(PROMPT + [1]) == 0
+
+
+def test_a_model_of_recurrent_layers_only_has_no_blocks_to_charge_checkpoints_to():
+    """Its pool's blocks hold no bytes: checkpoints would not be counted in the budget, so none is kept."""
+    from engine.models import spec_from_config
+    spec = spec_from_config(dict(architectures=["Qwen3NextForCausalLM"], hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, vocab_size=160, num_experts=4, num_experts_per_tok=2,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                 linear_value_head_dim=16, layer_types=["linear_attention"] * 2))
+    pool = KVPool(spec, 64, block_size=4)
+    states = [KVCache(spec, 64, pool=pool).states[0].state()]
+    assert pool.block_bytes == 0 and pool.checkpoints.cost(states) is None
+    assert not pool.checkpoints.put(b"d" * 16, states) and not pool.checkpoints.entries
