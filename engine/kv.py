@@ -467,11 +467,12 @@ class LayerState:
 
     def wanted(self, t: int) -> list[int]:
         """After how many of the next step's t tokens the state is wanted, increasing: every one of a short
-        step; else the last, and the last block boundary the step crosses when the pool keeps checkpoints."""
+        step; else the last, and the block boundaries the sequence checkpoints in the step
+        (`KVCache.checkpoint_boundaries`)."""
         if t <= KEEP_STEP:
             return list(range(1, t + 1))
-        boundary = self.seq.checkpoint_boundary(t)
-        return [boundary - self.seq.length, t] if boundary is not None and boundary < self.seq.length + t else [t]
+        base = self.seq.length
+        return [b - base for b in self.seq.checkpoint_boundaries(t) if b < base + t] + [t]
 
     def write(self, states: list[State], after: Sequence[int] | None = None) -> None:
         """The states after the step's tokens: after the counts `after` (as `wanted` gave them); without it one
@@ -576,6 +577,7 @@ class KVCache:
         self.steps = 0
         self.evicted = 0                        # positions evicted past the context limit
         self._front = [0] * len(pool.windows)   # per window group: leading blocks no longer attended to
+        self._diverged: int | None = None       # recurrent: where the prompt left the cached prefix blocks
 
     # --- the model's interface ---
 
@@ -630,24 +632,30 @@ class KVCache:
         if self.states:
             self._checkpoint(base)
 
-    def checkpoint_boundary(self, t: int) -> int | None:
-        """The last block boundary a step of t more tokens crosses, where the recurrent layers' states are to be
-        checkpointed; None when there is none or the pool keeps no checkpoints."""
+    def checkpoint_boundaries(self, t: int) -> list[int]:
+        """The block boundaries a step of t more tokens crosses where the recurrent layers' states are to be
+        checkpointed, increasing: the last one, and where this sequence's prompt stopped matching the cached
+        prefix blocks (`adopt`: the next prompt sharing that prefix resumes there); none when the pool keeps
+        no checkpoints."""
         if self.pool.checkpoints is None or self.evicted:
-            return None
-        boundary = (self.length + t) // self.pool.block_size * self.pool.block_size
-        return boundary if boundary > self.length else None
+            return []
+        bs, end = self.pool.block_size, self.length + t
+        wanted = {end // bs * bs}
+        if self._diverged is not None:
+            wanted.add(self._diverged)
+        return sorted(b for b in wanted if self.length < b <= end)
 
     def _checkpoint(self, base: int) -> None:
-        """Offer the pool the recurrent states at the last block boundary after `base` (a step just committed)."""
+        """Offer the pool the recurrent states at the boundaries the step after `base` (just committed) crossed."""
         checkpoints, bs = self.pool.checkpoints, self.pool.block_size
-        boundary = self.length // bs * bs
-        if checkpoints is None or boundary <= base or len(self._digests) < boundary // bs:
+        if checkpoints is None:
             return
-        digest = self._digests[boundary // bs - 1]
-        states = [state.at(boundary) for state in self.states]
-        if digest and all(st is not None for st in states):
-            checkpoints.put(digest, [st for st in states if st is not None])
+        wanted = {self.length // bs * bs} | ({self._diverged} if self._diverged is not None else set())
+        for boundary in sorted(b for b in wanted if base < b <= self.length and b // bs <= len(self._digests)):
+            digest = self._digests[boundary // bs - 1]
+            states = [state.at(boundary) for state in self.states]
+            if digest and all(st is not None for st in states):
+                checkpoints.put(digest, [st for st in states if st is not None])
         for state in self.states:
             state.marks = {}
 
@@ -755,10 +763,15 @@ class KVCache:
     def adopt(self, prompt: Sequence[int]) -> int:
         """Reuse what is already computed for a prompt: the tokens this sequence holds in common with it,
         then full blocks of the prompt found in the pool's prefix index. Returns how many of the
-        prompt's tokens are held (always fewer than all, so the last one runs and gives logits)."""
+        prompt's tokens are held (always fewer than all, so the last one runs and gives logits).
+
+        With recurrent layers the blocks are taken only up to the longest boundary with a state checkpoint,
+        whose states are restored; where the blocks matched further, the prompt's run checkpoints the states
+        at the end of the match, so the next prompt sharing that prefix takes all of it."""
         prompt = list(prompt)
         limit = len(prompt) - 1
         same = 0
+        self._diverged = None
         for a, b in zip(self.tokens[: min(self.length, limit)], prompt):
             if a != b:
                 break
@@ -791,6 +804,7 @@ class KVCache:
                 marks.append(self.length)
         # a prefix whose windows' rows are dropped (its holder moved on) is held only up to where they are whole,
         # and with recurrent layers only up to the last boundary whose states were checkpointed
+        matched = self.length
         target = self._intact(self.length)
         states = None
         if self.states and checkpoints is not None:
@@ -799,6 +813,8 @@ class KVCache:
         counted = self._cut(target, counted)
         for state, st in zip(self.states, states or ()):
             state.restore(target, st)
+        # the blocks matched further than the states: checkpoint where they stop matching, for the next prompt
+        self._diverged = matched if self.states and matched > target else None
         self._settle(counted, [self._frontier(g, self.length) for g in range(len(self._front))])
         return self.length
 

@@ -156,3 +156,21 @@ def test_a_model_of_recurrent_layers_only_has_no_blocks_to_charge_checkpoints_to
     states = [KVCache(spec, 64, pool=pool).states[0].state()]
     assert pool.block_bytes == 0 and pool.checkpoints.cost(states) is None
     assert not pool.checkpoints.put(b"d" * 16, states) and not pool.checkpoints.entries
+
+
+def test_a_shared_prefix_is_checkpointed_where_prompts_part(model):
+    """A system prompt ending inside a step gets no checkpoint from its first run; the second prompt sharing it
+    finds its blocks without one, runs afresh and checkpoints where they stop matching; the third resumes
+    there. Every output equals no reuse."""
+    pool = _pool(model)
+    system = PROMPT[:14]                                          # blocks match up to 12
+    held = []
+    for tail in ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]):
+        prompt = system + tail
+        cache = KVCache(model.spec, 128, pool=pool)
+        held.append(cache.adopt(prompt))
+        logits, tokens = greedy_run(model, prompt[held[-1]:], 4, cache)
+        want, want_tokens = greedy_run(model, prompt, 4)
+        assert np.array_equal(logits, want[held[-1]:]) and tokens == want_tokens
+        cache.release()
+    assert held == [0, 0, 12]
