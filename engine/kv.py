@@ -646,12 +646,13 @@ class KVCache:
         return sorted(b for b in wanted if self.length < b <= end)
 
     def _checkpoint(self, base: int) -> None:
-        """Offer the pool the recurrent states at the boundaries the step after `base` (just committed) crossed."""
+        """Offer the pool the recurrent states at the block boundaries the step after `base` (just committed)
+        crossed and left states at: those `checkpoint_boundaries` asked for, or every one of a short step."""
         checkpoints, bs = self.pool.checkpoints, self.pool.block_size
         if checkpoints is None:
             return
-        wanted = {self.length // bs * bs} | ({self._diverged} if self._diverged is not None else set())
-        for boundary in sorted(b for b in wanted if base < b <= self.length and b // bs <= len(self._digests)):
+        crossed = range((base // bs + 1) * bs, min(self.length, len(self._digests) * bs) + 1, bs)
+        for boundary in crossed:
             digest = self._digests[boundary // bs - 1]
             states = [state.at(boundary) for state in self.states]
             if digest and all(st is not None for st in states):

@@ -6,8 +6,10 @@ block that ends at a boundary, a snapshot of every recurrent layer's state there
 sequence that finds a prompt's blocks in the prefix index goes on from the longest boundary that has a
 snapshot: it takes the blocks up to it and the states, and runs only the rest (engine.kv.KVCache.adopt).
 
-Snapshots are made where the state is at hand anyway: a step that crosses a block boundary keeps the state
-at the last boundary it crosses (the recurrence copies it out in the same kernel call). They are bounded:
+Snapshots are made where the state is at hand anyway: a long step keeps the state at the last block boundary
+it crosses, and where its prompt stopped matching the cached prefix blocks (a system prompt shared by the
+next prompts; the recurrence copies them out in the same kernel call); a short step (decoding, drafts) at
+every boundary it crosses, its states being kept per token anyway. They are bounded:
 each is charged whole blocks of the pool (the blocks are set aside, so the KV budget that sized the pool
 counts them), they take at most `SHARE` of the pool, the least recently used goes first when a new one or a
 sequence needs room, and one goes with its boundary block's index entry (a snapshot whose prefix blocks

@@ -91,12 +91,13 @@ def _pool(model, n_blocks=400):
 def test_a_new_sequence_goes_on_from_the_longest_checkpoint(model):
     pool = _pool(model)
     first = KVCache(model.spec, 128, pool=pool)
-    _chunked(model, PROMPT, 7, first)       # steps of 7, 7, 6 tokens: checkpoints at 4, 12 and 20
+    model.forward(PROMPT[:17], first)        # a long step: the state at its last boundary, 16
+    model.forward(PROMPT[17:], first)        # a short one: at each boundary it crosses, 20
     cps = pool.checkpoints
-    assert cps.made == 3 and cps.reserved > 0 and cps.nbytes == 3 * state_bytes([s.state() for s in first.states])
+    assert cps.made == 2 and cps.reserved > 0 and cps.nbytes == 2 * state_bytes([s.state() for s in first.states])
     for prompt, held in ((PROMPT + [3, 4], 20),                   # the whole prompt's state
-                         (PROMPT[:15] + [8, 8, 8], 12),           # blocks up to 12 match, and its checkpoint
-                         (PROMPT[:11] + [1, 2], 4),               # blocks to 8 match: the checkpoint at 4
+                         (PROMPT[:18] + [8, 8, 8], 16),           # blocks up to 16 match, and its checkpoint
+                         (PROMPT[:15] + [1, 2], 0),               # blocks to 12 match, no checkpoint there
                          ([6] + PROMPT, 0)):                      # nothing shared
         used = cps.used
         other = KVCache(model.spec, 128, pool=pool)
@@ -107,9 +108,9 @@ def test_a_new_sequence_goes_on_from_the_longest_checkpoint(model):
         assert np.array_equal(logits, want[held:]) and tokens == want_tokens
         other.release()
     # the first sequence moves on: its own cached prefix and checkpoints still serve a diverging prompt
-    assert first.adopt(PROMPT[:13] + [9, 9]) == 12
+    assert first.adopt(PROMPT[:17] + [9, 9]) == 16
     logits, _ = greedy_run(model, [9, 9], 0, first)
-    assert np.array_equal(logits, greedy_run(model, PROMPT[:12] + [9, 9], 0)[0][12:])
+    assert np.array_equal(logits, greedy_run(model, PROMPT[:16] + [9, 9], 0)[0][16:])
 
 
 def test_checkpoints_are_bounded_counted_and_give_way_to_sequences(model):
@@ -174,3 +175,34 @@ def test_a_shared_prefix_is_checkpointed_where_prompts_part(model):
         assert np.array_equal(logits, want[held[-1]:]) and tokens == want_tokens
         cache.release()
     assert held == [0, 0, 12]
+
+
+def test_drafts_rolled_back_across_boundaries_leave_only_true_checkpoints(model):
+    """Speculative steps cross block boundaries and roll rejected drafts back: the tokens are the plain ones,
+    and a sequence resuming from what that left in the pool gets the outputs of no reuse."""
+    import itertools
+
+    from engine.generation.generate import generate_step
+    from engine.generation.sampling import SamplingParams
+    from engine.generation.speculative import SpeculativeSettings
+
+    prompt = [5, 17, 99, 3, 42, 7] * 4                            # prompt lookup finds n-grams to copy
+    greedy = SamplingParams()
+    plain = list(itertools.islice(generate_step(model, prompt, KVCache(model.spec, 128), greedy), 24))
+    pool = _pool(model)
+    cache = KVCache(model.spec, 128, pool=pool)
+    settings = SpeculativeSettings(max_draft=4, adaptive=False)
+    assert list(itertools.islice(generate_step(model, prompt, cache, greedy, speculative=settings), 24)) == plain
+    assert pool.checkpoints.made > 1
+    cache.release()
+    helds = []
+    for n in (26, 31, 40):                                        # resume inside what the drafts went through
+        other = KVCache(model.spec, 128, pool=pool)
+        full = prompt + plain[: n - len(prompt)] + [1]
+        held = other.adopt(full)
+        helds.append(held)
+        logits, tokens = greedy_run(model, full[held:], 3, other)
+        want, want_tokens = greedy_run(model, full, 3)
+        assert np.array_equal(logits, want[held:]) and tokens == want_tokens
+        other.release()
+    assert helds[0] == 24 and helds[1] > 24 and helds[2] > helds[1]
