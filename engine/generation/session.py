@@ -64,7 +64,6 @@ from engine.atomic import FileLock, atomic_file, remove_temps
 from engine.errors import ColibriError
 from engine.generation.sampling import SamplingParams
 from engine.kv import OVERFLOW, SINK_TOKENS, KVCache, KVPool
-from engine.spec import GatedDeltaNetSpec
 
 MAGIC = b"COLSESS\x00"
 FORMAT = 1
@@ -596,7 +595,7 @@ def _layer_shapes(pool: KVPool) -> list[list]:
 def _state_shapes(pool: KVPool) -> list[list]:
     """Each recurrent layer's state arrays: [dtype, shape] (what a tail holds after the held tokens)."""
     return [[["<f4", list(shape)] for shape in layer.attn.state_shapes]
-            for layer in pool.spec.layers if isinstance(layer.attn, GatedDeltaNetSpec)]
+            for layer in pool.spec.layers if getattr(layer.attn, "state_shapes", None) is not None]
 
 
 def _states(arrays: Sequence[np.ndarray], pool: KVPool, path: Path) -> list[tuple[np.ndarray, ...]]:
