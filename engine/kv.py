@@ -637,7 +637,7 @@ class KVCache:
         checkpointed, increasing: the last one, and where this sequence's prompt stopped matching the cached
         prefix blocks (`adopt`: the next prompt sharing that prefix resumes there); none when the pool keeps
         no checkpoints."""
-        if self.pool.checkpoints is None or self.evicted:
+        if self.pool.checkpoints is None or self.evicted or not self.pool.checkpoints.useful:
             return []
         bs, end = self.pool.block_size, self.length + t
         wanted = {end // bs * bs}

@@ -57,6 +57,14 @@ class Checkpoints:
         self.reserved = 0                                # blocks set aside now
         self.nbytes = 0                                  # bytes of the snapshots' arrays
         self.made = self.used = 0                        # snapshots kept, and restored from, so far
+        shapes = [shape for layer in pool.spec.layers for shape in getattr(layer.attn, "state_shapes", None) or ()]
+        self.snapshot_bytes = 4 * sum(int(np.prod(shape)) for shape in shapes)   # one snapshot of every layer
+
+    @property
+    def useful(self) -> bool:
+        """Whether a snapshot can be kept at all (else a step need not copy its boundary states out)."""
+        size = self.pool.block_bytes
+        return bool(size) and -(-self.snapshot_bytes // size) <= self.limit
 
     def cost(self, states: Sequence[State]) -> int | None:
         """Blocks a snapshot is charged; None when the pool's blocks hold no bytes to charge it against (a model

@@ -117,7 +117,10 @@ def test_checkpoints_are_bounded_counted_and_give_way_to_sequences(model):
     pool = _pool(model, n_blocks=120)
     cps = pool.checkpoints
     cost = cps.cost([s.state() for s in KVCache(model.spec, 128).states])
-    assert cost is not None and 1 < cost <= cps.limit
+    assert cost is not None and 1 < cost <= cps.limit and cps.useful
+    assert cps.snapshot_bytes == state_bytes([s.state() for s in KVCache(model.spec, 128).states])
+    small = KVPool(model.spec, 2 * cost - 1, block_size=4)       # too few blocks to set aside for one
+    assert not small.checkpoints.useful and KVCache(model.spec, 128, pool=small).checkpoint_boundaries(40) == []
     seqs = []
     for i in range(6):                                            # distinct prompts, each checkpointed once
         cache = KVCache(model.spec, 128, pool=pool)
@@ -155,7 +158,7 @@ def test_a_model_of_recurrent_layers_only_has_no_blocks_to_charge_checkpoints_to
                                  linear_value_head_dim=16, layer_types=["linear_attention"] * 2))
     pool = KVPool(spec, 64, block_size=4)
     states = [KVCache(spec, 64, pool=pool).states[0].state()]
-    assert pool.block_bytes == 0 and pool.checkpoints.cost(states) is None
+    assert pool.block_bytes == 0 and pool.checkpoints.cost(states) is None and not pool.checkpoints.useful
     assert not pool.checkpoints.put(b"d" * 16, states) and not pool.checkpoints.entries
 
 
