@@ -578,6 +578,8 @@ class KVCache:
         self.evicted = 0                        # positions evicted past the context limit
         self._front = [0] * len(pool.windows)   # per window group: leading blocks no longer attended to
         self._diverged: int | None = None       # recurrent: where the prompt left the cached prefix blocks
+        self._prompt_end: int | None = None     # recurrent: the adopted prompt's length (what follows is generated)
+        self._rolling: bytes | None = None      # recurrent: this sequence's checkpoint in its generated tokens
 
     # --- the model's interface ---
 
@@ -647,7 +649,11 @@ class KVCache:
 
     def _checkpoint(self, base: int) -> None:
         """Offer the pool the recurrent states at the block boundaries the step after `base` (just committed)
-        crossed and left states at: those `checkpoint_boundaries` asked for, or every one of a short step."""
+        crossed and left states at: those `checkpoint_boundaries` asked for, or every one of a short step.
+
+        Past the end of an adopted prompt only the latest is kept (each replaces the one before): the next turn
+        of a conversation resumes from the end of this one, and decoding would otherwise push a snapshot out of
+        the pool every block."""
         checkpoints, bs = self.pool.checkpoints, self.pool.block_size
         if checkpoints is None:
             return
@@ -656,7 +662,11 @@ class KVCache:
             digest = self._digests[boundary // bs - 1]
             states = [state.at(boundary) for state in self.states]
             if digest and all(st is not None for st in states):
-                checkpoints.put(digest, [st for st in states if st is not None])
+                kept = checkpoints.put(digest, [st for st in states if st is not None])
+                if kept and self._prompt_end is not None and boundary > self._prompt_end:
+                    if self._rolling is not None and self._rolling != digest:
+                        checkpoints.drop(self._rolling)
+                    self._rolling = digest
         for state in self.states:
             state.marks = {}
 
@@ -772,7 +782,7 @@ class KVCache:
         prompt = list(prompt)
         limit = len(prompt) - 1
         same = 0
-        self._diverged = None
+        self._diverged, self._prompt_end, self._rolling = None, len(prompt), None
         for a, b in zip(self.tokens[: min(self.length, limit)], prompt):
             if a != b:
                 break

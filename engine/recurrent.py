@@ -9,7 +9,8 @@ snapshot: it takes the blocks up to it and the states, and runs only the rest (e
 Snapshots are made where the state is at hand anyway: a long step keeps the state at the last block boundary
 it crosses, and where its prompt stopped matching the cached prefix blocks (a system prompt shared by the
 next prompts; the recurrence copies them out in the same kernel call); a short step (decoding, drafts) at
-every boundary it crosses, its states being kept per token anyway. They are bounded:
+every boundary it crosses, its states being kept per token anyway; past the end of an adopted prompt only
+a sequence's latest one stays (what the conversation's next turn resumes from). They are bounded:
 each is charged whole blocks of the pool (the blocks are set aside, so the KV budget that sized the pool
 counts them), they take at most `SHARE` of the pool, the least recently used goes first when a new one or a
 sequence needs room, and one goes with its boundary block's index entry (a snapshot whose prefix blocks

@@ -108,3 +108,21 @@ def test_the_scheduler_shares_checkpointed_prefixes_and_keeps_a_state_per_sequen
     assert got == want
     assert [s.reused for s in seqs] == [0, 20, 12, 0, 0]  # short steps (chunks of 8) checkpoint every boundary
     assert sched.pool.checkpoints.used == 2 and sched.pool.used_blocks == 0
+
+
+def test_a_long_answer_keeps_one_checkpoint_past_its_prompt(model):
+    """Decoding crosses a block boundary every few tokens: past the prompt only the latest checkpoint stays, and
+    the next turn (the conversation so far and a new message) resumes from it with its solo tokens."""
+    greedy = SamplingParams()
+    sched = Scheduler(model, KVPool(model.spec, 200, block_size=4), max_len=64, prefill_chunk=32)
+    seq = sched.submit(GenerationRequest(prompt=tuple(PROMPT), max_tokens=21, sampling=greedy))
+    sched.run()
+    answer = list([e for e in seq.drain() if isinstance(e, DoneEvent)][0].tokens)
+    cps = sched.pool.checkpoints
+    assert len(cps.entries) == 2                          # the prompt's (20) and the answer's latest (40)
+    turn = PROMPT + answer + [3, 17]
+    want = list(itertools.islice(generate_step(model, turn, KVCache(model.spec, 64), greedy), 4))
+    nxt = sched.submit(GenerationRequest(prompt=tuple(turn), max_tokens=4, sampling=greedy))
+    sched.run()
+    assert nxt.reused == 40
+    assert list([e for e in nxt.drain() if isinstance(e, DoneEvent)][0].tokens) == want
