@@ -10,6 +10,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +29,7 @@ from engine.loader import load_model
 from support.recurrent import PROMPT, qwen3_next_container
 
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +75,21 @@ def test_a_hybrid_session_saved_and_restored_continues_unchanged(model, containe
         tokens, state, _ = _decode(model, cache, state, n)
         done += tokens
         session.save(cache, state)
-    pool = _pool(model)                                   # restored elsewhere: nothing but the file is shared
+    pool = _pool(model)                                   # restored into another pool of this process
     restored, got = SessionFile(path, container[1], KVSettings.of(cache)).load(pool)
     assert restored.length == cache.length and got == state
     for mine, theirs in zip(restored.states, cache.states):
         assert all(np.array_equal(a, b) for a, b in zip(mine.state(), theirs.state()))
     more, _, logits = _decode(model, restored, got, 24 - len(done))
     assert done + more == want and logits == want_logits
+    # and in a new process, where nothing but the file survives
+    job = {"container": str(container[0]), "model_hash": container[1], "session": str(path), "n": 24 - len(done)}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    res = subprocess.run([sys.executable, __file__, json.dumps(job)], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr
+    elsewhere = json.loads(res.stdout.strip().splitlines()[-1])
+    assert done + elsewhere["tokens"] == want and elsewhere["logits"] == want_logits.hex()
 
 
 def test_a_session_of_other_state_shapes_is_refused(model, container, tmp_path):
@@ -126,3 +139,15 @@ def test_a_long_answer_keeps_one_checkpoint_past_its_prompt(model):
     sched.run()
     assert nxt.reused == 40
     assert list([e for e in nxt.drain() if isinstance(e, DoneEvent)][0].tokens) == want
+
+
+def main(job: dict) -> dict:
+    """The restarted process: load the model and the session, continue decoding, report the tokens."""
+    loaded = load_model(job["container"])
+    cache, state = SessionFile(job["session"], job["model_hash"], KVSettings(4, 32, 64)).load(_pool(loaded.model))
+    tokens, _, digest = _decode(loaded.model, cache, state, job["n"])
+    return {"tokens": tokens, "logits": digest.hex()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))))
