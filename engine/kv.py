@@ -446,8 +446,8 @@ class LayerState:
     A step asks `wanted(T)` after which of its T tokens to hand back the state, reads `state()` and hands
     `write` those states; they become the held ones at `commit`, so a step that fails, or is prepared
     again, runs again from the same state. After a step of at most KEEP_STEP tokens the state after each of
-    them is kept: `truncate` may go back into that step. A step that crosses a block boundary also hands
-    back the state at the last one it crosses, which the sequence offers the pool as a checkpoint
+    them is kept: `truncate` may go back into that step. A long step also hands back the states at the
+    block boundaries the sequence checkpoints (`KVCache.checkpoint_boundaries`), which it offers the pool
     (`engine.recurrent`); `restore` takes a state over from a checkpoint or a saved session.
     """
 
@@ -455,7 +455,7 @@ class LayerState:
         self.seq, self.shapes = seq, spec.state_shapes
         self.held: dict[int, State] = {}            # sequence length -> the state after that many tokens
         self.pending: tuple[list[State], list[int] | None] | None = None   # the step's states, after how many tokens
-        self.marks: dict[int, State] = {}           # the last step's block-boundary state, for a checkpoint
+        self.marks: dict[int, State] = {}           # the last long step's block-boundary states, for checkpoints
 
     def state(self) -> State:
         """The state after the sequence's held tokens (fresh zeros at the start)."""
@@ -613,8 +613,8 @@ class KVCache:
     def commit(self, n: int) -> None:
         """Mark n more positions as filled (after every layer wrote them); index blocks that became full.
 
-        A recurrent sequence's blocks are indexed too, and the recurrent layers' states at the last block
-        boundary the step crossed are offered to the pool as a checkpoint: another sequence adopts its blocks
+        A recurrent sequence's blocks are indexed too, and the recurrent layers' states at block boundaries the
+        step crossed are offered to the pool as checkpoints (`_checkpoint`): another sequence adopts its blocks
         only up to a boundary with one."""
         base = self.length
         for state in self.states:
