@@ -19,8 +19,9 @@
 - A recurrent layer (gated DeltaNet) has no blocks: its `LayerState` keeps the sequence's state (a
   convolution's last inputs and a recurrent matrix per head) after the held tokens, and after each
   token of a short step, so a sequence can go back into its last step (speculative drafts) but not
-  further. Such a sequence neither publishes nor adopts prefix blocks (blocks alone cannot rebuild
-  its state), and overflow past `max_len` is refused.
+  further. Blocks alone cannot rebuild its state: the pool keeps snapshots of every recurrent layer's
+  state at block boundaries (`engine.recurrent.Checkpoints`, charged blocks of the pool), and a sequence
+  adopts a cached prefix only up to the longest boundary with a snapshot. Overflow past `max_len` is refused.
 - `kv_bits=16` stores rows as fp16 (half the memory of float32, rounded to nearest); `kv_bits=8` as
   int8 with one float32 scale per row (per head for keys and values).
 - A sliding-window layer needs only its window: once no sequence holding a block can attend to it any more
@@ -43,6 +44,7 @@ import numpy as np
 from engine.errors import ColibriError, GenerationError
 from engine.kernels.attention import attend_latent, attend_paged
 from engine.kernels.sparse import attend_selected, index_scores
+from engine.recurrent import Checkpoints, State, own
 from engine.spec import GatedDeltaNetSpec, MLASpec, ModelSpec, RopeSpec
 
 BLOCK_SIZE = 32           # positions per block: small blocks slow decode attention (`colibri bench --kv blocks`),
@@ -169,6 +171,8 @@ class KVPool:
         self.free = list(range(self.n_blocks - 1, -1, -1))
         self.touched = np.zeros(self.n_blocks, bool)           # pages committed (written since last freed)
         self.hits = self.lookups = 0
+        # recurrent layers' states at block boundaries of cached prefixes (what lets their sequences share one)
+        self.checkpoints = Checkpoints(self) if spec.is_recurrent and prefix_cache else None
 
     # --- allocation ---
 
@@ -179,6 +183,8 @@ class KVPool:
         elif self.cached:
             b, _ = self.cached.popitem(last=False)
             self._unindex(b)
+        elif self.checkpoints is not None and self.checkpoints.evict_oldest():   # its blocks are free again
+            b = self.free.pop()
         else:
             raise KVFullError(
                 f"the KV cache is full: all {self.n_blocks} blocks of {self.block_size} positions are in use; "
@@ -228,6 +234,8 @@ class KVPool:
             self.hashes[b] = None
             if self.index.get(h) == b:
                 del self.index[h]
+                if self.checkpoints is not None:   # the prefix it ends can no longer be adopted
+                    self.checkpoints.drop(h)
 
     def copy(self, src: int, without: Sequence[int] = ()) -> int:
         """A private copy of block src (copy on write), but for the rows of the window groups `without`
@@ -242,11 +250,13 @@ class KVPool:
         return dst
 
     def drop_cached(self) -> None:
-        """Forget every cached prefix (their blocks are freed)."""
+        """Forget every cached prefix (their blocks are freed) and every recurrent-state snapshot."""
         while self.cached:
             b, _ = self.cached.popitem(last=False)
             self._unindex(b)
             self._free(b)
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     # --- the prefix index ---
 
@@ -279,9 +289,12 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         """Bytes of blocks in use or cached (what the pool holds in memory), less the rows sliding-window layers
-        dropped."""
+        dropped, and of the recurrent-state snapshots (in place of the blocks set aside for them)."""
         dropped = sum(int(np.count_nonzero(self.dropped[g])) * n for g, n in enumerate(self.group_bytes))
-        return (self.n_blocks - len(self.free)) * self.block_bytes - dropped
+        held = self.n_blocks - len(self.free)
+        if self.checkpoints is not None:
+            return (held - self.checkpoints.reserved) * self.block_bytes - dropped + self.checkpoints.nbytes
+        return held * self.block_bytes - dropped
 
     @property
     def capacity_bytes(self) -> int:
@@ -427,21 +440,22 @@ class LayerKV:
         return res
 
 
-State = tuple[np.ndarray, np.ndarray]   # a recurrent layer's state: conv inputs [K-1, C], matrices [Hv, Dk, Dv]
-
-
 class LayerState:
     """One recurrent layer's view of a sequence: its state after the held tokens (zeros before any).
 
-    A step reads `state()` and hands `write` the states after its tokens; they become the held ones at
-    `commit`, so a step that fails, or is prepared again, runs again from the same state. After a step of
-    at most KEEP_STEP tokens the state after each of them is kept: `truncate` may go back into that step.
+    A step asks `wanted(T)` after which of its T tokens to hand back the state, reads `state()` and hands
+    `write` those states; they become the held ones at `commit`, so a step that fails, or is prepared
+    again, runs again from the same state. After a step of at most KEEP_STEP tokens the state after each of
+    them is kept: `truncate` may go back into that step. A long step also hands back the states at the
+    block boundaries the sequence checkpoints (`KVCache.checkpoint_boundaries`), which it offers the pool
+    (`engine.recurrent`); `restore` takes a state over from a checkpoint or a saved session.
     """
 
     def __init__(self, seq: "KVCache", spec: GatedDeltaNetSpec):
         self.seq, self.shapes = seq, spec.state_shapes
         self.held: dict[int, State] = {}            # sequence length -> the state after that many tokens
-        self.pending: list[State] | None = None     # after each of the step's tokens, or after its last only
+        self.pending: tuple[list[State], list[int] | None] | None = None   # the step's states, after how many tokens
+        self.marks: dict[int, State] = {}           # the last long step's block-boundary states, for checkpoints
 
     def state(self) -> State:
         """The state after the sequence's held tokens (fresh zeros at the start)."""
@@ -449,33 +463,65 @@ class LayerState:
         if held is not None:
             return held
         assert self.seq.length == 0, "a recurrent state is missing for the held tokens"
-        return np.zeros(self.shapes[0], np.float32), np.zeros(self.shapes[1], np.float32)
+        return tuple(np.zeros(shape, np.float32) for shape in self.shapes)
 
-    def write(self, states: list[State]) -> None:
-        """The states after the step's tokens: one per token, or only the last one's."""
-        self.pending = states
+    def wanted(self, t: int) -> list[int]:
+        """After how many of the next step's t tokens the state is wanted, increasing: every one of a short
+        step; else the last, and the block boundaries the sequence checkpoints in the step
+        (`KVCache.checkpoint_boundaries`)."""
+        if t <= KEEP_STEP:
+            return list(range(1, t + 1))
+        base = self.seq.length
+        return [b - base for b in self.seq.checkpoint_boundaries(t) if b < base + t] + [t]
+
+    def write(self, states: list[State], after: Sequence[int] | None = None) -> None:
+        """The states after the step's tokens: after the counts `after` (as `wanted` gave them); without it one
+        per token, or only the last one's."""
+        self.pending = (states, list(after) if after is not None else None)
 
     def can_return(self, n: int) -> bool:
         """Whether the state after n tokens is at hand (0, the held length, or a token of the last short step)."""
         return n == 0 or n == self.seq.length or n in self.held
 
     def commit(self, base: int, n: int) -> None:
-        """The step of n tokens after `base` is done: its states become the held ones."""
-        states, self.pending = self.pending, None
-        assert states is not None and len(states) in (1, n), "a recurrent layer did not run in the step"
-        first = base + n - len(states) + 1
-        self.held = {first + i: st for i, st in enumerate(states)}
+        """The step of n tokens after `base` is done: its states become the held ones (all of a short step, the
+        last of a long one); a block-boundary state of a long step is kept in `marks` for a checkpoint."""
+        assert self.pending is not None, "a recurrent layer did not run in the step"
+        states, after = self.pending
+        self.pending = None
+        if after is None:
+            assert len(states) in (1, n), "a recurrent layer handed back states for other tokens"
+            after = list(range(n - len(states) + 1, n + 1))
+        assert len(after) == len(states) and after[-1] == n, "a recurrent layer did not hand back its last state"
+        kept = {base + c: st for c, st in zip(after, states)}
+        if n <= KEEP_STEP:
+            self.held, self.marks = kept, {}
+        else:
+            self.held = {base + n: states[-1]}
+            self.marks = {p: st for p, st in kept.items() if p != base + n}
+
+    def at(self, n: int) -> State | None:
+        """The state after n tokens if the last step left it (held, or a block-boundary mark), else None."""
+        held = self.held.get(n)
+        return held if held is not None else self.marks.get(n)
 
     def truncate(self, n: int) -> None:
         """Keep only the state after n tokens (`can_return(n)` must hold)."""
         kept = self.held.get(n)
-        self.held = {n: kept} if kept is not None else {}
-        self.pending = None
+        self.held = {n: own(kept)} if kept is not None else {}
+        self.pending, self.marks = None, {}
+
+    def restore(self, n: int, state: State) -> None:
+        """Hold `state` as the state after n tokens (the sequence's length once it is restored), and only it."""
+        if tuple(tuple(a.shape) for a in state) != tuple(tuple(s) for s in self.shapes):
+            raise GenerationError(f"a recurrent state of shapes {[a.shape for a in state]} does not fit a layer "
+                                  f"of shapes {list(self.shapes)}")
+        self.held, self.pending, self.marks = {n: tuple(state)}, None, {}
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the states held."""
-        return sum(a.nbytes + b.nbytes for a, b in self.held.values())
+        """Bytes of the states held (a block-boundary mark is the pool's once it is checkpointed)."""
+        return sum(a.nbytes for st in self.held.values() for a in st)
 
 
 def _encode(x: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray | np.float32]:
@@ -531,6 +577,9 @@ class KVCache:
         self.steps = 0
         self.evicted = 0                        # positions evicted past the context limit
         self._front = [0] * len(pool.windows)   # per window group: leading blocks no longer attended to
+        self._diverged: int | None = None       # recurrent: where the prompt left the cached prefix blocks
+        self._prompt_end: int | None = None     # recurrent: the adopted prompt's length (what follows is generated)
+        self._rolling: bytes | None = None      # recurrent: this sequence's checkpoint in its generated tokens
 
     # --- the model's interface ---
 
@@ -564,7 +613,10 @@ class KVCache:
     def commit(self, n: int) -> None:
         """Mark n more positions as filled (after every layer wrote them); index blocks that became full.
 
-        A recurrent sequence's blocks are not indexed: another sequence could not rebuild its state from them."""
+        A recurrent sequence's blocks are indexed too, and the recurrent layers' states at block boundaries the
+        step crossed are offered to the pool as checkpoints (`_checkpoint`): another sequence adopts its blocks
+        only up to a boundary with one."""
+        base = self.length
         for state in self.states:
             state.commit(self.length, n)
         self.length += n
@@ -577,8 +629,46 @@ class KVCache:
             fresh = parent and not self.evicted and min(block) >= 0   # contents a fresh run would compute
             digest = prefix_digest(parent, block) if fresh else b""
             self._digests.append(digest)
-            if digest and not self.states:
+            if digest:
                 self.pool.publish(self.table[i], digest)
+        if self.states:
+            self._checkpoint(base)
+
+    def checkpoint_boundaries(self, t: int) -> list[int]:
+        """The block boundaries a step of t more tokens crosses where the recurrent layers' states are to be
+        checkpointed, increasing: the last one, and where this sequence's prompt stopped matching the cached
+        prefix blocks (`adopt`: the next prompt sharing that prefix resumes there); none when the pool keeps
+        no checkpoints."""
+        if self.pool.checkpoints is None or self.evicted or not self.pool.checkpoints.useful:
+            return []
+        bs, end = self.pool.block_size, self.length + t
+        wanted = {end // bs * bs}
+        if self._diverged is not None:
+            wanted.add(self._diverged)
+        return sorted(b for b in wanted if self.length < b <= end)
+
+    def _checkpoint(self, base: int) -> None:
+        """Offer the pool the recurrent states at the block boundaries the step after `base` (just committed)
+        crossed and left states at: those `checkpoint_boundaries` asked for, or every one of a short step.
+
+        Past the end of an adopted prompt only the latest is kept (each replaces the one before): the next turn
+        of a conversation resumes from the end of this one, and decoding would otherwise push a snapshot out of
+        the pool every block."""
+        checkpoints, bs = self.pool.checkpoints, self.pool.block_size
+        if checkpoints is None:
+            return
+        crossed = range((base // bs + 1) * bs, min(self.length, len(self._digests) * bs) + 1, bs)
+        for boundary in crossed:
+            digest = self._digests[boundary // bs - 1]
+            states = [state.at(boundary) for state in self.states]
+            if digest and all(st is not None for st in states):
+                kept = checkpoints.put(digest, [st for st in states if st is not None])
+                if kept and self._prompt_end is not None and boundary > self._prompt_end:
+                    if self._rolling is not None and self._rolling != digest:
+                        checkpoints.drop(self._rolling)
+                    self._rolling = digest
+        for state in self.states:
+            state.marks = {}
 
     def table_array(self) -> np.ndarray:
         """The block table as an int32 array (cached until the table changes)."""
@@ -684,20 +774,29 @@ class KVCache:
     def adopt(self, prompt: Sequence[int]) -> int:
         """Reuse what is already computed for a prompt: the tokens this sequence holds in common with it,
         then full blocks of the prompt found in the pool's prefix index. Returns how many of the
-        prompt's tokens are held (always fewer than all, so the last one runs and gives logits)."""
+        prompt's tokens are held (always fewer than all, so the last one runs and gives logits).
+
+        With recurrent layers the blocks are taken only up to the longest boundary with a state checkpoint,
+        whose states are restored; where the blocks matched further, the prompt's run checkpoints the states
+        at the end of the match, so the next prompt sharing that prefix takes all of it."""
         prompt = list(prompt)
         limit = len(prompt) - 1
         same = 0
+        self._diverged, self._prompt_end, self._rolling = None, len(prompt), None
         for a, b in zip(self.tokens[: min(self.length, limit)], prompt):
             if a != b:
                 break
             same += 1
-        # a recurrent state can only go on from where it is (or a short step back): else the prompt runs afresh
+        # a recurrent state can only go on from where it is (or a short step back): else from a checkpoint, or afresh
         self.truncate(same if self.can_truncate(same) else 0)
         bs = self.pool.block_size
-        if not self.pool.prefix_cache or self.length % bs or self.evicted or self.states:
+        if not self.pool.prefix_cache or self.length % bs or self.evicted or (self.states and
+                                                                              self.pool.checkpoints is None):
             return self.length
         counted = len(self.table)
+        start = self.length
+        marks = [start]                    # lengths at which the recurrent states are at hand
+        checkpoints = self.pool.checkpoints
         while self.length + bs <= limit:
             parent = self._digests[-1] if self._digests else ROOT
             digest = prefix_digest(parent, prompt[self.length : self.length + bs])
@@ -712,8 +811,21 @@ class KVCache:
             self.length += bs
             if self.tracking:
                 self._grow_scores(self.length)
-        # a prefix whose windows' rows are dropped (its holder moved on) is held only up to where they are whole
-        counted = self._cut(self._intact(self.length), counted)
+            if self.states and checkpoints is not None and checkpoints.has(digest):
+                marks.append(self.length)
+        # a prefix whose windows' rows are dropped (its holder moved on) is held only up to where they are whole,
+        # and with recurrent layers only up to the last boundary whose states were checkpointed
+        matched = self.length
+        target = self._intact(self.length)
+        states = None
+        if self.states and checkpoints is not None:
+            target = max((m for m in marks if m <= target), default=0)
+            states = checkpoints.get(self._digests[target // bs - 1]) if target > start else None
+        counted = self._cut(target, counted)
+        for state, st in zip(self.states, states or ()):
+            state.restore(target, st)
+        # the blocks matched further than the states: checkpoint where they stop matching, for the next prompt
+        self._diverged = matched if self.states and matched > target else None
         self._settle(counted, [self._frontier(g, self.length) for g in range(len(self._front))])
         return self.length
 
@@ -725,10 +837,16 @@ class KVCache:
         return tuple(self._digests)
 
     def restore(self, table: list[int], tokens: list[int], length: int, digests: list[bytes], heat: np.ndarray,
-                born: np.ndarray, steps: int, evicted: int) -> None:
+                born: np.ndarray, steps: int, evicted: int, states: Sequence[State] = ()) -> None:
         """Take over blocks filled from a saved session (already allocated in this pool, into a cache that held
-        none): the table, tokens and length, the prefix hashes (republished, so prefix reuse finds them) and the
-        retention state. Sliding-window layers' rows the next query does not attend to are dropped."""
+        none): the table, tokens and length, the prefix hashes (republished, so prefix reuse finds them), the
+        retention state and, for recurrent layers, their `states` after the held tokens (one per layer, in
+        order). Sliding-window layers' rows the next query does not attend to are dropped."""
+        if len(states) != len(self.states) and int(length):
+            raise GenerationError(f"{self.spec.architecture} has {len(self.states)} recurrent layers but "
+                                  f"{len(states)} states were given to restore")
+        for state, st in zip(self.states, states):
+            state.restore(int(length), st)
         self.table, self.tokens, self.length = list(table), list(tokens), int(length)
         self._digests, self._table_np = list(digests), None
         for b, digest in zip(self.table, self._digests):

@@ -3,8 +3,9 @@
 Per value head the layer keeps a matrix S [Dk, Dv]. Each token decays it by exp(g), writes the part of
 its value that S does not already predict from its key (the delta rule, at rate beta), and reads its
 output with its query. The sequence's state (the convolution's last K-1 inputs and S) lives in the
-cache (`engine.kv.LayerState`), so prefill and decode run the same recurrence token by token
-(engine/kernels/deltanet.py).
+cache (`engine.kv.LayerState`), so prefill and decode run the same recurrence token by token, a whole
+step in one compiled call (engine/kernels/deltanet.py) that also copies out the states the cache wants
+kept (after each token of a short step; at a block boundary, for the prefix cache's checkpoints).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from engine.blocks.attention import Segments
 from engine.blocks.linear import Probe, linear
 from engine.blocks.norm import activation, rms_norm
 from engine.kernels.deltanet import delta_rule
-from engine.kv import KEEP_STEP, LayerState
+from engine.kv import LayerState
 from engine.spec import GatedDeltaNetSpec
 from engine.weights import Weights
 
@@ -144,14 +145,11 @@ class GatedDeltaNet:
         v, decay, beta = np.ascontiguousarray(v), np.ascontiguousarray(decay), np.ascontiguousarray(beta)
         out = np.empty((t, s.n_v_heads, s.v_head_dim), np.float32)
         rec = rec.copy()                                  # the step's own: held and kept states stay as they are
-        if t > KEEP_STEP:                                 # a long step keeps only the state after its last token
-            delta_rule(rec, q, k, v, decay, beta, out)
-            cache.write([(inputs[t : t + k_taps - 1].copy(), rec)])
-            return out
-        states = []
-        for i in range(t):                                # a short one keeps the state after each token
-            a = slice(i, i + 1)
-            delta_rule(rec, q[a], k[a], v[a], decay[a], beta[a], out[a])
-            states.append((inputs[i + 1 : i + k_taps].copy(), rec if i == t - 1 else rec.copy()))
-        cache.write(states)
+        after = cache.wanted(t)                           # states kept after these many tokens (the last included)
+        keep = np.asarray(after[:-1], np.int64)
+        kept = np.empty((len(keep), *rec.shape), np.float32)   # [M, Hv, Dk, Dv]
+        delta_rule(rec, q, k, v, decay, beta, out, keep, kept)
+        states = [(inputs[c : c + k_taps - 1].copy(), kept[m]) for m, c in enumerate(keep)]
+        states.append((inputs[t : t + k_taps - 1].copy(), rec))
+        cache.write(states, after)
         return out

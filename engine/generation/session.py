@@ -1,8 +1,9 @@
 """Saved sessions: one sequence's KV blocks, tokens and decode state in a file that survives a restart.
 
 A resumed conversation continues byte for byte as if it had never stopped: the file holds the KV rows
-exactly as stored (float32 or int8 with their scales), the retention state, the sampler's RNG state
-and the decode history, so nothing is recomputed.
+exactly as stored (float32 or int8 with their scales), the recurrent layers' states (a hybrid model's
+gated DeltaNet layers), the retention state, the sampler's RNG state and the decode history, so nothing
+is recomputed.
 
     sessions = SessionFile(path, model_hash, KVSettings.of(cache))
     sessions.save(cache, SessionState(seen, prompt_len, pending, params, sampler.get_state(), extra))
@@ -18,11 +19,13 @@ File layout: `MAGIC`, a format version (u32), then records. A record is a 16-byt
 blake2b of head + payload. A payload is a JSON meta (u32 length first) describing its arrays,
 then their raw bytes. Kinds:
 
-- `H` header, first: format, model hash, KV settings, every layer's array shapes. A file saved for
-  another model or other settings is refused, naming both.
+- `H` header, first: format, model hash, KV settings, every layer's array shapes (and, for a model with
+  recurrent layers, their state shapes). A file saved for another model or other settings is refused,
+  naming both.
 - `B` one full block: its index, prefix digest, tokens and every layer's rows. Written once.
-- `T` tail: what changes between saves: the partial last block, length, retention state
-  (heat, born, steps, evicted), the decode history and sampler state, the caller's `extra`. It
+- `T` tail: what changes between saves: the partial last block, length, the recurrent layers' states
+  after the held tokens, retention state (heat, born, steps, evicted), the decode history and sampler
+  state, the caller's `extra`. It
   names the block records it builds on by a hash of their checksums.
 
 `save` appends the blocks not yet in the file and a new tail (the newest complete tail wins; the old
@@ -138,11 +141,7 @@ class KVSettings:
 
     @classmethod
     def of(cls, cache: KVCache) -> KVSettings:
-        """The settings a cache runs with; refused for a model with recurrent layers, whose state a session
-        does not save (restoring its blocks alone would compute something else)."""
-        if cache.spec.is_recurrent:
-            raise SessionError(f"{cache.spec.architecture} keeps a recurrent state per conversation that saved "
-                               "sessions do not hold yet; chat without a session file")
+        """The settings a cache runs with."""
         return cls(cache.pool.block_size, cache.pool.bits, cache.max_len, cache.overflow,
                    cache.sink_tokens, cache.recent_tokens)
 
@@ -250,14 +249,18 @@ class SessionFile:
         return _Saved(b, tokens, digest, _last_rows(pool, b), rec[-_SUM:]), rec
 
     def _tail_payload(self, cache: KVCache, state: SessionState, blocks: Sequence[_Saved]) -> bytes:
-        """Everything but the full blocks; arrays: heat, born, seen, then the partial block's rows."""
+        """Everything but the full blocks; arrays: heat, born, seen, then the partial block's rows, then each
+        recurrent layer's state arrays (meta `states`: how many)."""
         bs, n = cache.pool.block_size, cache.length
         full = n // bs
         arrays = [np.asarray(cache.heat, np.float64), np.asarray(cache.born, np.int64),
                   np.asarray(state.seen, np.int64)]
         if n % bs:
             arrays += _block_arrays(cache.pool, cache.table[full])
+        states = [a for layer in cache.states for a in layer.state()]
+        arrays += states
         meta = {
+            "states": len(states),
             "length": n, "blocks": len(blocks), "chain": _chain(blocks).hex(),
             "tokens": [int(t) for t in cache.tokens[full * bs : n]],
             "steps": int(cache.steps), "evicted": int(cache.evicted),
@@ -316,8 +319,11 @@ class SessionFile:
                                 self.path.is_file())
 
     def _header(self, pool: KVPool) -> dict:
-        return {"format": FORMAT, "model_hash": self.model_hash, "kv": dataclasses.asdict(self.settings),
-                "layers": _layer_shapes(pool)}
+        header = {"format": FORMAT, "model_hash": self.model_hash, "kv": dataclasses.asdict(self.settings),
+                  "layers": _layer_shapes(pool)}
+        if pool.spec.is_recurrent:          # only then: files of other models keep the header they had
+            header["states"] = _state_shapes(pool)
+        return header
 
     # --- loading ---
 
@@ -327,9 +333,6 @@ class SessionFile:
         Refuses a file saved for another model or other KV settings; a torn or damaged last save falls
         back to the one before it, and `self.dropped` says what was left out (None when nothing was).
         """
-        if pool.spec.is_recurrent:
-            raise SessionError(f"session file {self.path}: {pool.spec.architecture} keeps a recurrent state that "
-                               "sessions do not hold; it cannot be restored from KV blocks")
         if (pool.block_size, pool.bits) != (self.settings.block_size, self.settings.bits):
             raise SessionError(f"session file {self.path}: the pool has block size {pool.block_size} and "
                                f"{pool.bits}-bit KV but the session was opened for block size "
@@ -436,6 +439,8 @@ class SessionFile:
         for key, value in want["kv"].items():
             if header.get("kv", {}).get(key) != value:
                 diffs.append(f"KV {key} {header.get('kv', {}).get(key)} in the file, {value} here")
+        if header.get("states") != want.get("states") and not diffs:
+            diffs.append(f"recurrent states of shapes {header.get('states')} in the file, {want.get('states')} here")
         if header.get("layers") != want["layers"] and not diffs:
             diffs.append(f"{len(header.get('layers', []))} layers of shapes {header.get('layers')} in the file, "
                          f"{len(want['layers'])} of {want['layers']} here")
@@ -466,15 +471,18 @@ class SessionFile:
             saved.append(_Saved(b, block_tokens, digest, _last_rows(pool, b), r.checksum))
         length = int(meta["length"])
         tokens += [int(t) for t in meta["tokens"]]
+        n_states = int(meta.get("states", 0))
+        rows = arrays[3 : len(arrays) - n_states]
+        states = _states(arrays[len(arrays) - n_states :], pool, self.path)
         if length % bs:
             b = pool.allocate()
             cache.table.append(b)
-            _put_block(pool, b, arrays[3:], self.path)
+            _put_block(pool, b, rows, self.path)
         if len(tokens) != length or len(cache.table) * bs < length or len(blocks) != length // bs:
             raise SessionError(f"session file {self.path}: its last save holds {len(tokens)} tokens for a length of "
                                f"{length}; the file is damaged, start a new session")
         cache.restore(cache.table, tokens, length, digests, arrays[0], arrays[1], int(meta["steps"]),
-                      int(meta["evicted"]))
+                      int(meta["evicted"]), states)
         return saved
 
 
@@ -571,7 +579,10 @@ def _state(meta: dict, seen: np.ndarray) -> SessionState:
 # --- blocks ---
 
 def _parts(arrays: dict) -> tuple[str, ...]:
-    """The names of one layer's arrays, in their saved order: k, ks, v, vs, then any a layer adds (indexer keys)."""
+    """The names of one layer's arrays, in their saved order: k, ks, v, vs, then any a layer adds (indexer keys);
+    none for a recurrent layer (its state is in the tail)."""
+    if not arrays:
+        return ()
     return _PARTS + tuple(name for name in arrays if name not in _PARTS)
 
 
@@ -579,6 +590,25 @@ def _layer_shapes(pool: KVPool) -> list[list]:
     """Each layer's arrays per block: [name, dtype, shape], what a block record holds."""
     return [[[name, arrays[name].dtype.str, list(arrays[name].shape[1:])] for name in _parts(arrays)]
             for arrays in pool.layers]
+
+
+def _state_shapes(pool: KVPool) -> list[list]:
+    """Each recurrent layer's state arrays: [dtype, shape] (what a tail holds after the held tokens)."""
+    return [[["<f4", list(shape)] for shape in layer.attn.state_shapes]
+            for layer in pool.spec.layers if getattr(layer.attn, "state_shapes", None) is not None]
+
+
+def _states(arrays: Sequence[np.ndarray], pool: KVPool, path: Path) -> list[tuple[np.ndarray, ...]]:
+    """A tail's recurrent-state arrays grouped per layer (copies: the layers' states outlive the payload)."""
+    shapes = _state_shapes(pool)
+    if [[a.dtype.str, list(a.shape)] for a in arrays] != [x for layer in shapes for x in layer]:
+        raise SessionError(f"session file {path}: its recurrent states do not match the model's layers; "
+                           "the file is damaged, start a new session")
+    out, i = [], 0
+    for layer in shapes:
+        out.append(tuple(np.array(a) for a in arrays[i : i + len(layer)]))
+        i += len(layer)
+    return out
 
 
 def _block_arrays(pool: KVPool, b: int) -> list[np.ndarray]:

@@ -4,7 +4,8 @@ Parity: prompt logits within 1e-4 of the largest logit and 32 greedy tokens iden
 from the cache, the reference recomputing), over layer patterns, head groupings, shared expert on and
 off, sparse steps and partial rotary. Then on a 4-bit container (row-invariant kernels): a batch gives
 each sequence its solo logits, prefix reuse and speculative drafts leave outputs unchanged, and what
-the state cannot do (go back further, saved sessions, eviction, the fused step) is declined.
+the state cannot do (go back further, eviction, the fused step) is declined (saved sessions and
+checkpointed prefix reuse: tests/generation/test_recurrent_session.py, tests/kv/test_recurrent_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from engine.fused.plan import FusedDecode, _NotFusable
 from engine.generation.generate import GenerationRequest, generate_step
 from engine.generation.sampling import SamplingParams
 from engine.generation.scheduler import Scheduler
-from engine.generation.session import KVSettings, SessionError
 from engine.generation.speculative import SpeculativeSettings
 from engine.kv import KVCache, KVPool, blocks_for
 from engine.loader import load_model
@@ -142,14 +142,16 @@ def test_a_batch_gives_each_sequence_its_solo_result(model):
 
 
 def test_prefix_reuse_falls_back_without_changing_outputs(model):
-    """Another sequence's blocks are never adopted (they cannot rebuild the state); the same sequence goes on
-    from where it is when the prompt extends what it holds, and starts afresh when it diverges."""
+    """Another sequence's blocks are not adopted without a state checkpoint (blocks cannot rebuild the state;
+    this pool is too small to set blocks aside for one: tests/kv/test_recurrent_checkpoints.py has room); the
+    same sequence goes on from where it is when the prompt extends what it holds, and starts afresh when it
+    diverges."""
     pool = KVPool(model.spec, 4 * (blocks_for(128) + 1), block_size=4)
     first = KVCache(model.spec, 128, pool=pool)
     model.forward(PROMPT, first)
     other = KVCache(model.spec, 128, pool=pool)
     assert other.adopt(PROMPT + [3, 4]) == 0                       # full blocks exist, yet none is taken
-    assert pool.hits == 0
+    assert pool.checkpoints.made == 0
 
     longer = PROMPT + [33, 44, 55]
     assert first.adopt(longer) == len(PROMPT)                      # the sequence itself goes on
@@ -197,9 +199,6 @@ def test_speculative_drafts_give_the_plain_tokens(model):
 
 
 def test_what_the_state_cannot_do_is_refused(model):
-    cache = KVCache(model.spec, 128)
-    with pytest.raises(SessionError, match="recurrent state"):
-        KVSettings.of(cache)
     with pytest.raises(ColibriError, match="overflow 'slide'"):
         KVCache(model.spec, 128, overflow="slide")
 
