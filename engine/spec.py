@@ -174,6 +174,7 @@ class GatedDeltaNetSpec:
     conv_kernel: int                  # taps of the depthwise causal convolution over q, k, v
     act: str = "silu"                 # the convolution's activation
     rms_eps: float = 1e-6             # the gated output norm's epsilon
+    split_proj: bool = False          # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a apart, heads in order
 
     @property
     def conv_dim(self) -> int:
