@@ -26,6 +26,7 @@ from engine.models import (
     glm_moe_dsa,
     gpt_oss,
     granitemoe,
+    kimi_linear,
     llama,
     minimax_m2,
     mistral,
@@ -47,7 +48,7 @@ FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
                    glm4_moe_lite, qwen3_next, glm_moe_dsa, phi3, mistral, gemma, olmo2, minimax_m2, ernie, phimoe,
-                   qwen3_5_moe)
+                   qwen3_5_moe, kimi_linear)
     for arch in module.ARCHITECTURES
 }
 

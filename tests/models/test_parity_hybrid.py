@@ -118,3 +118,81 @@ def test_qwen3_5_moe_unsupported_values_are_refused(over, key):
         spec_from_config(_qwen_config(**over))
     with pytest.raises(ModelFormatError, match=key):
         spec_from_config(dict(architectures=["Qwen3_5MoeForConditionalGeneration"], text_config=_qwen_config(**over)))
+
+
+# --- Kimi Linear ---
+
+KIMI_SMALL = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None, num_key_value_heads=4, kv_lora_rank=16,
+                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
+                  num_local_experts=8, num_experts_per_tok=2, linear_num_heads=2, linear_head_dim=16)
+KIMI_CASES = {
+    # KDA around a latent attention layer, the first layer dense, one shared expert, no query low-rank
+    "mixed-dense-first": dict(KIMI_SMALL, num_hidden_layers=3,
+                              layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # a query low-rank, biases, group-limited top-k without renormalisation, two shared experts, every layer
+    # sparse, a 3-tap convolution, latent attention first
+    "qlora-groups-bias-unnormed": dict(KIMI_SMALL, num_hidden_layers=3, q_lora_rank=32, attention_bias=True,
+                                       n_group=4, topk_group=2, norm_topk_prob=False, n_shared_experts=2,
+                                       routed_scaling_factor=1.5, mlp_layer_types=["sparse"] * 3,
+                                       linear_conv_kernel_dim=3,
+                                       layer_types=["full_attention", "linear_attention", "linear_attention"]),
+    # only KDA layers, four narrower heads, a dense layer between sparse ones, no shared expert, top-1,
+    # tie_word_embeddings that the reference does not honour (its head stays its own; its cache needs an
+    # attention layer: it runs without one)
+    "all-kda-tied-top1": dict(KIMI_SMALL, num_hidden_layers=3, linear_num_heads=4, linear_head_dim=8,
+                              layer_types=["linear_attention"] * 3, mlp_layer_types=["sparse", "dense", "sparse"],
+                              n_shared_experts=0, num_experts_per_tok=1, tie_word_embeddings=True, use_cache=False),
+}
+
+
+@pytest.mark.parametrize("case", list(KIMI_CASES))
+def test_kimi_linear_matches_transformers(case, tmp_path):
+    folder = build_checkpoint(tmp_path / case, "kimi_linear", **KIMI_CASES[case])
+    loaded, ref, _ = assert_matches_reference(folder, PROMPT, N_GREEDY, architecture="KimiLinearForCausalLM")
+    assert loaded.spec.is_recurrent == ("linear_attention" in ref.config.layer_types)
+
+
+def _kimi_config(**over) -> dict:
+    base = dict(architectures=["KimiLinearForCausalLM"], hidden_size=64, num_hidden_layers=6, vocab_size=160)
+    return {**base, **over}
+
+
+def test_kimi_linear_reference_defaults_are_read():
+    spec = spec_from_config(_kimi_config())
+    kinds = ["MLASpec" if i == 4 else "KimiDeltaSpec" for i in range(6)]          # every 4th from index 4 full
+    assert [type(layer.attn).__name__ for layer in spec.layers] == kinds
+    assert [type(layer.ffn).__name__ for layer in spec.layers] == ["MLPSpec"] + ["MoESpec"] * 5
+    mla, delta, moe = spec.layers[4].attn, spec.layers[0].attn, spec.layers[1].ffn
+    assert mla.rope.kind == "none" and mla.q_lora_rank is None and mla.scale == (128 + 64) ** -0.5
+    assert (delta.n_v_heads, delta.v_head_dim, delta.conv_kernel, delta.rms_eps) == (32, 128, 4, 1e-5)
+    assert (moe.n_experts, moe.top_k, moe.shared_ffn, moe.scoring, moe.routed_scaling_factor) == \
+        (256, 8, 1024, "sigmoid", 2.446)
+    assert spec.max_position == 1048576 and spec.norm_offset == 0.0
+    assert not spec_from_config(_kimi_config(tie_word_embeddings=True)).tie_embeddings
+    # the published spelling: linear_attn_config (1-indexed layers) and the attribute_map's names
+    published = spec_from_config(_kimi_config(
+        linear_attn_config=dict(head_dim=16, num_heads=2, short_conv_kernel_size=3, full_attn_layers=[2, 6],
+                                kda_layers=[1, 3, 4, 5]),
+        num_experts=16, num_experts_per_token=4, num_shared_experts=2, moe_renormalize=False, num_expert_group=4,
+        topk_group=2, model_max_length=4096, first_k_dense_replace=2))
+    assert [type(layer.attn).__name__ for layer in published.layers] == \
+        ["KimiDeltaSpec", "MLASpec", "KimiDeltaSpec", "KimiDeltaSpec", "KimiDeltaSpec", "MLASpec"]
+    assert (published.layers[0].attn.v_head_dim, published.layers[0].attn.conv_kernel) == (16, 3)
+    moe = published.layers[2].ffn
+    assert (moe.n_experts, moe.top_k, moe.shared_ffn, moe.norm_topk_prob, moe.n_group) == (16, 4, 2048, False, 4)
+    assert type(published.layers[1].ffn).__name__ == "MLPSpec" and published.max_position == 4096
+
+
+@pytest.mark.parametrize("over, key", [
+    (dict(layer_types=["linear_attention", "sliding_attention"] * 3), "layer_types"),
+    (dict(mlp_layer_types=["dense"]), "mlp_layer_types"),
+    (dict(linear_attn_config=dict(full_attn_layers=[1], kda_layers=[2, 3])), "linear_attn_config"),
+    (dict(num_attention_heads=4, num_key_value_heads=2), "num_key_value_heads"),
+    (dict(num_experts=8, num_expert_group=3), "num_expert_group"),
+    (dict(n_group=2, topk_group=3), "topk_group"),
+    (dict(linear_num_heads=0), "linear_num_heads"),
+    (dict(num_experts_per_tok=300), "num_experts_per_tok"),
+])
+def test_kimi_linear_unsupported_values_are_refused(over, key):
+    with pytest.raises(ModelFormatError, match=key):
+        spec_from_config(_kimi_config(**over))
