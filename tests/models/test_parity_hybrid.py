@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from app.hub.convert import ConvertSettings, convert
 from engine.errors import ModelFormatError
+from engine.fused.plan import FusedDecode, _NotFusable
+from engine.kv import KVCache, KVPool, blocks_for
+from engine.loader import load_model
 from engine.models import spec_from_config
-from engine.spec import GatedDeltaNetSpec
+from engine.spec import GatedDeltaNetSpec, KimiDeltaSpec
+from support.families import FAMILIES
 from support.reference import BASE, assert_matches_reference, build_checkpoint
 
 pytestmark = pytest.mark.parity
@@ -83,6 +89,31 @@ def test_qwen3_5_moe_vision_language_checkpoint_runs_its_text_model(tmp_path, ca
                                                 architecture="Qwen3_5MoeForConditionalGeneration")
     assert "vision tower" in caplog.text
     assert loaded.spec.n_layers == 4
+
+
+def test_qwen3_5_moe_fused_experts_are_cut_per_expert(tmp_path):
+    """Experts stored fused per layer (experts.gate_up_proj [E, 2I, hidden], experts.down_proj [E, hidden, I],
+    under model.language_model.) give the per-expert checkpoint's logits."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = build_vision_language(tmp_path / "vl", dict(QWEN_SMALL, num_hidden_layers=2, linear_num_key_heads=2,
+                                                         linear_num_value_heads=4, full_attention_interval=2))
+    whole = load_model(folder)
+    want = whole.model.forward(PROMPT, KVCache(whole.spec, 64), all_logits=True)
+    whole.close()
+    tensors = load_file(folder / "model.safetensors")
+    for i in range(2):
+        p = f"model.language_model.layers.{i}.mlp.experts"
+        pieces = {n: [tensors.pop(f"{p}.{e}.{n}.weight") for e in range(4)] for n in ("gate_proj", "up_proj", "down_proj")}
+        tensors[f"{p}.gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(pieces["gate_proj"],
+                                                                                        pieces["up_proj"])])
+        tensors[f"{p}.down_proj"] = np.stack(pieces["down_proj"])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    fused = load_model(folder)
+    try:
+        assert np.array_equal(fused.model.forward(PROMPT, KVCache(fused.spec, 64), all_logits=True), want)
+    finally:
+        fused.close()
 
 
 def _qwen_config(**over) -> dict:
@@ -196,3 +227,61 @@ def test_kimi_linear_reference_defaults_are_read():
 def test_kimi_linear_unsupported_values_are_refused(over, key):
     with pytest.raises(ModelFormatError, match=key):
         spec_from_config(_kimi_config(**over))
+
+
+# --- KDA's recurrent state through the cache, on a 4-bit container (row-invariant kernels) ---
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    model_type, overrides = FAMILIES["kimi_linear"]
+    src = build_checkpoint(tmp_path_factory.mktemp("src"), model_type, **overrides)
+    loaded = load_model(convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4),
+                                log=lambda m: None))
+    yield loaded.model
+    loaded.close()
+
+
+def _solo(model, tokens: list[int], steps: int = 0) -> list[np.ndarray]:
+    """Prompt logits, then those of `steps` greedy tokens, on a fresh private cache."""
+    cache = KVCache(model.spec, 128)
+    out = [model.forward(tokens, cache, all_logits=True)]
+    for _ in range(steps):
+        out.append(model.forward([int(out[-1][-1].argmax())], cache))
+    return out
+
+
+def test_kda_prompt_in_pieces_gives_the_bits_of_one_pass(kimi):
+    assert any(isinstance(layer.attn, KimiDeltaSpec) for layer in kimi.spec.layers)
+    whole = _solo(kimi, PROMPT)[0]
+    cache = KVCache(kimi.spec, 64)
+    pieces = [kimi.forward(PROMPT[a:b], cache, all_logits=True) for a, b in ((0, 7), (7, 8), (8, 20))]
+    assert np.array_equal(np.concatenate(pieces), whole)
+
+
+def test_kda_batch_gives_each_sequence_its_solo_result(kimi):
+    prompts = [PROMPT[:9], PROMPT[4:], [7, 8, 9]]
+    solo = [_solo(kimi, p, steps=3) for p in prompts]
+    pool = KVPool(kimi.spec, 3 * (blocks_for(128) + 1))
+    caches = [KVCache(kimi.spec, 128, pool=pool) for _ in prompts]
+    got = [[x] for x in kimi.forward_batch(list(zip(prompts, caches)), all_logits=True)]
+    for _ in range(3):
+        rows = kimi.forward_batch([([int(g[-1][-1].argmax())], c) for g, c in zip(got, caches)])
+        for g, r in zip(got, rows):
+            g.append(r)
+    for want, have in zip(solo, got):
+        for a, b in zip(want, have):
+            assert np.array_equal(a, b)
+
+
+def test_kda_truncating_into_the_last_short_step(kimi):
+    cache = KVCache(kimi.spec, 128)
+    kimi.forward(PROMPT, cache)
+    kimi.forward([4, 5, 6, 7], cache)
+    cache.truncate(len(PROMPT) + 2)                                # back into the last step: its kept states
+    assert np.array_equal(kimi.forward([9], cache), _solo(kimi, PROMPT + [4, 5, 9])[0][-1:])
+
+
+def test_the_fused_step_declines_kda(kimi):
+    assert FusedDecode.for_model(kimi) is None
+    with pytest.raises(_NotFusable, match="Kimi delta attention"):
+        FusedDecode(kimi)
