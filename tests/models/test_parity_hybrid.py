@@ -35,11 +35,12 @@ QWEN_CASES = {
     # the default pattern (every 4th layer full), value heads grouped 2 per key head
     "interval-grouped": dict(QWEN_SMALL, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4),
     # full layers first and between, MHA with biases, half the head rotated, a 3-tap convolution, key and value
-    # heads of different widths, top-1
+    # heads of different widths, top-1, multimodal RoPE sections (plain RoPE on text positions)
     "alternating-bias-partial": dict(QWEN_SMALL, num_hidden_layers=4, num_key_value_heads=4, attention_bias=True,
                                      layer_types=["full_attention", "linear_attention"] * 2, num_experts_per_tok=1,
                                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0,
-                                                      "partial_rotary_factor": 0.5},
+                                                      "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                                      "mrope_interleaved": True},
                                      linear_conv_kernel_dim=3, linear_num_key_heads=4, linear_num_value_heads=4,
                                      linear_key_head_dim=8),
     # one key head for four value heads, one KV head, tied embeddings, YaRN over the full rotary
@@ -167,6 +168,8 @@ KIMI_CASES = {
                                        routed_scaling_factor=1.5, mlp_layer_types=["sparse"] * 3,
                                        linear_conv_kernel_dim=3,
                                        layer_types=["full_attention", "linear_attention", "linear_attention"]),
+    # the reference's default layer pattern (the 5th layer full) and first dense layer, a larger rms_norm_eps
+    "default-pattern": dict(KIMI_SMALL, num_hidden_layers=5, rms_norm_eps=1e-3),
     # only KDA layers, four narrower heads, a dense layer between sparse ones, no shared expert, top-1,
     # tie_word_embeddings that the reference does not honour (its head stays its own; its cache needs an
     # attention layer: it runs without one)
