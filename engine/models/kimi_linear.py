@@ -13,6 +13,7 @@ Checkpoints keep the routed experts as Mixtral's
 
 from __future__ import annotations
 
+from engine.blocks.norm import ACTIVATIONS
 from engine.formats.fused import FusedTensor, Piece
 from engine.models.config import ROPE_BUFFERS, Config, model_fields, moe_counts, with_defaults
 from engine.spec import KimiDeltaSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec, RopeSpec
@@ -108,6 +109,8 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     n = cfg.req("num_hidden_layers")
     types, ffns = layer_types(cfg, n), mlp_types(cfg, n)
     act = cfg.opt("hidden_act", "silu", str)
+    # the convolution's and the MLPs' activation: refused at open, not at the first token
+    cfg.require(act in ACTIVATIONS, "hidden_act", act, f"one of {', '.join(sorted(ACTIVATIONS))}")
     linear = kda(cfg) if "linear_attention" in types else None
     full = latent_attention(cfg) if "full_attention" in types else None
     moe = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from engine.blocks.norm import ACTIVATIONS
 from engine.formats.fused import FusedTensor, Piece
 from engine.models import qwen3_next
 from engine.models.config import ROPE_BUFFERS, Config, gqa_attention, model_fields, moe_counts
@@ -63,6 +64,9 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
         honoured = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}[key]
         cfg.require(value is None or value == honoured, key, value,
                     f"{honoured!r} or absent (Qwen3.5-MoE has no such setting)")
+    act = cfg.opt("hidden_act", "silu", str)
+    # the convolution's and the experts' activation: refused at open, not at the first token
+    cfg.require(act in ACTIVATIONS, "hidden_act", act, f"one of {', '.join(sorted(ACTIVATIONS))}")
     n = cfg.req("num_hidden_layers")
     types = qwen3_next.layer_types(cfg, n)
     bias = cfg.opt("attention_bias", False, bool)
@@ -75,7 +79,7 @@ def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     moe = MoESpec(
         n_experts=cfg.req("num_experts"), top_k=cfg.req("num_experts_per_tok"),
         expert_ffn=cfg.req("moe_intermediate_size"), norm_topk_prob=True,
-        shared_ffn=shared, shared_gate=True, act=cfg.opt("hidden_act", "silu", str),
+        shared_ffn=shared, shared_gate=True, act=act,
     )
     moe_counts(cfg, moe.n_experts, moe.top_k, "num_experts")
     layers = tuple(LayerSpec(linear if t == "linear_attention" else attn, moe) for t in types)

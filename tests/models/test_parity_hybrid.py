@@ -144,6 +144,7 @@ def test_qwen3_5_moe_reference_defaults_are_read():
     (dict(linear_num_value_heads=3), "linear_num_value_heads"),
     (dict(layer_types=["linear_attention", "sliding_attention", "full_attention", "full_attention"]), "layer_types"),
     (dict(num_experts_per_tok=300), "num_experts_per_tok"),
+    (dict(hidden_act="swish7"), "hidden_act"),
 ])
 def test_qwen3_5_moe_unsupported_values_are_refused(over, key):
     with pytest.raises(ModelFormatError, match=key):
@@ -226,6 +227,7 @@ def test_kimi_linear_reference_defaults_are_read():
     (dict(n_group=2, topk_group=3), "topk_group"),
     (dict(linear_num_heads=0), "linear_num_heads"),
     (dict(num_experts_per_tok=300), "num_experts_per_tok"),
+    (dict(hidden_act="swish7"), "hidden_act"),
 ])
 def test_kimi_linear_unsupported_values_are_refused(over, key):
     with pytest.raises(ModelFormatError, match=key):
