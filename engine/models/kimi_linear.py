@@ -6,9 +6,8 @@ still the shared one from `kv_a_proj_with_mqa`, left as it is, and scores are sc
 `layer_types` (or `linear_attn_config`'s 1-indexed `full_attn_layers` / `kda_layers`, or every 4th layer from
 the 5th full) says which layers are which; `mlp_layer_types` (or `first_k_dense_replace`, 1) which are dense.
 Norms are plain RMSNorms (weight times the normed input). The output head is never tied to the embedding.
-Checkpoints keep the routed experts as Mixtral's
-`block_sparse_moe.experts.{e}.w1/w2/w3`, the dense layers' MLP under `mlp.` (or, as transformers saves it,
-`block_sparse_moe.`), and the convolutions of q, k and v apart.
+Checkpoints keep the routed experts as Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`, the dense layers'
+MLP under `mlp.` (or, as transformers saves it, `block_sparse_moe.`), and the convolutions of q, k and v apart.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ def text_config(cfg: Config, architecture: str) -> Config:
         return cfg
     text = cfg.data.get("text_config")
     cfg.require(isinstance(text, dict), "text_config", text, "an object with the text model's configuration")
-    # tie_word_embeddings is read from the outer config by the reference (the head belongs to it)
-    data = {**text, "tie_word_embeddings": cfg.data.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+    # the reference ties the head by the outer config's tie_word_embeddings (False when absent), never the text's
+    data = {**text, "tie_word_embeddings": cfg.data.get("tie_word_embeddings", False)}
     return Config(data, f"{cfg.source} (text_config)")
 
 

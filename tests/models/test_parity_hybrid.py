@@ -134,6 +134,9 @@ def test_qwen3_5_moe_reference_defaults_are_read():
     vl = spec_from_config(dict(architectures=["Qwen3_5MoeForConditionalGeneration"], tie_word_embeddings=True,
                                text_config={k: v for k, v in _qwen_config().items() if k != "architectures"}))
     assert vl.tie_embeddings and vl.layers == spec.layers
+    text_tied = spec_from_config(dict(architectures=["Qwen3_5MoeForConditionalGeneration"],
+                                      text_config={**_qwen_config(), "tie_word_embeddings": True}))
+    assert not text_tied.tie_embeddings                 # the outer config's value (absent: False) decides
 
 
 @pytest.mark.parametrize("over, key", [
