@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from app.hub.convert import ConvertSettings, convert
+from app.plan.speed_model import decode_calls
 from engine.errors import ModelFormatError
 from engine.fused.plan import FusedDecode, _NotFusable
 from engine.kv import KVCache, KVPool, blocks_for
 from engine.loader import load_model
 from engine.models import spec_from_config
+from engine.models.transformer import expected_shapes
 from engine.spec import GatedDeltaNetSpec, KimiDeltaSpec
 from support.families import FAMILIES
 from support.reference import BASE, assert_matches_reference, build_checkpoint
@@ -293,3 +295,22 @@ def test_the_fused_step_declines_kda(kimi):
     assert FusedDecode.for_model(kimi) is None
     with pytest.raises(_NotFusable, match="Kimi delta attention"):
         FusedDecode(kimi)
+
+
+@pytest.mark.parametrize("config", [
+    dict(architectures=["Qwen3_5MoeForCausalLM"], hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+         vocab_size=160, head_dim=16, num_experts=4, num_experts_per_tok=2, linear_num_key_heads=2,
+         linear_num_value_heads=4),
+    dict(architectures=["KimiLinearForCausalLM"], hidden_size=64, num_hidden_layers=5, num_attention_heads=4,
+         vocab_size=160, linear_num_heads=2, linear_head_dim=32, kv_lora_rank=32, q_lora_rank=32),
+], ids=["qwen3_5_moe", "kimi_linear"])
+def test_the_speed_model_counts_every_attention_matrix(config):
+    """The planner's decode cost counts each quantized matrix of the recurrent and attention blocks once."""
+    spec = spec_from_config(config)
+    shapes = expected_shapes(spec)
+    mats = {n: (shape, 4) for n, shape in shapes.items()
+            if len(shape) == 2 and (".self_attn." in n or ".linear_attn." in n) and not n.endswith("kv_b_proj.weight")}
+    layers, _ = decode_calls(spec, mats)
+    for i, calls in enumerate(layers):
+        want = sum(o * k for n, (o, k) in ((n, m[0]) for n, m in mats.items()) if n.startswith(f"model.layers.{i}."))
+        assert want and sum(c.weights for c in calls) == want, i
