@@ -84,14 +84,15 @@ def build_vision_language(folder: Path, text: dict, seed: int = 0) -> Path:
     return folder
 
 
-def test_qwen3_5_moe_vision_language_checkpoint_runs_its_text_model(tmp_path, caplog):
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_5_moe_vision_language_checkpoint_runs_its_text_model(tmp_path, caplog, tied):
     folder = build_vision_language(tmp_path / "vl", dict(QWEN_SMALL, num_hidden_layers=4, linear_num_key_heads=2,
-                                                         linear_num_value_heads=4))
+                                                         linear_num_value_heads=4, tie_word_embeddings=tied))
     with caplog.at_level("INFO", logger="engine.models.qwen3_5_moe"):
         loaded, _, _ = assert_matches_reference(folder, PROMPT, N_GREEDY,
                                                 architecture="Qwen3_5MoeForConditionalGeneration")
     assert "vision tower" in caplog.text
-    assert loaded.spec.n_layers == 4
+    assert loaded.spec.n_layers == 4 and loaded.spec.tie_embeddings == tied
 
 
 def test_qwen3_5_moe_fused_experts_are_cut_per_expert(tmp_path):
