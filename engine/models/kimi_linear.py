@@ -102,9 +102,17 @@ def latent_attention(cfg: Config) -> MLASpec:
     )
 
 
+# keys of the published config.json (Moonshot's own code) that transformers does not read: it runs them as these
+# values say, so any other value would be run wrong
+FIXED = {"mla_use_nope": True, "moe_router_activation_func": "sigmoid", "moe_layer_freq": 1}
+
+
 def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     """The spec of a Kimi Linear config.json (keys it leaves out take transformers' defaults)."""
     cfg = _config(cfg)
+    for key, value in FIXED.items():
+        got = cfg.data.get(key, value)
+        cfg.require(got == value and type(got) is type(value), key, got, f"{value!r} (the only one implemented)")
     n = cfg.req("num_hidden_layers")
     types, ffns = layer_types(cfg, n), mlp_types(cfg, n)
     act = cfg.opt("hidden_act", "silu", str)

@@ -215,7 +215,8 @@ def test_kimi_linear_reference_defaults_are_read():
         linear_attn_config=dict(head_dim=16, num_heads=2, short_conv_kernel_size=3, full_attn_layers=[2, 6],
                                 kda_layers=[1, 3, 4, 5]),
         num_experts=16, num_experts_per_token=4, num_shared_experts=2, moe_renormalize=False, num_expert_group=4,
-        topk_group=2, model_max_length=4096, first_k_dense_replace=2))
+        topk_group=2, model_max_length=4096, first_k_dense_replace=2, mla_use_nope=True,
+        moe_router_activation_func="sigmoid", moe_layer_freq=1))
     assert [type(layer.attn).__name__ for layer in published.layers] == \
         ["KimiDeltaSpec", "MLASpec", "KimiDeltaSpec", "KimiDeltaSpec", "KimiDeltaSpec", "MLASpec"]
     assert (published.layers[0].attn.v_head_dim, published.layers[0].attn.conv_kernel) == (16, 3)
@@ -234,6 +235,9 @@ def test_kimi_linear_reference_defaults_are_read():
     (dict(linear_num_heads=0), "linear_num_heads"),
     (dict(num_experts_per_tok=300), "num_experts_per_tok"),
     (dict(hidden_act="swish7"), "hidden_act"),
+    (dict(mla_use_nope=False), "mla_use_nope"),
+    (dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
+    (dict(moe_layer_freq=2), "moe_layer_freq"),
 ])
 def test_kimi_linear_unsupported_values_are_refused(over, key):
     with pytest.raises(ModelFormatError, match=key):
