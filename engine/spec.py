@@ -19,7 +19,7 @@ class RopeSpec:
 
     dim: int                      # rotated features per head (even)
     theta: float                  # base wavelength
-    kind: str = "default"         # default | linear | llama3 | yarn | longrope
+    kind: str = "default"         # default | linear | llama3 | yarn | longrope | none (no rotation: Kimi Linear)
     factor: float = 1.0           # context extension factor (linear, llama3, yarn, longrope)
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -35,7 +35,10 @@ class RopeSpec:
     freq_factors: tuple[float, ...] | None = None
 
     def inv_freq(self) -> np.ndarray:
-        """Inverse frequencies [dim/2] as float32, computed the way the reference does."""
+        """Inverse frequencies [dim/2] as float32, computed the way the reference does (all 0 for kind "none":
+        cos 1 and sin 0 at every position, so the rotation leaves a head's bits as they are)."""
+        if self.kind == "none":
+            return np.zeros(self.dim // 2, np.float32)
         exponent = np.arange(0, self.dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.dim)
         base = np.float32(self.theta) ** exponent  # float32 like the reference
         inv = (np.float32(1.0) / base).astype(np.float32)
@@ -174,6 +177,7 @@ class GatedDeltaNetSpec:
     conv_kernel: int                  # taps of the depthwise causal convolution over q, k, v
     act: str = "silu"                 # the convolution's activation
     rms_eps: float = 1e-6             # the gated output norm's epsilon
+    split_proj: bool = False          # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a apart, heads in order
 
     @property
     def conv_dim(self) -> int:
@@ -184,6 +188,14 @@ class GatedDeltaNetSpec:
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of one sequence's state: the convolution's last inputs, the recurrent matrices."""
         return (self.conv_kernel - 1, self.conv_dim), (self.n_v_heads, self.k_head_dim, self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class KimiDeltaSpec(GatedDeltaNetSpec):
+    """Kimi delta attention (Kimi Linear): the gated delta rule with a decay per key channel rather than per
+    head, q, k and v projected and convolved apart, a low-rank forget gate and a low-rank sigmoid output gate.
+    Key and value heads are the same heads (n_k_heads == n_v_heads, k_head_dim == v_head_dim); its state has
+    DeltaNet's shapes and lives in the same `LayerState`."""
 
 
 @dataclass(frozen=True)

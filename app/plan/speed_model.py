@@ -39,7 +39,7 @@ import numpy as np
 
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.plan.planner import FLOAT_BITS, Plan
-from engine.spec import GatedDeltaNetSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from engine.spec import GatedDeltaNetSpec, KimiDeltaSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 
 HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
@@ -69,7 +69,8 @@ def decode_calls(spec: ModelSpec, mats: Matrices) -> tuple[list[tuple[Call, ...]
 
     `mats` maps each quantized matrix to (shape, bits). Follows the engine's blocks: q/k/v in one call
     and o_proj in another (MLA: one call per matrix, its sparse-attention indexer's three matrices too; gated
-    DeltaNet: in_proj_qkvz, in_proj_ba and out_proj one call each); gate and up in one call, down in another;
+    DeltaNet: each input projection (fused or split) and out_proj one call each; Kimi delta attention: its six
+    projections of the input in one call, f_b, g_b and o_proj one each); gate and up in one call, down in another;
     a MoE layer's top_k routed experts in two fused calls (gate and up of all, then down of all).
     """
     layers = []
@@ -83,8 +84,13 @@ def decode_calls(spec: ModelSpec, mats: Matrices) -> tuple[list[tuple[Call, ...]
 
         p = f"model.layers.{i}"
         a = f"{p}.self_attn"
-        if isinstance(layer.attn, GatedDeltaNetSpec):
-            for m in ("in_proj_qkvz", "in_proj_ba", "out_proj"):
+        if isinstance(layer.attn, KimiDeltaSpec):     # engine/blocks/kda.py: the input's six in one call
+            add([f"{a}.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")])
+            for m in ("f_b_proj", "g_b_proj", "o_proj"):
+                add([f"{a}.{m}.weight"])
+        elif isinstance(layer.attn, GatedDeltaNetSpec):
+            # fused per key head, or apart (Qwen3.5's split_proj): absent names add nothing
+            for m in ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_b", "in_proj_z", "in_proj_a", "out_proj"):
                 add([f"{p}.linear_attn.{m}.weight"])
         elif isinstance(layer.attn, MLASpec):
             for m in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "indexer.wk", "indexer.wq_b",

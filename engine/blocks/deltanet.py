@@ -24,11 +24,18 @@ from engine.weights import Weights
 
 
 def deltanet_shapes(spec: GatedDeltaNetSpec, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
-    """The tensors of one gated DeltaNet block, by name, with their shapes."""
+    """The tensors of one gated DeltaNet block, by name, with their shapes (its input projections fused per
+    key head, or apart with `split_proj`)."""
     key, value = spec.n_k_heads * spec.k_head_dim, spec.n_v_heads * spec.v_head_dim
+    if spec.split_proj:
+        inputs = {f"{prefix}.in_proj_qkv.weight": (2 * key + value, hidden), f"{prefix}.in_proj_z.weight": (value, hidden),
+                  f"{prefix}.in_proj_b.weight": (spec.n_v_heads, hidden),
+                  f"{prefix}.in_proj_a.weight": (spec.n_v_heads, hidden)}
+    else:
+        inputs = {f"{prefix}.in_proj_qkvz.weight": (2 * key + 2 * value, hidden),
+                  f"{prefix}.in_proj_ba.weight": (2 * spec.n_v_heads, hidden)}
     return {
-        f"{prefix}.in_proj_qkvz.weight": (2 * key + 2 * value, hidden),
-        f"{prefix}.in_proj_ba.weight": (2 * spec.n_v_heads, hidden),
+        **inputs,
         f"{prefix}.conv1d.weight": (spec.conv_dim, 1, spec.conv_kernel),
         f"{prefix}.dt_bias": (spec.n_v_heads,),
         f"{prefix}.A_log": (spec.n_v_heads,),
@@ -85,30 +92,48 @@ class GatedDeltaNet:
     w_out: np.ndarray             # [hidden, Hv*Dv]
     order_qkvz: np.ndarray        # column order of in_proj_qkvz's output into [q | k | v | z]
     order_ba: np.ndarray          # column order of in_proj_ba's output into [b | a]
+    w_z: np.ndarray | None = None  # [Hv*Dv, hidden] with split_proj (w_qkvz then gives [q | k | v], w_ba b)
+    w_a: np.ndarray | None = None  # [Hv, hidden] with split_proj
 
     @classmethod
     def load(cls, spec: GatedDeltaNetSpec, w: Weights, prefix: str) -> "GatedDeltaNet":
         """Take the block's tensors from `w`."""
         conv = w.dense(f"{prefix}.conv1d.weight").reshape(spec.conv_dim, spec.conv_kernel)
         a_log = w.dense(f"{prefix}.A_log").astype(np.float32)
-        order_qkvz, order_ba = _orders(spec)
+        if spec.split_proj:           # heads already in order: the identity orders
+            order_qkvz, order_ba = np.arange(spec.conv_dim), np.arange(spec.n_v_heads)
+            inputs = (w[f"{prefix}.in_proj_qkv.weight"], w[f"{prefix}.in_proj_b.weight"])
+            split = dict(w_z=w[f"{prefix}.in_proj_z.weight"], w_a=w[f"{prefix}.in_proj_a.weight"])
+        else:
+            order_qkvz, order_ba = _orders(spec)
+            inputs, split = (w[f"{prefix}.in_proj_qkvz.weight"], w[f"{prefix}.in_proj_ba.weight"]), {}
         return cls(
-            spec, prefix, w[f"{prefix}.in_proj_qkvz.weight"], w[f"{prefix}.in_proj_ba.weight"],
+            spec, prefix, *inputs,
             np.ascontiguousarray(conv.T, np.float32), (-np.exp(a_log)).astype(np.float32),
             w.dense(f"{prefix}.dt_bias").astype(np.float32), w.dense(f"{prefix}.norm.weight").astype(np.float32),
-            w[f"{prefix}.out_proj.weight"], order_qkvz, order_ba,
+            w[f"{prefix}.out_proj.weight"], order_qkvz, order_ba, **split,
         )
+
+    def _project(self, x: np.ndarray, probe: Probe | None) -> tuple[np.ndarray, np.ndarray]:
+        """x [T, hidden] -> qkvz [T, 2*key + 2*value] as [q | k | v | z], ba [T, 2*Hv] as [b | a]."""
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if self.w_z is not None else \
+            ("in_proj_qkvz", "in_proj_ba")
+        if probe is not None:
+            for name in names:
+                probe(f"{self.prefix}.{name}.weight", x)
+        qkvz = linear(x, self.w_qkvz)[:, self.order_qkvz]
+        ba = linear(x, self.w_ba)[:, self.order_ba]
+        if self.w_z is not None:
+            qkvz = np.concatenate([qkvz, linear(x, self.w_z)], axis=1)
+            ba = np.concatenate([ba, linear(x, self.w_a)], axis=1)
+        return qkvz, ba
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, segments: Segments, probe: Probe | None = None) -> np.ndarray:
         """x [T, hidden] -> [T, hidden]. The rows may belong to several sequences (`segments`: rows and the
         sequence's `LayerState` of this layer); each runs on from its own state, the projections run once."""
         s, t = self.spec, x.shape[0]
         key, value = s.n_k_heads * s.k_head_dim, s.n_v_heads * s.v_head_dim
-        if probe is not None:
-            probe(f"{self.prefix}.in_proj_qkvz.weight", x)
-            probe(f"{self.prefix}.in_proj_ba.weight", x)
-        qkvz = linear(x, self.w_qkvz)[:, self.order_qkvz]                  # [T, 2*key + 2*value]
-        ba = linear(x, self.w_ba)[:, self.order_ba]                        # [T, 2*Hv]
+        qkvz, ba = self._project(x, probe)                                 # [T, 2*key + 2*value], [T, 2*Hv]
         mixed, z = qkvz[:, : 2 * key + value], qkvz[:, 2 * key + value :]   # [T, C], [T, value]
         beta = _sigmoid(ba[:, : s.n_v_heads])                              # [T, Hv]
         decay = np.exp(self.neg_a * _softplus(ba[:, s.n_v_heads :] + self.dt_bias)).astype(np.float32)  # [T, Hv]

@@ -36,6 +36,7 @@ import numpy as np
 from engine.blocks.attention import Attention
 from engine.blocks.deltanet import GatedDeltaNet
 from engine.blocks.ffn import MLP, MoE, ResidentExperts, Routing, StreamingExpertSource
+from engine.blocks.kda import KimiDeltaAttention
 from engine.errors import GenerationError
 from engine.fused import kernel as fk
 from engine.fused.driver import Driver
@@ -195,6 +196,8 @@ class FusedDecode:
         attn = layer.attn
         if isinstance(attn, GatedDeltaNet):
             raise _NotFusable("gated DeltaNet (a recurrent state the kernel does not keep)")
+        if isinstance(attn, KimiDeltaAttention):
+            raise _NotFusable("Kimi delta attention (a recurrent state the kernel does not keep)")
         if type(attn) is not Attention:
             raise _NotFusable("latent attention")
         s = attn.spec

@@ -26,6 +26,7 @@ from engine.models import (
     glm_moe_dsa,
     gpt_oss,
     granitemoe,
+    kimi_linear,
     llama,
     minimax_m2,
     mistral,
@@ -36,6 +37,7 @@ from engine.models import (
     phimoe,
     qwen2,
     qwen3,
+    qwen3_5_moe,
     qwen3_next,
     qwen_moe,
 )
@@ -45,7 +47,8 @@ from engine.spec import ModelSpec
 FAMILIES: dict[str, ModuleType] = {
     arch: module
     for module in (llama, qwen2, qwen3, mixtral, qwen_moe, olmoe, deepseek, gpt_oss, granitemoe, deepseek_v2, glm4_moe,
-                   glm4_moe_lite, qwen3_next, glm_moe_dsa, phi3, mistral, gemma, olmo2, minimax_m2, ernie, phimoe)
+                   glm4_moe_lite, qwen3_next, glm_moe_dsa, phi3, mistral, gemma, olmo2, minimax_m2, ernie, phimoe,
+                   qwen3_5_moe, kimi_linear)
     for arch in module.ARCHITECTURES
 }
 

@@ -28,6 +28,7 @@ from engine.blocks.ffn import (
     expert_bias_shapes,
     mlp_shapes,
 )
+from engine.blocks.kda import KimiDeltaAttention, kda_shapes
 from engine.blocks.linear import Probe, linear
 from engine.blocks.mla import LatentAttention, mla_shapes
 from engine.blocks.norm import normalize, rms_norm
@@ -35,7 +36,7 @@ from engine.blocks.rope import Rotary
 from engine.errors import GenerationError
 from engine.kv import KVCache
 from engine.models.context import DecodeContext
-from engine.spec import GatedDeltaNetSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
+from engine.spec import GatedDeltaNetSpec, KimiDeltaSpec, LayerSpec, MLASpec, MLPSpec, ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 from engine.weights import TensorSource, Weights
 
@@ -96,7 +97,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if norm_bias:
             shapes[f"{p}.input_layernorm.bias"] = (h,)
             shapes[f"{p}.post_attention_layernorm.bias"] = (h,)
-        if isinstance(layer.attn, GatedDeltaNetSpec):
+        if isinstance(layer.attn, KimiDeltaSpec):        # before DeltaNet: a kind of it, under self_attn
+            shapes |= kda_shapes(layer.attn, f"{p}.self_attn", h)
+        elif isinstance(layer.attn, GatedDeltaNetSpec):
             shapes |= deltanet_shapes(layer.attn, f"{p}.linear_attn", h)
         elif isinstance(layer.attn, MLASpec):
             shapes |= mla_shapes(layer.attn, f"{p}.self_attn", h)
@@ -134,7 +137,7 @@ class Layer:
     """One decoder layer's blocks and its RMSNorm weights (None where its layout has no such norm)."""
 
     input_norm: np.ndarray | None  # [hidden], the attention's input
-    attn: Attention | LatentAttention | GatedDeltaNet
+    attn: Attention | LatentAttention | GatedDeltaNet | KimiDeltaAttention
     post_norm: np.ndarray | None   # [hidden], the feed-forward's input
     ffn: MLP | MoE
     attn_out_norm: np.ndarray | None = None  # [hidden], the attention's output (Gemma, OLMo 2)
@@ -234,8 +237,10 @@ class Transformer:
 
     def _load_layer(self, i: int, ls: LayerSpec, w: Weights, rotaries: dict, resident: dict) -> Layer:
         p, eps = layer_prefix(i), self.spec.rms_eps
-        attn: Attention | LatentAttention | GatedDeltaNet
-        if isinstance(ls.attn, GatedDeltaNetSpec):
+        attn: Attention | LatentAttention | GatedDeltaNet | KimiDeltaAttention
+        if isinstance(ls.attn, KimiDeltaSpec):
+            attn = KimiDeltaAttention.load(ls.attn, w, f"{p}.self_attn")
+        elif isinstance(ls.attn, GatedDeltaNetSpec):
             attn = GatedDeltaNet.load(ls.attn, w, f"{p}.linear_attn")
         else:
             rotary = rotaries.setdefault(ls.attn.rope, Rotary(ls.attn.rope))  # layers share cos/sin tables

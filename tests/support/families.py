@@ -39,4 +39,16 @@ FAMILIES = {
                                           moe_num_shared_experts=0)),       # fused: interleaved RoPE, biased router
     "phimoe": ("phimoe", dict(num_local_experts=8, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
                               router_jitter_noise=0.3)),
+    # Qwen3.5-MoE's text model: split DeltaNet projections, every layer sparse with a gated shared expert
+    "qwen3_5_moe_text": ("qwen3_5_moe_text", dict(num_hidden_layers=4, head_dim=16, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=64, num_experts=8,
+                                                  num_experts_per_tok=2, linear_num_key_heads=2,
+                                                  linear_num_value_heads=4, linear_key_head_dim=16,
+                                                  linear_value_head_dim=16)),
+    # Kimi Linear: KDA layers around a NoPE latent attention layer, DeepSeek-V3 routing with a shared expert (KDA's
+    # gate up-projections take head_dim inputs: 32, so that 4-bit groups divide them)
+    "kimi_linear": ("kimi_linear", dict(MLA, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                                        num_hidden_layers=3, num_local_experts=8, num_experts_per_tok=2, n_group=2,
+                                        topk_group=1, linear_num_heads=2, linear_head_dim=32,
+                                        layer_types=["linear_attention", "full_attention", "linear_attention"])),
 }
