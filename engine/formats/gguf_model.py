@@ -29,6 +29,11 @@ _ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", None),
     "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeForCausalLM"),
+    # DeepSeek-V2/V3, Kimi K2: V3 when its router is sigmoid-scored (see _deepseek2_config)
+    "deepseek2": ("DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM"),
+    "glm4moe": ("Glm4MoeForCausalLM", "Glm4MoeForCausalLM"),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssForCausalLM"),
 }
 
 _GLOBAL_NAMES = {
@@ -57,14 +62,55 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# per-architecture names where llama.cpp's tensor map differs from (or adds to) the table above
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "deepseek2": {
+        "attn_q.weight": "self_attn.q_proj.weight",            # no query low-rank (V2-Lite)
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_kv_b.weight": "self_attn.kv_b_proj.weight",      # older files; newer ones split it (see _KV_B)
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    "glm4moe": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    "gpt-oss": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.bias": "mlp.gate.bias",
+    },
+}
 _EXPERT_STACKS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+# gpt-oss's experts carry biases, stacked [E, out] as their weights are
+_EXPERT_BIAS_STACKS = {"ffn_gate_exps.bias": 0, "ffn_up_exps.bias": 1, "ffn_down_exps.bias": 2}
+# newer llama.cpp files split DeepSeek's kv_b_proj per head into k_b (stored transposed, [H, kv_lora, nope])
+# and v_b ([H, v, kv_lora]) for its absorbed attention; kv_b_proj is rebuilt from the two
+_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, Any]:
-    """A config.json-style dict for the model a GGUF file describes (its values are checked as a config's are)."""
+def gguf_config(meta: dict[str, Any], n_output: bool, path: str, tensors: Iterable[str] = ()) -> dict[str, Any]:
+    """A config.json-style dict for the model a GGUF file describes (its values are checked as a config's are).
+
+    `tensors` (the file's tensor names) settles what the metadata leaves to the weights: whether a GLM layer
+    has q/k norms or biases, whether a DeepSeek router has a correction bias.
+    """
     try:
-        return _gguf_config(meta, n_output, path)
+        cfg = _gguf_config(meta, n_output, path)
+        arch = meta.get("general.architecture")
+        if arch in _ARCH_CONFIG:
+            _ARCH_CONFIG[arch](cfg, _getter(meta, arch, path), frozenset(tensors))
+        return cfg
     except (TypeError, ValueError, OverflowError) as exc:   # a value of the wrong type: a list where a count goes
         raise ModelFormatError(f"{path}: GGUF metadata is malformed ({exc}); download the file again") from None
 
@@ -127,6 +173,112 @@ def _gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, A
     return cfg
 
 
+def _getter(meta: dict[str, Any], arch: str, path: str):
+    """get(key, default): the architecture's metadata value; no default and no value is a clear error."""
+    missing = object()
+
+    def get(key: str, default: Any = missing) -> Any:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            if default is missing:
+                raise ModelFormatError(f"{path}: metadata {arch}.{key} is missing; the GGUF file is incomplete")
+            return default
+        return value
+    return get
+
+
+def _moe_common(cfg: dict[str, Any], get) -> None:
+    """DeepSeek-style MoE keys (shared experts, leading dense layers, routed scaling, expert groups)."""
+    n_experts = int(get("expert_count"))
+    cfg |= {
+        "n_routed_experts": n_experts,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)),
+        "n_group": int(get("expert_group_count", 1)),
+        "topk_group": int(get("expert_group_used_count", 1)),
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def _olmoe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # llama.cpp's OLMoE graph never renormalises the chosen experts' weights (nor does OLMoE's config)
+    cfg["norm_topk_prob"] = False
+
+
+def _deepseek2_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # gating 2 is sigmoid (V3, R1, Kimi K2); files without the key predate V3 and score by softmax (V2)
+    sigmoid = int(get("expert_gating_func", 1)) == 2 or any(t.endswith(".exp_probs_b.bias") for t in tensors)
+    heads, rope_dim = cfg["num_attention_heads"], int(get("rope.dimension_count"))
+    # the MLA sizes: newer files keep key/value_length for the absorbed (MQA) view and add *_mla
+    qk = int(get("attention.key_length_mla", get("attention.key_length")))
+    q_lora = get("attention.q_lora_rank", None)
+    cfg |= {
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": heads,       # llama.cpp writes 1 (its MQA view of MLA); every head has its own
+        "kv_lora_rank": int(get("attention.kv_lora_rank")),
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk - rope_dim,
+        "v_head_dim": int(get("attention.value_length_mla", get("attention.value_length"))),
+        "head_dim": rope_dim,
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "rope_interleave": True,
+    }
+    _moe_common(cfg, get)
+    if sigmoid:
+        cfg["topk_method"] = "noaux_tc"
+    else:
+        cfg["topk_method"] = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
+    log_mul = get("rope.scaling.yarn_log_multiplier", None)
+    if log_mul and cfg["rope_parameters"]["rope_type"] == "yarn":
+        # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek's configs give mscale the same value
+        cfg["rope_parameters"] |= {"mscale_all_dim": float(log_mul) / 0.1, "mscale": float(log_mul) / 0.1}
+
+
+def _glm4moe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # the file's blocks include the MTP layers at the end; they are not decoder layers
+    nextn = int(get("nextn_predict_layers", 0))
+    cfg["num_hidden_layers"] -= nextn
+    cfg["partial_rotary_factor"] = int(get("rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"]
+    cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    _moe_common(cfg, get)
+
+
+def _gpt_oss_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    cfg |= {
+        "num_local_experts": int(get("expert_count")),
+        "intermediate_size": int(get("expert_feed_forward_length")),
+        "sliding_window": int(get("attention.sliding_window")),
+        "attention_bias": True,
+    }
+    cfg.pop("num_experts", None)
+    cfg.pop("moe_intermediate_size", None)
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        # llama.cpp's YaRN does not truncate its correction range, as gpt-oss's own config says
+        rope |= {"beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                 "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+
+
+# architecture -> what it adds to the config (metadata getter, tensor names)
+_ARCH_CONFIG = {"olmoe": _olmoe_config, "deepseek2": _deepseek2_config, "glm4moe": _glm4moe_config,
+                "gpt-oss": _gpt_oss_config}
+
+
+def _extra_layers(arch: str, cfg: dict[str, Any], layer: int) -> bool:
+    """Whether block `layer` is beyond the decoder layers (GLM's MTP layers): read by nothing, not an error."""
+    return arch == "glm4moe" and layer >= cfg["num_hidden_layers"]
+
+
+def kv_b_from_split(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek's kv_b_proj [H * (nope + v), kv_lora] from llama.cpp's k_b [H, kv_lora, nope] and v_b [H, v, kv_lora]."""
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+
+
 _Q = gguf.GGMLQuantizationType
 # block formats that are Colibri formats: type -> (bits, asymmetric, bytes of d [, m], bytes of the high-bit word)
 _NATIVE = {_Q.Q4_0: (4, False, 0), _Q.Q4_1: (4, True, 0), _Q.Q5_0: (5, False, 4), _Q.Q5_1: (5, True, 4),
@@ -186,7 +338,7 @@ class GGUFModel:
         self.meta = gguf_metadata(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache: dict[str, np.ndarray | QuantizedTensor] = {}
-        self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path)
+        self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path, self._tensors)
         if not self.config["vocab_size"] and "token_embd.weight" in self._tensors:   # no tokenizer: the table says
             self.config["vocab_size"] = int(self._tensors["token_embd.weight"].shape[-1])
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1 scaling, written as per-frequency factors
@@ -197,7 +349,10 @@ class GGUFModel:
         proj = ("w1", "w3", "w2") if moe_prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
         # HF name -> (GGUF tensor name, expert index or None)
         self._names: dict[str, tuple[str, int | None]] = {}
+        # HF name -> the GGUF tensors it is rebuilt from (DeepSeek's kv_b_proj from k_b and v_b)
+        self._derived: dict[str, tuple[str, str]] = {}
         self.unmapped: list[str] = []    # GGUF tensors with no Hugging Face name: no model reads them
+        layer_names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(self._arch, {})
         for name, t in self._tensors.items():
             if name in _GLOBAL_NAMES:
                 self._names[_GLOBAL_NAMES[name]] = (name, None)
@@ -208,8 +363,17 @@ class GGUFModel:
                     self.unmapped.append(name)
                 continue
             layer, rest = f"model.layers.{m.group(1)}", m.group(2)
-            if rest in _LAYER_NAMES:
-                self._names[f"{layer}.{_LAYER_NAMES[rest]}"] = (name, None)
+            if _extra_layers(self._arch, self.config, int(m.group(1))):
+                continue
+            if rest in layer_names:
+                self._names[f"{layer}.{layer_names[rest]}"] = (name, None)
+            elif rest == _KV_B[0] and self._arch == "deepseek2":
+                self._derived[f"{layer}.self_attn.kv_b_proj.weight"] = (name, name.replace(*_KV_B))
+            elif rest == _KV_B[1] and self._arch == "deepseek2":
+                continue                  # read with its k_b
+            elif rest in _EXPERT_BIAS_STACKS:
+                for e in range(int(t.shape[-1])):   # ggml order: [out, experts]
+                    self._names[f"{layer}.{moe_prefix}.experts.{e}.{proj[_EXPERT_BIAS_STACKS[rest]]}.bias"] = (name, e)
             elif rest == "ffn_gate_inp.weight":
                 self._names[f"{layer}.{moe_prefix}.gate.weight"] = (name, None)
             elif rest in _EXPERT_STACKS:
@@ -221,10 +385,13 @@ class GGUFModel:
 
     def names(self) -> Iterable[str]:
         """Every tensor, by Hugging Face name."""
-        return self._names.keys()
+        return [*self._names, *self._derived]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape in Hugging Face (row-major [out, in]) order."""
+        if name in self._derived:
+            k_b, v_b = (self._tensors[g].shape for g in self._derived[name])   # ggml order, reversed below
+            return (int(k_b[2]) * (int(k_b[0]) + int(v_b[1])), int(k_b[1]))
         gname, expert = self._names[name]
         shape = tuple(int(d) for d in reversed(self._tensors[gname].shape))
         if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
@@ -233,7 +400,7 @@ class GGUFModel:
 
     def location(self, name: str) -> str:
         """The file (and GGUF tensor) holding a tensor."""
-        gname = self._names.get(name, (name, None))[0]
+        gname = self._derived[name][0] if name in self._derived else self._names.get(name, (name, None))[0]
         return f"{self.path} ({gname})"
 
     def _dequantized(self, gname: str, keep: bool) -> np.ndarray:
@@ -271,7 +438,14 @@ class GGUFModel:
         return self._cache[gname]
 
     def load(self, name: str) -> np.ndarray | QuantizedTensor:
-        """A tensor in Hugging Face layout: float32, dequantized, or (see `quantized`) a QuantizedTensor."""
+        """A tensor in Hugging Face layout: float32, dequantized, or (see `quantized`) a QuantizedTensor.
+
+        DeepSeek's kv_b_proj, when the file splits it into k_b and v_b, is rebuilt in float32 (k_b is stored
+        transposed, so its blocks run along the other axis).
+        """
+        if name in self._derived:
+            k_b, v_b = (self._dequantized(g, keep=False) for g in self._derived[name])
+            return kv_b_from_split(k_b, v_b)
         gname, expert = self._names[name]
         if self._native(name, gname):
             q = self._quantized(gname, keep=expert is not None)
