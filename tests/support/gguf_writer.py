@@ -150,3 +150,167 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
     w.write_tensors_to_file()
     w.close()
     return back
+
+
+# --- llama.cpp's converter for the MoE families it names olmoe, deepseek2, glm4moe, gpt-oss ------------------
+# (convert_hf_to_gguf.py's TextModel.set_gguf_parameters plus each model class, as of llama-cpp-python 0.3.36)
+
+CONVERTED = {"olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+             "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
+F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+
+
+def _float_type(gname: str, ndim: int, outtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """The converter's choice: vectors, norms, routers and anything not a `.weight` stay F32."""
+    if ndim <= 1 or gname.endswith("_norm.weight") or ".ffn_gate_inp." in gname or not gname.endswith(".weight"):
+        return F32
+    return outtype
+
+
+def _common_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """TextModel.set_gguf_parameters: the keys every architecture gets from config.json."""
+    w.add_block_count(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0) * (w.arch == "glm4moe"))
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(1 if w.arch == "deepseek2" else cfg["num_key_value_heads"])   # MLA as MQA
+    rope = cfg["rope_parameters"]
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if "beta_fast" in rope:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(1e-5 if w.arch == "olmoe" else cfg["rms_norm_eps"])   # OLMoE's class forces 1e-5
+    n_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    w.add_expert_count(n_experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("n_group") is not None:
+        w.add_expert_group_count(cfg["n_group"])
+    if cfg.get("topk_group") is not None:
+        w.add_expert_group_used_count(cfg["topk_group"])
+    if cfg.get("scoring_func") is not None:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if cfg["scoring_func"] == "sigmoid"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if cfg.get("head_dim") is not None and w.arch != "deepseek2":   # DeepSeek's class rewrites them below
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+
+
+def _arch_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """What each model class adds in its own set_gguf_parameters."""
+    if w.arch == "deepseek2":
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_vocab_size(cfg["vocab_size"])
+        if cfg.get("q_lora_rank") is not None:
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(cfg["kv_lora_rank"])
+        w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+        w.add_value_length(cfg["kv_lora_rank"])
+        w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+        w.add_value_length_mla(cfg["v_head_dim"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        if cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    elif w.arch == "glm4moe":
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 0.5)))
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_nextn_predict_layers(cfg.get("num_nextn_predict_layers", 0))
+    elif w.arch == "gpt-oss":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+
+
+def _hf_pieces(cfg: dict, arch: str, name: str, value: np.ndarray, split_kv_b: bool):
+    """The converter's modify_tensors: one HF tensor -> [(HF-side name to map, array)]; expert lists are
+    stacked by the caller. Returns [] for tensors it drops."""
+    if arch == "deepseek2" and name.endswith("kv_b_proj.weight") and split_kv_b:
+        heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        kv_b = value.reshape(heads, nope + v, value.shape[-1])
+        return [(name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :nope].transpose(0, 2, 1)),   # [H, lora, nope]
+                (name.replace("kv_b_proj", "v_b_proj"), kv_b[:, nope:])]                       # [H, v, lora]
+    if arch == "gpt-oss" and ".mlp.experts." in name:
+        if name.endswith("gate_up_proj"):                 # [E, hidden, 2I] interleaved, stored [in, out]
+            t = value.transpose(0, 2, 1)
+            return [(name.replace("gate_up_proj", "gate_proj.weight"), t[:, ::2]),
+                    (name.replace("gate_up_proj", "up_proj.weight"), t[:, 1::2])]
+        if name.endswith("gate_up_proj_bias"):
+            return [(name.replace("gate_up_proj_bias", "gate_proj.bias"), value[..., ::2]),
+                    (name.replace("gate_up_proj_bias", "up_proj.bias"), value[..., 1::2])]
+        if name.endswith("down_proj"):
+            return [(name.replace("down_proj", "down_proj.weight"), value.transpose(0, 2, 1))]
+        if name.endswith("down_proj_bias"):
+            return [(name.replace("down_proj_bias", "down_proj.bias"), value)]
+    if arch == "gpt-oss" and name.endswith(".sinks"):
+        return [(name + ".weight", value)]
+    if name.endswith("e_score_correction_bias"):
+        return [(name.replace("e_score_correction_bias", "e_score_correction.bias"), value)]
+    return [(name, value)]
+
+
+def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray],
+                           outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+    """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss
+    model (`--outtype f32` or `f16`); returns the HF tensors as the file holds them (after F16 rounding).
+
+    Names come from gguf's own tensor map (the converter's map_tensor_name); per-expert matrices are stacked
+    [E, out, in]; DeepSeek's kv_b_proj is split into k_b (transposed) and v_b unless `split_kv_b` is false
+    (files from before the split); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed.
+    """
+    arch = {"OlmoeForCausalLM": "olmoe", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
+            "Glm4MoeForCausalLM": "glm4moe", "GptOssForCausalLM": "gpt-oss"}[cfg["architectures"][0]]
+    n_blocks = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
+    name_map = gguf.get_tensor_name_map(CONVERTED[arch], n_blocks)
+    w = gguf.GGUFWriter(str(path), arch)
+    _common_metadata(w, cfg)
+    _arch_metadata(w, cfg)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if outtype == F32 else gguf.LlamaFileType.MOSTLY_F16)
+
+    def rounded(x: np.ndarray, qtype) -> np.ndarray:
+        return x.astype(np.float32) if qtype == F32 else x.astype(np.float16).astype(np.float32)
+
+    back: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, str]] = {}
+    for name, value in tensors.items():
+        if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        e = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if e:   # per-expert matrices: stacked once a layer's are all seen (the converter's _experts)
+            stacks.setdefault(f"{e.group(1)}.{e.group(3)}.weight", {})[int(e.group(2))] = name
+            continue
+        qtypes = set()
+        for hf, data in _hf_pieces(cfg, arch, name, value, split_kv_b):
+            gname = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert gname is not None, f"gguf's tensor map has no name for {hf}"
+            qtype = _float_type(gname, data.ndim, outtype)
+            w.add_tensor(gname, np.ascontiguousarray(data.astype(np.float32 if qtype == F32 else np.float16)))
+            qtypes.add(qtype)
+        # the pieces are parts of the original, rounded elementwise by one type: rounding the original by it
+        # gives what the file holds, in the checkpoint's own layout
+        (qtype,) = qtypes
+        back[name] = rounded(value, qtype)
+    for merged, members in stacks.items():
+        names = [members[i] for i in range(len(members))]
+        data = np.stack([tensors[n] for n in names])
+        gname = name_map.get_name(merged, try_suffixes=(".weight",))
+        qtype = _float_type(gname, data.ndim, outtype)
+        w.add_tensor(gname, np.ascontiguousarray(data.astype(np.float32 if qtype == F32 else np.float16)))
+        for n in names:
+            back[n] = rounded(tensors[n], qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return back

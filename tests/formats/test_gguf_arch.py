@@ -1,0 +1,183 @@
+"""GGUF files of the MoE architectures as llama.cpp names them: olmoe, deepseek2, glm4moe, gpt-oss.
+
+Each test writes a tiny random transformers checkpoint as llama.cpp's converter would
+(support.gguf_writer.convert_like_llama_cpp: its names, metadata keys and transformations), loads the
+GGUF with Colibri and compares it with transformers running the checkpoint with the values the file
+holds (F16 rounding applied to the same weights).
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from engine.errors import ModelFormatError, UnsupportedArchitectureError
+from engine.kv import KVCache
+from engine.loader import load_model
+from support.gguf_writer import F16, F32, convert_like_llama_cpp, write_gguf
+from support.reference import build_checkpoint, load_reference, reference_greedy, reference_logits, relative_error
+
+pytestmark = pytest.mark.parity   # each model read from a GGUF is run against transformers
+
+PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 140]
+DEEPSEEK = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=16,
+                qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1,
+                num_key_value_heads=4)   # DeepSeek's configs give every head its own K and V, as the converter needs
+
+
+def _convert(tmp_path, model_type, outtype=F32, split_kv_b=True, extra=None, **overrides):
+    """(GGUF path, reference model on the file's values, those values by HF name)."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = build_checkpoint(tmp_path / "hf", model_type, **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors") | (extra or {})
+    back = convert_like_llama_cpp(tmp_path / "model.gguf", cfg, tensors, outtype, split_kv_b=split_kv_b)
+    for name in extra or {}:
+        back.pop(name)
+    rounded = tmp_path / "hf-roundtrip"
+    rounded.mkdir()
+    (rounded / "config.json").write_text(json.dumps(cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in back.items()}, rounded / "model.safetensors",
+              metadata={"format": "pt"})
+    return tmp_path / "model.gguf", load_reference(rounded), back
+
+
+def _check(path, ref, architecture: str, greedy: int = 16):
+    """Prompt logits within 1e-4 of the reference's largest, and `greedy` tokens through the KV cache identical."""
+    loaded = load_model(path)
+    assert loaded.spec.architecture == architecture
+    cache = KVCache(loaded.spec, 128)
+    ours = loaded.model.forward(PROMPT, cache, all_logits=True)
+    assert relative_error(ours, reference_logits(ref, PROMPT)) < 1e-4
+    tokens, logits = [], ours[-1]
+    for _ in range(greedy):
+        tokens.append(int(logits.argmax()))
+        logits = loaded.model.forward([tokens[-1]], cache)[-1]
+    assert tokens == reference_greedy(ref, PROMPT, greedy)
+    return loaded
+
+
+def _gguf_names(path) -> set[str]:
+    return {t.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_olmoe_f16(tmp_path):
+    """OLMoE: q/k norms over the whole projection, experts stacked, no Q/K permutation, F16 matrices."""
+    path, ref, _ = _convert(tmp_path, "olmoe", F16, num_experts=4, num_experts_per_tok=2)
+    assert {"blk.0.attn_q_norm.weight", "blk.0.ffn_gate_exps.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "OlmoeForCausalLM")
+    assert loaded.spec.is_moe
+
+
+def test_olmoe_quantized_experts(tmp_path):
+    """A Q4_0 OLMoE file runs its matrices as QuantizedTensors (the names map the same for quantized files)."""
+    from safetensors.numpy import load_file, save_file
+
+    from engine.quant import QuantizedTensor
+
+    folder = build_checkpoint(tmp_path / "hf", "olmoe", num_experts=4, num_experts_per_tok=2)
+    cfg = json.loads((folder / "config.json").read_text())
+    back = write_gguf(tmp_path / "model.gguf", "olmoe", cfg, load_file(folder / "model.safetensors"),
+                      {"": gguf.GGMLQuantizationType.Q4_0})
+    rounded = tmp_path / "rt"
+    rounded.mkdir()
+    (rounded / "config.json").write_text(json.dumps(cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in back.items()}, rounded / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = _check(tmp_path / "model.gguf", load_reference(rounded), "OlmoeForCausalLM", greedy=8)
+    expert = loaded.model.experts.experts(0, [2])[2]
+    assert isinstance(expert.up, QuantizedTensor)
+    assert np.array_equal(expert.up.dequantize(), back["model.layers.0.mlp.experts.2.up_proj.weight"])
+
+
+def test_deepseek_v3_split_kv_b(tmp_path):
+    """DeepSeek-V3 (Kimi K2's layout): query low-rank, sigmoid router with correction bias and expert groups,
+    kv_b_proj split by the converter into k_b (transposed) and v_b, F16."""
+    path, ref, _ = _convert(tmp_path, "deepseek_v3", F16, q_lora_rank=24, n_group=2, topk_group=1,
+                            scoring_func="sigmoid", routed_scaling_factor=2.5, **DEEPSEEK)
+    names = _gguf_names(path)
+    assert {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", "blk.1.exp_probs_b.bias"} <= names
+    assert "blk.1.attn_kv_b.weight" not in names
+    meta = gguf.GGUFReader(str(path)).fields
+    assert meta["deepseek2.attention.head_count_kv"].contents() == 1      # llama.cpp's MQA view of MLA
+    loaded = _check(path, ref, "DeepseekV3ForCausalLM")
+    assert loaded.spec.layers[1].ffn.n_group == 2 and loaded.spec.layers[1].ffn.scoring == "sigmoid"
+
+
+def test_deepseek_v2_unsplit_kv_b_no_q_lora(tmp_path):
+    """DeepSeek-V2-Lite's shape: no query low-rank (attn_q), softmax router, shared expert, and a file from
+    before llama.cpp split kv_b (attn_kv_b)."""
+    path, ref, _ = _convert(tmp_path, "deepseek_v2", F32, split_kv_b=False, q_lora_rank=None,
+                            routed_scaling_factor=1.5, n_shared_experts=1, **DEEPSEEK)
+    names = _gguf_names(path)
+    assert {"blk.1.attn_q.weight", "blk.1.attn_kv_b.weight"} <= names and "blk.1.attn_k_b.weight" not in names
+    _check(path, ref, "DeepseekV2ForCausalLM")
+
+
+def test_glm4moe_mtp_block_is_not_a_layer(tmp_path):
+    """GLM-4.5: partial RoPE, q/k norms and biases, sigmoid groups; the file's last block is the MTP drafter
+    (blk.3.nextn.*), counted in block_count, which is no decoder layer."""
+    rng = np.random.default_rng(0)
+    mtp = {"model.layers.3.eh_proj.weight": rng.normal(size=(64, 128)).astype(np.float32),
+           "model.layers.3.enorm.weight": np.ones(64, np.float32),
+           "model.layers.3.hnorm.weight": np.ones(64, np.float32)}
+    path, ref, _ = _convert(tmp_path, "glm4_moe", F16, extra=mtp, n_routed_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1,
+                            use_qk_norm=True, attention_bias=True, head_dim=16, num_nextn_predict_layers=1)
+    names = _gguf_names(path)
+    assert {"blk.3.nextn.eh_proj.weight", "blk.1.post_attention_norm.weight", "blk.1.attn_q_norm.weight"} <= names
+    assert gguf.GGUFReader(str(path)).fields["glm4moe.block_count"].contents() == 4
+    loaded = _check(path, ref, "Glm4MoeForCausalLM")
+    assert loaded.spec.n_layers == 3
+
+
+def test_gpt_oss_sinks_window_biases(tmp_path):
+    """gpt-oss: sinks, a 4-token sliding window on even layers (the prompt is longer), biases everywhere,
+    YaRN, and the fused gate_up de-interleaved by the converter into gate and up stacks."""
+    path, ref, _ = _convert(tmp_path, "gpt_oss", F16, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                            sliding_window=4)
+    names = _gguf_names(path)
+    assert {"blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias", "blk.0.ffn_gate_inp.bias"} <= names
+    loaded = _check(path, ref, "GptOssForCausalLM")
+    assert [layer.attn.sliding_window for layer in loaded.spec.layers] == [4, None, 4]
+
+
+def test_deepseek2_without_kv_lora_rank_is_refused(tmp_path):
+    """A deepseek2 file missing an MLA size names the key, never a traceback or a wrong model."""
+    from safetensors.numpy import load_file
+
+    folder = build_checkpoint(tmp_path / "hf", "deepseek_v2", q_lora_rank=None, **DEEPSEEK)
+    cfg = json.loads((folder / "config.json").read_text())
+    path = tmp_path / "model.gguf"
+    convert_like_llama_cpp(path, cfg, load_file(folder / "model.safetensors"))
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "broken.gguf"), "deepseek2")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "deepseek2.attention.kv_lora_rank"):
+            continue
+        value = field.contents()
+        vtype = field.types[0]
+        w.add_key_value(key, value, vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFormatError, match="deepseek2.attention.kv_lora_rank is missing"):
+        load_model(tmp_path / "broken.gguf")
+
+
+def test_unknown_architecture_lists_the_new_ones(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match="deepseek2.*glm4moe.*gpt-oss.*olmoe"):
+        load_model(tmp_path / "x.gguf")
