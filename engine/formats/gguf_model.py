@@ -34,6 +34,11 @@ _ARCHITECTURES = {
     "deepseek2": ("DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM"),
     "glm4moe": ("Glm4MoeForCausalLM", "Glm4MoeForCausalLM"),
     "gpt-oss": ("GptOssForCausalLM", "GptOssForCausalLM"),
+    # dense families (llama.cpp writes Mistral's checkpoints as "llama", with the Q/K permutation)
+    "olmo2": ("Olmo2ForCausalLM", None),
+    "phi3": ("Phi3ForCausalLM", None),
+    "gemma2": ("Gemma2ForCausalLM", None),
+    "gemma3": ("Gemma3ForCausalLM", None),
 }
 
 _GLOBAL_NAMES = {
@@ -62,6 +67,10 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# Gemma's RMSNorms scale by (1 + w); llama.cpp's converter stores w + 1 (see GGUFModel.load)
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+# llama.cpp's Phi-3 long-context RoPE: per-frequency factors as tensors
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # per-architecture names where llama.cpp's tensor map differs from (or adds to) the table above
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "deepseek2": {
@@ -83,6 +92,24 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    "olmo2": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "phi3": {   # Phi-3 keeps q/k/v and gate/up fused, in its checkpoints as in llama.cpp's
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+    "gemma2": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
     "gpt-oss": {
         "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -264,9 +291,58 @@ def _gpt_oss_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
                  "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
 
 
+def _phi3_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    window = int(get("attention.sliding_window", 0))
+    rope = cfg["rope_parameters"]
+    rope["partial_rotary_factor"] = int(get("rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"]
+    orig = int(get("rope.scaling.original_context_length", cfg["max_position_embeddings"]))
+    cfg |= {"sliding_window": window or None, "original_max_position_embeddings": orig}   # 0: none (Phi-3)
+    if _ROPE_FACTORS[0] in tensors:     # the factors themselves are read with the tensors (GGUFModel)
+        rope |= {"rope_type": "longrope", "original_max_position_embeddings": orig}
+        attn = get("rope.scaling.attn_factor", None)
+        if attn is not None:
+            rope["attention_factor"] = float(attn)
+
+
+def swa_layer_types(get, n: int, default_pattern: int) -> list[str]:
+    """Each layer's type as llama.cpp reads it: `attention.sliding_window_pattern` as one flag a layer, or as
+    n (every n-th layer global; 0: none), else the architecture's own n."""
+    pattern = get("attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} flags for {n} layers")
+        return ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    p = int(pattern)
+    return ["sliding_attention" if p == 0 or i % p < p - 1 else "full_attention" for i in range(n)]
+
+
+def _gemma_config(cfg: dict[str, Any], get, tensors: frozenset[str], gemma3: bool) -> None:
+    n, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    # llama.cpp scales queries by 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B models (Gemma 2's 46
+    # layers, Gemma 3's 62), as their configs' query_pre_attn_scalar do; GGUF has no key for it
+    scalar = hidden // heads if n == (62 if gemma3 else 46) else cfg["head_dim"]
+    window = int(get("attention.sliding_window", 0 if gemma3 else 4096))   # llama.cpp's defaults when absent
+    cfg |= {"query_pre_attn_scalar": scalar, "sliding_window": window or None, "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": swa_layer_types(get, n, 6 if gemma3 else 2) if window else ["full_attention"] * n}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = get(key, None)     # absent: the family's default (llama.cpp's too: Gemma 2 caps at 50 and 30)
+        if value is not None and (not gemma3 or key == "final_logit_softcapping"):
+            cfg[key] = float(value)
+    if gemma3:
+        # global layers: the file's base and scaling; local layers: their own base (10000 unless the file says)
+        full = dict(cfg["rope_parameters"])
+        full["rope_theta"] = float(get("rope.freq_base", 1_000_000.0))
+        local = float(get("rope.freq_base_swa", 10000.0))
+        cfg |= {"rope_theta": full["rope_theta"], "rope_local_base_freq": local,
+                "rope_parameters": {"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
+
+
 # architecture -> what it adds to the config (metadata getter, tensor names)
 _ARCH_CONFIG = {"olmoe": _olmoe_config, "deepseek2": _deepseek2_config, "glm4moe": _glm4moe_config,
-                "gpt-oss": _gpt_oss_config}
+                "gpt-oss": _gpt_oss_config, "phi3": _phi3_config,
+                "gemma2": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=False),
+                "gemma3": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=True)}
 
 
 def _extra_layers(arch: str, cfg: dict[str, Any], layer: int) -> bool:
@@ -344,6 +420,13 @@ class GGUFModel:
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1 scaling, written as per-frequency factors
             factors = self._dequantized("rope_freqs.weight", keep=False).reshape(-1)
             self.config["rope_parameters"]["freq_factors"] = [float(f) for f in factors]
+        if _ROPE_FACTORS[0] in self._tensors and self.config["rope_parameters"].get("rope_type") == "longrope":
+            for gname, key in zip(_ROPE_FACTORS, ("long_factor", "short_factor")):
+                if gname not in self._tensors:
+                    raise ModelFormatError(f"{self.path}: {_ROPE_FACTORS[0]} without {_ROPE_FACTORS[1]}; "
+                                           "the GGUF file is incomplete: convert or download it again")
+                factors = self._dequantized(gname, keep=False).reshape(-1)
+                self.config["rope_parameters"][key] = [float(f) for f in factors]
         self._arch = self.meta["general.architecture"]
         moe_prefix = "block_sparse_moe" if self.config["architectures"][0] == "MixtralForCausalLM" else "mlp"
         proj = ("w1", "w3", "w2") if moe_prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
@@ -359,7 +442,8 @@ class GGUFModel:
                 continue
             m = _BLOCK.fullmatch(name)
             if not m:
-                if name != "rope_freqs.weight":     # read into the config above
+                if name != "rope_freqs.weight" and not (name in _ROPE_FACTORS and self._arch == "phi3"):
+                    # (read into the config above)
                     self.unmapped.append(name)
                 continue
             layer, rest = f"model.layers.{m.group(1)}", m.group(2)
@@ -464,6 +548,8 @@ class GGUFModel:
             data = unpermute_qk(data, heads)
         if name.endswith("shared_expert_gate.weight"):
             data = data.reshape(1, -1)
+        if self._arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            data = data - np.float32(1.0)          # back to the checkpoint's w (the model applies 1 + w)
         return data
 
     def release(self) -> None:
