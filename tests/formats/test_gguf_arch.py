@@ -181,3 +181,72 @@ def test_unknown_architecture_lists_the_new_ones(tmp_path):
     w.close()
     with pytest.raises(UnsupportedArchitectureError, match="deepseek2.*glm4moe.*gpt-oss.*olmoe"):
         load_model(tmp_path / "x.gguf")
+
+
+def test_mistral_is_written_as_llama(tmp_path):
+    """llama.cpp converts Mistral as "llama" (Q/K permuted, no window kept): it runs as Llama, which matches
+    Mistral within its window (4096 here, the prompt far shorter)."""
+    from safetensors.numpy import load_file
+
+    folder = build_checkpoint(tmp_path / "hf", "mistral", head_dim=16)
+    cfg = json.loads((folder / "config.json").read_text())
+    write_gguf(tmp_path / "model.gguf", "llama", cfg, load_file(folder / "model.safetensors"), {})
+    _check(tmp_path / "model.gguf", load_reference(folder), "LlamaForCausalLM")
+
+
+def test_olmo2_post_norms(tmp_path):
+    path, ref, _ = _convert(tmp_path, "olmo2", F16)
+    assert {"blk.0.post_ffw_norm.weight", "blk.0.attn_q_norm.weight"} <= _gguf_names(path)
+    _check(path, ref, "Olmo2ForCausalLM")
+
+
+def test_phi3_fused_qkv_and_window(tmp_path):
+    """Phi-3: q/k/v and gate/up stay fused (attn_qkv, ffn_up), partial RoPE, and a sliding window shorter than
+    the prompt."""
+    path, ref, _ = _convert(tmp_path, "phi3", F16, pad_token_id=0, sliding_window=6, partial_rotary_factor=0.5)
+    assert {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"} <= _gguf_names(path)
+    assert "blk.0.ffn_gate.weight" not in _gguf_names(path)
+    loaded = _check(path, ref, "Phi3ForCausalLM")
+    assert loaded.spec.layers[0].attn.sliding_window == 6
+
+
+def test_phi3_longrope_is_refused_by_name(tmp_path):
+    """A Phi-3 128k file carries its LongRoPE factors as tensors: read into the config, where the family refuses
+    LongRoPE by name (not as tensors nobody reads)."""
+    from safetensors.numpy import load_file
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i for i in range(8)],
+            "short_factor": [1.0] * 8, "original_max_position_embeddings": 64}
+    folder = build_checkpoint(tmp_path / "hf", "phi3", pad_token_id=0, rope_scaling=rope,
+                              original_max_position_embeddings=64)
+    cfg = json.loads((folder / "config.json").read_text())
+    convert_like_llama_cpp(tmp_path / "model.gguf", cfg, load_file(folder / "model.safetensors"))
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= _gguf_names(tmp_path / "model.gguf")
+    from engine.formats.gguf_model import GGUFModel
+
+    params = GGUFModel(tmp_path / "model.gguf").config["rope_parameters"]
+    assert params["long_factor"] == rope["long_factor"] and params["short_factor"] == rope["short_factor"]
+    with pytest.raises(ModelFormatError, match="rope type 'longrope' is not supported for Phi-3"):
+        load_model(tmp_path / "model.gguf")
+
+
+def test_gemma2_norms_plus_one_softcaps_window(tmp_path):
+    """Gemma 2: the converter stores each norm as w + 1 and drops lm_head; soft caps and a window of 4 on
+    alternate layers."""
+    path, ref, back = _convert(tmp_path, "gemma2", F16, head_dim=16, sliding_window=4, query_pre_attn_scalar=16)
+    stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+    assert np.allclose(stored["blk.0.attn_norm.weight"], back["model.layers.0.input_layernorm.weight"] + 1)
+    assert "output.weight" not in stored
+    loaded = _check(path, ref, "Gemma2ForCausalLM")
+    assert [layer.attn.sliding_window for layer in loaded.spec.layers] == [4, None, 4]
+
+
+def test_gemma3_local_and_global_rope(tmp_path):
+    """Gemma 3: every 6th layer global with a scaled RoPE of its own base, local layers on rope.freq_base_swa,
+    per-head q/k norms stored + 1."""
+    path, ref, _ = _convert(tmp_path, "gemma3_text", F16, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                            num_hidden_layers=6, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    fields = gguf.GGUFReader(str(path)).fields
+    assert fields["gemma3.rope.freq_base_swa"].contents() == 10000.0
+    loaded = _check(path, ref, "Gemma3ForCausalLM")
+    assert [layer.attn.sliding_window for layer in loaded.spec.layers] == [4, 4, 4, 4, 4, None]

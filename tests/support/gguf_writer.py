@@ -1,5 +1,8 @@
 """A test-side converter: a Hugging Face checkpoint to a GGUF laid out as llama.cpp lays it out.
 
+`write_gguf` covers llama (and Mixtral), qwen2/3 and their MoE variants with any type the gguf package
+quantizes to; `convert_like_llama_cpp` imitates convert_hf_to_gguf.py for the later architectures.
+
 It writes Q/K of Llama-architecture models permuted the way llama.cpp's converter does, stacks
 routed experts into [E, out, in] tensors, and quantizes with the `gguf` package. It also returns
 what each weight becomes after the quantization round trip (in Hugging Face layout), so the
@@ -8,6 +11,7 @@ reference model can be given exactly the values the GGUF holds.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -152,11 +156,15 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
     return back
 
 
-# --- llama.cpp's converter for the MoE families it names olmoe, deepseek2, glm4moe, gpt-oss ------------------
+# --- llama.cpp's converter for olmoe, deepseek2, glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3 -------------------
 # (convert_hf_to_gguf.py's TextModel.set_gguf_parameters plus each model class, as of llama-cpp-python 0.3.36)
 
 CONVERTED = {"olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
-             "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS}
+             "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS, "olmo2": gguf.MODEL_ARCH.OLMO2,
+             "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+HF_TO_GGUF = {"OlmoeForCausalLM": "olmoe", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
+              "Glm4MoeForCausalLM": "glm4moe", "GptOssForCausalLM": "gpt-oss", "Olmo2ForCausalLM": "olmo2",
+              "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
 
 
@@ -168,14 +176,18 @@ def _float_type(gname: str, ndim: int, outtype: gguf.GGMLQuantizationType) -> gg
 
 
 def _common_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
-    """TextModel.set_gguf_parameters: the keys every architecture gets from config.json."""
+    """TextModel.set_gguf_parameters: the keys every architecture gets from config.json (Phi-3's and
+    Gemma 2's classes write their own instead: see _arch_metadata)."""
+    if w.arch in ("phi3", "gemma2"):
+        return
     w.add_block_count(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0) * (w.arch == "glm4moe"))
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(1 if w.arch == "deepseek2" else cfg["num_key_value_heads"])   # MLA as MQA
-    rope = cfg["rope_parameters"]
+    params = cfg["rope_parameters"]
+    rope = params.get("full_attention", params)          # Gemma 3 nests them by layer type
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -183,11 +195,17 @@ def _common_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
         if "beta_fast" in rope:
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
             w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    elif rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_freq_base(rope["rope_theta"])
+    if "sliding_attention" in params:
+        w.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
     w.add_layer_norm_rms_eps(1e-5 if w.arch == "olmoe" else cfg["rms_norm_eps"])   # OLMoE's class forces 1e-5
     n_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
-    w.add_expert_count(n_experts)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if n_experts:
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("n_group") is not None:
         w.add_expert_group_count(cfg["n_group"])
     if cfg.get("topk_group") is not None:
@@ -231,6 +249,38 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
     elif w.arch == "gpt-oss":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    elif w.arch == "phi3":
+        rope = cfg["rope_parameters"]
+        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings",
+                                                 cfg.get("original_max_position_embeddings")))
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_head_count(heads)
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)     # 0 for none
+    elif w.arch == "gemma2":
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    elif w.arch == "gemma3":
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
 
 
 def _hf_pieces(cfg: dict, arch: str, name: str, value: np.ndarray, split_kv_b: bool):
@@ -253,6 +303,8 @@ def _hf_pieces(cfg: dict, arch: str, name: str, value: np.ndarray, split_kv_b: b
             return [(name.replace("down_proj", "down_proj.weight"), value.transpose(0, 2, 1))]
         if name.endswith("down_proj_bias"):
             return [(name.replace("down_proj_bias", "down_proj.bias"), value)]
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        return [(name, value + np.float32(1.0))]          # Gemma's (1 + w) norms, stored as w + 1
     if arch == "gpt-oss" and name.endswith(".sinks"):
         return [(name + ".weight", value)]
     if name.endswith("e_score_correction_bias"):
@@ -262,15 +314,16 @@ def _hf_pieces(cfg: dict, arch: str, name: str, value: np.ndarray, split_kv_b: b
 
 def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray],
                            outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True) -> dict[str, np.ndarray]:
-    """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss
-    model (`--outtype f32` or `f16`); returns the HF tensors as the file holds them (after F16 rounding).
+    """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss /
+    olmo2 / phi3 / gemma2 / gemma3 model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
+    them (after F16 rounding; Gemma's norms as the checkpoint's w, which the reader must restore).
 
     Names come from gguf's own tensor map (the converter's map_tensor_name); per-expert matrices are stacked
     [E, out, in]; DeepSeek's kv_b_proj is split into k_b (transposed) and v_b unless `split_kv_b` is false
-    (files from before the split); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed.
+    (files from before the split); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed;
+    Gemma's norms are stored as w + 1; Phi-3's LongRoPE factors become rope_factors_long/short tensors.
     """
-    arch = {"OlmoeForCausalLM": "olmoe", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
-            "Glm4MoeForCausalLM": "glm4moe", "GptOssForCausalLM": "gpt-oss"}[cfg["architectures"][0]]
+    arch = HF_TO_GGUF[cfg["architectures"][0]]
     n_blocks = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
     name_map = gguf.get_tensor_name_map(CONVERTED[arch], n_blocks)
     w = gguf.GGUFWriter(str(path), arch)
@@ -284,7 +337,12 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
     back: dict[str, np.ndarray] = {}
     stacks: dict[str, dict[int, str]] = {}
     for name, value in tensors.items():
-        if cfg.get("tie_word_embeddings") and name == "lm_head.weight":
+        if name == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch == "gemma2"):
+            continue                                      # Gemma 2's class drops it always
+        if name.endswith("norm.weight") and arch in ("gemma2", "gemma3"):
+            (_, stored), = _hf_pieces(cfg, arch, name, value, split_kv_b)
+            w.add_tensor(name_map.get_name(name, try_suffixes=(".weight",)), stored.astype(np.float32))
+            back[name] = value.astype(np.float32)         # the model undoes the shift: the reference keeps w
             continue
         e = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
         if e:   # per-expert matrices: stacked once a layer's are all seen (the converter's _experts)
@@ -301,6 +359,13 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
         # gives what the file holds, in the checkpoint's own layout
         (qtype,) = qtypes
         back[name] = rounded(value, qtype)
+    rope = cfg["rope_parameters"]
+    if arch == "phi3" and rope.get("long_factor"):        # Phi3MiniModel.generate_extra_tensors
+        orig = rope["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     for merged, members in stacks.items():
         names = [members[i] for i in range(len(members))]
         data = np.stack([tensors[n] for n in names])
