@@ -1,5 +1,10 @@
 """GGUF files as models: metadata -> a config.json-style dict, tensors -> Hugging Face names.
 
+Architectures as llama.cpp names them: llama (with or without experts; Mistral too), qwen2, qwen3, qwen2moe,
+qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3. What
+llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
+DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
+
 Weights are dequantized to float32 with the `gguf` package (every type it can dequantize), or,
 when the model runs them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become
 `QuantizedTensor`s holding the same values: those block formats are Colibri's 4-, 5- and 8-bit

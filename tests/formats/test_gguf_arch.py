@@ -110,11 +110,13 @@ def test_deepseek_v3_split_kv_b(tmp_path):
 
 def test_deepseek_v2_unsplit_kv_b_no_q_lora(tmp_path):
     """DeepSeek-V2-Lite's shape: no query low-rank (attn_q), softmax router, shared expert, and a file from
-    before llama.cpp split kv_b (attn_kv_b)."""
+    before llama.cpp's MLA rework (attn_kv_b whole, no *_mla keys)."""
     path, ref, _ = _convert(tmp_path, "deepseek_v2", F32, split_kv_b=False, q_lora_rank=None,
                             routed_scaling_factor=1.5, n_shared_experts=1, **DEEPSEEK)
     names = _gguf_names(path)
     assert {"blk.1.attn_q.weight", "blk.1.attn_kv_b.weight"} <= names and "blk.1.attn_k_b.weight" not in names
+    fields = gguf.GGUFReader(str(path)).fields
+    assert "deepseek2.attention.key_length_mla" not in fields and fields["deepseek2.attention.key_length"].contents() == 24
     _check(path, ref, "DeepseekV2ForCausalLM")
 
 

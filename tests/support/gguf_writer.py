@@ -218,7 +218,7 @@ def _common_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
         w.add_value_length(cfg["head_dim"])
 
 
-def _arch_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> None:
     """What each model class adds in its own set_gguf_parameters."""
     if w.arch == "deepseek2":
         w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
@@ -226,10 +226,14 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
         if cfg.get("q_lora_rank") is not None:
             w.add_q_lora_rank(cfg["q_lora_rank"])
         w.add_kv_lora_rank(cfg["kv_lora_rank"])
-        w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
-        w.add_value_length(cfg["kv_lora_rank"])
-        w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
-        w.add_value_length_mla(cfg["v_head_dim"])
+        if split_kv_b:     # since llama.cpp's MLA rework: the absorbed (MQA) sizes, the per-head ones as *_mla
+            w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+            w.add_value_length(cfg["kv_lora_rank"])
+            w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+            w.add_value_length_mla(cfg["v_head_dim"])
+        else:              # files from before it: the per-head sizes only
+            w.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+            w.add_value_length(cfg["v_head_dim"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         w.add_expert_shared_count(cfg["n_shared_experts"])
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
@@ -320,7 +324,8 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
 
     Names come from gguf's own tensor map (the converter's map_tensor_name); per-expert matrices are stacked
     [E, out, in]; DeepSeek's kv_b_proj is split into k_b (transposed) and v_b unless `split_kv_b` is false
-    (files from before the split); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed;
+    (files from before llama.cpp's MLA rework: kv_b whole, key/value_length the per-head sizes, no *_mla
+    keys); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed;
     Gemma's norms are stored as w + 1; Phi-3's LongRoPE factors become rope_factors_long/short tensors.
     """
     arch = HF_TO_GGUF[cfg["architectures"][0]]
@@ -328,7 +333,7 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
     name_map = gguf.get_tensor_name_map(CONVERTED[arch], n_blocks)
     w = gguf.GGUFWriter(str(path), arch)
     _common_metadata(w, cfg)
-    _arch_metadata(w, cfg)
+    _arch_metadata(w, cfg, split_kv_b)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if outtype == F32 else gguf.LlamaFileType.MOSTLY_F16)
 
     def rounded(x: np.ndarray, qtype) -> np.ndarray:
