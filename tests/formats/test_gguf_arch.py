@@ -28,14 +28,15 @@ DEEPSEEK = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size
                 num_key_value_heads=4)   # DeepSeek's configs give every head its own K and V, as the converter needs
 
 
-def _convert(tmp_path, model_type, outtype=F32, split_kv_b=True, extra=None, **overrides):
+def _convert(tmp_path, model_type, outtype=F32, split_kv_b=True, extra=None, expert_type=None, **overrides):
     """(GGUF path, reference model on the file's values, those values by HF name)."""
     from safetensors.numpy import load_file, save_file
 
     folder = build_checkpoint(tmp_path / "hf", model_type, **overrides)
     cfg = json.loads((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors") | (extra or {})
-    back = convert_like_llama_cpp(tmp_path / "model.gguf", cfg, tensors, outtype, split_kv_b=split_kv_b)
+    back = convert_like_llama_cpp(tmp_path / "model.gguf", cfg, tensors, outtype, split_kv_b=split_kv_b,
+                                  expert_type=expert_type)
     for name in extra or {}:
         back.pop(name)
     rounded = tmp_path / "hf-roundtrip"
@@ -146,6 +147,16 @@ def test_gpt_oss_sinks_window_biases(tmp_path):
     assert {"blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias", "blk.0.ffn_gate_inp.bias"} <= names
     loaded = _check(path, ref, "GptOssForCausalLM")
     assert [layer.attn.sliding_window for layer in loaded.spec.layers] == [4, None, 4]
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path):
+    """gpt-oss as its GGUFs are published: MXFP4 expert stacks (the converter repacks the checkpoint's blocks),
+    F16 elsewhere; read through the gguf package's dequantization."""
+    path, ref, _ = _convert(tmp_path, "gpt_oss", F16, expert_type=gguf.GGMLQuantizationType.MXFP4,
+                            num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    _check(path, ref, "GptOssForCausalLM")
 
 
 def test_deepseek2_without_kv_lora_rank_is_refused(tmp_path):

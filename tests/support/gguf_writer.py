@@ -316,8 +316,20 @@ def _hf_pieces(cfg: dict, arch: str, name: str, value: np.ndarray, split_kv_b: b
     return [(name, value)]
 
 
+def _join_pieces(name: str, pieces: list[np.ndarray]) -> np.ndarray:
+    """gpt-oss's fused expert tensor back from its (round-tripped) converter pieces: _hf_pieces inverted."""
+    if name.endswith("gate_up_proj"):
+        gate, up = pieces                                 # [E, I, hidden] each
+        t = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
+        t[:, ::2], t[:, 1::2] = gate, up
+        return t.transpose(0, 2, 1)
+    (down,) = pieces
+    return down.transpose(0, 2, 1)
+
+
 def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray],
-                           outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True) -> dict[str, np.ndarray]:
+                           outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True,
+                           expert_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
     """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss /
     olmo2 / phi3 / gemma2 / gemma3 model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
     them (after F16 rounding; Gemma's norms as the checkpoint's w, which the reader must restore).
@@ -327,6 +339,8 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
     (files from before llama.cpp's MLA rework: kv_b whole, key/value_length the per-head sizes, no *_mla
     keys); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed;
     Gemma's norms are stored as w + 1; Phi-3's LongRoPE factors become rope_factors_long/short tensors.
+    `expert_type` stores the routed experts' weight stacks in that type (gguf's quantizer), as the converter
+    stores gpt-oss's published MXFP4 experts (repacked bit for bit, the same block layout).
     """
     arch = HF_TO_GGUF[cfg["architectures"][0]]
     n_blocks = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
@@ -353,17 +367,23 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
         if e:   # per-expert matrices: stacked once a layer's are all seen (the converter's _experts)
             stacks.setdefault(f"{e.group(1)}.{e.group(3)}.weight", {})[int(e.group(2))] = name
             continue
-        qtypes = set()
+        qtypes, restored = set(), []
         for hf, data in _hf_pieces(cfg, arch, name, value, split_kv_b):
             gname = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
             assert gname is not None, f"gguf's tensor map has no name for {hf}"
+            if expert_type is not None and re.search(r"ffn_(gate|up|down)_exps\.weight$", gname):
+                raw = gguf.quants.quantize(np.ascontiguousarray(data, np.float32), expert_type)
+                w.add_tensor(gname, raw, raw_dtype=expert_type)
+                restored.append(gguf.quants.dequantize(raw, expert_type).reshape(data.shape))
+                qtypes.add(expert_type)
+                continue
             qtype = _float_type(gname, data.ndim, outtype)
             w.add_tensor(gname, np.ascontiguousarray(data.astype(np.float32 if qtype == F32 else np.float16)))
             qtypes.add(qtype)
         # the pieces are parts of the original, rounded elementwise by one type: rounding the original by it
-        # gives what the file holds, in the checkpoint's own layout
+        # gives what the file holds, in the checkpoint's own layout (block types: the pieces joined back)
         (qtype,) = qtypes
-        back[name] = rounded(value, qtype)
+        back[name] = _join_pieces(name, restored) if restored else rounded(value, qtype)
     rope = cfg["rope_parameters"]
     if arch == "phi3" and rope.get("long_factor"):        # Phi3MiniModel.generate_extra_tensors
         orig = rope["original_max_position_embeddings"]
@@ -375,6 +395,12 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
         names = [members[i] for i in range(len(members))]
         data = np.stack([tensors[n] for n in names])
         gname = name_map.get_name(merged, try_suffixes=(".weight",))
+        if expert_type is not None:
+            raw = gguf.quants.quantize(np.ascontiguousarray(data, np.float32), expert_type)
+            w.add_tensor(gname, raw, raw_dtype=expert_type)
+            restored = gguf.quants.dequantize(raw, expert_type).reshape(data.shape)
+            back |= {n: restored[i] for i, n in enumerate(names)}
+            continue
         qtype = _float_type(gname, data.ndim, outtype)
         w.add_tensor(gname, np.ascontiguousarray(data.astype(np.float32 if qtype == F32 else np.float16)))
         for n in names:
