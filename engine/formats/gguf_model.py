@@ -216,6 +216,7 @@ def _getter(meta: dict[str, Any], arch: str, path: str):
                 raise ModelFormatError(f"{path}: metadata {arch}.{key} is missing; the GGUF file is incomplete")
             return default
         return value
+    get.path = path    # type: ignore[attr-defined]   # for the errors an architecture's reader raises
     return get
 
 
@@ -289,11 +290,20 @@ def _gpt_oss_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
     }
     cfg.pop("num_experts", None)
     cfg.pop("moe_intermediate_size", None)
+    cfg["layer_types"] = swa_layer_types(get, cfg["num_hidden_layers"], 2)   # even layers slide, as llama.cpp's
     rope = cfg["rope_parameters"]
     if rope["rope_type"] == "yarn":
         # llama.cpp's YaRN does not truncate its correction range, as gpt-oss's own config says
         rope |= {"beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
                  "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+
+
+def _olmo2_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # llama.cpp writes OLMo 3 as olmo2 plus a sliding window: running it without the window would be wrong
+    if get("attention.sliding_window", None):
+        raise UnsupportedArchitectureError(
+            f"{get.path}: this olmo2 GGUF has a sliding window (an OLMo 3 model), which Colibri does not run yet; "
+            "use an OLMo 2 model")
 
 
 def _phi3_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
@@ -345,7 +355,7 @@ def _gemma_config(cfg: dict[str, Any], get, tensors: frozenset[str], gemma3: boo
 
 # architecture -> what it adds to the config (metadata getter, tensor names)
 _ARCH_CONFIG = {"olmoe": _olmoe_config, "deepseek2": _deepseek2_config, "glm4moe": _glm4moe_config,
-                "gpt-oss": _gpt_oss_config, "phi3": _phi3_config,
+                "gpt-oss": _gpt_oss_config, "olmo2": _olmo2_config, "phi3": _phi3_config,
                 "gemma2": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=False),
                 "gemma3": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=True)}
 

@@ -263,3 +263,33 @@ def test_gemma3_local_and_global_rope(tmp_path):
     assert fields["gemma3.rope.freq_base_swa"].contents() == 10000.0
     loaded = _check(path, ref, "Gemma3ForCausalLM")
     assert [layer.attn.sliding_window for layer in loaded.spec.layers] == [4, 4, 4, 4, 4, None]
+
+
+def test_olmo3_is_refused_not_run_without_its_window(tmp_path):
+    """llama.cpp writes OLMo 3 as olmo2 with a sliding window, which the OLMo 2 family does not apply."""
+    from safetensors.numpy import load_file
+
+    folder = build_checkpoint(tmp_path / "hf", "olmo2")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg |= {"sliding_window": 4}
+    path = tmp_path / "model.gguf"
+    convert_like_llama_cpp(path, cfg, load_file(folder / "model.safetensors"))
+    with pytest.raises(UnsupportedArchitectureError, match="sliding window .*OLMo 3"):
+        load_model(path)
+
+
+def test_sliding_window_pattern_as_llama_cpp_reads_it():
+    """`attention.sliding_window_pattern`: one flag a layer, or n (every n-th layer global, 0 none), else the
+    architecture's own n."""
+    from engine.formats.gguf_model import swa_layer_types
+
+    def get(values):
+        return lambda key, default=None: values.get(key, default)
+
+    s, f = "sliding_attention", "full_attention"
+    assert swa_layer_types(get({}), 7, 6) == [s] * 5 + [f, s]
+    assert swa_layer_types(get({"attention.sliding_window_pattern": 2}), 4, 6) == [s, f, s, f]
+    assert swa_layer_types(get({"attention.sliding_window_pattern": 0}), 3, 6) == [s] * 3
+    assert swa_layer_types(get({"attention.sliding_window_pattern": [True, False, True]}), 3, 6) == [s, f, s]
+    with pytest.raises(ValueError, match="2 flags for 3 layers"):
+        swa_layer_types(get({"attention.sliding_window_pattern": [True, False]}), 3, 6)

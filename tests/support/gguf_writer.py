@@ -281,6 +281,11 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> No
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         w.add_sliding_window(cfg["sliding_window"])
+    elif w.arch == "olmo2" and "sliding_window" in cfg:     # OLMo 3 (Olmo2Model's own keys)
+        w.add_sliding_window(cfg["sliding_window"])
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                           for i in range(cfg["num_hidden_layers"])]
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     elif w.arch == "gemma3":
         if cfg.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
