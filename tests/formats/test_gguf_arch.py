@@ -293,3 +293,22 @@ def test_sliding_window_pattern_as_llama_cpp_reads_it():
     assert swa_layer_types(get({"attention.sliding_window_pattern": [True, False, True]}), 3, 6) == [s, f, s]
     with pytest.raises(ValueError, match="2 flags for 3 layers"):
         swa_layer_types(get({"attention.sliding_window_pattern": [True, False]}), 3, 6)
+
+
+def test_deepseek2_gguf_converts_as_its_checkpoint(tmp_path):
+    """`colibri convert` of a split-kv_b DeepSeek GGUF (kv_b_proj rebuilt) gives the container its Hugging Face
+    checkpoint gives: the same logits, bit for bit."""
+    from safetensors.numpy import load_file
+
+    from app.hub.convert import ConvertSettings, convert
+
+    dims = {**DEEPSEEK, "kv_lora_rank": 32, "qk_rope_head_dim": 16}    # every row a whole number of groups
+    folder = build_checkpoint(tmp_path / "hf", "deepseek_v3", q_lora_rank=32, n_group=2, topk_group=1,
+                              scoring_func="sigmoid", **dims)
+    cfg = json.loads((folder / "config.json").read_text())
+    convert_like_llama_cpp(tmp_path / "model.gguf", cfg, load_file(folder / "model.safetensors"))
+    logits = []
+    for src, out in ((tmp_path / "model.gguf", "from-gguf"), (folder, "from-hf")):
+        model = load_model(convert(src, tmp_path / out, ConvertSettings(bits=8), log=lambda m: None))
+        logits.append(model.model.forward(PROMPT, KVCache(model.spec, 64), all_logits=True))
+    assert np.array_equal(logits[0], logits[1])
