@@ -265,10 +265,13 @@ def _deepseek2_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None
         cfg["topk_method"] = "noaux_tc"
     else:
         cfg["topk_method"] = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
-    log_mul = get("rope.scaling.yarn_log_multiplier", None)
-    if log_mul and cfg["rope_parameters"]["rope_type"] == "yarn":
-        # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek's configs give mscale the same value
-        cfg["rope_parameters"] |= {"mscale_all_dim": float(log_mul) / 0.1, "mscale": float(log_mul) / 0.1}
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        rope |= {"beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                 "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+        log_mul = get("rope.scaling.yarn_log_multiplier", None)
+        if log_mul:   # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek's configs give mscale the same value
+            rope |= {"mscale_all_dim": float(log_mul) / 0.1, "mscale": float(log_mul) / 0.1}
 
 
 def _glm4moe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:

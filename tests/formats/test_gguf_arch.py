@@ -109,6 +109,17 @@ def test_deepseek_v3_split_kv_b(tmp_path):
     assert loaded.spec.layers[1].ffn.n_group == 2 and loaded.spec.layers[1].ffn.scoring == "sigmoid"
 
 
+def test_deepseek_v3_yarn(tmp_path):
+    """DeepSeek-V3's and Kimi K2's YaRN: factor, original context and betas as keys, mscale_all_dim as
+    llama.cpp's yarn_log_multiplier (0.1 times it); the softmax scale depends on it."""
+    yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 0.8,
+            "mscale_all_dim": 0.8, "beta_fast": 24.0, "beta_slow": 2.0}
+    path, ref, _ = _convert(tmp_path, "deepseek_v3", F32, q_lora_rank=24, n_group=2, topk_group=1,
+                            scoring_func="sigmoid", rope_scaling=yarn, max_position_embeddings=2560, **DEEPSEEK)
+    assert abs(gguf.GGUFReader(str(path)).fields["deepseek2.rope.scaling.yarn_log_multiplier"].contents() - 0.08) < 1e-6
+    _check(path, ref, "DeepseekV3ForCausalLM")
+
+
 def test_deepseek_v2_unsplit_kv_b_no_q_lora(tmp_path):
     """DeepSeek-V2-Lite's shape: no query low-rank (attn_q), softmax router, shared expert, and a file from
     before llama.cpp's MLA rework (attn_kv_b whole, no *_mla keys)."""

@@ -240,6 +240,8 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> No
         if cfg.get("norm_topk_prob"):
             w.add_expert_weights_norm(True)
         w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+        if cfg["rope_parameters"].get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * cfg["rope_parameters"]["mscale_all_dim"])
     elif w.arch == "glm4moe":
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 0.5)))
