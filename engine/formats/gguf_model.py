@@ -460,8 +460,8 @@ class GGUFModel:
                 continue
             m = _BLOCK.fullmatch(name)
             if not m:
-                if name != "rope_freqs.weight" and not (name in _ROPE_FACTORS and self._arch == "phi3"):
-                    # (read into the config above)
+                read_above = name == "rope_freqs.weight" or (name in _ROPE_FACTORS and self._arch == "phi3")
+                if not read_above:              # (the RoPE factors went into the config above)
                     self.unmapped.append(name)
                 continue
             layer, rest = f"model.layers.{m.group(1)}", m.group(2)
