@@ -1,5 +1,10 @@
 """GGUF files as models: metadata -> a config.json-style dict, tensors -> Hugging Face names.
 
+Architectures as llama.cpp names them: llama (with or without experts; Mistral too), qwen2, qwen3, qwen2moe,
+qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3. What
+llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
+DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
+
 Weights are dequantized to float32 with the `gguf` package (every type it can dequantize), or,
 when the model runs them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become
 `QuantizedTensor`s holding the same values: those block formats are Colibri's 4-, 5- and 8-bit
@@ -29,6 +34,16 @@ _ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", None),
     "qwen2moe": ("Qwen2MoeForCausalLM", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeForCausalLM"),
+    # DeepSeek-V2/V3, Kimi K2: V3 when its router is sigmoid-scored (see _deepseek2_config)
+    "deepseek2": ("DeepseekV2ForCausalLM", "DeepseekV2ForCausalLM"),
+    "glm4moe": ("Glm4MoeForCausalLM", "Glm4MoeForCausalLM"),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssForCausalLM"),
+    # dense families (llama.cpp writes Mistral's checkpoints as "llama", with the Q/K permutation)
+    "olmo2": ("Olmo2ForCausalLM", None),
+    "phi3": ("Phi3ForCausalLM", None),
+    "gemma2": ("Gemma2ForCausalLM", None),
+    "gemma3": ("Gemma3ForCausalLM", None),
 }
 
 _GLOBAL_NAMES = {
@@ -57,14 +72,77 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# Gemma's RMSNorms scale by (1 + w); llama.cpp's converter stores w + 1 (see GGUFModel.load)
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+# llama.cpp's Phi-3 long-context RoPE: per-frequency factors as tensors
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# per-architecture names where llama.cpp's tensor map differs from (or adds to) the table above
+_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "deepseek2": {
+        "attn_q.weight": "self_attn.q_proj.weight",            # no query low-rank (V2-Lite)
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_kv_b.weight": "self_attn.kv_b_proj.weight",      # older files; newer ones split it (see _KV_B)
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    "glm4moe": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    },
+    "olmo2": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "phi3": {   # Phi-3 keeps q/k/v and gate/up fused, in its checkpoints as in llama.cpp's
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+    "gemma2": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+    "gpt-oss": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.bias": "mlp.gate.bias",
+    },
+}
 _EXPERT_STACKS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+# gpt-oss's experts carry biases, stacked [E, out] as their weights are
+_EXPERT_BIAS_STACKS = {"ffn_gate_exps.bias": 0, "ffn_up_exps.bias": 1, "ffn_down_exps.bias": 2}
+# newer llama.cpp files split DeepSeek's kv_b_proj per head into k_b (stored transposed, [H, kv_lora, nope])
+# and v_b ([H, v, kv_lora]) for its absorbed attention; kv_b_proj is rebuilt from the two
+_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, Any]:
-    """A config.json-style dict for the model a GGUF file describes (its values are checked as a config's are)."""
+def gguf_config(meta: dict[str, Any], n_output: bool, path: str, tensors: Iterable[str] = ()) -> dict[str, Any]:
+    """A config.json-style dict for the model a GGUF file describes (its values are checked as a config's are).
+
+    `tensors` (the file's tensor names) settles what the metadata leaves to the weights: whether a GLM layer
+    has q/k norms or biases, whether a DeepSeek router has a correction bias.
+    """
     try:
-        return _gguf_config(meta, n_output, path)
+        cfg = _gguf_config(meta, n_output, path)
+        arch = meta.get("general.architecture")
+        if arch in _ARCH_CONFIG:
+            _ARCH_CONFIG[arch](cfg, _getter(meta, arch, path), frozenset(tensors))
+        return cfg
     except (TypeError, ValueError, OverflowError) as exc:   # a value of the wrong type: a list where a count goes
         raise ModelFormatError(f"{path}: GGUF metadata is malformed ({exc}); download the file again") from None
 
@@ -127,6 +205,174 @@ def _gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, A
     return cfg
 
 
+def _getter(meta: dict[str, Any], arch: str, path: str):
+    """get(key, default): the architecture's metadata value; no default and no value is a clear error."""
+    missing = object()
+
+    def get(key: str, default: Any = missing) -> Any:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            if default is missing:
+                raise ModelFormatError(f"{path}: metadata {arch}.{key} is missing; the GGUF file is incomplete")
+            return default
+        return value
+    get.path = path    # type: ignore[attr-defined]   # for the errors an architecture's reader raises
+    return get
+
+
+def _moe_common(cfg: dict[str, Any], get) -> None:
+    """DeepSeek-style MoE keys (shared experts, leading dense layers, routed scaling, expert groups)."""
+    n_experts = int(get("expert_count"))
+    cfg |= {
+        "n_routed_experts": n_experts,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "n_shared_experts": int(get("expert_shared_count", 0)),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)),
+        "n_group": int(get("expert_group_count", 1)),
+        "topk_group": int(get("expert_group_used_count", 1)),
+        "num_nextn_predict_layers": 0,
+    }
+
+
+def _olmoe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # llama.cpp's OLMoE graph never renormalises the chosen experts' weights (nor does OLMoE's config)
+    cfg["norm_topk_prob"] = False
+
+
+def _deepseek2_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # gating 2 is sigmoid (V3, R1, Kimi K2); files without the key predate V3 and score by softmax (V2)
+    sigmoid = int(get("expert_gating_func", 1)) == 2 or any(t.endswith(".exp_probs_b.bias") for t in tensors)
+    heads, rope_dim = cfg["num_attention_heads"], int(get("rope.dimension_count"))
+    # the MLA sizes: newer files keep key/value_length for the absorbed (MQA) view and add *_mla
+    qk = int(get("attention.key_length_mla", get("attention.key_length")))
+    q_lora = get("attention.q_lora_rank", None)
+    cfg |= {
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "num_key_value_heads": heads,       # llama.cpp writes 1 (its MQA view of MLA); every head has its own
+        "kv_lora_rank": int(get("attention.kv_lora_rank")),
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": qk - rope_dim,
+        "v_head_dim": int(get("attention.value_length_mla", get("attention.value_length"))),
+        "head_dim": rope_dim,
+        "scoring_func": "sigmoid" if sigmoid else "softmax",
+        "rope_interleave": True,
+    }
+    _moe_common(cfg, get)
+    if sigmoid:
+        cfg["topk_method"] = "noaux_tc"
+    else:
+        cfg["topk_method"] = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        rope |= {"beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                 "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
+        log_mul = get("rope.scaling.yarn_log_multiplier", None)
+        if log_mul:   # llama.cpp stores 0.1 * mscale_all_dim; DeepSeek's configs give mscale the same value
+            rope |= {"mscale_all_dim": float(log_mul) / 0.1, "mscale": float(log_mul) / 0.1}
+
+
+def _glm4moe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # the file's blocks include the MTP layers at the end; they are not decoder layers
+    nextn = int(get("nextn_predict_layers", 0))
+    cfg["num_hidden_layers"] -= nextn
+    cfg["partial_rotary_factor"] = int(get("rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"]
+    cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    _moe_common(cfg, get)
+
+
+def _gpt_oss_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    cfg |= {
+        "num_local_experts": int(get("expert_count")),
+        "intermediate_size": int(get("expert_feed_forward_length")),
+        "sliding_window": int(get("attention.sliding_window")),
+        "attention_bias": True,
+    }
+    cfg.pop("num_experts", None)
+    cfg.pop("moe_intermediate_size", None)
+    cfg["layer_types"] = swa_layer_types(get, cfg["num_hidden_layers"], 2)   # even layers slide, as llama.cpp's
+    rope = cfg["rope_parameters"]
+    if rope["rope_type"] == "yarn":
+        # llama.cpp's YaRN does not truncate its correction range, as gpt-oss's own config says
+        rope |= {"beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+                 "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+
+
+def _olmo2_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    # llama.cpp writes OLMo 3 as olmo2 plus a sliding window: running it without the window would be wrong
+    if get("attention.sliding_window", None):
+        raise UnsupportedArchitectureError(
+            f"{get.path}: this olmo2 GGUF has a sliding window (an OLMo 3 model), which Colibri does not run yet; "
+            "use an OLMo 2 model")
+
+
+def _phi3_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    window = int(get("attention.sliding_window", 0))
+    rope = cfg["rope_parameters"]
+    rope["partial_rotary_factor"] = int(get("rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"]
+    orig = int(get("rope.scaling.original_context_length", cfg["max_position_embeddings"]))
+    cfg |= {"sliding_window": window or None, "original_max_position_embeddings": orig}   # 0: none (Phi-3)
+    if _ROPE_FACTORS[0] in tensors:     # the factors themselves are read with the tensors (GGUFModel)
+        rope |= {"rope_type": "longrope", "original_max_position_embeddings": orig}
+        attn = get("rope.scaling.attn_factor", None)
+        if attn is not None:
+            rope["attention_factor"] = float(attn)
+
+
+def swa_layer_types(get, n: int, default_pattern: int) -> list[str]:
+    """Each layer's type as llama.cpp reads it: `attention.sliding_window_pattern` as one flag a layer, or as
+    n (every n-th layer global; 0: none), else the architecture's own n."""
+    pattern = get("attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} flags for {n} layers")
+        return ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    p = int(pattern)
+    return ["sliding_attention" if p == 0 or i % p < p - 1 else "full_attention" for i in range(n)]
+
+
+def _gemma_config(cfg: dict[str, Any], get, tensors: frozenset[str], gemma3: bool) -> None:
+    n, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    # llama.cpp scales queries by 1/sqrt(head_dim), or 1/sqrt(hidden / heads) for the 27B models (Gemma 2's 46
+    # layers, Gemma 3's 62), as their configs' query_pre_attn_scalar do; GGUF has no key for it
+    scalar = hidden // heads if n == (62 if gemma3 else 46) else cfg["head_dim"]
+    window = int(get("attention.sliding_window", 0 if gemma3 else 4096))   # llama.cpp's defaults when absent
+    cfg |= {"query_pre_attn_scalar": scalar, "sliding_window": window or None, "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": swa_layer_types(get, n, 6 if gemma3 else 2) if window else ["full_attention"] * n}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = get(key, None)     # absent: the family's default (llama.cpp's too: Gemma 2 caps at 50 and 30)
+        if value is not None and (not gemma3 or key == "final_logit_softcapping"):
+            cfg[key] = float(value)
+    if gemma3:
+        # global layers: the file's base and scaling; local layers: their own base (10000 unless the file says)
+        full = dict(cfg["rope_parameters"])
+        full["rope_theta"] = float(get("rope.freq_base", 1_000_000.0))
+        local = float(get("rope.freq_base_swa", 10000.0))
+        cfg |= {"rope_theta": full["rope_theta"], "rope_local_base_freq": local,
+                "rope_parameters": {"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
+
+
+# architecture -> what it adds to the config (metadata getter, tensor names)
+_ARCH_CONFIG = {"olmoe": _olmoe_config, "deepseek2": _deepseek2_config, "glm4moe": _glm4moe_config,
+                "gpt-oss": _gpt_oss_config, "olmo2": _olmo2_config, "phi3": _phi3_config,
+                "gemma2": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=False),
+                "gemma3": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=True)}
+
+
+def _extra_layers(arch: str, cfg: dict[str, Any], layer: int) -> bool:
+    """Whether block `layer` is beyond the decoder layers (GLM's MTP layers): read by nothing, not an error."""
+    return arch == "glm4moe" and layer >= cfg["num_hidden_layers"]
+
+
+def kv_b_from_split(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """DeepSeek's kv_b_proj [H * (nope + v), kv_lora] from llama.cpp's k_b [H, kv_lora, nope] and v_b [H, v, kv_lora]."""
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+
+
 _Q = gguf.GGMLQuantizationType
 # block formats that are Colibri formats: type -> (bits, asymmetric, bytes of d [, m], bytes of the high-bit word)
 _NATIVE = {_Q.Q4_0: (4, False, 0), _Q.Q4_1: (4, True, 0), _Q.Q5_0: (5, False, 4), _Q.Q5_1: (5, True, 4),
@@ -186,30 +432,50 @@ class GGUFModel:
         self.meta = gguf_metadata(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache: dict[str, np.ndarray | QuantizedTensor] = {}
-        self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path)
+        self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path, self._tensors)
         if not self.config["vocab_size"] and "token_embd.weight" in self._tensors:   # no tokenizer: the table says
             self.config["vocab_size"] = int(self._tensors["token_embd.weight"].shape[-1])
         if "rope_freqs.weight" in self._tensors:  # Llama 3.1 scaling, written as per-frequency factors
             factors = self._dequantized("rope_freqs.weight", keep=False).reshape(-1)
             self.config["rope_parameters"]["freq_factors"] = [float(f) for f in factors]
+        if _ROPE_FACTORS[0] in self._tensors and self.config["rope_parameters"].get("rope_type") == "longrope":
+            for gname, key in zip(_ROPE_FACTORS, ("long_factor", "short_factor")):
+                if gname not in self._tensors:
+                    raise ModelFormatError(f"{self.path}: {_ROPE_FACTORS[0]} without {_ROPE_FACTORS[1]}; "
+                                           "the GGUF file is incomplete: convert or download it again")
+                factors = self._dequantized(gname, keep=False).reshape(-1)
+                self.config["rope_parameters"][key] = [float(f) for f in factors]
         self._arch = self.meta["general.architecture"]
         moe_prefix = "block_sparse_moe" if self.config["architectures"][0] == "MixtralForCausalLM" else "mlp"
         proj = ("w1", "w3", "w2") if moe_prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
         # HF name -> (GGUF tensor name, expert index or None)
         self._names: dict[str, tuple[str, int | None]] = {}
+        # HF name -> the GGUF tensors it is rebuilt from (DeepSeek's kv_b_proj from k_b and v_b)
+        self._derived: dict[str, tuple[str, str]] = {}
         self.unmapped: list[str] = []    # GGUF tensors with no Hugging Face name: no model reads them
+        layer_names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(self._arch, {})
         for name, t in self._tensors.items():
             if name in _GLOBAL_NAMES:
                 self._names[_GLOBAL_NAMES[name]] = (name, None)
                 continue
             m = _BLOCK.fullmatch(name)
             if not m:
-                if name != "rope_freqs.weight":     # read into the config above
+                read_above = name == "rope_freqs.weight" or (name in _ROPE_FACTORS and self._arch == "phi3")
+                if not read_above:              # (the RoPE factors went into the config above)
                     self.unmapped.append(name)
                 continue
             layer, rest = f"model.layers.{m.group(1)}", m.group(2)
-            if rest in _LAYER_NAMES:
-                self._names[f"{layer}.{_LAYER_NAMES[rest]}"] = (name, None)
+            if _extra_layers(self._arch, self.config, int(m.group(1))):
+                continue
+            if rest in layer_names:
+                self._names[f"{layer}.{layer_names[rest]}"] = (name, None)
+            elif rest == _KV_B[0] and self._arch == "deepseek2":
+                self._derived[f"{layer}.self_attn.kv_b_proj.weight"] = (name, name.replace(*_KV_B))
+            elif rest == _KV_B[1] and self._arch == "deepseek2":
+                continue                  # read with its k_b
+            elif rest in _EXPERT_BIAS_STACKS:
+                for e in range(int(t.shape[-1])):   # ggml order: [out, experts]
+                    self._names[f"{layer}.{moe_prefix}.experts.{e}.{proj[_EXPERT_BIAS_STACKS[rest]]}.bias"] = (name, e)
             elif rest == "ffn_gate_inp.weight":
                 self._names[f"{layer}.{moe_prefix}.gate.weight"] = (name, None)
             elif rest in _EXPERT_STACKS:
@@ -221,10 +487,13 @@ class GGUFModel:
 
     def names(self) -> Iterable[str]:
         """Every tensor, by Hugging Face name."""
-        return self._names.keys()
+        return [*self._names, *self._derived]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape in Hugging Face (row-major [out, in]) order."""
+        if name in self._derived:
+            k_b, v_b = (self._tensors[g].shape for g in self._derived[name])   # ggml order, reversed below
+            return (int(k_b[2]) * (int(k_b[0]) + int(v_b[1])), int(k_b[1]))
         gname, expert = self._names[name]
         shape = tuple(int(d) for d in reversed(self._tensors[gname].shape))
         if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
@@ -233,7 +502,7 @@ class GGUFModel:
 
     def location(self, name: str) -> str:
         """The file (and GGUF tensor) holding a tensor."""
-        gname = self._names.get(name, (name, None))[0]
+        gname = self._derived[name][0] if name in self._derived else self._names.get(name, (name, None))[0]
         return f"{self.path} ({gname})"
 
     def _dequantized(self, gname: str, keep: bool) -> np.ndarray:
@@ -271,7 +540,14 @@ class GGUFModel:
         return self._cache[gname]
 
     def load(self, name: str) -> np.ndarray | QuantizedTensor:
-        """A tensor in Hugging Face layout: float32, dequantized, or (see `quantized`) a QuantizedTensor."""
+        """A tensor in Hugging Face layout: float32, dequantized, or (see `quantized`) a QuantizedTensor.
+
+        DeepSeek's kv_b_proj, when the file splits it into k_b and v_b, is rebuilt in float32 (k_b is stored
+        transposed, so its blocks run along the other axis).
+        """
+        if name in self._derived:
+            k_b, v_b = (self._dequantized(g, keep=False) for g in self._derived[name])
+            return kv_b_from_split(k_b, v_b)
         gname, expert = self._names[name]
         if self._native(name, gname):
             q = self._quantized(gname, keep=expert is not None)
@@ -290,6 +566,8 @@ class GGUFModel:
             data = unpermute_qk(data, heads)
         if name.endswith("shared_expert_gate.weight"):
             data = data.reshape(1, -1)
+        if self._arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            data = data - np.float32(1.0)          # back to the checkpoint's w (the model applies 1 + w)
         return data
 
     def release(self) -> None:

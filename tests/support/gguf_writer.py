@@ -1,5 +1,8 @@
 """A test-side converter: a Hugging Face checkpoint to a GGUF laid out as llama.cpp lays it out.
 
+`write_gguf` covers llama (and Mixtral), qwen2/3 and their MoE variants with any type the gguf package
+quantizes to; `convert_like_llama_cpp` imitates convert_hf_to_gguf.py for the later architectures.
+
 It writes Q/K of Llama-architecture models permuted the way llama.cpp's converter does, stacks
 routed experts into [E, out, in] tensors, and quantizes with the `gguf` package. It also returns
 what each weight becomes after the quantization round trip (in Hugging Face layout), so the
@@ -8,6 +11,7 @@ reference model can be given exactly the values the GGUF holds.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -145,6 +149,269 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
         w.add_tensor(f"blk.{layer}.{stack}.weight", data, raw_dtype=raw)
         for e, n in enumerate(names):
             back[n] = restored.reshape(stacked.shape)[e]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return back
+
+
+# --- llama.cpp's converter for olmoe, deepseek2, glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3 -------------------
+# (convert_hf_to_gguf.py's TextModel.set_gguf_parameters plus each model class, as of llama-cpp-python 0.3.36)
+
+CONVERTED = {"olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+             "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS, "olmo2": gguf.MODEL_ARCH.OLMO2,
+             "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+HF_TO_GGUF = {"OlmoeForCausalLM": "olmoe", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
+              "Glm4MoeForCausalLM": "glm4moe", "GptOssForCausalLM": "gpt-oss", "Olmo2ForCausalLM": "olmo2",
+              "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
+
+
+def _float_type(gname: str, ndim: int, outtype: gguf.GGMLQuantizationType) -> gguf.GGMLQuantizationType:
+    """The converter's choice: vectors, norms, routers and anything not a `.weight` stay F32."""
+    if ndim <= 1 or gname.endswith("_norm.weight") or ".ffn_gate_inp." in gname or not gname.endswith(".weight"):
+        return F32
+    return outtype
+
+
+def _common_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """TextModel.set_gguf_parameters: the keys every architecture gets from config.json (Phi-3's and
+    Gemma 2's classes write their own instead: see _arch_metadata)."""
+    if w.arch in ("phi3", "gemma2"):
+        return
+    w.add_block_count(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0) * (w.arch == "glm4moe"))
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(1 if w.arch == "deepseek2" else cfg["num_key_value_heads"])   # MLA as MQA
+    params = cfg["rope_parameters"]
+    rope = params.get("full_attention", params)          # Gemma 3 nests them by layer type
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if "beta_fast" in rope:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    elif rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    if "sliding_attention" in params:
+        w.add_rope_freq_base_swa(params["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(1e-5 if w.arch == "olmoe" else cfg["rms_norm_eps"])   # OLMoE's class forces 1e-5
+    n_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if n_experts:
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("n_group") is not None:
+        w.add_expert_group_count(cfg["n_group"])
+    if cfg.get("topk_group") is not None:
+        w.add_expert_group_used_count(cfg["topk_group"])
+    if cfg.get("scoring_func") is not None:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if cfg["scoring_func"] == "sigmoid"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if cfg.get("head_dim") is not None and w.arch != "deepseek2":   # DeepSeek's class rewrites them below
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+
+
+def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> None:
+    """What each model class adds in its own set_gguf_parameters."""
+    if w.arch == "deepseek2":
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_vocab_size(cfg["vocab_size"])
+        if cfg.get("q_lora_rank") is not None:
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(cfg["kv_lora_rank"])
+        if split_kv_b:     # since llama.cpp's MLA rework: the absorbed (MQA) sizes, the per-head ones as *_mla
+            w.add_key_length(cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])
+            w.add_value_length(cfg["kv_lora_rank"])
+            w.add_key_length_mla(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+            w.add_value_length_mla(cfg["v_head_dim"])
+        else:              # files from before it: the per-head sizes only
+            w.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+            w.add_value_length(cfg["v_head_dim"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        if cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+        if cfg["rope_parameters"].get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * cfg["rope_parameters"]["mscale_all_dim"])
+    elif w.arch == "glm4moe":
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 0.5)))
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_nextn_predict_layers(cfg.get("num_nextn_predict_layers", 0))
+    elif w.arch == "gpt-oss":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    elif w.arch == "phi3":
+        rope = cfg["rope_parameters"]
+        heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings",
+                                                 cfg.get("original_max_position_embeddings")))
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_head_count(heads)
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)     # 0 for none
+    elif w.arch == "gemma2":
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    elif w.arch == "olmo2" and "sliding_window" in cfg:     # OLMo 3 (Olmo2Model's own keys)
+        w.add_sliding_window(cfg["sliding_window"])
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                                           for i in range(cfg["num_hidden_layers"])]
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    elif w.arch == "gemma3":
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+
+
+def _hf_pieces(cfg: dict, arch: str, name: str, value: np.ndarray, split_kv_b: bool):
+    """The converter's modify_tensors: one HF tensor -> [(HF-side name to map, array)]; expert lists are
+    stacked by the caller. Returns [] for tensors it drops."""
+    if arch == "deepseek2" and name.endswith("kv_b_proj.weight") and split_kv_b:
+        heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        kv_b = value.reshape(heads, nope + v, value.shape[-1])
+        return [(name.replace("kv_b_proj", "k_b_proj"), kv_b[:, :nope].transpose(0, 2, 1)),   # [H, lora, nope]
+                (name.replace("kv_b_proj", "v_b_proj"), kv_b[:, nope:])]                       # [H, v, lora]
+    if arch == "gpt-oss" and ".mlp.experts." in name:
+        if name.endswith("gate_up_proj"):                 # [E, hidden, 2I] interleaved, stored [in, out]
+            t = value.transpose(0, 2, 1)
+            return [(name.replace("gate_up_proj", "gate_proj.weight"), t[:, ::2]),
+                    (name.replace("gate_up_proj", "up_proj.weight"), t[:, 1::2])]
+        if name.endswith("gate_up_proj_bias"):
+            return [(name.replace("gate_up_proj_bias", "gate_proj.bias"), value[..., ::2]),
+                    (name.replace("gate_up_proj_bias", "up_proj.bias"), value[..., 1::2])]
+        if name.endswith("down_proj"):
+            return [(name.replace("down_proj", "down_proj.weight"), value.transpose(0, 2, 1))]
+        if name.endswith("down_proj_bias"):
+            return [(name.replace("down_proj_bias", "down_proj.bias"), value)]
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        return [(name, value + np.float32(1.0))]          # Gemma's (1 + w) norms, stored as w + 1
+    if arch == "gpt-oss" and name.endswith(".sinks"):
+        return [(name + ".weight", value)]
+    if name.endswith("e_score_correction_bias"):
+        return [(name.replace("e_score_correction_bias", "e_score_correction.bias"), value)]
+    return [(name, value)]
+
+
+def _join_pieces(name: str, pieces: list[np.ndarray]) -> np.ndarray:
+    """gpt-oss's fused expert tensor back from its (round-tripped) converter pieces: _hf_pieces inverted."""
+    if name.endswith("gate_up_proj"):
+        gate, up = pieces                                 # [E, I, hidden] each
+        t = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
+        t[:, ::2], t[:, 1::2] = gate, up
+        return t.transpose(0, 2, 1)
+    (down,) = pieces
+    return down.transpose(0, 2, 1)
+
+
+def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray],
+                           outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True,
+                           expert_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+    """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss /
+    olmo2 / phi3 / gemma2 / gemma3 model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
+    them (after F16 rounding; Gemma's norms as the checkpoint's w, which the reader must restore).
+
+    Names come from gguf's own tensor map (the converter's map_tensor_name); per-expert matrices are stacked
+    [E, out, in]; DeepSeek's kv_b_proj is split into k_b (transposed) and v_b unless `split_kv_b` is false
+    (files from before llama.cpp's MLA rework: kv_b whole, key/value_length the per-head sizes, no *_mla
+    keys); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed;
+    Gemma's norms are stored as w + 1; Phi-3's LongRoPE factors become rope_factors_long/short tensors.
+    `expert_type` stores the routed experts' weight stacks in that type (gguf's quantizer), as the converter
+    stores gpt-oss's published MXFP4 experts (repacked bit for bit, the same block layout).
+    """
+    arch = HF_TO_GGUF[cfg["architectures"][0]]
+    n_blocks = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
+    name_map = gguf.get_tensor_name_map(CONVERTED[arch], n_blocks)
+    w = gguf.GGUFWriter(str(path), arch)
+    _common_metadata(w, cfg)
+    _arch_metadata(w, cfg, split_kv_b)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if outtype == F32 else gguf.LlamaFileType.MOSTLY_F16)
+
+    def rounded(x: np.ndarray, qtype) -> np.ndarray:
+        return x.astype(np.float32) if qtype == F32 else x.astype(np.float16).astype(np.float32)
+
+    back: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, str]] = {}
+    for name, value in tensors.items():
+        if name == "lm_head.weight" and (cfg.get("tie_word_embeddings") or arch == "gemma2"):
+            continue                                      # Gemma 2's class drops it always
+        if name.endswith("norm.weight") and arch in ("gemma2", "gemma3"):
+            (_, stored), = _hf_pieces(cfg, arch, name, value, split_kv_b)
+            w.add_tensor(name_map.get_name(name, try_suffixes=(".weight",)), stored.astype(np.float32))
+            back[name] = value.astype(np.float32)         # the model undoes the shift: the reference keeps w
+            continue
+        e = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if e:   # per-expert matrices: stacked once a layer's are all seen (the converter's _experts)
+            stacks.setdefault(f"{e.group(1)}.{e.group(3)}.weight", {})[int(e.group(2))] = name
+            continue
+        qtypes, restored = set(), []
+        for hf, data in _hf_pieces(cfg, arch, name, value, split_kv_b):
+            gname = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+            assert gname is not None, f"gguf's tensor map has no name for {hf}"
+            if expert_type is not None and re.search(r"ffn_(gate|up|down)_exps\.weight$", gname):
+                raw = gguf.quants.quantize(np.ascontiguousarray(data, np.float32), expert_type)
+                w.add_tensor(gname, raw, raw_dtype=expert_type)
+                restored.append(gguf.quants.dequantize(raw, expert_type).reshape(data.shape))
+                qtypes.add(expert_type)
+                continue
+            qtype = _float_type(gname, data.ndim, outtype)
+            w.add_tensor(gname, np.ascontiguousarray(data.astype(np.float32 if qtype == F32 else np.float16)))
+            qtypes.add(qtype)
+        # the pieces are parts of the original, rounded elementwise by one type: rounding the original by it
+        # gives what the file holds, in the checkpoint's own layout (block types: the pieces joined back)
+        (qtype,) = qtypes
+        back[name] = _join_pieces(name, restored) if restored else rounded(value, qtype)
+    rope = cfg["rope_parameters"]
+    if arch == "phi3" and rope.get("long_factor"):        # Phi3MiniModel.generate_extra_tensors
+        orig = rope["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    for merged, members in stacks.items():
+        names = [members[i] for i in range(len(members))]
+        data = np.stack([tensors[n] for n in names])
+        gname = name_map.get_name(merged, try_suffixes=(".weight",))
+        if expert_type is not None:
+            raw = gguf.quants.quantize(np.ascontiguousarray(data, np.float32), expert_type)
+            w.add_tensor(gname, raw, raw_dtype=expert_type)
+            restored = gguf.quants.dequantize(raw, expert_type).reshape(data.shape)
+            back |= {n: restored[i] for i, n in enumerate(names)}
+            continue
+        qtype = _float_type(gname, data.ndim, outtype)
+        w.add_tensor(gname, np.ascontiguousarray(data.astype(np.float32 if qtype == F32 else np.float16)))
+        for n in names:
+            back[n] = rounded(tensors[n], qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
