@@ -1,0 +1,369 @@
+"""numba kernels for GGUF K-quant matrices (Q4_K, Q5_K, Q6_K) read in the file's own block layout.
+
+A row of K weights is K / 256 super-blocks of ggml bytes, kept exactly as the file holds them (no
+copy of a memory map, memory = the file's size):
+
+    Q4_K  144 bytes: d, dmin (fp16), 12 bytes of 6-bit sub-scales sc[8] and sub-mins m[8], qs[128]
+    Q5_K  176 bytes: d, dmin, the same 12 bytes, qh[32] (bit j of byte l: high bit of sub-block j), qs[128]
+    Q6_K  210 bytes: ql[128], qh[64], int8 sub-scales sc[16], d (fp16)
+
+Q4_K / Q5_K weight l of 32-weight sub-block j is (d * sc[j]) * q - dmin * m[j]; Q6_K weight l of
+16-weight sub-block i is (d * sc[i]) * (q - 32). Every product here is exact in float32 (at most 24
+significant bits), so one fma(q, A, B) with A = d * sc and B = -(dmin * m) rounds once, where gguf's
+numpy dequantization rounds A * q - dm once too; Q6_K is (q - 32) * A, exact, computed as gguf does
+(signed zeros included): the weights are bitwise equal.
+
+Each kernel walks a super-block in 16 groups of 16 weights in increasing order, with the sub-block
+scales of up to 4 rows decoded once per super-block (one vector each) into a stack buffer. A dot product accumulates
+lane j over k = j, j + 16, ... with one fma each and reduces by `vsum`, the same sequence as
+engine/kernels/matmul.py's float tile, so decode (on the fly) and prefill (a dequantized tile run
+by `matmul.tile_rows`) give the same bits. Q4_K and Q5_K look weights up in a per-sub-block table
+(one permute per 16 weights, as the Q4_1 path does); Q6_K converts and fmas.
+"""
+
+from __future__ import annotations
+
+import llvmlite.ir as ir
+import numba
+import numpy as np
+from numba import literally, njit, prange, types
+from numba.extending import intrinsic
+
+from engine.kernels.matmul import OTF_MAX_TOKENS, TILE, tile_rows
+from engine.kernels.simd import (
+    U64,
+    _elem_ptr,
+    _load_vec,
+    _splat_i32,
+    address_as_voidptr,
+    f16_to_f32,
+    f32x16,
+    i32x16,
+    prefetch,
+    stack_block,
+    vcodes8,
+    vfma,
+    viota,
+    vload,
+    vlookup,
+    vlookup16n,
+    vmul,
+    vsplat,
+    vsrl4,
+    vstore,
+    vsum,
+    vtofloat,
+    vzero,
+)
+
+F32 = np.float32
+SUPER = 256                       # weights per super-block
+Q4_K, Q5_K, Q6_K = 12, 13, 14     # ggml type numbers, the kernels' `kind`
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block (Python side; kernels: _block_bytes)
+DESC_FIELDS = 5                   # kind, rows, cols, address, bytes: one matrix in a kernel table
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def vfield(typingctx, v, shift, mask):
+    """Integer lanes (v >> shift) & mask (shift and mask scalars)."""
+    def codegen(context, builder, sig, args):
+        s = _splat_i32(builder, builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1])
+        m = _splat_i32(builder, builder.trunc(args[2], _I32) if args[2].type.width > 32 else args[2])
+        return builder.and_(builder.lshr(args[0], s), m)
+    return i32x16(i32x16, shift, mask), codegen
+
+
+@intrinsic
+def vmerge(typingctx, low, high, up):
+    """Integer lanes low | (high << up)."""
+    def codegen(context, builder, sig, args):
+        s = _splat_i32(builder, builder.trunc(args[2], _I32) if args[2].type.width > 32 else args[2])
+        return builder.or_(args[0], builder.shl(args[1], s))
+    return i32x16(i32x16, i32x16, up), codegen
+
+
+def _vi(values):
+    return ir.Constant(ir.VectorType(_I32, 16), [ir.Constant(_I32, v) for v in values])
+
+
+_VF = ir.VectorType(ir.FloatType(), 16)
+
+
+@intrinsic
+def vkscales(typingctx, raw, off, d, nmin):
+    """Q4_K/Q5_K sub-scales of the 12 bytes at raw[off]: lanes j < 8 are d * sc[j], lanes 8 + j are nmin * m[j].
+
+    Bytes 0-3 hold the low 6 bits of sc[0..3], 4-7 of m[0..3]; bytes 8-11 the low 4 bits of sc[4..7] (low
+    nibble) and m[4..7] (high nibble), whose top 2 bits are the top bits of bytes 0-3 (sc) and 4-7 (m).
+    """
+    if not (isinstance(raw, types.Array) and raw.dtype == types.uint8 and d == types.float32 and nmin == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = builder.zext(_load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]),
+                                   ir.VectorType(ir.IntType(8), 16), 1), ir.VectorType(_I32, 16))
+        p = builder.shuffle_vector(b, b, _vi([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11]))
+        q = builder.shuffle_vector(b, b, _vi([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]))
+        low = builder.and_(builder.lshr(p, _vi([0] * 12 + [4] * 4)), _vi([63] * 4 + [15] * 4 + [63] * 4 + [15] * 4))
+        top = builder.and_(builder.shl(builder.lshr(q, _vi([6] * 16)), _vi([4] * 16)), _vi(([0] * 4 + [48] * 4) * 2))
+        codes = builder.sitofp(builder.or_(low, top), _VF)
+        dv = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), 2), ir.Undefined), args[2], ir.Constant(_I32, 0))
+        dv = builder.insert_element(dv, args[3], ir.Constant(_I32, 1))
+        mul = builder.shuffle_vector(dv, dv, _vi([0] * 8 + [1] * 8))
+        return builder.fmul(codes, mul)
+    return f32x16(raw, off, d, nmin), codegen
+
+
+@intrinsic
+def vi8scales(typingctx, raw, off, d):
+    """Q6_K sub-scales: lanes d * int8(raw[off + j]), j < 16."""
+    if not (isinstance(raw, types.Array) and raw.dtype == types.uint8 and d == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = builder.sext(_load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]),
+                                   ir.VectorType(ir.IntType(8), 16), 1), ir.VectorType(_I32, 16))
+        dv = builder.insert_element(ir.Constant(_VF, ir.Undefined), args[2], ir.Constant(_I32, 0))
+        dv = builder.shuffle_vector(dv, dv, _vi([0] * 16))
+        return builder.fmul(builder.sitofp(b, _VF), dv)
+    return f32x16(raw, off, d), codegen
+
+
+@njit(inline="always")
+def _block_bytes(kind):
+    """Bytes of one super-block of `kind`."""
+    return 144 if kind == Q4_K else 176 if kind == Q5_K else 210
+
+
+@intrinsic
+def _u16(typingctx, raw, off):
+    """The little-endian uint16 at byte off of a uint8 array (one load, any alignment)."""
+    if not (isinstance(raw, types.Array) and raw.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = builder.bitcast(_elem_ptr(context, builder, sig.args[0], args[0], args[1]), ir.IntType(16).as_pointer())
+        return builder.load(ptr, align=1)
+    return types.uint16(raw, off), codegen
+
+
+@njit(inline="always")
+def _f16(raw, o):
+    """The fp16 value at byte o of raw as float32."""
+    return f16_to_f32(_u16(raw, o))
+
+
+@njit(inline="always")
+def _scales(kind, raw, so, buf, bo):
+    """Store the sub-block scales of the super-block at byte so at buf[bo ...] (see `_ab`)."""
+    if kind == Q6_K:
+        vstore(buf, bo, vi8scales(raw, so + U64(192), _f16(raw, so + U64(208))))
+    else:
+        vstore(buf, bo, vkscales(raw, so + U64(4), _f16(raw, so), -_f16(raw, so + U64(2))))
+
+
+@njit(inline="always")
+def _ab(kind, buf, bo, g):
+    """(A, B) of 16-weight group g from `_scales`' buffer: Q4_K/Q5_K sub-block g // 2 has A = d * sc at bo + g // 2
+    and B = -(dmin * m) at bo + 8 + g // 2; Q6_K sub-block g has A = d * sc at bo + g (and no B)."""
+    if kind == Q6_K:
+        return buf[bo + U64(g)], F32(0.0)
+    return buf[bo + U64(g // 2)], buf[bo + U64(8 + g // 2)]
+
+
+@njit(inline="always")
+def _group(kind, raw, so, g, a, b):
+    """The 16 dequantized weights of group g (weights 16g .. 16g + 15) of the super-block at byte so."""
+    if kind == Q6_K:
+        c = g // 2                      # 32-weight chunk: half h of the super-block, quarter s of it
+        h, s, l16 = c // 4, c % 4, U64(16 * (g % 2))
+        ql = vcodes8(raw, so + U64(64 * h + 32 * (s % 2)) + l16, raw, U64(0), 0)
+        qh = vcodes8(raw, so + U64(128 + 32 * h) + l16, raw, U64(0), 0)
+        q = vmerge(vfield(ql, 4 * (s // 2), 15), vfield(qh, 2 * s, 3), 4)
+        # (q - 32) * A as gguf computes it (an fma would give +0.0 where gguf gives -0.0)
+        return vmul(vfma(vtofloat(q), vsplat(F32(1.0)), vsplat(F32(-32.0))), vsplat(a))
+    c = g // 4                          # 64-weight chunk: 32 bytes, low nibbles then high nibbles
+    sub = g // 2                        # 32-weight sub-block
+    l16 = U64(16 * (g % 2))
+    qs = so + U64(16 if kind == Q4_K else 48)
+    q = vfield(vcodes8(raw, qs + U64(32 * c) + l16, raw, U64(0), 0), 4 * (sub % 2), 15)
+    if kind == Q5_K:
+        q = vmerge(q, vfield(vcodes8(raw, so + U64(16) + l16, raw, U64(0), 0), sub, 1), 4)
+    return vfma(vtofloat(q), vsplat(a), vsplat(b))
+
+
+@njit(cache=True, boundscheck=False)
+def kq_dequant_rows(kind, raw, K, r0, nr, dst):
+    """Rows r0 .. r0 + nr - 1 of a K-quant matrix (raw: its bytes, flat) -> dst[i * K + k], float32."""
+    if kind == Q4_K:
+        _dequant(Q4_K, raw, K, r0, nr, dst)
+    elif kind == Q5_K:
+        _dequant(Q5_K, raw, K, r0, nr, dst)
+    else:
+        _dequant(Q6_K, raw, K, r0, nr, dst)
+
+
+@njit(boundscheck=False)
+def _dequant(kind, raw, K, r0, nr, dst):
+    literally(kind)
+    nsb = K // SUPER
+    bs = _block_bytes(kind)
+    buf = numba.carray(stack_block(), 128, np.float32)
+    for i in range(nr):
+        for sb in range(nsb):
+            so = (U64(r0 + i) * U64(nsb) + U64(sb)) * U64(bs)
+            _scales(kind, raw, so, buf, U64(0))
+            o = U64(i) * U64(K) + U64(sb * SUPER)
+            for g in range(16):
+                a, b = _ab(kind, buf, U64(0), g)
+                vstore(dst, o + U64(16 * g), _group(kind, raw, so, g, a, b))
+
+
+@njit(inline="always")
+def _chunk(kind, raw, rs, c, buf, bo, iota, iota16, x0, x1, x2, x3, acc):
+    """acc plus one row's 64-weight chunk c of a Q4_K/Q5_K super-block at byte rs (sub-blocks 2c, 2c + 1) times
+    x0 .. x3 (its 4 groups of 16 inputs); weights looked up in each sub-block's table of code values."""
+    qs = rs + U64(16 if kind == Q4_K else 48) + U64(32 * c)
+    a0 = vsplat(buf[bo + U64(2 * c)])
+    b0 = vsplat(buf[bo + U64(8 + 2 * c)])
+    a1 = vsplat(buf[bo + U64(2 * c + 1)])
+    b1 = vsplat(buf[bo + U64(9 + 2 * c)])
+    lo = vfma(iota, a0, b0)                                  # sub-block 2c: codes 0 .. 15
+    hi = vfma(iota, a1, b1)                                  # sub-block 2c + 1
+    c0 = vcodes8(raw, qs, raw, U64(0), 0)
+    c1 = vcodes8(raw, qs + U64(16), raw, U64(0), 0)
+    if kind == Q4_K:
+        acc = vfma(vlookup16n(lo, c0), x0, acc)
+        acc = vfma(vlookup16n(lo, c1), x1, acc)
+        acc = vfma(vlookup16n(hi, vsrl4(c0)), x2, acc)
+        return vfma(vlookup16n(hi, vsrl4(c1)), x3, acc)
+    lo16 = vfma(iota16, a0, b0)                              # codes 16 .. 31
+    hi16 = vfma(iota16, a1, b1)
+    h0 = vcodes8(raw, rs + U64(16), raw, U64(0), 0)
+    h1 = vcodes8(raw, rs + U64(32), raw, U64(0), 0)
+    acc = vfma(vlookup(lo, lo16, vmerge(vfield(c0, 0, 15), vfield(h0, 2 * c, 1), 4)), x0, acc)
+    acc = vfma(vlookup(lo, lo16, vmerge(vfield(c1, 0, 15), vfield(h1, 2 * c, 1), 4)), x1, acc)
+    acc = vfma(vlookup(hi, hi16, vmerge(vfield(c0, 4, 15), vfield(h0, 2 * c + 1, 1), 4)), x2, acc)
+    return vfma(vlookup(hi, hi16, vmerge(vfield(c1, 4, 15), vfield(h1, 2 * c + 1, 1), 4)), x3, acc)
+
+
+@njit(inline="always")
+def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
+    """The four accumulators plus one super-block of 4 rows (row j's block at so + j * step) times x[xo ...]."""
+    if kind == Q6_K:
+        for g in range(16):
+            xv = vload(x, xo + U64(16 * g))
+            acc0 = vfma(_group(kind, raw, so, g, buf[U64(g)], F32(0.0)), xv, acc0)
+            acc1 = vfma(_group(kind, raw, so + step, g, buf[U64(16 + g)], F32(0.0)), xv, acc1)
+            acc2 = vfma(_group(kind, raw, so + U64(2) * step, g, buf[U64(32 + g)], F32(0.0)), xv, acc2)
+            acc3 = vfma(_group(kind, raw, so + U64(3) * step, g, buf[U64(48 + g)], F32(0.0)), xv, acc3)
+        return acc0, acc1, acc2, acc3
+    iota = viota()
+    iota16 = vfma(iota, vsplat(F32(1.0)), vsplat(F32(16.0)))     # 16.0 .. 31.0: codes with the high bit
+    for c in range(4):
+        x0 = vload(x, xo + U64(64 * c))
+        x1 = vload(x, xo + U64(64 * c + 16))
+        x2 = vload(x, xo + U64(64 * c + 32))
+        x3 = vload(x, xo + U64(64 * c + 48))
+        acc0 = _chunk(kind, raw, so, c, buf, U64(0), iota, iota16, x0, x1, x2, x3, acc0)
+        acc1 = _chunk(kind, raw, so + step, c, buf, U64(16), iota, iota16, x0, x1, x2, x3, acc1)
+        acc2 = _chunk(kind, raw, so + U64(2) * step, c, buf, U64(32), iota, iota16, x0, x1, x2, x3, acc2)
+        acc3 = _chunk(kind, raw, so + U64(3) * step, c, buf, U64(48), iota, iota16, x0, x1, x2, x3, acc3)
+    return acc0, acc1, acc2, acc3
+
+
+@njit(boundscheck=False)
+def kq_otf_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+    """K-quant rows r0 .. r0 + nr - 1 times tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]."""
+    if kind == Q4_K:
+        _otf(Q4_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    elif kind == Q5_K:
+        _otf(Q5_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    else:
+        _otf(Q6_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+
+
+@njit(boundscheck=False)
+def _otf(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+    literally(kind)
+    nsb = K // SUPER
+    bs = _block_bytes(kind)
+    step = U64(nsb) * U64(bs)           # bytes per row
+    buf = numba.carray(stack_block(), 128, np.float32)   # [row 0..3][16 scales, see _ab]
+    r = r0
+    while r < r0 + nr:
+        rows = min(4, r0 + nr - r)
+        for i in range(i0, i1):
+            xo = U64(xrows[i]) * U64(K)
+            o = U64(orows[i]) * U64(ldo) + U64(col0 + r - r0)
+            if rows == 4:
+                acc0 = vzero()
+                acc1 = vzero()
+                acc2 = vzero()
+                acc3 = vzero()
+                for sb in range(nsb):
+                    so = U64(r) * step + U64(sb * bs)
+                    for j in range(4):
+                        _scales(kind, raw, so + U64(j) * step, buf, U64(16 * j))
+                        prefetch(raw, so + U64(j + 4) * step)
+                        prefetch(raw, so + U64(j + 4) * step + U64(64))
+                        prefetch(raw, so + U64(j + 4) * step + U64(128))
+                    acc0, acc1, acc2, acc3 = _acc4(kind, raw, so, step, buf, x, xo + U64(sb * SUPER),
+                                                   acc0, acc1, acc2, acc3)
+                out[o] = vsum(acc0)
+                out[o + U64(1)] = vsum(acc1)
+                out[o + U64(2)] = vsum(acc2)
+                out[o + U64(3)] = vsum(acc3)
+            else:
+                for j in range(rows):
+                    acc = vzero()
+                    for sb in range(nsb):
+                        so = U64(r + j) * step + U64(sb * bs)
+                        _scales(kind, raw, so, buf, U64(0))
+                        for g in range(16):
+                            xv = vload(x, xo + U64(sb * SUPER + 16 * g))
+                            a, b = _ab(kind, buf, U64(0), g)
+                            acc = vfma(_group(kind, raw, so, g, a, b), xv, acc)
+                    out[o + U64(j)] = vsum(acc)
+        r += 4
+
+
+@njit(boundscheck=False)
+def kq_rows(kind, raw, K, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scratch):
+    """Rows r0 .. r1 - 1 times tokens i0 .. i1 - 1: on the fly for few tokens, else a dequantized 4-row tile."""
+    if i1 - i0 <= OTF_MAX_TOKENS:
+        kq_otf_rows(kind, raw, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
+        return
+    r = r0
+    while r < r1:
+        nr = min(TILE, r1 - r)
+        kq_dequant_rows(kind, raw, K, r, nr, scratch)
+        tile_rows(scratch, U64(0), K, nr, x, xrows, orows, i0, i1, out, ldo, col0 + r - r0)
+        r += TILE
+
+
+@njit
+def kq_matrix(desc):
+    """(kind, rows, cols, raw bytes) of a K-quant descriptor (KQuantTensor.kq_descriptor)."""
+    raw = numba.carray(address_as_voidptr(desc[3]), (desc[4],), np.uint8)
+    return desc[0], desc[1], desc[2], raw
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def kq_run_items(table, items, pieces, x, xrows, orows, out):
+    """Work items (engine/kernels/matmul.py's `matmul_items`) over K-quant matrices `table` [M, DESC_FIELDS]."""
+    for p in prange(pieces.shape[0] - 1):
+        for j in range(pieces[p], pieces[p + 1]):
+            kind, _, cols, raw = kq_matrix(table[items[j, 0]])
+            r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
+            scratch = np.empty(TILE * cols if i1 - i0 > OTF_MAX_TOKENS else 0, np.float32)
+            kq_rows(kind, raw, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0, scratch)
+
+
+@njit(cache=True, boundscheck=False)
+def kq_gather_rows(desc, ids, dst):
+    """Rows ids [T] of a K-quant matrix -> dst flat [T, cols], float32 (the dequantized weights)."""
+    kind, _, cols, raw = kq_matrix(desc)
+    for i in range(ids.shape[0]):
+        kq_dequant_rows(kind, raw, cols, ids[i], 1, dst[i * cols:])
