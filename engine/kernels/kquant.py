@@ -249,15 +249,44 @@ def _chunk(kind, raw, rs, c, buf, bo, iota, iota16, x0, x1, x2, x3, acc):
 
 
 @njit(inline="always")
+def _q6w(ql, qh, qshift, hshift, a):
+    """16 Q6_K weights: code (ql >> qshift) & 15 | ((qh >> hshift) & 3) << 4, as ((code - 32) * a)."""
+    q = vmerge(vfield(ql, qshift, 15), vfield(qh, hshift, 3), 4)
+    return vmul(vfma(vtofloat(q), vsplat(F32(1.0)), vsplat(F32(-32.0))), vsplat(a))
+
+
+@njit(inline="always")
+def _q6half(raw, so, h, buf, bo, x, xo, acc):
+    """acc plus one row's half h (weights 128h ..) of a Q6_K super-block at byte so times x[xo ...]; the scales of
+    its 8 groups at buf[bo ...]. Groups in increasing order: quarter s takes ql bytes 32 (s % 2) .. and nibble s // 2,
+    and qh bits 2s."""
+    q0 = so + U64(64 * h)
+    ql0 = vcodes8(raw, q0, raw, U64(0), 0)
+    ql1 = vcodes8(raw, q0 + U64(16), raw, U64(0), 0)
+    ql2 = vcodes8(raw, q0 + U64(32), raw, U64(0), 0)
+    ql3 = vcodes8(raw, q0 + U64(48), raw, U64(0), 0)
+    qh0 = vcodes8(raw, so + U64(128 + 32 * h), raw, U64(0), 0)
+    qh1 = vcodes8(raw, so + U64(144 + 32 * h), raw, U64(0), 0)
+    acc = vfma(_q6w(ql0, qh0, 0, 0, buf[bo]), vload(x, xo), acc)
+    acc = vfma(_q6w(ql1, qh1, 0, 0, buf[bo + U64(1)]), vload(x, xo + U64(16)), acc)
+    acc = vfma(_q6w(ql2, qh0, 0, 2, buf[bo + U64(2)]), vload(x, xo + U64(32)), acc)
+    acc = vfma(_q6w(ql3, qh1, 0, 2, buf[bo + U64(3)]), vload(x, xo + U64(48)), acc)
+    acc = vfma(_q6w(ql0, qh0, 4, 4, buf[bo + U64(4)]), vload(x, xo + U64(64)), acc)
+    acc = vfma(_q6w(ql1, qh1, 4, 4, buf[bo + U64(5)]), vload(x, xo + U64(80)), acc)
+    acc = vfma(_q6w(ql2, qh0, 4, 6, buf[bo + U64(6)]), vload(x, xo + U64(96)), acc)
+    return vfma(_q6w(ql3, qh1, 4, 6, buf[bo + U64(7)]), vload(x, xo + U64(112)), acc)
+
+
+@njit(inline="always")
 def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
     """The four accumulators plus one super-block of 4 rows (row j's block at so + j * step) times x[xo ...]."""
     if kind == Q6_K:
-        for g in range(16):
-            xv = vload(x, xo + U64(16 * g))
-            acc0 = vfma(_group(kind, raw, so, g, buf[U64(g)], F32(0.0)), xv, acc0)
-            acc1 = vfma(_group(kind, raw, so + step, g, buf[U64(16 + g)], F32(0.0)), xv, acc1)
-            acc2 = vfma(_group(kind, raw, so + U64(2) * step, g, buf[U64(32 + g)], F32(0.0)), xv, acc2)
-            acc3 = vfma(_group(kind, raw, so + U64(3) * step, g, buf[U64(48 + g)], F32(0.0)), xv, acc3)
+        for h in range(2):              # 128-weight halves: 8 groups of 16 share 64 ql and 32 qh bytes
+            xh = xo + U64(128 * h)
+            acc0 = _q6half(raw, so, h, buf, U64(8 * h), x, xh, acc0)
+            acc1 = _q6half(raw, so + step, h, buf, U64(16 + 8 * h), x, xh, acc1)
+            acc2 = _q6half(raw, so + U64(2) * step, h, buf, U64(32 + 8 * h), x, xh, acc2)
+            acc3 = _q6half(raw, so + U64(3) * step, h, buf, U64(48 + 8 * h), x, xh, acc3)
         return acc0, acc1, acc2, acc3
     iota = viota()
     iota16 = vfma(iota, vsplat(F32(1.0)), vsplat(F32(16.0)))     # 16.0 .. 31.0: codes with the high bit
