@@ -1,4 +1,4 @@
-"""A plain numpy quantizer to GGUF K-quant blocks (Q4_K, Q5_K, Q6_K), which the `gguf` package cannot make.
+"""A plain numpy quantizer to GGUF K-quant blocks (Q2_K, Q4_K, Q5_K, Q6_K), which the `gguf` package cannot make.
 
 The scales are chosen simply (min/max per sub-block, not llama.cpp's search): tests need valid blocks
 laid out exactly as ggml lays them out, whose meaning `gguf.quants.dequantize` then defines.
@@ -11,7 +11,7 @@ import numpy as np
 
 Q = gguf.GGMLQuantizationType
 SUPER = 256
-TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def _f16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -70,6 +70,25 @@ def _q6k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d_bytes.reshape(n, 2)], axis=1)
 
 
+def _q2k(x: np.ndarray) -> np.ndarray:
+    """Super-blocks x [n, 256] -> Q2_K blocks [n, 84]: scales, qs, d, dmin."""
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    lo = np.minimum(sub.min(axis=-1), 0)                                    # [n, 16]
+    scale = (sub.max(axis=-1) - lo) / 3
+    d_bytes, d = _f16(scale.max(axis=-1) / 15)
+    m_bytes, dmin = _f16(-lo.min(axis=-1) / 15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.round(scale / d[:, None])).clip(0, 15).astype(np.uint8)
+        m = np.nan_to_num(np.round(-lo / dmin[:, None])).clip(0, 15).astype(np.uint8)
+        a = d[:, None] * sc.astype(np.float32)
+        b = dmin[:, None] * m.astype(np.float32)
+        q = np.nan_to_num(np.round((sub + b[..., None]) / a[..., None])).clip(0, 3).astype(np.uint8)
+    q = q.reshape(n, 2, 4, 32)                                              # [n, half, crumb, byte]
+    qs = (q << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)   # [n, 2, 32]
+    return np.concatenate([sc | (m << 4), qs.reshape(n, 64), d_bytes.reshape(n, 2), m_bytes.reshape(n, 2)], axis=1)
+
+
 def quantize_k(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """w [..., in] (in % 256 == 0) -> the K-quant bytes [..., in / 256 * block bytes] uint8, as a GGUF stores them."""
     if qtype not in TYPES:
@@ -78,17 +97,22 @@ def quantize_k(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     if x.shape[-1] % SUPER:
         raise ValueError(f"K-quants need rows of a multiple of {SUPER} weights, got {x.shape[-1]}")
     flat = x.reshape(-1, SUPER)
-    blocks = _q6k(flat) if qtype == Q.Q6_K else _k45(flat, 4 if qtype == Q.Q4_K else 5)
+    if qtype == Q.Q2_K:
+        blocks = _q2k(flat)
+    else:
+        blocks = _q6k(flat) if qtype == Q.Q6_K else _k45(flat, 4 if qtype == Q.Q4_K else 5)
     return blocks.reshape(*x.shape[:-1], -1)
 
 
 def random_k_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random bytes [rows, cols / 256 * block bytes] as K-quant blocks, with finite fp16 scales of either sign."""
-    size = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}[qtype]
+    size = {Q.Q2_K: 84, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}[qtype]
     raw = rng.integers(0, 256, (rows, cols // SUPER, size), dtype=np.uint8)
     d = (rng.standard_normal((rows, cols // SUPER, 2)) * 0.01).astype(np.float16).view(np.uint8)   # [.., 2 values x 2 bytes]
     if qtype == Q.Q6_K:
         raw[..., 208:210] = d[..., 0:2]
+    elif qtype == Q.Q2_K:
+        raw[..., 80:84] = d
     else:
         raw[..., 0:4] = d
     return raw.reshape(rows, -1)
