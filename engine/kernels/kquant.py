@@ -1,4 +1,4 @@
-"""numba kernels for GGUF K-quant matrices (Q2_K, Q4_K, Q5_K, Q6_K) read in the file's own block layout.
+"""numba kernels for GGUF K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) read in the file's own block layout.
 
 A row of K weights is K / 256 super-blocks of ggml bytes, kept exactly as the file holds them (no
 copy of a memory map, memory = the file's size):
@@ -7,9 +7,12 @@ copy of a memory map, memory = the file's size):
     Q5_K  176 bytes: d, dmin, the same 12 bytes, qh[32] (bit j of byte l: high bit of sub-block j), qs[128]
     Q6_K  210 bytes: ql[128], qh[64], int8 sub-scales sc[16], d (fp16)
     Q2_K   84 bytes: sc[16] (low nibble) and m[16] (high), qs[64] (4 crumbs a byte), d, dmin (fp16)
+    Q3_K  110 bytes: hmask[32] (bit j of byte l: high bit of weight 16j' + l), qs[64], 12 bytes of 6-bit sc[16], d
 
 Q4_K / Q5_K weight l of 32-weight sub-block j is (d * sc[j]) * q - dmin * m[j]; Q6_K weight l of
-16-weight sub-block i is (d * sc[i]) * (q - 32); Q2_K's is (d * sc[i]) * q - dmin * m[i]. Every product here is exact in float32 (at most 24
+16-weight sub-block i is (d * sc[i]) * (q - 32); Q2_K's is (d * sc[i]) * q - dmin * m[i];
+Q3_K's is (d * (sc[i] - 32)) * (q - 4 * (1 - high bit)), exact, computed as gguf does like Q6_K.
+Every product here is exact in float32 (at most 24
 significant bits), so one fma(q, A, B) with A = d * sc and B = -(dmin * m) rounds once, where gguf's
 numpy dequantization rounds A * q - dm once too; Q6_K is (q - 32) * A, exact, computed as gguf does
 (signed zeros included): the weights are bitwise equal.
@@ -19,7 +22,7 @@ scales of up to 4 rows decoded once per super-block (one vector each) into a sta
 lane j over k = j, j + 16, ... with one fma each and reduces by `vsum`, the same sequence as
 engine/kernels/matmul.py's float tile, so decode (on the fly) and prefill (a dequantized tile run
 by `matmul.tile_rows`) give the same bits. Q4_K and Q5_K look weights up in a per-sub-block table
-(one permute per 16 weights, as the Q4_1 path does); Q6_K and Q2_K convert and fma.
+(one permute per 16 weights, as the Q4_1 path does); Q6_K, Q3_K and Q2_K convert and fma.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ from engine.kernels.simd import (
 
 F32 = np.float32
 SUPER = 256                       # weights per super-block
-Q2_K, Q4_K, Q5_K, Q6_K = 10, 12, 13, 14     # ggml type numbers, the kernels' `kind`
-BLOCK_BYTES = {Q2_K: 84, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block (Python side; kernels: _block_bytes)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14     # ggml type numbers, the kernels' `kind`
+BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block (Python side; kernels: _block_bytes)
 DESC_FIELDS = 5                   # kind, rows, cols, address, bytes: one matrix in a kernel table
 _I32 = ir.IntType(32)
 
@@ -134,6 +137,27 @@ def vnibscales(typingctx, raw, off, shift, d):
 
 
 @intrinsic
+def vq3scales(typingctx, raw, off, d):
+    """Q3_K sub-scales of the 12 bytes at raw[off]: lanes d * (sc[j] - 32), sc[j] = low 4 bits from nibble j of bytes
+    0-7 (low nibbles first) and high 2 bits from bits 2 (j // 4) of byte 8 + j % 4."""
+    if not (isinstance(raw, types.Array) and raw.dtype == types.uint8 and d == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        b = builder.zext(_load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]),
+                                   ir.VectorType(ir.IntType(8), 16), 1), ir.VectorType(_I32, 16))
+        low = builder.shuffle_vector(b, b, _vi(list(range(8)) * 2))
+        low = builder.and_(builder.lshr(low, _vi([0] * 8 + [4] * 8)), _vi([15] * 16))
+        high = builder.shuffle_vector(b, b, _vi([8 + j % 4 for j in range(16)]))
+        high = builder.and_(builder.lshr(high, _vi([2 * (j // 4) for j in range(16)])), _vi([3] * 16))
+        sc = builder.sub(builder.or_(low, builder.shl(high, _vi([4] * 16))), _vi([32] * 16))
+        dv = builder.insert_element(ir.Constant(_VF, ir.Undefined), args[2], ir.Constant(_I32, 0))
+        dv = builder.shuffle_vector(dv, dv, _vi([0] * 16))
+        return builder.fmul(builder.sitofp(sc, _VF), dv)
+    return f32x16(raw, off, d), codegen
+
+
+@intrinsic
 def vi8scales(typingctx, raw, off, d):
     """Q6_K sub-scales: lanes d * int8(raw[off + j]), j < 16."""
     if not (isinstance(raw, types.Array) and raw.dtype == types.uint8 and d == types.float32):
@@ -151,7 +175,7 @@ def vi8scales(typingctx, raw, off, d):
 @njit(inline="always")
 def _block_bytes(kind):
     """Bytes of one super-block of `kind`."""
-    return 144 if kind == Q4_K else 176 if kind == Q5_K else 210 if kind == Q6_K else 84
+    return 144 if kind == Q4_K else 176 if kind == Q5_K else 210 if kind == Q6_K else 84 if kind == Q2_K else 110
 
 
 @njit(inline="always")
@@ -183,6 +207,8 @@ def _scales(kind, raw, so, buf, bo):
     """Store the sub-block scales of the super-block at byte so at buf[bo ...] (see `_ab`)."""
     if kind == Q6_K:
         vstore(buf, bo, vi8scales(raw, so + U64(192), _f16(raw, so + U64(208))))
+    elif kind == Q3_K:
+        vstore(buf, bo, vq3scales(raw, so + U64(96), _f16(raw, so + U64(108))))
     elif kind == Q2_K:
         vstore(buf, bo, vnibscales(raw, so, 0, _f16(raw, so + U64(80))))
         vstore(buf, bo + U64(16), vnibscales(raw, so, 4, -_f16(raw, so + U64(82))))
@@ -195,7 +221,7 @@ def _ab(kind, buf, bo, g):
     """(A, B) of 16-weight group g from `_scales`' buffer: Q4_K/Q5_K sub-block g // 2 has A = d * sc at bo + g // 2
     and B = -(dmin * m) at bo + 8 + g // 2; Q6_K sub-block g has A = d * sc at bo + g (and no B); Q2_K sub-block g
     has A at bo + g and B at bo + 16 + g."""
-    if kind == Q6_K:
+    if kind == Q6_K or kind == Q3_K:
         return buf[bo + U64(g)], F32(0.0)
     if kind == Q2_K:
         return buf[bo + U64(g)], buf[bo + U64(16 + g)]
@@ -213,6 +239,12 @@ def _group(kind, raw, so, g, a, b):
         q = vmerge(vfield(ql, 4 * (s // 2), 15), vfield(qh, 2 * s, 3), 4)
         # (q - 32) * A as gguf computes it (an fma would give +0.0 where gguf gives -0.0)
         return vmul(vfma(vtofloat(q), vsplat(F32(1.0)), vsplat(F32(-32.0))), vsplat(a))
+    if kind == Q3_K:
+        # low crumbs as Q2_K's (at byte 32); high bit g // 2 of hmask bytes 16 (g % 2) ..; q - 4 with the bit clear
+        h, s, l16 = g // 8, (g % 8) // 2, U64(16 * (g % 2))
+        ql = vfield(vcodes8(raw, so + U64(32 + 32 * h) + l16, raw, U64(0), 0), 2 * s, 3)
+        q = vmerge(ql, vfield(vcodes8(raw, so + l16, raw, U64(0), 0), g // 2, 1), 2)
+        return vmul(vfma(vtofloat(q), vsplat(F32(1.0)), vsplat(F32(-4.0))), vsplat(a))
     if kind == Q2_K:
         # group g: half h = g // 8 of the super-block, crumb s = (g % 8) // 2 of the 32 bytes at 16 + 32h
         h, s, l16 = g // 8, (g % 8) // 2, U64(16 * (g % 2))
@@ -235,6 +267,8 @@ def kq_dequant_rows(kind, raw, K, r0, nr, dst):
         _dequant(Q4_K, raw, K, r0, nr, dst)
     elif kind == Q2_K:
         _dequant(Q2_K, raw, K, r0, nr, dst)
+    elif kind == Q3_K:
+        _dequant(Q3_K, raw, K, r0, nr, dst)
     elif kind == Q5_K:
         _dequant(Q5_K, raw, K, r0, nr, dst)
     else:
@@ -325,16 +359,16 @@ def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
             acc2 = _q6half(raw, so + U64(2) * step, h, buf, U64(32 + 8 * h), x, xh, acc2)
             acc3 = _q6half(raw, so + U64(3) * step, h, buf, U64(48 + 8 * h), x, xh, acc3)
         return acc0, acc1, acc2, acc3
-    if kind == Q2_K:
+    if kind == Q2_K or kind == Q3_K:
         for g in range(16):
             xv = vload(x, xo + U64(16 * g))
             a, b = _ab(kind, buf, U64(0), g)
             acc0 = vfma(_group(kind, raw, so, g, a, b), xv, acc0)
-            a, b = _ab(kind, buf, U64(32), g)
+            a, b = _ab(kind, buf, U64(_stride(kind)), g)
             acc1 = vfma(_group(kind, raw, so + step, g, a, b), xv, acc1)
-            a, b = _ab(kind, buf, U64(64), g)
+            a, b = _ab(kind, buf, U64(2 * _stride(kind)), g)
             acc2 = vfma(_group(kind, raw, so + U64(2) * step, g, a, b), xv, acc2)
-            a, b = _ab(kind, buf, U64(96), g)
+            a, b = _ab(kind, buf, U64(3 * _stride(kind)), g)
             acc3 = vfma(_group(kind, raw, so + U64(3) * step, g, a, b), xv, acc3)
         return acc0, acc1, acc2, acc3
     iota = viota()
@@ -358,6 +392,8 @@ def kq_otf_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
         _otf(Q4_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     elif kind == Q2_K:
         _otf(Q2_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    elif kind == Q3_K:
+        _otf(Q3_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     elif kind == Q5_K:
         _otf(Q5_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     else:

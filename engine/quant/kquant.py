@@ -1,4 +1,4 @@
-"""`KQuantTensor`: a weight matrix in a GGUF K-quant type (Q2_K, Q4_K, Q5_K, Q6_K), held in the file's bytes.
+"""`KQuantTensor`: a weight matrix in a GGUF K-quant type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), held in the file's bytes.
 
 The rows are the file's own super-blocks (layout in engine/kernels/kquant.py), as a read-only view
 of the memory map: nothing is copied or widened, so a K-quant model takes the file's size in
@@ -19,7 +19,8 @@ from engine.kernels import kquant, matmul
 from engine.kernels.layout import check_activations
 
 _Q = gguf.GGMLQuantizationType
-KINDS = {_Q.Q2_K: kquant.Q2_K, _Q.Q4_K: kquant.Q4_K, _Q.Q5_K: kquant.Q5_K, _Q.Q6_K: kquant.Q6_K}   # types the kernels run
+KINDS = {_Q.Q2_K: kquant.Q2_K, _Q.Q3_K: kquant.Q3_K, _Q.Q4_K: kquant.Q4_K, _Q.Q5_K: kquant.Q5_K,   # types the kernels run
+         _Q.Q6_K: kquant.Q6_K}
 _NAMES = {kind: qtype.name for qtype, kind in KINDS.items()}
 
 

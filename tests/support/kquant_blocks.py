@@ -1,4 +1,4 @@
-"""A plain numpy quantizer to GGUF K-quant blocks (Q2_K, Q4_K, Q5_K, Q6_K), which the `gguf` package cannot make.
+"""A plain numpy quantizer to GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), which the `gguf` package cannot make.
 
 The scales are chosen simply (min/max per sub-block, not llama.cpp's search): tests need valid blocks
 laid out exactly as ggml lays them out, whose meaning `gguf.quants.dequantize` then defines.
@@ -11,7 +11,7 @@ import numpy as np
 
 Q = gguf.GGMLQuantizationType
 SUPER = 256
-TYPES = (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def _f16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -89,6 +89,27 @@ def _q2k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([sc | (m << 4), qs.reshape(n, 64), d_bytes.reshape(n, 2), m_bytes.reshape(n, 2)], axis=1)
 
 
+def _q3k(x: np.ndarray) -> np.ndarray:
+    """Super-blocks x [n, 256] -> Q3_K blocks [n, 110]: hmask, qs, scales, d."""
+    n = x.shape[0]
+    sub = x.reshape(n, 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 4                                    # [n, 16]
+    d_bytes, d = _f16(scale.max(axis=-1) / 31)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.round(scale / d[:, None])).clip(-32, 31).astype(np.int32)
+        a = d[:, None] * sc.astype(np.float32)
+        u = (np.nan_to_num(np.round(sub / a[..., None])).clip(-4, 3) + 4).astype(np.uint8).reshape(n, 256)
+    hmask = ((u.reshape(n, 8, 32) >> 2) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    crumbs = (u & 3).reshape(n, 2, 4, 32)
+    qs = (crumbs << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8)   # [n, 2, 32]
+    sc6 = (sc + 32).astype(np.uint8)                                        # [n, 16]
+    scales = np.empty((n, 12), np.uint8)
+    scales[:, :8] = (sc6[:, :8] & 15) | ((sc6[:, 8:] & 15) << 4)
+    top = (sc6 >> 4) & 3
+    scales[:, 8:] = top[:, 0:4] | (top[:, 4:8] << 2) | (top[:, 8:12] << 4) | (top[:, 12:16] << 6)
+    return np.concatenate([hmask, qs.reshape(n, 64), scales, d_bytes.reshape(n, 2)], axis=1)
+
+
 def quantize_k(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """w [..., in] (in % 256 == 0) -> the K-quant bytes [..., in / 256 * block bytes] uint8, as a GGUF stores them."""
     if qtype not in TYPES:
@@ -99,6 +120,8 @@ def quantize_k(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     flat = x.reshape(-1, SUPER)
     if qtype == Q.Q2_K:
         blocks = _q2k(flat)
+    elif qtype == Q.Q3_K:
+        blocks = _q3k(flat)
     else:
         blocks = _q6k(flat) if qtype == Q.Q6_K else _k45(flat, 4 if qtype == Q.Q4_K else 5)
     return blocks.reshape(*x.shape[:-1], -1)
@@ -106,13 +129,15 @@ def quantize_k(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
 
 def random_k_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random bytes [rows, cols / 256 * block bytes] as K-quant blocks, with finite fp16 scales of either sign."""
-    size = {Q.Q2_K: 84, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}[qtype]
+    size = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}[qtype]
     raw = rng.integers(0, 256, (rows, cols // SUPER, size), dtype=np.uint8)
     d = (rng.standard_normal((rows, cols // SUPER, 2)) * 0.01).astype(np.float16).view(np.uint8)   # [.., 2 values x 2 bytes]
     if qtype == Q.Q6_K:
         raw[..., 208:210] = d[..., 0:2]
     elif qtype == Q.Q2_K:
         raw[..., 80:84] = d
+    elif qtype == Q.Q3_K:
+        raw[..., 108:110] = d[..., 0:2]
     else:
         raw[..., 0:4] = d
     return raw.reshape(rows, -1)
