@@ -349,6 +349,36 @@ def _q6half(raw, so, h, buf, bo, x, xo, acc):
 
 
 @njit(inline="always")
+def _q23w(kind, qs, hm, s, bit, buf, bo, g):
+    """16 Q2_K or Q3_K weights of group g: crumb s of the code bytes qs (and, Q3_K, bit `bit` of the hmask bytes hm)."""
+    a, b = _ab(kind, buf, bo, g)
+    if kind == Q2_K:
+        return vfma(vtofloat(vfield(qs, 2 * s, 3)), vsplat(a), vsplat(b))
+    q = vmerge(vfield(qs, 2 * s, 3), vfield(hm, bit, 1), 2)
+    return vmul(vfma(vtofloat(q), vsplat(F32(1.0)), vsplat(F32(-4.0))), vsplat(a))
+
+
+@njit(inline="always")
+def _q23half(kind, raw, so, h, buf, bo, x, xo, acc):
+    """acc plus one row's half h (weights 128h ..) of a Q2_K or Q3_K super-block at byte so times x[xo ...]: group
+    8h + 2s + p takes crumb s of code bytes 16p .. of the half (and Q3_K bit 4h + s of hmask bytes 16p ..)."""
+    base = so + U64((16 if kind == Q2_K else 32) + 32 * h)
+    qs0 = vcodes8(raw, base, raw, U64(0), 0)
+    qs1 = vcodes8(raw, base + U64(16), raw, U64(0), 0)
+    hm0 = vcodes8(raw, so, raw, U64(0), 0)
+    hm1 = vcodes8(raw, so + U64(16), raw, U64(0), 0)
+    g = 8 * h
+    acc = vfma(_q23w(kind, qs0, hm0, 0, 4 * h, buf, bo, g), vload(x, xo), acc)
+    acc = vfma(_q23w(kind, qs1, hm1, 0, 4 * h, buf, bo, g + 1), vload(x, xo + U64(16)), acc)
+    acc = vfma(_q23w(kind, qs0, hm0, 1, 4 * h + 1, buf, bo, g + 2), vload(x, xo + U64(32)), acc)
+    acc = vfma(_q23w(kind, qs1, hm1, 1, 4 * h + 1, buf, bo, g + 3), vload(x, xo + U64(48)), acc)
+    acc = vfma(_q23w(kind, qs0, hm0, 2, 4 * h + 2, buf, bo, g + 4), vload(x, xo + U64(64)), acc)
+    acc = vfma(_q23w(kind, qs1, hm1, 2, 4 * h + 2, buf, bo, g + 5), vload(x, xo + U64(80)), acc)
+    acc = vfma(_q23w(kind, qs0, hm0, 3, 4 * h + 3, buf, bo, g + 6), vload(x, xo + U64(96)), acc)
+    return vfma(_q23w(kind, qs1, hm1, 3, 4 * h + 3, buf, bo, g + 7), vload(x, xo + U64(112)), acc)
+
+
+@njit(inline="always")
 def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
     """The four accumulators plus one super-block of 4 rows (row j's block at so + j * step) times x[xo ...]."""
     if kind == Q6_K:
@@ -360,16 +390,13 @@ def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
             acc3 = _q6half(raw, so + U64(3) * step, h, buf, U64(48 + 8 * h), x, xh, acc3)
         return acc0, acc1, acc2, acc3
     if kind == Q2_K or kind == Q3_K:
-        for g in range(16):
-            xv = vload(x, xo + U64(16 * g))
-            a, b = _ab(kind, buf, U64(0), g)
-            acc0 = vfma(_group(kind, raw, so, g, a, b), xv, acc0)
-            a, b = _ab(kind, buf, U64(_stride(kind)), g)
-            acc1 = vfma(_group(kind, raw, so + step, g, a, b), xv, acc1)
-            a, b = _ab(kind, buf, U64(2 * _stride(kind)), g)
-            acc2 = vfma(_group(kind, raw, so + U64(2) * step, g, a, b), xv, acc2)
-            a, b = _ab(kind, buf, U64(3 * _stride(kind)), g)
-            acc3 = vfma(_group(kind, raw, so + U64(3) * step, g, a, b), xv, acc3)
+        st = U64(_stride(kind))
+        for h in range(2):              # 128-weight halves: 8 groups of 16 share 32 code bytes
+            xh = xo + U64(128 * h)
+            acc0 = _q23half(kind, raw, so, h, buf, U64(0), x, xh, acc0)
+            acc1 = _q23half(kind, raw, so + step, h, buf, st, x, xh, acc1)
+            acc2 = _q23half(kind, raw, so + U64(2) * step, h, buf, U64(2) * st, x, xh, acc2)
+            acc3 = _q23half(kind, raw, so + U64(3) * step, h, buf, U64(3) * st, x, xh, acc3)
         return acc0, acc1, acc2, acc3
     iota = viota()
     iota16 = vfma(iota, vsplat(F32(1.0)), vsplat(F32(16.0)))     # 16.0 .. 31.0: codes with the high bit
