@@ -9,8 +9,10 @@ Weights are dequantized to float32 with the `gguf` package (every type it can de
 when the model runs them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become
 `QuantizedTensor`s holding the same values: those block formats are Colibri's 4-, 5- and 8-bit
 group-32 formats with the bytes rearranged (no rounding), so decode reads 4.5-8.5 bits per weight
-instead of 32. llama.cpp stores the Q and K projections of Llama-architecture models permuted
-for its interleaved RoPE; that permutation is undone here so the shared blocks see Hugging Face layout.
+instead of 32. Q2_K, Q4_K, Q5_K and Q6_K matrices (outside expert stacks) become `KQuantTensor`s over the
+file's own bytes, run by their own kernels (engine/kernels/kquant.py), each tensor in its own type.
+llama.cpp stores the Q and K projections of Llama-architecture models permuted for its interleaved RoPE;
+that permutation is undone here so the shared blocks see Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import numpy as np
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.formats.gguf_meta import gguf_metadata, open_gguf
 from engine.kernels.layout import BLOCK
+from engine.quant.kquant import KINDS as _KQUANTS
+from engine.quant.kquant import KQuantTensor
 from engine.quant.tensor import QuantizedTensor
 
 # GGUF architecture -> (Hugging Face architecture, its MoE variant when the file has experts)
@@ -404,8 +408,19 @@ def native_blocks(raw: np.ndarray, qtype: "gguf.GGMLQuantizationType", rows: int
     return QuantizedTensor((rows, cols), bits, BLOCK, asym, np.ascontiguousarray(a), b, scales, mins)
 
 
-def _rows(q: QuantizedTensor, rows) -> QuantizedTensor:
+def kquant_blocks(raw: np.ndarray, qtype: "gguf.GGMLQuantizationType", rows: int, cols: int,
+                  where: str) -> KQuantTensor:
+    """GGUF K-quant super-blocks of a [rows, cols] matrix (raw bytes) as a KQuantTensor over the same bytes (no copy)."""
+    try:
+        return KQuantTensor((rows, cols), qtype, np.asarray(raw, np.uint8).reshape(rows, -1))
+    except ValueError as exc:
+        raise ModelFormatError(f"{where}: {exc}; the GGUF file is damaged: download it again") from None
+
+
+def _rows(q: QuantizedTensor | KQuantTensor, rows) -> QuantizedTensor | KQuantTensor:
     """Some rows of a quantized matrix (a slice gives views, an index array copies)."""
+    if isinstance(q, KQuantTensor):
+        return q.take_rows(rows)
     n = q.a[rows].shape[0]
     return QuantizedTensor((n, q.shape[1]), q.bits, q.group, q.asymmetric, np.ascontiguousarray(q.a[rows]),
                            np.ascontiguousarray(q.b[rows]), np.ascontiguousarray(q.scales[rows]),
@@ -422,7 +437,8 @@ class GGUFModel:
     """A GGUF file's metadata, config and tensors (by Hugging Face name, as float32).
 
     With `quantized`, matrices stored in a block format Colibri runs as is (Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0) load as QuantizedTensors of the same values; routers and vectors stay float32.
+    Q8_0) load as QuantizedTensors of the same values, and Q2_K, Q4_K, Q5_K, Q6_K ones (not expert stacks) as
+    KQuantTensors over the file's bytes; routers and vectors stay float32.
     """
 
     def __init__(self, path: str | Path, quantized: bool = False):
@@ -523,24 +539,32 @@ class GGUFModel:
         return self._cache[gname]
 
     def _native(self, name: str, gname: str) -> bool:
-        """Whether `name` loads as a QuantizedTensor: a matrix a model multiplies by, in a native block format."""
+        """Whether `name` loads as a QuantizedTensor or KQuantTensor: a matrix a model multiplies by, in a block format
+        the kernels run. K-quant expert stacks stay float32: the fused expert kernels run Colibri's layout only."""
         t = self._tensors[gname]
-        return (self.quantized and t.tensor_type in _NATIVE and len(t.shape) >= 2
+        native = t.tensor_type in _NATIVE or (t.tensor_type in _KQUANTS and self._names[name][1] is None)
+        return (self.quantized and native and len(t.shape) >= 2
                 and not name.endswith((".gate.weight", "shared_expert_gate.weight")))   # routers stay float32
 
-    def _quantized(self, gname: str, keep: bool) -> QuantizedTensor:
-        """The GGUF tensor as one QuantizedTensor [rows, in] (an expert stack's rows laid end to end)."""
+    def _quantized(self, gname: str, keep: bool) -> QuantizedTensor | KQuantTensor:
+        """The GGUF tensor as one QuantizedTensor [rows, in] (an expert stack's rows laid end to end), or a
+        KQuantTensor over the file's own bytes (a view of the memory map)."""
         if gname not in self._cache:
             t = self._tensors[gname]
             shape = [int(d) for d in t.shape]                                    # ggml order: [in, out, ...]
-            q = native_blocks(t.data, t.tensor_type, int(np.prod(shape[1:])), shape[0])
+            rows = int(np.prod(shape[1:]))
+            if t.tensor_type in _KQUANTS:
+                q = kquant_blocks(t.data, t.tensor_type, rows, shape[0], f"{self.path} ({gname})")
+            else:
+                q = native_blocks(t.data, t.tensor_type, rows, shape[0])
             if not keep:
                 return q
             self._cache[gname] = q
         return self._cache[gname]
 
-    def load(self, name: str) -> np.ndarray | QuantizedTensor:
-        """A tensor in Hugging Face layout: float32, dequantized, or (see `quantized`) a QuantizedTensor.
+    def load(self, name: str) -> np.ndarray | QuantizedTensor | KQuantTensor:
+        """A tensor in Hugging Face layout: float32, dequantized, or (see `quantized`) a QuantizedTensor or a
+        KQuantTensor.
 
         DeepSeek's kv_b_proj, when the file splits it into k_b and v_b, is rebuilt in float32 (k_b is stored
         transposed, so its blocks run along the other axis).

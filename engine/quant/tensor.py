@@ -32,6 +32,7 @@ from engine.kernels.layout import (
     unpack_codes,
 )
 from engine.quant import search
+from engine.quant.kquant import KQuantTensor, kquant_matmul_many
 
 META_KIND = "colibri.quant"
 META_VERSION = 1
@@ -242,9 +243,15 @@ class QuantizedTensor:
 
 def matmul_many(x: np.ndarray, tensors: Sequence[QuantizedTensor]) -> list[np.ndarray]:
     """x [T, in] times several quantized [out_i, in] matrices sharing that input (q, k, v; gate, up) in one
-    parallel call -> [T, out_i] each, bitwise equal to each tensor's own matmul."""
+    parallel call (one per matrix for a mix of QuantizedTensors and KQuantTensors) -> [T, out_i] each, bitwise
+    equal to each tensor's own matmul."""
+    if tensors and all(isinstance(t, KQuantTensor) for t in tensors):
+        return kquant_matmul_many(x, tensors)
+    if tensors and all(isinstance(t, (QuantizedTensor, KQuantTensor)) for t in tensors):
+        if any(isinstance(t, KQuantTensor) for t in tensors):   # a mix (a GGUF Q4_K_M's q, k, v): one call each
+            return [t.matmul(x) for t in tensors]
     if not tensors or not all(isinstance(t, QuantizedTensor) for t in tensors):
-        raise ValueError("matmul_many takes a non-empty sequence of QuantizedTensors")
+        raise ValueError("matmul_many takes a non-empty sequence of QuantizedTensors or KQuantTensors")
     n_in = tensors[0].shape[1]
     if any(t.shape[1] != n_in for t in tensors):
         raise ValueError(f"matmul_many: the matrices do not share an input width: {[list(t.shape) for t in tensors]}")

@@ -18,6 +18,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from support import kquant_blocks
+
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 DENSE = {
@@ -69,6 +71,9 @@ def roundtrip(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarr
     """(the bytes or values to store, what reading them back gives as float32)."""
     if qtype == gguf.GGMLQuantizationType.F32:
         return w.astype(np.float32), w.astype(np.float32)
+    if qtype in kquant_blocks.TYPES:     # the gguf package cannot quantize to K-quants
+        data = kquant_blocks.quantize_k(w, qtype)
+        return data, gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape)
     data = gguf.quants.quantize(w.astype(np.float32), qtype)
     return data, gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape)
 

@@ -1,0 +1,121 @@
+"""`KQuantTensor`: a weight matrix in a GGUF K-quant type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), held in the file's bytes.
+
+The rows are the file's own super-blocks (layout in engine/kernels/kquant.py), as a read-only view
+of the memory map: nothing is copied or widened, so a K-quant model takes the file's size in
+memory. The kernels dequantize exactly as `gguf.quants.dequantize` does (bitwise), and the tensor
+offers what the blocks call on a weight: `matmul` (decode and prefill), `rows` (embeddings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import gguf
+import numba
+import numpy as np
+
+from engine.kernels import kquant, matmul
+from engine.kernels.layout import check_activations
+
+_Q = gguf.GGMLQuantizationType
+KINDS = {_Q.Q2_K: kquant.Q2_K, _Q.Q3_K: kquant.Q3_K, _Q.Q4_K: kquant.Q4_K, _Q.Q5_K: kquant.Q5_K,   # types the kernels run
+         _Q.Q6_K: kquant.Q6_K}
+_NAMES = {kind: qtype.name for qtype, kind in KINDS.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class KQuantTensor:
+    """A [out, in] weight matrix in a K-quant type: `raw` [out, in / 256 * block bytes] uint8, the file's blocks."""
+
+    shape: tuple[int, int]        # [out, in]; in % 256 == 0
+    qtype: gguf.GGMLQuantizationType
+    raw: np.ndarray               # [out, in / 256 * BLOCK_BYTES] uint8
+    _table: np.ndarray = field(init=False, repr=False)   # [1, DESC_FIELDS]: kind, rows, cols, address, bytes
+    _rows: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.qtype not in KINDS:
+            raise ValueError(f"{getattr(self.qtype, 'name', self.qtype)} is not a K-quant type Colibri runs natively: "
+                             f"one of {', '.join(_NAMES.values())}")
+        out, n_in = (int(s) for s in self.shape)
+        if out <= 0 or n_in <= 0 or n_in % kquant.SUPER:
+            raise ValueError(f"a {self.qtype.name} matrix needs [out, in] with in a multiple of {kquant.SUPER}, "
+                             f"got {[out, n_in]}")
+        kind = KINDS[self.qtype]
+        want = (out, n_in // kquant.SUPER * kquant.BLOCK_BYTES[kind])
+        raw = self.raw
+        if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.size != want[0] * want[1]:
+            raise ValueError(f"{self.qtype.name} {[out, n_in]} needs {want[0] * want[1]} C-contiguous uint8 bytes, "
+                             f"got {getattr(raw, 'size', '?')} of {getattr(raw, 'dtype', type(raw).__name__)}: "
+                             "the tensor's data does not match its shape and type")
+        raw = raw.reshape(want).view()
+        raw.flags.writeable = False
+        set_ = object.__setattr__
+        set_(self, "shape", (out, n_in))
+        set_(self, "raw", raw)
+        set_(self, "_table", np.array([[kind, out, n_in, raw.ctypes.data, raw.size]], np.int64))
+        set_(self, "_rows", np.array([out], np.int64))
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """x [T, in] float32 -> x @ W.T [T, out] float32 (bitwise independent of T and of threads)."""
+        x = check_activations(x, self.shape[1])
+        out = np.empty((x.shape[0], self.shape[0]), np.float32)
+        if x.shape[0]:
+            items, pieces, tokens = matmul.matmul_items(self._rows, x.shape[0], numba.get_num_threads())
+            kquant.kq_run_items(self._table, items, pieces, x.reshape(-1), tokens, tokens, out.reshape(-1))
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ids [T] of the weights [T, in] float32, dequantized by the kernels."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
+            raise IndexError(f"row ids must lie in 0 .. {self.shape[0] - 1}")
+        out = np.empty((ids.size, self.shape[1]), np.float32)
+        if ids.size:
+            kquant.kq_gather_rows(self._table[0], ids, out.reshape(-1))
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """The weights [out, in] float32 by gguf's numpy dequantization (the reference the kernels match)."""
+        return np.asarray(gguf.quants.dequantize(self.raw, self.qtype), np.float32).reshape(self.shape)
+
+    def take_rows(self, rows) -> "KQuantTensor":
+        """Some rows (a slice gives a view of the same bytes, an index array a copy)."""
+        raw = self.raw[rows]
+        return KQuantTensor((raw.shape[0], self.shape[1]), self.qtype, np.ascontiguousarray(raw))
+
+    def __reduce__(self):
+        # rebuild through __init__: the table's address belongs to this process's array
+        return (type(self), (self.shape, self.qtype, self.raw))
+
+    def __repr__(self) -> str:
+        return f"KQuantTensor(shape={list(self.shape)}, {self.qtype.name}, {self.bits_per_weight:.3f} bits/weight)"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks (codes and scales)."""
+        return int(self.raw.nbytes)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Storage bits per weight, scales included."""
+        return self.nbytes * 8 / (self.shape[0] * self.shape[1])
+
+
+def kquant_matmul_many(x: np.ndarray, tensors: Sequence[KQuantTensor]) -> list[np.ndarray]:
+    """x [T, in] times several K-quant [out_i, in] matrices sharing that input, in one parallel call -> [T, out_i]
+    each, bitwise equal to each tensor's own matmul."""
+    n_in = tensors[0].shape[1]
+    if any(t.shape[1] != n_in for t in tensors):
+        raise ValueError(f"matmul_many: the matrices do not share an input width: {[list(t.shape) for t in tensors]}")
+    x = check_activations(x, n_in)
+    rows = np.array([t.shape[0] for t in tensors], np.int64)
+    t_count = x.shape[0]
+    flat = np.empty(t_count * int(rows.sum()), np.float32)
+    if t_count:
+        table = np.concatenate([t._table for t in tensors])
+        items, pieces, tokens = matmul.matmul_items(rows, t_count, numba.get_num_threads())
+        kquant.kq_run_items(table, items, pieces, x.reshape(-1), tokens, tokens, flat)
+    ends = np.cumsum(rows * t_count)
+    return [flat[e - r * t_count:e].reshape(t_count, r) for e, r in zip(ends, rows)]

@@ -1,0 +1,92 @@
+"""A GGUF holding K-quant tensors (a Q4_K_M's mix) runs them natively, against transformers on the same values."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from engine.kv import KVCache
+from engine.loader import load_model
+from engine.quant import KQuantTensor, QuantizedTensor
+from support.gguf_writer import write_gguf
+from support.reference import build_checkpoint, load_reference, reference_logits, relative_error
+
+pytestmark = pytest.mark.parity
+
+Q = gguf.GGMLQuantizationType
+PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 140]
+# llama.cpp's Q4_K_M keeps V, the down projection and the output head in Q6_K; one Q8_0 matrix shows the mix
+# with a type Colibri repacks (the first key found in a tensor's name wins)
+Q4_K_M = {"attn_output": Q.Q8_0, "attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "output.weight": Q.Q6_K, "": Q.Q4_K}
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+
+
+def _convert(tmp_path, types):
+    from safetensors.numpy import load_file, save_file
+
+    folder = build_checkpoint(tmp_path / "hf", "llama", **SHAPE)
+    cfg = json.loads((folder / "config.json").read_text())
+    back = write_gguf(tmp_path / "model.gguf", "llama", cfg, load_file(folder / "model.safetensors"), types)
+    rounded = tmp_path / "hf-roundtrip"        # the reference holds exactly the values the GGUF decodes to
+    rounded.mkdir()
+    (rounded / "config.json").write_text(json.dumps(cfg))
+    save_file({k: np.ascontiguousarray(v) for k, v in back.items()}, rounded / "model.safetensors", metadata={"format": "pt"})
+    return tmp_path / "model.gguf", load_reference(rounded), back
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def test_q4_k_m_mix_runs_natively_and_matches_the_reference(tmp_path):
+    path, ref, back = _convert(tmp_path, Q4_K_M)
+    file_types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert file_types["blk.0.attn_q.weight"] == Q.Q4_K and file_types["blk.1.ffn_down.weight"] == Q.Q6_K
+    loaded = load_model(path)
+    model = loaded.model
+    layer = model.layers[1]
+    raw_v = gguf.GGUFReader(str(path)).get_tensor(
+        [t.name for t in gguf.GGUFReader(str(path)).tensors].index("blk.1.attn_v.weight")).data
+    kinds = {"q": (layer.attn.wq, Q.Q4_K), "v": (layer.attn.wv, Q.Q6_K), "down": (layer.ffn.weights.down, Q.Q6_K),
+             "up": (layer.ffn.weights.up, Q.Q4_K), "embed": (model.embed, Q.Q4_K), "head": (model.lm_head, Q.Q6_K)}
+    for what, (w, qtype) in kinds.items():
+        assert isinstance(w, KQuantTensor) and w.qtype == qtype, what
+    assert isinstance(layer.attn.wo, QuantizedTensor) and layer.attn.wo.bits == 8
+    # V is held as the file's bytes, mapped, not copied; q's rows are un-permuted and equal gguf's values
+    assert np.array_equal(layer.attn.wv.raw, np.asarray(raw_v).reshape(layer.attn.wv.raw.shape))
+    assert isinstance(_root(layer.attn.wv.raw), np.memmap)
+    assert np.array_equal(layer.attn.wq.rows(np.arange(layer.attn.wq.shape[0])),
+                          back["model.layers.1.self_attn.q_proj.weight"])
+
+    cache = KVCache(loaded.spec, 128)
+    ours = model.forward(PROMPT, cache, all_logits=True)
+    assert relative_error(ours, reference_logits(ref, PROMPT)) < 1e-4
+    seq = list(PROMPT)
+    for _ in range(12):
+        seq.append(int(reference_logits(ref, seq)[-1].argmax()))
+    tokens, logits = [], ours[-1]
+    for _ in range(12):
+        tokens.append(int(logits.argmax()))
+        logits = model.forward([tokens[-1]], cache)[-1]
+    assert tokens == seq[len(PROMPT):]      # greedy decoding equals the float32 model of the same file
+
+
+def test_k_quant_expert_stacks_stay_float32(tmp_path):
+    """The fused expert kernels run Colibri's layout only: K-quant expert stacks load dequantized (for now)."""
+    from safetensors.numpy import load_file
+
+    from engine.formats.gguf_model import GGUFModel
+
+    folder = build_checkpoint(tmp_path / "hf", "mixtral", num_local_experts=4, num_experts_per_tok=2, **SHAPE)
+    cfg = json.loads((folder / "config.json").read_text())
+    back = write_gguf(tmp_path / "moe.gguf", "llama", cfg, load_file(folder / "model.safetensors"), {"": Q.Q4_K})
+    g = GGUFModel(tmp_path / "moe.gguf", quantized=True)
+    expert = g.load("model.layers.0.block_sparse_moe.experts.2.w1.weight")
+    assert isinstance(expert, np.ndarray)
+    assert np.array_equal(expert, back["model.layers.0.block_sparse_moe.experts.2.w1.weight"])
+    assert isinstance(g.load("model.layers.0.self_attn.o_proj.weight"), KQuantTensor)
