@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
-from engine.formats.gguf_meta import gguf_metadata, open_gguf
+from engine.formats.gguf_meta import gguf_metadata, open_gguf, release_tensor_pages
 from engine.kernels.layout import BLOCK
 from engine.quant.tensor import QuantizedTensor
 
@@ -186,6 +186,7 @@ class GGUFModel:
         self.meta = gguf_metadata(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache: dict[str, np.ndarray | QuantizedTensor] = {}
+        self._stack_left: dict[str, set[int]] = {}   # GGUF expert stack -> experts not yet dropped (drop_pages)
         self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path)
         if not self.config["vocab_size"] and "token_embd.weight" in self._tensors:   # no tokenizer: the table says
             self.config["vocab_size"] = int(self._tensors["token_embd.weight"].shape[-1])
@@ -295,3 +296,16 @@ class GGUFModel:
     def release(self) -> None:
         """Drop dequantized stacks kept for expert slicing (the model holds its own references)."""
         self._cache.clear()
+
+    def drop_pages(self, name: str) -> None:
+        """Give back a tensor read once: its mapped pages, and for an expert, once every expert of its stack has
+        been dropped, the stack kept for slicing and the stack's pages."""
+        gname, expert = self._names[name]
+        if expert is not None:
+            left = self._stack_left.setdefault(gname, set(range(int(self._tensors[gname].shape[-1]))))
+            left.discard(expert)
+            if left:
+                return
+            del self._stack_left[gname]
+            self._cache.pop(gname, None)
+        release_tensor_pages(self.reader, self._tensors[gname])

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.formats.page_release import np_map, release_range
 
 # safetensors dtype -> (numpy dtype of the stored bytes, item size)
 _DTYPES = {
@@ -105,6 +106,13 @@ class SafetensorsFile:
         view = np.asarray(self._map[offset : offset + nbytes]).view(_DTYPES[dtype]).reshape(shape)
         view.flags.writeable = False
         return view
+
+    def drop_pages(self, name: str) -> None:
+        """Give back the map's pages (and page cache) under a tensor whose bytes a reader has used up.
+
+        Views of the tensor stay valid: a later read faults its pages in again from the file."""
+        _, _, offset, nbytes = self.tensors[name]
+        release_range(np_map(self._map), self.path, offset, nbytes)
 
     def float32(self, name: str) -> np.ndarray:
         """The tensor as float32: a view for F32, a converted copy for F16/BF16/F64."""
