@@ -11,8 +11,9 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -81,3 +82,32 @@ def write_bf16_checkpoint(folder: Path, config: dict, seed: int = 0) -> int:
                 w = np.ones(shape, np.float32)
             f.write((w.view(np.uint32) >> 16).astype(np.uint16).tobytes())   # bfloat16 by truncation
     return path.stat().st_size
+
+
+_HOG = ("import sys; n = int(sys.argv[1]); b = bytearray(n); b[::4096] = b'x' * len(b[::4096]); "
+        "print('ready', flush=True); sys.stdin.read()")
+
+
+@contextmanager
+def memory_hog(nbytes: int) -> Iterator[int]:
+    """A child process holding `nbytes` of touched memory until the block ends; yields its pid once it holds them
+    (it says so on a pipe: no sleeping)."""
+    p = subprocess.Popen([sys.executable, "-c", _HOG, str(nbytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready", "the memory hog did not start"
+        yield p.pid
+    finally:
+        p.stdin.close()                    # its read returns: it exits and gives the memory back
+        p.wait(timeout=60)
+
+
+def rss_of(pid: int) -> int:
+    """Resident bytes of process `pid` (0 once it has exited)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
