@@ -570,9 +570,13 @@ class Container:
         return str(Path(self.path) / e.file) if e else self.path
 
     def load(self, name: str):
-        """A float32 array (a view for f32) or a quantized tensor whose arrays are views of the map."""
+        """A float32 array (a view for f32, a widened copy for f16/bf16, whose mapped pages are then released from
+        this process) or a quantized tensor whose arrays are views of the map."""
         e = self.entries[name]
-        return tensor_from_span(e, self.maps[e.file][e.offset : e.offset + e.length])
+        out = tensor_from_span(e, self.maps[e.file][e.offset : e.offset + e.length])
+        if e.kind in ("f16", "bf16"):
+            release_range(np_map(self.maps[e.file]), None, e.offset, e.length)
+        return out
 
 
 def tensor_from_span(e: TensorEntry, span: np.ndarray):

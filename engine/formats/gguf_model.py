@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.formats.gguf_meta import gguf_metadata, open_gguf, release_tensor_pages
+from engine.formats.page_release import np_map, release_range
 from engine.kernels.layout import BLOCK
 from engine.quant.tensor import QuantizedTensor
 
@@ -249,6 +250,8 @@ class GGUFModel:
                     "use a GGUF with another quantization (Q4_0, Q4_K_M, Q8_0, F16 ...)"
                 ) from None
             data = np.asarray(data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+            if t.tensor_type != gguf.GGMLQuantizationType.F32:   # a copy: the stored bytes leave this process's RSS
+                release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
             if not keep:
                 return data
             self._cache[gname] = data

@@ -38,14 +38,14 @@ def test_safetensors_drop_pages_releases_and_keeps_values(tmp_path):
     src = SafetensorsFolder(tmp_path)
     path = tmp_path / "model.safetensors"
     names = [n for n in src.names() if ".experts." in n]
-    before = {n: src.load(n).copy() for n in names}           # touches every expert page
+    before = {n: src.raw(n).copy() for n in names}            # touches every expert page
     touched = mapped_kib(path)
     assert touched > 8_000
     for n in names:
         src.drop_pages(n)
     assert mapped_kib(path) < touched - 8_000
     for n in names:
-        np.testing.assert_array_equal(src.load(n), before[n])
+        np.testing.assert_array_equal(src.raw(n), before[n])
 
 
 def test_gguf_expert_stack_released_after_its_last_expert(tmp_path):
@@ -61,6 +61,7 @@ def test_gguf_expert_stack_released_after_its_last_expert(tmp_path):
     first = [model.load(n).copy() for n in names]
     stack = "blk.0.ffn_gate_exps.weight"
     assert stack in model._cache                              # kept for slicing while experts are left
+    int(np.asarray(model._tensors[stack].data).sum())         # a reader touching the stored stack
     touched = mapped_kib(path)
     for n in names[:-1]:
         model.drop_pages(n)
@@ -86,3 +87,15 @@ def test_container_verify_extents_leaves_experts_unmapped(tmp_path):
     assert sum(mapped_kib(f) for f in files) * 1024 > size / 2
     c.verify_extents()                                        # reads every extent through the map, then releases
     assert sum(mapped_kib(f) for f in files) * 1024 < size / 4
+
+
+def test_widened_copies_leave_the_stored_pages_unmapped(tmp_path):
+    size = write_bf16_checkpoint(tmp_path, mixtral_config(2, 8, ffn=1024))
+    src = SafetensorsFolder(tmp_path)
+    path = tmp_path / "model.safetensors"
+    raw = [src.raw(n).copy() for n in src.names()]             # the measure sees the pages a read maps
+    assert mapped_kib(path) * 1024 > size / 2
+    widened = {n: src.load(n) for n in src.names()}           # bf16 -> float32 copies
+    assert mapped_kib(path) * 1024 < size / 10
+    for r, w in zip(raw, widened.values()):
+        np.testing.assert_array_equal((r.astype(np.uint32) << 16).view(np.float32), w)
