@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.config.sizes import format_size
+from app.plan.budget import process_rss
 
 VERDICTS = ("ok", "warn", "fail")
 PROBE_BYTES = 64 * 10**6         # the scratch file timed for disk reads: ~50 ms at SSD speed, < 1 s on a disk
@@ -113,7 +114,8 @@ def check_memory(meminfo: Mapping[str, int] | None = None, limit: int | None = N
     if meminfo is None:
         meminfo, limit = parse_meminfo(_read("/proc/meminfo")), cgroup_memory_limit()
     total, available = meminfo["MemTotal"], meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
-    value = f"{format_size(total)} total, {format_size(available)} available"
+    others = max(total - available - process_rss(), 0)   # counts against any budget: run's cache gives way to it
+    value = f"{format_size(total)} total, {format_size(available)} available (other programs hold {format_size(others)})"
     if limit is not None and limit < total:
         available = min(available, limit)
         value += f", container limit {format_size(limit)}"

@@ -32,6 +32,7 @@ from engine.atomic import atomic_file
 from engine.errors import ColibriError, DiskFullError, is_disk_full
 from engine.formats.container import EXTENT_ALIGN, ContainerWriter, is_container
 from engine.formats.gguf_model import GGUFModel
+from engine.formats.page_release import PageReleasing
 from engine.loader import Checkpoint, open_checkpoint
 from engine.models.transformer import Transformer, expected_shapes
 from engine.plan.calibration import ActivationStats, collect_stats
@@ -164,6 +165,8 @@ def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats
         w = np.asarray(source.load(name), np.float32)
         options[name] = [o for o in measure_options(w, importance, usage, formats, quantize, weighted_error)
                          if b is None or o.bits == b]
+        if source is ckpt.source:       # read once here, again only when written
+            _used_up(ckpt, (name,))
         if (k + 1) % 50 == 0 or k + 1 == len(mats.planned):
             log(f"measured {k + 1}/{len(mats.planned)} matrices ({time.perf_counter() - t0:.0f} s)")
     sens = None
@@ -248,6 +251,14 @@ def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: Activation
 
     importance = stats.importance(_importance_name(name, ckpt)) if stats is not None else None
     return quantize(w, tp.bits, tp.group, importance=importance, asymmetric=tp.asymmetric), "quant"
+
+
+def _used_up(ckpt: Checkpoint, names) -> None:
+    """Give back the source's pages under tensors read for the last time: the source's file pages would otherwise
+    stay mapped (RSS as large as the model) and fill the page cache until the conversion ends."""
+    if isinstance(ckpt.source, PageReleasing):
+        for name in names:
+            ckpt.source.drop_pages(name)
 
 
 def _small_files(ckpt: Checkpoint, partial: Path) -> list[Path]:
@@ -353,11 +364,13 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
         if not writer.has(name):
             tensor, kind = _store(ckpt, name, plan.tensors.get(name), stats)
             writer.add_dense(name, tensor, kind)
+        _used_up(ckpt, (name,))
         tick(1)
     for (layer, expert), names in mats.experts.items():
         if not writer.has_expert(layer, expert):
             parts = {n: _store(ckpt, n, plan.tensors[n], stats) for n in names}
             writer.add_expert(layer, expert, {n: p[0] for n, p in parts.items()}, {n: p[1] for n, p in parts.items()})
+        _used_up(ckpt, names)
         tick(len(names))
     manifest = {
         "config": ckpt.config,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from app.config.sizes import format_size
 from engine.errors import ColibriError
 from engine.offload.budget import kv_bytes, working_bytes
+from engine.offload.pressure import cgroup_headroom, read_meminfo
 from engine.spec import ModelSpec
 
 
@@ -23,6 +24,41 @@ def process_rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+@dataclass(frozen=True)
+class MemoryNow:
+    """The machine's memory as it stands: what other programs hold counts against any budget."""
+
+    total: int          # physical memory (or the cgroup's limit when lower)
+    available: int      # what can still be handed out: MemAvailable, or the cgroup's headroom when less
+    own: int            # this process's resident bytes
+
+    @property
+    def others(self) -> int:
+        """Bytes other programs (and the kernel) hold: neither available nor ours."""
+        return max(self.total - self.available - self.own, 0)
+
+    def note(self, budget: int) -> str | None:
+        """A warning when `budget` is more than the memory available now, else None."""
+        if budget <= self.available + self.own:
+            return None
+        return (f"other programs hold {format_size(self.others)}: {format_size(self.available)} is available now, "
+                f"less than the {format_size(budget)} budget; close programs or lower --max-memory (while decoding, "
+                "the expert cache shrinks when memory runs short, and decoding slows)")
+
+
+def memory_now(meminfo: dict[str, int] | None = None, headroom: int | None = None, own: int | None = None
+               ) -> MemoryNow | None:
+    """Memory as it stands (this machine's /proc and cgroup unless given); None where /proc/meminfo is missing."""
+    if meminfo is None:
+        meminfo, headroom = read_meminfo(), cgroup_headroom()
+    if "MemTotal" not in meminfo:
+        return None
+    total, available = meminfo["MemTotal"], meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
+    if headroom is not None and headroom < available:
+        available = headroom
+    return MemoryNow(total, available, process_rss() if own is None else own)
 
 
 @dataclass(frozen=True)

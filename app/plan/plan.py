@@ -31,7 +31,7 @@ import numpy as np
 
 from app.config.sizes import format_size
 from app.hub.convert import ConvertSettings, Matrices, _bytes_at, classify, make_plan
-from app.plan.budget import BudgetSplit, check_ctx
+from app.plan.budget import BudgetSplit, check_ctx, memory_now
 from app.plan.speed_model import Rates, Speeds, Work, describe_speeds, plan_work, predict_speeds
 from app.plan.speed_probe import measure_rates  # noqa: F401  the measurer `colibri plan` uses (tests replace it here)
 from engine.errors import ColibriError
@@ -338,6 +338,9 @@ def describe(p: Prediction) -> str:
     lines.append(f"average {p.plan.bits_per_weight:.2f} bits per weight; resident {format_size(p.resident_bytes)}"
                  + streams)
     lines.extend(describe_speeds(p.speeds))
+    now = memory_now()          # other programs' memory counts against the budget too
+    if now is not None and (note := now.note(p.split.total + (p.split.baseline if p.split.apart else 0))):
+        lines.append(f"memory now: {note}")
     return "\n".join(lines)
 
 

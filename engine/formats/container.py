@@ -36,6 +36,7 @@ import numpy as np
 
 from engine.errors import ModelFormatError
 from engine.formats.manifest import check_manifest, corrupt
+from engine.formats.page_release import np_map, release_range
 from engine.formats.safetensors_file import bf16_to_f32
 from engine.pages import advise_huge_pages
 
@@ -532,11 +533,18 @@ class Container:
     def verify_extents(self) -> None:
         """Check every expert extent's CRC-32 (what a streaming store checks on each read, padding included)."""
         for x in self.extents.values():
-            if zlib.crc32(memoryview(self.maps[x.file][x.offset : x.offset + x.length])) != x.crc32:
+            crc = zlib.crc32(memoryview(self.maps[x.file][x.offset : x.offset + x.length]))
+            self.drop_pages(x.file, x.offset, x.length)     # checked once: memory stays bounded by the budget
+            if crc != x.crc32:
                 raise ModelFormatError(
                     f"{Path(self.path) / x.file}: checksum mismatch in the extent of layer {x.layer} expert "
                     f"{x.expert}; the container is corrupt: convert the model again with `colibri convert`"
                 )
+
+    def drop_pages(self, fname: str, offset: int, length: int) -> None:
+        """Give back the mapped pages (and page cache) of a byte range of data file `fname` read once; views stay
+        valid (a later read faults the pages in again)."""
+        release_range(np_map(self.maps[fname]), Path(self.path) / fname, offset, length)
 
     @property
     def config(self) -> dict:
@@ -562,9 +570,13 @@ class Container:
         return str(Path(self.path) / e.file) if e else self.path
 
     def load(self, name: str):
-        """A float32 array (a view for f32) or a quantized tensor whose arrays are views of the map."""
+        """A float32 array (a view for f32, a widened copy for f16/bf16, whose mapped pages are then released from
+        this process) or a quantized tensor whose arrays are views of the map."""
         e = self.entries[name]
-        return tensor_from_span(e, self.maps[e.file][e.offset : e.offset + e.length])
+        out = tensor_from_span(e, self.maps[e.file][e.offset : e.offset + e.length])
+        if e.kind in ("f16", "bf16"):
+            release_range(np_map(self.maps[e.file]), None, e.offset, e.length)
+        return out
 
 
 def tensor_from_span(e: TensorEntry, span: np.ndarray):

@@ -8,6 +8,7 @@ from typing import Any
 import gguf
 
 from engine.errors import ModelFormatError
+from engine.formats.page_release import np_map, release_range
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -32,3 +33,9 @@ def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
             continue
         out[key] = field.contents()
     return out
+
+
+def release_tensor_pages(reader: gguf.GGUFReader, tensor: Any) -> None:
+    """Give back the mapped pages (and page cache) of one of the reader's tensors once its bytes are used up;
+    views of it stay valid (a later read faults the pages in again from the file)."""
+    release_range(np_map(reader.data), reader.data.filename, int(tensor.data_offset), int(tensor.n_bytes))

@@ -25,7 +25,8 @@ import gguf
 import numpy as np
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
-from engine.formats.gguf_meta import gguf_metadata, open_gguf
+from engine.formats.gguf_meta import gguf_metadata, open_gguf, release_tensor_pages
+from engine.formats.page_release import np_map, release_range
 from engine.kernels.layout import BLOCK
 from engine.quant.kquant import KINDS as _KQUANTS
 from engine.quant.kquant import KQuantTensor
@@ -448,6 +449,7 @@ class GGUFModel:
         self.meta = gguf_metadata(self.reader)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache: dict[str, np.ndarray | QuantizedTensor] = {}
+        self._stack_left: dict[str, set[int]] = {}   # GGUF expert stack -> experts not yet dropped (drop_pages)
         self.config = gguf_config(self.meta, "output.weight" in self._tensors, self.path, self._tensors)
         if not self.config["vocab_size"] and "token_embd.weight" in self._tensors:   # no tokenizer: the table says
             self.config["vocab_size"] = int(self._tensors["token_embd.weight"].shape[-1])
@@ -533,6 +535,8 @@ class GGUFModel:
                     "use a GGUF with another quantization (Q4_0, Q4_K_M, Q8_0, F16 ...)"
                 ) from None
             data = np.asarray(data, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+            if t.tensor_type != gguf.GGMLQuantizationType.F32:   # a copy: the stored bytes leave this process's RSS
+                release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
             if not keep:
                 return data
             self._cache[gname] = data
@@ -597,3 +601,20 @@ class GGUFModel:
     def release(self) -> None:
         """Drop dequantized stacks kept for expert slicing (the model holds its own references)."""
         self._cache.clear()
+
+    def drop_pages(self, name: str) -> None:
+        """Give back a tensor read once: its mapped pages, and for an expert, once every expert of its stack has
+        been dropped, the stack kept for slicing and the stack's pages."""
+        if name in self._derived:                  # rebuilt from several GGUF tensors (DeepSeek's k_b and v_b)
+            for gname in self._derived[name]:
+                release_tensor_pages(self.reader, self._tensors[gname])
+            return
+        gname, expert = self._names[name]
+        if expert is not None:
+            left = self._stack_left.setdefault(gname, set(range(int(self._tensors[gname].shape[-1]))))
+            left.discard(expert)
+            if left:
+                return
+            del self._stack_left[gname]
+            self._cache.pop(gname, None)
+        release_tensor_pages(self.reader, self._tensors[gname])

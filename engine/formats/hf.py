@@ -81,6 +81,10 @@ class SafetensorsFolder:
         """A tensor as float32 (a memory-mapped view when stored as F32)."""
         return self._where[name].float32(name)
 
+    def drop_pages(self, name: str) -> None:
+        """Give back the mapped pages of a tensor read once (see SafetensorsFile.drop_pages)."""
+        self._where[name].drop_pages(name)
+
     def location(self, name: str) -> str:
         """The file holding a tensor."""
         f = self._where.get(name)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.formats.page_release import np_map, release_range
 
 # safetensors dtype -> (numpy dtype of the stored bytes, item size)
 _DTYPES = {
@@ -106,8 +107,16 @@ class SafetensorsFile:
         view.flags.writeable = False
         return view
 
+    def drop_pages(self, name: str) -> None:
+        """Give back the map's pages (and page cache) under a tensor whose bytes a reader has used up.
+
+        Views of the tensor stay valid: a later read faults its pages in again from the file."""
+        _, _, offset, nbytes = self.tensors[name]
+        release_range(np_map(self._map), self.path, offset, nbytes)
+
     def float32(self, name: str) -> np.ndarray:
-        """The tensor as float32: a view for F32, a converted copy for F16/BF16/F64."""
+        """The tensor as float32: a view for F32, a converted copy for F16/BF16/F64 (whose mapped pages are then
+        released from this process)."""
         dtype = self.tensors[name][0]
         if dtype not in FLOAT_DTYPES:
             raise ModelFormatError(f"{self.path}: tensor {name} is {dtype}, expected a floating-point weight")
@@ -116,4 +125,8 @@ class SafetensorsFile:
             return raw
         out = to_float32(raw, dtype)
         out.flags.writeable = False
+        # the copy is what the caller keeps: the stored bytes leave this process's RSS (they stay in the page cache,
+        # reclaimable, so a second read is no disk read); else a bf16 model would weigh 1.5 times its float32 size
+        _, _, offset, nbytes = self.tensors[name]
+        release_range(np_map(self._map), None, offset, nbytes)
         return out

@@ -4,14 +4,12 @@ read by page faults inside the kernels, and dropped from memory (and the page ca
 
 from __future__ import annotations
 
-import mmap
-import os
 from pathlib import Path
 
 from engine.blocks.ffn import ExpertWeights
 from engine.formats.container import Container
+from engine.formats.page_release import np_map, release_range
 from engine.offload.accounting import Accounting
-from engine.offload.io import PAGE, round_up
 from engine.offload.slots import NO_SLOT, SlotArena
 from engine.offload.store_types import IOCounts, Key, Recipe
 from engine.telemetry import Telemetry
@@ -60,20 +58,6 @@ class MappedExperts:
         self.slots.built.pop(key, None)
         self.slots.where.pop(key, None)
         r = self.recipes[key]
-        m = self.maps[r.file]
-        start = r.offset - r.offset % PAGE
-        end = round_up(r.offset + r.length, PAGE)
-        try:
-            m._mmap.madvise(mmap.MADV_DONTNEED, start, min(end, len(m)) - start)
-        except (AttributeError, OSError, ValueError):
-            pass
-        # and out of the page cache: the budget holds for the file's pages too (else the baseline would be
-        # served from memory the budget does not allow, and no cheaper than reading)
-        try:
-            fd = os.open(r.file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, start, min(end, len(m)) - start, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except (AttributeError, OSError):
-            pass
+        # out of this process and out of the page cache: the budget holds for the file's pages too (else the
+        # baseline would be served from memory the budget does not allow, and no cheaper than reading)
+        release_range(np_map(self.maps[r.file]), r.file, r.offset, r.length)

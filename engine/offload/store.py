@@ -41,6 +41,7 @@ from engine.offload.accounting import Accounting
 from engine.offload.history import UsageHistory
 from engine.offload.io import PAGE, IOPool, round_up
 from engine.offload.mapped import MappedExperts
+from engine.offload.pressure import MemoryGuard
 from engine.offload.readahead import THROUGH_RANKS, ReadAhead
 from engine.offload.reads import ReadQueue
 from engine.offload.slots import SlotArena
@@ -101,6 +102,8 @@ class ExpertStore:
         self.listeners: list[Callable[[Key, ExpertWeights | None], None]] = []   # see add_listener
         self.hooks: StoreHooks = NO_HOOKS              # a fused call's driver's (see attach)
         self._layout_scratch()
+        # gives way to other programs' memory between tokens (None: off)
+        self.guard: MemoryGuard | None = MemoryGuard(self, telemetry=telemetry) if settings.pressure else None
         repin = self.accounting.repinner.capacity
         if history is not None and history.tokens > 0 and repin > 0:
             self._pin(history.pinned(repin))
@@ -303,11 +306,24 @@ class ExpertStore:
     # --- per token ---
 
     def end_token(self, n: int = 1) -> None:
-        """Advance the usage history by n tokens and re-pin when the workload has moved."""
+        """Advance the usage history by n tokens, re-pin when the workload has moved, and let the memory guard
+        shrink (or regrow) the cache when other programs have taken (or given back) memory."""
+        if self.guard is not None:
+            self.guard.check()
         self._publish()
         to_pin = self.accounting.end_token(n, self.slots.built)
         if to_pin:
             self._pin(to_pin)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the cache may hold now (pinned + cached)."""
+        return self.settings.capacity
+
+    @property
+    def min_capacity(self) -> int:
+        """The fewest bytes for experts a token can be computed with: top-k slots."""
+        return self._top_k * self.slots.slot_bytes
 
     def set_capacity(self, capacity: int) -> None:
         """Change the byte budget between tokens: shrinking evicts (and returns the memory), growing lets the cache

@@ -35,6 +35,7 @@ class StoreSettings:
     direct: bool | None = None      # O_DIRECT: None = when the file system allows it
     verify: bool = True             # CRC-32 of each extent on its first read
     repin_every: int = 32           # tokens between re-pinning decisions
+    pressure: bool = True           # shrink the cache when other programs take memory (engine/offload/pressure.py)
 
     def check(self) -> None:
         """ColibriError naming a bad value."""
