@@ -73,6 +73,10 @@ class SafetensorsFolder:
         """Every tensor stored in the folder's files (FP8 scales and MXFP4 blocks and scales included)."""
         return self._where.keys()
 
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """A stored tensor's shape (an MXFP4 pair's `_blocks` or `_scales`, not the shape shown for the pair)."""
+        return self._where[name].tensors[name][1]
+
     def names(self) -> Iterable[str]:
         """Every tensor name the folder shows: the stored ones, an FP8 scale or an MXFP4 pair as the weight's name."""
         hidden = self.published.hidden
@@ -81,7 +85,7 @@ class SafetensorsFolder:
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape."""
         shown = self.published.shape(name)
-        return shown if shown is not None else self._where[name].tensors[name][1]
+        return shown if shown is not None else self.stored_shape(name)
 
     def dtype(self, name: str) -> str:
         """A tensor's stored dtype (safetensors spelling)."""

@@ -69,7 +69,7 @@ class PublishedTensors:
     """Which stored tensors of a folder pair into one FP8 or MXFP4 weight, and how to read them."""
 
     def __init__(self, folder, quant: Quantization):
-        self.folder = folder                                 # a SafetensorsFolder (names, dtype, shape, raw)
+        self.folder = folder                                 # a SafetensorsFolder (stored names, dtype, shape, raw)
         self.quant = quant
         self.fp8: dict[str, str] = {}                        # weight -> its scale
         self.mxfp4: dict[str, tuple[str, str]] = {}          # shown name -> (blocks, scales)
@@ -78,7 +78,7 @@ class PublishedTensors:
             if folder.dtype(name) == FP8_DTYPE:
                 scale = fp8_scale_name(name)
                 if scale not in stored:
-                    raise ModelFormatError(f"{folder.location(name)}: FP8 tensor {name} has no {scale} beside it; "
+                    raise ModelFormatError(f"{folder.location(name)}: FP8 ({FP8_DTYPE}) tensor {name} has no {scale} beside it; "
                                            "the checkpoint is incomplete: fetch the model again")
                 self.fp8[name] = scale
             elif quant.method == "mxfp4" and name.endswith("_blocks") and name[:-7] + "_scales" in stored:
@@ -89,7 +89,7 @@ class PublishedTensors:
 
     def _check_mxfp4(self, shown: str, blocks: str, scales: str) -> None:
         f = self.folder
-        b, s = tuple(f.shape(blocks)), tuple(f.shape(scales))
+        b, s = tuple(f.stored_shape(blocks)), tuple(f.stored_shape(scales))
         if f.dtype(blocks) != "U8" or f.dtype(scales) != "U8" or len(b) < 3 or b != s + (MX_GROUP // 2,):
             raise ModelFormatError(f"{f.location(blocks)}: MXFP4 tensors {blocks} {list(b)} {f.dtype(blocks)} and "
                                    f"{scales} {list(s)} {f.dtype(scales)} do not pair (expected uint8 [..., out, "
@@ -99,7 +99,7 @@ class PublishedTensors:
         """The shape an MXFP4 pair shows (the unquantized tensor's [..., in, out]), None for other names."""
         if name not in self.mxfp4:
             return None
-        *lead, out, groups = self.folder.shape(self.mxfp4[name][1])
+        *lead, out, groups = self.folder.stored_shape(self.mxfp4[name][1])
         return (*lead, groups * MX_GROUP, out)
 
     def fp8_tensor(self, name: str) -> FP8Tensor:
@@ -160,10 +160,11 @@ class MXFP4Stack:
         shown [in, out] slab's out axis, transposed, i.e. rows of the stored [out, in] matrix."""
         blocks = self.blocks[expert] if expert is not None else self.blocks              # [out, in/32, 16]
         scales = self.scales[expert] if expert is not None else self.scales              # [out, in/32]
-        if blocks.ndim != 3 or piece.axis != 1 or not piece.transpose:
+        whole = piece.start == 0 and piece.stop is None and piece.step == 1
+        if blocks.ndim != 3 or not piece.transpose or (piece.axis != 1 and not whole):
             raise ModelFormatError(f"{self.location}: MXFP4 tensor {self.name} can be cut into rows of its [out, in] "
                                    f"matrices only, not into {piece.name} (axis {piece.axis}); this family's "
                                    "MXFP4 checkpoints are not supported")
-        rows = slice(piece.start, piece.stop, piece.step)
+        rows = slice(None) if whole else slice(piece.start, piece.stop, piece.step)
         b = np.ascontiguousarray(blocks[rows]).reshape(-1, blocks.shape[1] * blocks.shape[2])   # [n, in/2]
         return MXFP4Tensor(b, np.ascontiguousarray(scales[rows]))
