@@ -9,6 +9,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.formats.fused import SplitSource
 from engine.formats.published import PublishedTensors, read_quantization
 from engine.formats.safetensors_file import SafetensorsFile
 
@@ -112,3 +113,38 @@ class SafetensorsFolder:
         """The file holding a tensor."""
         f = self._where.get(name) or self._where.get(name + "_blocks")
         return str(f.path) if f else self.path
+
+
+class Float32Source:
+    """A source over a folder with published FP8 / MXFP4 weights that reads every tensor as float32 (one matrix
+    dequantized at a time): what conversion and analysis read, as a GGUF opened unquantized."""
+
+    def __init__(self, source):
+        self.base = source
+        self.path = source.path
+
+    def names(self) -> Iterable[str]:
+        """The base's tensor names."""
+        return self.base.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape."""
+        return self.base.shape(name)
+
+    def load(self, name: str) -> np.ndarray:
+        """The tensor as float32: an FP8 or MXFP4 weight dequantized (a new array), others as the base reads them."""
+        w = self.base.load(name)
+        return w if isinstance(w, np.ndarray) else w.dequantize()
+
+    def location(self, name: str) -> str:
+        """The file holding a tensor."""
+        return self.base.location(name)
+
+
+def float32_source(source):
+    """`source`, or a Float32Source over it when its folder (under any fused-tensor split) holds published FP8 or
+    MXFP4 weights."""
+    folder = source.base if isinstance(source, SplitSource) else source
+    if isinstance(folder, SafetensorsFolder) and (folder.published.fp8 or folder.published.mxfp4):
+        return Float32Source(source)
+    return source

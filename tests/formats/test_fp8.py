@@ -107,3 +107,26 @@ def test_fp8_weight_without_its_scale_is_refused(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelFormatError, match="o_proj.weight has no model.layers.1.self_attn.o_proj.weight_scale_inv"):
         load_model(tmp_path)
+
+
+def test_fp8_converts_from_its_dequantized_values(tmp_path):
+    """`colibri convert --bits 8` of an FP8 folder quantizes the values the FP8 weights stand for."""
+    from app.hub.convert import ConvertSettings, convert
+    from engine.formats.container import Container
+    from engine.formats.hf import SafetensorsFolder
+    from engine.kv import KVCache
+    from engine.loader import load_model
+    from engine.quant import quantize
+
+    _fp8_checkpoint(tmp_path / "fp8", "qwen3_moe", (32, 32))
+    out = convert(tmp_path / "fp8", tmp_path / "q8", ConvertSettings(bits=8), log=lambda m: None)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    fp8 = SafetensorsFolder(tmp_path / "fp8").load(name)
+    stored = Container.open(out).load(name)
+    np.testing.assert_array_equal(stored.dequantize(), quantize(fp8.dequantize(), 8, 32).dequantize())
+    # the container is the one a float32 folder of the dequantized values converts into: logits bit for bit
+    same = convert(dequantized_copy(tmp_path / "fp8", tmp_path / "f32"), tmp_path / "f32q", ConvertSettings(bits=8),
+                   log=lambda m: None)
+    ours, theirs = load_model(out), load_model(same)
+    np.testing.assert_array_equal(ours.model.forward(PROMPT, KVCache(ours.spec, 64), all_logits=True),
+                                  theirs.model.forward(PROMPT, KVCache(theirs.spec, 64), all_logits=True))
