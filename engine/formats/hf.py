@@ -140,6 +140,11 @@ class Float32Source:
         """The file holding a tensor."""
         return self.base.location(name)
 
+    def published(self, name: str):
+        """The tensor as published when it is an FP8 or MXFP4 weight (FP8Tensor / MXFP4Tensor), else None."""
+        w = self.base.load(name)
+        return None if isinstance(w, np.ndarray) else w
+
 
 def float32_source(source):
     """`source`, or a Float32Source over it when its folder (under any fused-tensor split) holds published FP8 or

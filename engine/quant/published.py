@@ -110,7 +110,9 @@ class FP8Tensor:
 
     def to_buffers(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON-able meta, named C-contiguous storage arrays) for a container writer."""
-        meta = {"kind": FP8_META_KIND, "version": 1, "shape": list(self.shape), "block": list(self.block)}
+        # bits and group: what tools that list a container's widths read (8 bits, a block's columns a scale)
+        meta = {"kind": FP8_META_KIND, "version": 1, "shape": list(self.shape), "block": list(self.block), "bits": 8,
+                "group": self.block[1]}
         return meta, {"codes": self.codes, "scales": self.scales}
 
     @classmethod
@@ -184,7 +186,8 @@ class MXFP4Tensor:
 
     def to_buffers(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON-able meta, named C-contiguous storage arrays) for a container writer."""
-        return {"kind": MXFP4_META_KIND, "version": 1, "shape": list(self.shape)}, \
+        return {"kind": MXFP4_META_KIND, "version": 1, "shape": list(self.shape), "bits": 4,
+                "group": kernels.MX_GROUP}, \
             {"blocks": self.blocks, "scales": self.scales}
 
     @classmethod
@@ -193,3 +196,7 @@ class MXFP4Tensor:
         out, n_in = (int(v) for v in meta["shape"])
         return cls(_readonly(buffers["blocks"], np.uint8, (out, n_in // 2), "MXFP4 blocks"),
                    _readonly(buffers["scales"], np.uint8, (out, n_in // kernels.MX_GROUP), "MXFP4 scales"))
+
+
+PUBLISHED_KINDS = {FP8_META_KIND: FP8Tensor, MXFP4_META_KIND: MXFP4Tensor}   # container meta kind -> type
+PUBLISHED_BITS = {FP8Tensor: 8, MXFP4Tensor: 4}                                # the width each stands for

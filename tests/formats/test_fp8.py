@@ -109,24 +109,56 @@ def test_fp8_weight_without_its_scale_is_refused(tmp_path):
         load_model(tmp_path)
 
 
-def test_fp8_converts_from_its_dequantized_values(tmp_path):
-    """`colibri convert --bits 8` of an FP8 folder quantizes the values the FP8 weights stand for."""
+KEEP_FLOAT = (("*embed_tokens*", 32), ("lm_head.weight", 32))   # float in the folder: float in the container
+
+
+def _forward(loaded):
+    from engine.kv import KVCache
+
+    return loaded.model.forward(PROMPT, KVCache(loaded.spec, 64), all_logits=True)
+
+
+def test_fp8_converts_as_published_and_streams(tmp_path):
+    """`colibri convert --bits 8` keeps FP8 matrices as they are: the container, held or with its experts
+    streamed, gives the folder's logits bit for bit (the float tensors kept float)."""
     from app.hub.convert import ConvertSettings, convert
     from engine.formats.container import Container
     from engine.formats.hf import SafetensorsFolder
-    from engine.kv import KVCache
+    from engine.loader import OffloadOptions, load_model
+    from engine.offload.store import StoreSettings
+
+    _fp8_checkpoint(tmp_path / "fp8", "qwen3_moe", (32, 32))
+    out = convert(tmp_path / "fp8", tmp_path / "q8", ConvertSettings(bits=8, keep=KEEP_FLOAT),
+                  log=lambda m: None)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    stored, published = Container.open(out).load(name), SafetensorsFolder(tmp_path / "fp8").load(name)
+    assert isinstance(stored, FP8Tensor) and stored.block == published.block
+    np.testing.assert_array_equal(stored.codes, published.codes)
+    np.testing.assert_array_equal(stored.scales, published.scales)
+    direct = _forward(load_model(tmp_path / "fp8"))
+    np.testing.assert_array_equal(_forward(load_model(out)), direct)
+    streamed = load_model(out, offload=OffloadOptions(StoreSettings(capacity=1 << 16)))
+    try:
+        np.testing.assert_array_equal(_forward(streamed), direct)
+    finally:
+        streamed.close()
+
+
+def test_fp8_converts_below_8_bits_from_its_dequantized_values(tmp_path):
+    """`colibri convert --bits 4` of an FP8 folder quantizes the values the FP8 weights stand for."""
+    from app.hub.convert import ConvertSettings, convert
+    from engine.formats.container import Container
+    from engine.formats.hf import SafetensorsFolder
     from engine.loader import load_model
     from engine.quant import quantize
 
     _fp8_checkpoint(tmp_path / "fp8", "qwen3_moe", (32, 32))
-    out = convert(tmp_path / "fp8", tmp_path / "q8", ConvertSettings(bits=8), log=lambda m: None)
+    out = convert(tmp_path / "fp8", tmp_path / "q4", ConvertSettings(bits=4), log=lambda m: None)
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     fp8 = SafetensorsFolder(tmp_path / "fp8").load(name)
     stored = Container.open(out).load(name)
-    np.testing.assert_array_equal(stored.dequantize(), quantize(fp8.dequantize(), 8, 32).dequantize())
+    np.testing.assert_array_equal(stored.dequantize(), quantize(fp8.dequantize(), 4, 32).dequantize())
     # the container is the one a float32 folder of the dequantized values converts into: logits bit for bit
-    same = convert(dequantized_copy(tmp_path / "fp8", tmp_path / "f32"), tmp_path / "f32q", ConvertSettings(bits=8),
+    same = convert(dequantized_copy(tmp_path / "fp8", tmp_path / "f32"), tmp_path / "f32q", ConvertSettings(bits=4),
                    log=lambda m: None)
-    ours, theirs = load_model(out), load_model(same)
-    np.testing.assert_array_equal(ours.model.forward(PROMPT, KVCache(ours.spec, 64), all_logits=True),
-                                  theirs.model.forward(PROMPT, KVCache(theirs.spec, 64), all_logits=True))
+    np.testing.assert_array_equal(_forward(load_model(out)), _forward(load_model(same)))

@@ -7,7 +7,7 @@ import pytest
 
 from engine.quant.published import MXFP4Tensor
 from support.families import FAMILIES
-from support.published import dequantized_copy, held, to_mxfp4
+from support.published import held, to_mxfp4
 from support.reference import assert_matches_reference, build_checkpoint
 
 PROMPT = [3, 17, 42, 5, 99, 7, 64, 12]
@@ -49,24 +49,31 @@ def test_mxfp4_matches_transformers_dequantized(tmp_path, monkeypatch):
     assert all(w.blocks.dtype == np.uint8 and w.scales.dtype == np.uint8 for w in mx)
 
 
-def test_mxfp4_converts_from_its_dequantized_values(tmp_path):
-    """`colibri convert --bits 8` of gpt-oss's MXFP4 folder quantizes the values the MXFP4 experts stand for."""
+def test_mxfp4_converts_as_published_and_streams(tmp_path):
+    """`colibri convert --bits 4` keeps gpt-oss's MXFP4 experts as they are (4.25 bits, no second rounding): the
+    container, held or with its experts streamed, gives the folder's logits bit for bit (the rest kept float)."""
     from app.hub.convert import ConvertSettings, convert
     from engine.formats.container import Container
     from engine.kv import KVCache
-    from engine.loader import load_model, open_checkpoint
-    from engine.quant import quantize
+    from engine.loader import OffloadOptions, load_model, open_checkpoint
+    from engine.offload.store import StoreSettings
+
+    def forward(loaded):
+        return loaded.model.forward(PROMPT, KVCache(loaded.spec, 64), all_logits=True)
 
     _mxfp4_checkpoint(tmp_path / "mx")
-    out = convert(tmp_path / "mx", tmp_path / "q8", ConvertSettings(bits=8), log=lambda m: None)
+    keep = (("*self_attn*", 32), ("*embed_tokens*", 32), ("lm_head.weight", 32))
+    out = convert(tmp_path / "mx", tmp_path / "q4", ConvertSettings(bits=4, keep=keep), log=lambda m: None)
     name = "model.layers.2.mlp.experts.5.up_proj.weight"
-    mx = open_checkpoint(tmp_path / "mx", quantized=True).source.load(name)
-    assert isinstance(mx, MXFP4Tensor)
+    published = open_checkpoint(tmp_path / "mx", quantized=True).source.load(name)
     stored = Container.open(out).load(name)
-    np.testing.assert_array_equal(stored.dequantize(), quantize(mx.dequantize(), 8, 32).dequantize())
-    # the container is the one a float32 folder of the dequantized values converts into: logits bit for bit
-    same = convert(dequantized_copy(tmp_path / "mx", tmp_path / "f32"), tmp_path / "f32q", ConvertSettings(bits=8),
-                   log=lambda m: None)
-    ours, theirs = load_model(out), load_model(same)
-    np.testing.assert_array_equal(ours.model.forward(PROMPT, KVCache(ours.spec, 64), all_logits=True),
-                                  theirs.model.forward(PROMPT, KVCache(theirs.spec, 64), all_logits=True))
+    assert isinstance(stored, MXFP4Tensor) and stored.bits_per_weight == 4.25
+    np.testing.assert_array_equal(stored.blocks, published.blocks)
+    np.testing.assert_array_equal(stored.scales, published.scales)
+    direct = forward(load_model(tmp_path / "mx"))
+    np.testing.assert_array_equal(forward(load_model(out)), direct)
+    streamed = load_model(out, offload=OffloadOptions(StoreSettings(capacity=1 << 16)))
+    try:
+        np.testing.assert_array_equal(forward(streamed), direct)
+    finally:
+        streamed.close()
