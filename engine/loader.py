@@ -16,7 +16,7 @@ from engine.errors import ColibriError, ModelFormatError
 from engine.formats.container import MANIFEST, Container, is_container
 from engine.formats.fused import split_fused
 from engine.formats.gguf_model import GGUFModel
-from engine.formats.hf import SafetensorsFolder, read_json
+from engine.formats.hf import SafetensorsFolder, float32_source, read_json
 from engine.models import fused_tensors, ignored_tensors, spec_from_config
 from engine.models.transformer import Transformer, expected_shapes
 from engine.spec import ModelSpec
@@ -116,8 +116,9 @@ def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool 
     """Open a Hugging Face folder, a Colibri container or a GGUF file, checking what can be checked.
 
     verify_experts=False leaves a container's expert extents unread (a streaming store checks each on its first read).
-    quantized=True loads a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrices as QuantizedTensors (to run them), else
-    every tensor reads as float32 (to convert or analyse them).
+    quantized=True loads a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrices as QuantizedTensors, and a folder's published
+    FP8 / MXFP4 weights as FP8Tensor / MXFP4Tensor (to run them), else every tensor reads as float32 (to convert
+    or analyse them).
     huge_pages=True maps a container's files on 2 MB pages (a model about to be held whole: Container.open).
     """
     path = Path(path).expanduser()
@@ -140,6 +141,8 @@ def open_checkpoint(path: str | Path, verify_experts: bool = True, verify: bool 
         tokenizer = Tokenizer.from_folder(path)
     spec = spec_from_config(config, where)
     source = split_fused(source, fused_tensors(config, where))   # fused experts -> per-expert tensors
+    if not quantized:
+        source = float32_source(source)                          # published FP8 / MXFP4 weights, dequantized
     names = set(source.names())
     spec = _with_tied_fallback(spec, names)
     check_tensor_names(spec, names, config, where, source)

@@ -32,6 +32,7 @@ from engine.atomic import atomic_file
 from engine.errors import ColibriError, DiskFullError, is_disk_full
 from engine.formats.container import EXTENT_ALIGN, ContainerWriter, is_container
 from engine.formats.gguf_model import GGUFModel
+from engine.formats.hf import Float32Source
 from engine.formats.page_release import PageReleasing
 from engine.loader import Checkpoint, open_checkpoint
 from engine.models.transformer import Transformer, expected_shapes
@@ -50,6 +51,7 @@ from engine.plan.planner import (
     scaled,
 )
 from engine.plan.sensitivity import PROBE_BITS, Resident, Sensitivity, measure_sensitivity
+from engine.quant.published import PUBLISHED_BITS
 from engine.spec import MoESpec
 
 _EXPERT = ".experts."
@@ -243,7 +245,12 @@ def _bytes_at(shape: tuple[int, int], bits: int, group: int) -> int:
 
 
 def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: ActivationStats | None):
-    """(the tensor to write, its kind): quantized per plan, or float32."""
+    """(the tensor to write, its kind): quantized per plan, or float32; a published FP8 / MXFP4 matrix planned at
+    its width or more is stored as published (smaller than Colibri's codes at that width, and no second rounding)."""
+    if tp is not None and tp.bits != FLOAT_BITS and isinstance(ckpt.source, Float32Source):
+        published = ckpt.source.published(name)
+        if published is not None and tp.bits >= PUBLISHED_BITS[type(published)]:
+            return published, "quant"
     w = np.asarray(ckpt.source.load(name), dtype=np.float32)
     if tp is None or tp.bits == FLOAT_BITS:
         return w, "f32"

@@ -1,8 +1,9 @@
 """The one place a block multiplies by a weight matrix, whatever the matrix is stored as.
 
 A weight is a float32 [out, in] array (BLAS) or a quantized tensor that brings its own kernel
-(`w.matmul(x)`). A `Probe`, when given, sees the input of every matrix by its tensor name: the
-planner measures activation energy with it, moefy clusters feed-forward inputs with it.
+(`w.matmul(x)`): Colibri's group-wise `QuantizedTensor`, or a format kept as published (FP8, MXFP4).
+A `Probe`, when given, sees the input of every matrix by its tensor name: the planner measures
+activation energy with it, moefy clusters feed-forward inputs with it.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ def linear(x: np.ndarray, w) -> np.ndarray:
 
 def linear_many(x: np.ndarray, ws: Sequence) -> list[np.ndarray]:
     """x [T, in] times several weights sharing that input (q, k, v; gate, up): one parallel call
-    when all are quantized, else one product each."""
-    if all(is_quantized(w) for w in ws):
+    when all are Colibri QuantizedTensors, else one product each."""
+    if all(is_group_quantized(w) for w in ws):
         from engine.quant import matmul_many
 
         return matmul_many(x, ws)
     return [linear(x, w) for w in ws]
 
 
-def is_quantized(w) -> bool:
-    """Whether a weight is a quantized tensor (rather than a float32 array)."""
-    return w is not None and not isinstance(w, np.ndarray)
+def is_group_quantized(w) -> bool:
+    """Whether a weight is a Colibri QuantizedTensor, the kind the batched and fused expert kernels take
+    (an FP8 or MXFP4 weight brings only its own matmul)."""
+    from engine.quant.tensor import QuantizedTensor
+
+    return isinstance(w, QuantizedTensor)

@@ -74,6 +74,15 @@ class StoredSource(Protocol):
         """The tensor's stored dtype (safetensors spelling)."""
 
 
+@runtime_checkable
+class PackedSource(Protocol):
+    """A tensor source some of whose fused tensors are packed in a quantized format (MXFP4): a piece of one is
+    cut from the packed bytes (engine/formats/published.py), never widened."""
+
+    def packed(self, name: str):
+        """The packed tensor shown as `name` (with a `piece(expert, piece)` method), None if it is not packed."""
+
+
 class SplitSource:
     """A TensorSource that shows a checkpoint's fused tensors as the pieces its family's rules cut them into."""
 
@@ -98,10 +107,13 @@ class SplitSource:
 
     def load(self, name: str):
         """A tensor as float32: a piece is cut from its fused tensor's stored bytes, copied only when its values
-        must be widened or are strided."""
+        must be widened or are strided; a piece of a packed (MXFP4) tensor is a quantized tensor of its bytes."""
         if name not in self._made:
             return self.base.load(name)
         fused, expert, piece = self._made[name]
+        packed = self.base.packed(fused) if isinstance(self.base, PackedSource) else None
+        if packed is not None:
+            return packed.piece(expert, piece)
         if isinstance(self.base, StoredSource):
             stored, dtype = self.base.raw(fused), self.base.dtype(fused)
         else:

@@ -9,6 +9,8 @@ from typing import Any, Iterable
 import numpy as np
 
 from engine.errors import ModelFormatError
+from engine.formats.fused import SplitSource
+from engine.formats.published import PublishedTensors, read_quantization
 from engine.formats.safetensors_file import SafetensorsFile
 
 
@@ -28,7 +30,11 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 class SafetensorsFolder:
-    """All tensors of a folder's model.safetensors, or of the shards its index lists."""
+    """All tensors of a folder's model.safetensors, or of the shards its index lists.
+
+    Weights its publisher quantized (block-scaled FP8, MXFP4: engine/formats/published.py) show under the
+    unquantized weight's name and load as FP8Tensor / MXFP4Tensor over the map, their scales hidden.
+    """
 
     def __init__(self, folder: str | Path):
         folder = Path(folder)
@@ -60,14 +66,27 @@ class SafetensorsFolder:
             lost = [n for n, f in weight_map.items() if n not in self._where]
             if lost:
                 raise ModelFormatError(f"{index}: tensor {lost[0]} is listed but not in {weight_map[lost[0]]}; fetch the model again")
+        config = folder / "config.json"
+        quant = read_quantization(read_json(config, "config.json") if config.is_file() else None, str(config))
+        self.published = PublishedTensors(self, quant)
+
+    def stored_names(self) -> Iterable[str]:
+        """Every tensor stored in the folder's files (FP8 scales and MXFP4 blocks and scales included)."""
+        return self._where.keys()
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """A stored tensor's shape (an MXFP4 pair's `_blocks` or `_scales`, not the shape shown for the pair)."""
+        return self._where[name].tensors[name][1]
 
     def names(self) -> Iterable[str]:
-        """Every tensor name in the folder."""
-        return self._where.keys()
+        """Every tensor name the folder shows: the stored ones, an FP8 scale or an MXFP4 pair as the weight's name."""
+        hidden = self.published.hidden
+        return [n for n in self._where if n not in hidden] + list(self.published.mxfp4)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape."""
-        return self._where[name].tensors[name][1]
+        shown = self.published.shape(name)
+        return shown if shown is not None else self.stored_shape(name)
 
     def dtype(self, name: str) -> str:
         """A tensor's stored dtype (safetensors spelling)."""
@@ -77,15 +96,65 @@ class SafetensorsFolder:
         """A tensor's stored values (bf16 as uint16), a read-only view of its file's map."""
         return self._where[name].raw(name)
 
-    def load(self, name: str) -> np.ndarray:
-        """A tensor as float32 (a memory-mapped view when stored as F32)."""
+    def load(self, name: str):
+        """A tensor as float32 (a memory-mapped view when stored as F32), an FP8 weight as an FP8Tensor."""
+        if name in self.published.fp8:
+            return self.published.fp8_tensor(name)
+        if name in self.published.mxfp4:
+            raise ModelFormatError(f"{self.location(name)}: MXFP4 tensor {name} is read in pieces (one per expert) "
+                                   "through its family's fused-tensor rules, not whole")
         return self._where[name].float32(name)
 
     def drop_pages(self, name: str) -> None:
         """Give back the mapped pages of a tensor read once (see SafetensorsFile.drop_pages)."""
-        self._where[name].drop_pages(name)
+        if name in self._where:                  # an MXFP4 pair's fused name is not a stored tensor
+            self._where[name].drop_pages(name)
+
+    def packed(self, name: str):
+        """The MXFP4 pair shown as `name` (an engine.formats.published.MXFP4Stack), None for other names."""
+        return self.published.packed(name)
 
     def location(self, name: str) -> str:
         """The file holding a tensor."""
-        f = self._where.get(name)
+        f = self._where.get(name) or self._where.get(name + "_blocks")
         return str(f.path) if f else self.path
+
+
+class Float32Source:
+    """A source over a folder with published FP8 / MXFP4 weights that reads every tensor as float32 (one matrix
+    dequantized at a time): what conversion and analysis read, as a GGUF opened unquantized."""
+
+    def __init__(self, source):
+        self.base = source
+        self.path = source.path
+
+    def names(self) -> Iterable[str]:
+        """The base's tensor names."""
+        return self.base.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape."""
+        return self.base.shape(name)
+
+    def load(self, name: str) -> np.ndarray:
+        """The tensor as float32: an FP8 or MXFP4 weight dequantized (a new array), others as the base reads them."""
+        w = self.base.load(name)
+        return w if isinstance(w, np.ndarray) else w.dequantize()
+
+    def location(self, name: str) -> str:
+        """The file holding a tensor."""
+        return self.base.location(name)
+
+    def published(self, name: str):
+        """The tensor as published when it is an FP8 or MXFP4 weight (FP8Tensor / MXFP4Tensor), else None."""
+        w = self.base.load(name)
+        return None if isinstance(w, np.ndarray) else w
+
+
+def float32_source(source):
+    """`source`, or a Float32Source over it when its folder (under any fused-tensor split) holds published FP8 or
+    MXFP4 weights."""
+    folder = source.base if isinstance(source, SplitSource) else source
+    if isinstance(folder, SafetensorsFolder) and (folder.published.fp8 or folder.published.mxfp4):
+        return Float32Source(source)
+    return source

@@ -22,6 +22,8 @@ FIX = "the container is corrupt: convert the model again with `colibri convert`"
 PLAIN_KINDS = {"f32": 4, "f16": 2, "bf16": 2}                   # kind -> bytes per value
 _ENTRY_KEYS = {"name", "kind", "shape", "file", "offset", "length", "crc32"}
 _QUANT_KEYS = {"kind", "version", "layout", "shape", "bits", "group", "asymmetric"}
+_PUBLISHED = ("colibri.fp8", "colibri.mxfp4")                  # FP8 / MXFP4 weights kept as published
+_PUBLISHED_KEYS = {"kind", "version", "shape", "bits", "group"}
 _EXTENT_KEYS = {"layer", "expert", "file", "offset", "length", "crc32", "tensors"}
 _BUFFER_DTYPES = {"|u1", "<u2", "<f4", "<f2", "|i1"}          # what quantized tensors store
 _ITEMSIZE = {d: np.dtype(d).itemsize for d in _BUFFER_DTYPES}
@@ -122,7 +124,26 @@ def _check_entry(name: str, e: Any) -> None:
         _check_buffers(what, length, e["buffers"])
 
 
+def _check_published(what: str, shape: tuple[int, ...], q: dict) -> None:
+    """FP8 / MXFP4 weights kept as published (engine/quant/published.py): shape, width and FP8 block."""
+    fp8 = q["kind"] == "colibri.fp8"
+    _keys(q, _PUBLISHED_KEYS | ({"block"} if fp8 else set()), set(), f"{what}: quant")
+    if len(shape) != 2 or _shape(q["shape"], what, ": quant shape") != shape:
+        raise _Bad(f"{what}: quantized shape {q['shape']!r} does not match the tensor's {list(shape)}")
+    if q["bits"] != (8 if fp8 else 4) or isinstance(q["bits"], bool):
+        raise _Bad(f"{what}: bits {q['bits']!r} is not the width of {q['kind']}")
+    if fp8:
+        _shape(q["block"], what, ": FP8 block")
+        if len(q["block"]) != 2 or 0 in q["block"]:
+            raise _Bad(f"{what}: FP8 block {q['block']!r} is not two positive sizes")
+    elif shape[1] % 32:
+        raise _Bad(f"{what}: an MXFP4 matrix of {shape[1]} columns is not in whole 32s")
+
+
 def _check_quant(what: str, shape: tuple[int, ...], q: Any) -> None:
+    if isinstance(q, dict) and q.get("kind") in _PUBLISHED:
+        _check_published(what, shape, q)
+        return
     _keys(q, _QUANT_KEYS, set(), f"{what}: quant")
     if len(shape) != 2 or _shape(q["shape"], what, ": quant shape") != shape:
         raise _Bad(f"{what}: quantized shape {q['shape']!r} does not match the tensor's {list(shape)}")

@@ -29,6 +29,7 @@ _DTYPES = {
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype("u1"),   # float8_e4m3fn bits: read through engine.quant.published.FP8Tensor
 }
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _MAX_HEADER = 100 * 1024 * 1024
@@ -89,7 +90,7 @@ class SafetensorsFile:
             if dtype not in _DTYPES:
                 raise ModelFormatError(
                     f"{self.path}: tensor {name} has dtype {dtype}, which Colibri does not read "
-                    f"(it reads {', '.join(_DTYPES)}); use a float16, bfloat16 or float32 version of the model"
+                    f"(it reads {', '.join(_DTYPES)}); use a float16, bfloat16, float32 or block-scaled FP8 version of the model"
                 )
             nbytes = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
             if not (0 <= begin <= end <= data_size) or end - begin != nbytes:
@@ -101,7 +102,7 @@ class SafetensorsFile:
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's stored values (bf16 as uint16), a read-only view of the map."""
+        """The tensor's stored values (bf16 as uint16, F8_E4M3 as uint8 bits), a read-only view of the map."""
         dtype, shape, offset, nbytes = self.tensors[name]
         view = np.asarray(self._map[offset : offset + nbytes]).view(_DTYPES[dtype]).reshape(shape)
         view.flags.writeable = False

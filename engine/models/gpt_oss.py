@@ -4,7 +4,8 @@ YaRN, and a MoE whose router has a bias and whose experts carry biases and a cla
 Checkpoints saved by transformers hold each layer's experts fused (`experts.gate_up_proj` [E, hidden, 2I],
 gate and up interleaved column by column, stored [in, out]; `experts.down_proj` [E, I, hidden]; their
 biases [E, 2I] and [E, hidden]); `fused_tensors` cuts them into per-expert tensors. The published
-checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`), which is refused for now.
+checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): the folder shows each pair under the fused
+tensor's name and these same rules cut it into per-expert MXFP4 tensors (engine/formats/published.py).
 """
 
 from __future__ import annotations
@@ -43,13 +44,11 @@ def _with_defaults(cfg: Config) -> Config:
 def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     """The spec of a gpt-oss config.json."""
     quant = cfg.opt("quantization_config", None, dict)
-    if quant is not None:
-        method = quant.get("quant_method", "unknown")
-        what = "MXFP4 expert blocks and scales" if method == "mxfp4" else "a quantized layout"
+    if quant is not None and quant.get("quant_method") != "mxfp4":   # MXFP4 experts: engine/formats/published.py
         raise ModelFormatError(
-            f"{cfg.source}: this gpt-oss checkpoint is quantized (quantization_config.quant_method {method!r}: "
-            f"{what}), which Colibri does not read yet; use a bfloat16 or float32 copy of the model "
-            "(transformers dequantizes it on load; save_pretrained then writes one)"
+            f"{cfg.source}: this gpt-oss checkpoint is quantized with quantization_config.quant_method "
+            f"{quant.get('quant_method', 'unknown')!r}, which Colibri does not read; use the MXFP4 release or a "
+            "bfloat16 copy of the model"
         )
     cfg = _with_defaults(cfg)
     n = cfg.req("num_hidden_layers")

@@ -259,7 +259,7 @@ class Transformer:
                 resident[i] = [ExpertWeights.load(w, expert_prefix(i, f, e), f.proj_names) for e in range(f.n_experts)]
             bias = w.get(f"{p}.{f.prefix}.{f.bias_name}")
             ffn = MoE(
-                f, i, w[f"{p}.{f.prefix}.gate.weight"],
+                f, i, w.dense(f"{p}.{f.prefix}.gate.weight"),                         # an FP8 router widened
                 bias.reshape(-1) if bias is not None else None,                     # [E]
                 ExpertWeights.load(w, f"{p}.{f.prefix}.{f.shared_prefix}", bias=f.shared_bias) if f.shared_ffn else None,
                 w.get(f"{p}.{f.prefix}.shared_expert_gate.weight"),

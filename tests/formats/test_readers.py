@@ -108,11 +108,11 @@ def test_unknown_dtype_is_refused(copy):
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
-    header["model.norm.weight"]["dtype"] = "F8_E4M3"
+    header["model.norm.weight"]["dtype"] = "F8_E5M2"
     header["model.norm.weight"]["data_offsets"][1] = header["model.norm.weight"]["data_offsets"][0] + 64
     blob = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
-    with pytest.raises(ModelFormatError, match="F8_E4M3"):
+    with pytest.raises(ModelFormatError, match="F8_E5M2"):
         load_model(copy)
 
 
