@@ -68,9 +68,11 @@ class _Reporter:
     def __call__(self, done: int, total: int, what: str) -> None:
         fraction = done / total if total else 1.0
         now = time.perf_counter()
-        if self.start is None or done < self.start[1]:
+        if what == "tokenizer":
+            self.start = None           # the rate and time left count the weights only
+        elif self.start is None or done < self.start[1]:
             self.start = (now, done)
-        rate = (done - self.start[1]) / (now - self.start[0]) if now > self.start[0] else 0.0
+        rate = (done - self.start[1]) / (now - self.start[0]) if self.start and now > self.start[0] else 0.0
         left = f", {(total - done) / rate:.0f} s left at {rate / 1e6:.0f} MB/s" if rate > 0 and done < total else ""
         line = f"{self.label}: {fraction * 100:3.0f}% {what} ({done / 1e9:.2f}/{total / 1e9:.2f} GB{left})"
         if self.live:
@@ -109,11 +111,13 @@ def _run(args: argparse.Namespace) -> int:
                                     layers=args.layers, progress=reporter)
         finally:
             reporter.close()
-        seconds = time.perf_counter() - t0
+        end = time.perf_counter()
+        weights = end - (reporter.start[0] if reporter.start else t0)
         print(f"wrote {args.out}: a Colibri container of {cplan.synth.shape.config['architectures'][0]}, "
               f"{cplan.synth.total_params / 1e9:.3f} B parameters ({cplan.synth.spec.n_layers} layers), "
               f"{cplan.plan.bits_per_weight:.2f} bits per weight, {cplan.nbytes / 1e9:.2f} GB of weights in "
-              f"{seconds:.1f} s ({cplan.nbytes / 1e6 / seconds:.0f} MB/s)", file=sys.stderr)
+              f"{weights:.1f} s ({cplan.nbytes / 1e6 / max(weights, 1e-9):.0f} MB/s; {end - t0:.1f} s in all, "
+              "with the tokenizer)", file=sys.stderr)
         return 0
     try:
         plan = write_checkpoint(args.shape, args.out, seed=args.seed, dtype=args.dtype, progress=reporter,
