@@ -91,15 +91,17 @@ def olmoe_config(*, experts: int, top_k: int, **kw: Any) -> dict[str, Any]:
 def qwen2_config(**kw: Any) -> dict[str, Any]:
     """A Qwen2ForCausalLM (Qwen2.5) config.json (without dtype and version): Llama's layout, q/k/v biases."""
     return _common("Qwen2ForCausalLM", "qwen2", **kw) | {
-        "max_window_layers": kw["layers"], "sliding_window": None, "use_sliding_window": False,
+        "layer_types": ["full_attention"] * kw["layers"], "max_window_layers": kw["layers"], "sliding_window": None,
+        "use_sliding_window": False,
     }
 
 
 def qwen3_moe_config(*, head_dim: int, experts: int, top_k: int, moe_ffn: int, **kw: Any) -> dict[str, Any]:
-    """A Qwen3MoeForCausalLM config.json (without dtype and version): q/k norms, softmax top-k routing."""
+    """A Qwen3MoeForCausalLM config.json (without dtype and version): q/k norms, softmax top-k routing; the
+    expert count under transformers 5's name (`num_local_experts`; the release says `num_experts`)."""
     return _common("Qwen3MoeForCausalLM", "qwen3_moe", **kw) | {
         "attention_bias": False, "decoder_sparse_step": 1, "head_dim": head_dim, "max_window_layers": kw["layers"],
-        "mlp_only_layers": [], "moe_intermediate_size": moe_ffn, "norm_topk_prob": True, "num_experts": experts,
+        "mlp_only_layers": [], "moe_intermediate_size": moe_ffn, "norm_topk_prob": True, "num_local_experts": experts,
         "num_experts_per_tok": top_k, "output_router_logits": False, "router_aux_loss_coef": 0.001,
         "sliding_window": None, "use_sliding_window": False,
     }
