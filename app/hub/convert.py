@@ -15,6 +15,7 @@ events (app.hub.progress):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -52,7 +53,7 @@ from engine.plan.planner import (
 )
 from engine.plan.sensitivity import PROBE_BITS, Resident, Sensitivity, measure_sensitivity
 from engine.quant.published import PUBLISHED_BITS
-from engine.spec import MoESpec
+from engine.spec import ModelSpec, MoESpec
 
 _EXPERT = ".experts."
 # Above this many planned weights the sensitivity pass (one run of the layers from each matrix's own
@@ -90,8 +91,13 @@ class Matrices:
 
 def classify(ckpt: Checkpoint) -> Matrices:
     """Split the model's tensors into planned matrices and float32 ones; group routed experts."""
+    return classify_spec(ckpt.spec)
+
+
+def classify_spec(spec: ModelSpec) -> Matrices:
+    """`classify` from the model's spec alone (`colibri synth --bits` plans a model it has no source for)."""
     m = Matrices()
-    for name, shape in expected_shapes(ckpt.spec).items():
+    for name, shape in expected_shapes(spec).items():
         # routers, the shared expert's gate, MLA's kv_b (used whole), the sparse-attention indexer's head
         # weights (a top-k selection rides on them; the reference keeps them float32 too) and router biases
         # ([1, E] in ERNIE) stay float32
@@ -100,7 +106,7 @@ def classify(ckpt: Checkpoint) -> Matrices:
                                                    ".indexer.weights_proj.weight"))
         )
         (m.float32 if keep_float else m.planned)[name] = shape
-    for i, layer in enumerate(ckpt.spec.layers):
+    for i, layer in enumerate(spec.layers):
         if isinstance(layer.ffn, MoESpec):
             for e in range(layer.ffn.n_experts):
                 prefix = f"model.layers.{i}.{layer.ffn.prefix}.experts.{e}."
@@ -149,13 +155,7 @@ def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats
         return stats.usage(probe), stats.importance(probe)
 
     if settings.budget is None:
-        bits = settings.bits or 4
-        tensors = {}
-        for name, shape in mats.planned.items():
-            b = forced.get(name, bits)
-            g = group_for(shape[1], settings.group)
-            tensors[name] = TensorPlan(name, shape, b, g, _bytes_at(shape, b, g), 0.0, usage_and_importance(name)[0])
-        return Plan(tensors, None, other)
+        return uniform_plan(mats, settings, lambda name: usage_and_importance(name)[0])
 
     source = Resident(ckpt.source) if _wants_sensitivity(mats, settings, sequences, stats, log) else ckpt.source
     groups = tuple(g for g in GROUP_OPTIONS if g >= settings.group)
@@ -184,6 +184,20 @@ def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats
                                    opt.asymmetric if opt.bits != FLOAT_BITS else None,
                                    sens.scales[name] if sens else 1.0)
     return Plan(tensors, settings.budget, other, sens.to_json() if sens else None)
+
+
+def uniform_plan(mats: Matrices, settings: ConvertSettings, usage=lambda name: 1.0) -> Plan:
+    """The plan of `--bits`: one width (settings.bits, default 4) for every planned matrix but those --keep-bits
+    forces; `usage(name)` is each matrix's measured usage (1.0 without calibration)."""
+    other = sum(int(np.prod(s)) * 4 for s in mats.float32.values())
+    forced = {n: b for n in mats.planned if (b := forced_bits(n, list(settings.keep))) is not None}
+    bits = settings.bits or 4
+    tensors = {}
+    for name, shape in mats.planned.items():
+        b = forced.get(name, bits)
+        g = group_for(shape[1], settings.group)
+        tensors[name] = TensorPlan(name, shape, b, g, _bytes_at(shape, b, g), 0.0, usage(name))
+    return Plan(tensors, None, other)
 
 
 def _formats(in_features: int, bits: tuple[int, ...] | None, groups: tuple[int, ...], group: int) -> list[Format]:
@@ -238,10 +252,15 @@ def _bytes_at(shape: tuple[int, int], bits: int, group: int) -> int:
     """Storage bytes of a matrix at a width (measured on one row: layouts are per row)."""
     if bits == FLOAT_BITS:
         return shape[0] * shape[1] * 4
+    return _row_bytes(shape[1], bits, group) * shape[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _row_bytes(in_features: int, bits: int, group: int) -> int:
+    """Bytes of one quantized row (cached: a model of 100k expert matrices has a handful of row widths)."""
     from engine.quant import quantize
 
-    row = quantize(np.zeros((1, shape[1]), np.float32), bits, group)
-    return row.nbytes * shape[0]
+    return quantize(np.zeros((1, in_features), np.float32), bits, group).nbytes
 
 
 def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: ActivationStats | None):

@@ -108,7 +108,7 @@ def _tensor_parts(tensor: Any, kind: str) -> tuple[dict | None, dict[str, np.nda
     """(quant meta or None, named arrays to store) for a float array or a quantized tensor."""
     if kind == "quant":
         meta, buffers = tensor.to_buffers()
-        return meta, {k: np.ascontiguousarray(v) for k, v in buffers.items()}
+        return meta, {k: v if hasattr(v, "chunks") else np.ascontiguousarray(v) for k, v in buffers.items()}
     arr = np.asarray(tensor, dtype=np.float32)
     if kind == "f32":
         return None, {"data": np.ascontiguousarray(arr)}
@@ -119,6 +119,24 @@ def _tensor_parts(tensor: Any, kind: str) -> tuple[dict | None, dict[str, np.nda
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return None, {"data": rounded.astype("<u2")}
     raise ValueError(f"unknown tensor kind {kind!r}")
+
+
+def _buffer_bytes(arr: Any) -> Iterable[Any]:
+    """The bytes of a buffer to store, in order: an array's whole, or a generated buffer's `chunks()`.
+
+    A generated buffer (`colibri synth --bits`) has `dtype`, `shape` and `nbytes` like an array and yields its
+    bytes piece by piece, so a tensor larger than the working set is written without ever being whole in memory.
+    """
+    if hasattr(arr, "chunks"):
+        written = 0
+        for piece in arr.chunks():
+            data = memoryview(piece).cast("B")
+            written += data.nbytes
+            yield data
+        if written != arr.nbytes:
+            raise ValueError(f"a generated buffer yielded {written} bytes, it declares {arr.nbytes}")
+        return
+    yield memoryview(np.ascontiguousarray(arr)).cast("B")
 
 
 def kind_of(tensor: Any, float_kind: str = "f32") -> str:
@@ -270,9 +288,9 @@ class ContainerWriter:
                 f.write(b"\0" * gap)
                 crc = zlib.crc32(b"\0" * gap, crc)
                 pos += gap
-            data = memoryview(np.ascontiguousarray(arr)).cast("B")
-            f.write(data)
-            crc = zlib.crc32(data, crc)
+            for data in _buffer_bytes(arr):
+                f.write(data)
+                crc = zlib.crc32(data, crc)
             table[key] = [pos, arr.nbytes, arr.dtype.str, list(arr.shape)]
             pos += arr.nbytes
         self._sizes[fname] = offset + pos
