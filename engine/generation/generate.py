@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -109,7 +109,9 @@ def generate_step(
         drafter = make_drafter(speculative, model.spec.vocab_size, cache.max_len)
         controller = controller if controller is not None else SpeculationController(speculative)
     # an MTP drafter reads the main model's hidden states of every verified position (the prompt's too)
-    hidden: list[np.ndarray] | None = [] if getattr(drafter, "wants_hidden", False) else None
+    observe: Callable[[int, np.ndarray], None] | None = \
+        getattr(drafter, "observe", None) if getattr(drafter, "wants_hidden", False) else None
+    hidden: list[np.ndarray] | None = [] if observe is not None else None
     origin = cache.length                    # the prompt's first position: the drafter counts from it
     if first_logits is None:
         logits = prefill(model, prompt, cache, hidden=hidden)
@@ -122,8 +124,8 @@ def generate_step(
                                       "first_logits (or let generate_step run the prefill)")
             origin = cache.length - len(first_hidden)
             hidden.append(first_hidden)
-    if hidden:
-        drafter.observe(0, np.concatenate(hidden))          # [prompt, hidden]
+    if observe is not None and hidden:
+        observe(0, np.concatenate(hidden))          # [prompt, hidden]
     seen = Seen(prompt)
     tel = model.context.telemetry
 
@@ -164,8 +166,8 @@ def generate_step(
             out = verify(rows, draft, choose) if draft else [choose(rows[-1])]
             if draft:
                 cache.truncate(base + len(out))     # the last token and the accepted drafts
-            if hidden:
-                drafter.observe(base - origin, hidden[-1][: len(out)])   # [len(out), hidden]: the verified rows
+            if observe is not None and hidden:
+                observe(base - origin, hidden[-1][: len(out)])   # [len(out), hidden]: the verified rows
             controller.record(len(draft), len(out) - 1, len(out), controller.clock() - t0)
             for i, token in enumerate(out):
                 made += 1
@@ -249,7 +251,7 @@ def stream_generate(
     cache = cache if cache is not None else KVCache(model.spec)
     chunks: list[np.ndarray] = []
     # the prompt's hidden states, for an MTP drafter (it reads every verified position's)
-    prompt_hidden = [] if request.speculative is not None and request.speculative.mtp is not None else None
+    prompt_hidden: list[np.ndarray] | None = [] if request.speculative is not None and request.speculative.mtp is not None else None
     try:
         request.sampling.validate()
         if request.speculative is not None:
