@@ -8,7 +8,8 @@ model's last hidden state before its final norm and t_{i+1} the token at i + 1, 
     h_mtp = DecoderLayer(x)   (attention on the module's own KV cache, at position i)
     logits = head(shared_head.norm(h_mtp))                           # predicts t_{i+2}
 
-(DeepSeek-V3 paper, section 2.2). `embed` is the module's `embed_tokens` when the checkpoint has one, else
+(DeepSeek-V3 paper, section 2.2; the reference engines zero the embedding at position 0, and so does
+this module). `embed` is the module's `embed_tokens` when the checkpoint has one, else
 the main embedding; `head` is `shared_head.head`, else the main output head.
 
 `MTPHead` holds the first module (its decoder layer as a one-layer `Transformer`, so every attention and
@@ -102,15 +103,18 @@ class MTPHead:
     def forward(self, tokens: np.ndarray, hidden: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
         """Run positions cache.length.. : tokens [T] (t_{i+1}) with the main hidden states [T, hidden] (h_i).
 
-        Returns (logits [T, V] predicting t_{i+2}, the module's output hidden states [T, hidden] before its
-        norm, which stand in for h when drafting further ahead).
+        Position 0's embedding is zeroed, as the reference engines (vLLM, sglang) run the module. Returns
+        (logits [T, V] predicting t_{i+2}, the module's output hidden states [T, hidden] before its norm,
+        which stand in for h when drafting further ahead).
         """
         mini, eps = self.model, self.spec.rms_eps
         ids = mini.token_ids(tokens)
-        e = rms_norm(mini.embed_tokens(ids), self.enorm, eps)                # [T, hidden]
+        positions = cache.prepare(ids)
+        e = mini.embed_tokens(ids)                                            # [T, hidden]
+        e[positions == 0] = 0.0         # as vLLM and sglang run the module: position 0 reads the hidden state only
+        e = rms_norm(e, self.enorm, eps)                                      # [T, hidden]
         g = rms_norm(np.ascontiguousarray(hidden, dtype=np.float32), self.hnorm, eps)   # [T, hidden]
         x = linear(np.ascontiguousarray(np.concatenate([e, g], axis=1)), self.eh_proj)  # [T, hidden]
-        positions = cache.prepare(ids)
         x = mini.run_layers(x, positions, [slice(0, ids.size)], [cache])     # [T, hidden]
         cache.commit(ids.size)
         return mini.head(x), x
@@ -136,7 +140,8 @@ class MTPDrafter:
     start.. after each verified pass (and the prompt's after prefill); `propose(context, k)` then runs the
     module over the positions it has not seen (each needs its next token, so the context's last token's
     position waits for the next pass) and drafts up to k greedy tokens, feeding its own hidden state back
-    after the first. Its cache holds only verified positions between calls.
+    after the first. Its cache holds only verified positions between calls. Positions count from the
+    prompt's first token (the sequence's start, unless the prompt continues a cache).
     """
 
     wants_hidden = True

@@ -1,4 +1,4 @@
-"""MTP layers as a drafter: the head against the paper's formula (torch + transformers' decoder layer), output
+"""MTP layers as a drafter (DeepSeek-V3, GLM-4.5, GLM-5): the head against the paper's formula (torch + transformers' decoder layer), output
 with `--speculative mtp` identical to plain decoding (greedy and seeded sampling, resident and streamed), and
 acceptance counted, on the reject path (random weights) and on the accept path (a checkpoint built so the
 MTP module predicts what the main model will)."""
@@ -34,6 +34,11 @@ CASES = {
     "glm4_moe": ("glm4_moe", dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                                   use_qk_norm=True, attention_bias=True, first_k_dense_replace=1),
                  dict(own_embed=False, own_head=False)),
+    # GLM-5: latent attention with the sparse-attention indexer selecting 4 keys (fewer than the prompt holds)
+    "glm_moe_dsa": ("glm_moe_dsa", dict(MLA, q_lora_rank=32, index_head_dim=16, index_n_heads=8, index_topk=4,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                        first_k_dense_replace=1),
+                    dict(own_embed=False, own_head=True)),
 }
 
 

@@ -11,7 +11,8 @@ tensors with the published names and shapes: `model.layers.{n}.enorm`, `.hnorm`,
     h_mtp = Layer(eh_proj(concat(enorm(embed(t_{i+1})), hnorm(h_i))))
     logits = head(shared_head.norm(h_mtp))
 with h_i the main model's last-layer output before its final norm, Layer transformers' own decoder layer
-(loaded with the MTP layer's weights) on its own causal attention over positions 0..i.
+(loaded with the MTP layer's weights) on its own causal attention over positions 0..i; the embedding at
+position 0 is zeroed, as vLLM's and sglang's MTP layers do.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def build_mtp_checkpoint(folder: Path, model_type: str, seed: int = 0, *, own_em
               metadata={"format": "pt"})
     config = json.loads((full / "config.json").read_text())
     config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    for key, value in list(config.items()):     # per-layer lists (GLM-5's indexer_types, mlp_layer_types): n entries
+        if key.endswith("types") and isinstance(value, list) and len(value) == n + 1:
+            config[key] = value[:n]
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     if (full / "generation_config.json").is_file():
         (folder / "generation_config.json").write_text((full / "generation_config.json").read_text())
@@ -84,7 +88,8 @@ def mtp_reference_logits(folder: Path, ids: list[int]) -> np.ndarray:
         h = captured["h"][0, :-1]                                              # [T - 1, hidden]: h_0..h_{T-2}
         embed = t.get(f"{p}.embed_tokens.weight", t["model.embed_tokens.weight"])
         head = t.get(f"{p}.shared_head.head.weight", t.get("lm_head.weight", t["model.embed_tokens.weight"]))
-        e = embed[torch.tensor(ids[1:])]                                       # [T - 1, hidden]: t_1..t_{T-1}
+        e = embed[torch.tensor(ids[1:])].clone()                               # [T - 1, hidden]: t_1..t_{T-1}
+        e[0] = 0.0                                                             # position 0: the reference engines' mask
         x = torch.cat([rms(e, t[f"{p}.enorm.weight"]), rms(h, t[f"{p}.hnorm.weight"])], -1) @ t[f"{p}.eh_proj.weight"].T
         x = x[None]                                                            # [1, T - 1, hidden]
         T = x.shape[1]
