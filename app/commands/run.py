@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="draft tokens from n-grams of the context and verify them in one pass; switches itself "
                         "off when it does not pay. `--speculative mtp` drafts with the checkpoint's "
                         "multi-token-prediction layer instead (DeepSeek-V3, GLM-4.5, GLM-5)")
-    g.add_argument("--draft", type=int, default=4, metavar="K", help="tokens drafted per step (default 4)")
+    g.add_argument("--draft", type=int, default=None, metavar="K",
+                   help="tokens drafted per step (default 4; 1 with mtp, whose later guesses feed on its own)")
     g.add_argument("--draft-model", metavar="MODEL",
                    help="also draft with a small model sharing the tokenizer (e.g. smollm2-135m for smollm2-moe)")
     add_memory_arguments(parser)
@@ -153,7 +154,10 @@ def _answer(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
                 raise ColibriError(f"--draft-model {args.draft_model}: its vocabulary has {draft.spec.vocab_size} "
                                    f"tokens, {loaded.name}'s {loaded.spec.vocab_size}; use a model of the same family")
             draft_model = draft.model
-        settings = SpeculativeSettings(max_draft=args.draft, draft_model=draft_model, mtp=mtp)
+        # one MTP layer is trained for the next token but one: further guesses feed on its own state and are
+        # accepted less often, while each one widens the verify pass
+        k = args.draft if args.draft is not None else (1 if mtp is not None else 4)
+        settings = SpeculativeSettings(max_draft=k, draft_model=draft_model, mtp=mtp)
         settings.validate()
         request = dataclasses.replace(request, speculative=settings)
         controller = SpeculationController(settings)

@@ -187,6 +187,9 @@ def test_colibri_run_speculative_mtp(tmp_path, capsys):
     assert main(args + ["--speculative", "mtp", "--draft", "2"]) == 0
     fast = json.loads(capsys.readouterr().out)
     assert fast["tokens"] == plain["tokens"] and fast["speculative"]["accepted"] > 0
+    assert main(args + ["--speculative", "mtp"]) == 0               # one token a step unless --draft says more
+    one = json.loads(capsys.readouterr().out)
+    assert one["tokens"] == plain["tokens"] and one["speculative"]["drafted"] == one["speculative"]["draft_steps"] > 0
     llama = build_checkpoint(tmp_path / "llama", "llama")
     assert main(["run", str(llama), "--tokens", "1,2,3", "--max-tokens", "2", "--speculative", "mtp"]) != 0
     err = capsys.readouterr().err
