@@ -152,22 +152,25 @@ def generate_step(
             k = _draft_room(cache, speculative.max_draft, made, limit) if controller.want_draft() else 0
             draft = _in_vocab(drafter.propose(seen.view(), k)[:k], model.spec.vocab_size) if k else []
             base = cache.length
-            if hidden is not None:
-                hidden.clear()
+            # while drafting is off, plain steps keep the fused step (which hands out no hidden states): an MTP
+            # drafter restarts from the first pass it sees again
+            watch = hidden if hidden is not None and controller.on else None
+            if watch is not None:
+                watch.clear()
             try:
-                rows = model.forward([token, *draft], cache, all_logits=bool(draft), hidden=hidden)  # [1 + k, V]
+                rows = model.forward([token, *draft], cache, all_logits=bool(draft), hidden=watch)  # [1 + k, V]
             except KVFullError:
                 if not draft:
                     raise
                 cache.truncate(base)        # a shared pool short of blocks for the draft: decode plainly
-                if hidden is not None:
-                    hidden.clear()
-                draft, rows = [], model.forward([token], cache, hidden=hidden)
+                if watch is not None:
+                    watch.clear()
+                draft, rows = [], model.forward([token], cache, hidden=watch)
             out = verify(rows, draft, choose) if draft else [choose(rows[-1])]
             if draft:
                 cache.truncate(base + len(out))     # the last token and the accepted drafts
-            if observe is not None and hidden:
-                observe(base - origin, hidden[-1][: len(out)])   # [len(out), hidden]: the verified rows
+            if observe is not None and watch:
+                observe(base - origin, watch[-1][: len(out)])    # [len(out), hidden]: the verified rows
             controller.record(len(draft), len(out) - 1, len(out), controller.clock() - t0)
             for i, token in enumerate(out):
                 made += 1

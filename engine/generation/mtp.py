@@ -100,10 +100,12 @@ class MTPHead:
         """An empty KV cache for the module's decoder layer."""
         return KVCache(self.model.spec, max_len)
 
-    def forward(self, tokens: np.ndarray, hidden: np.ndarray, cache: KVCache) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, tokens: np.ndarray, hidden: np.ndarray, cache: KVCache, origin: int = 0
+                ) -> tuple[np.ndarray, np.ndarray]:
         """Run positions cache.length.. : tokens [T] (t_{i+1}) with the main hidden states [T, hidden] (h_i).
 
-        Position 0's embedding is zeroed, as the reference engines (vLLM, sglang) run the module. Returns
+        `origin` is the sequence position of the cache's row 0. Position 0's embedding is zeroed, as the
+        reference engines (vLLM, sglang) run the module. Returns
         (logits [T, V] predicting t_{i+2}, the module's output hidden states [T, hidden] before its norm,
         which stand in for h when drafting further ahead).
         """
@@ -111,7 +113,7 @@ class MTPHead:
         ids = mini.token_ids(tokens)
         positions = cache.prepare(ids)
         e = mini.embed_tokens(ids)                                            # [T, hidden]
-        e[positions == 0] = 0.0         # as vLLM and sglang run the module: position 0 reads the hidden state only
+        e[positions + origin == 0] = 0.0         # as vLLM and sglang run the module: position 0 reads the hidden state only
         e = rms_norm(e, self.enorm, eps)                                      # [T, hidden]
         g = rms_norm(np.ascontiguousarray(hidden, dtype=np.float32), self.hnorm, eps)   # [T, hidden]
         x = linear(np.ascontiguousarray(np.concatenate([e, g], axis=1)), self.eh_proj)  # [T, hidden]
@@ -136,12 +138,15 @@ def mtp_head(config: dict, source: TensorSource, spec: ModelSpec, where: str = "
 class MTPDrafter:
     """Drafts with an MTP head that follows the decode loop's verified hidden states.
 
-    The loop calls `observe(start, hidden)` with the main model's hidden states [T, hidden] of positions
-    start.. after each verified pass (and the prompt's after prefill); `propose(context, k)` then runs the
-    module over the positions it has not seen (each needs its next token, so the context's last token's
-    position waits for the next pass) and drafts up to k greedy tokens, feeding its own hidden state back
-    after the first. Its cache holds only verified positions between calls. Positions count from the
-    prompt's first token (the sequence's start, unless the prompt continues a cache).
+    The loop calls `observe(start, hidden)` with the main model's hidden states [T, hidden] of context
+    positions start.. after each verified pass (and the prompt's after prefill); `propose(context, k)` then
+    runs the module over the positions it has not seen (each needs its next token, so the context's last
+    token's position waits for the next pass) and drafts up to k greedy tokens, feeding its own hidden
+    state back after the first. Its cache holds only verified positions between calls.
+
+    Positions count from the prompt's first token. When the loop skips hidden states (plain fused steps
+    while drafting is switched off), the module restarts at the first position it sees again: its cache
+    then begins there (RoPE only sees offsets within it), and it drafts again one pass later.
     """
 
     wants_hidden = True
@@ -149,39 +154,39 @@ class MTPDrafter:
     def __init__(self, head: MTPHead, max_len: int | None = None):
         self.head = head
         self.cache = head.new_cache(max_len)
-        self.start = 0                           # position of self.hidden[0]
-        self.hidden: list[np.ndarray] = []       # main hidden states [hidden] of positions start..
-        self.verified = 0                        # cache positions computed from verified tokens and hidden states
+        self.offset = 0                          # context position of the module's cache row 0
+        self.verified = 0                        # cache rows computed from verified tokens and hidden states
+        self.start = 0                           # context position of self.hidden[0]
+        self.hidden: list[np.ndarray] = []       # main hidden states [hidden] of positions start.., not yet run
 
     def observe(self, start: int, hidden: np.ndarray) -> None:
-        """Main-model hidden states [T, hidden] of positions start..start + T - 1 (later ones are dropped)."""
-        if start < self.start:                   # a rewound context: the module's cache follows it back
+        """Main-model hidden states [T, hidden] of context positions start..start + T - 1 (replacing any held
+        from `start` on)."""
+        if start < self.offset + self.verified:  # a rewound context: the module's cache follows it back
+            self.verified = max(start - self.offset, 0)
+        if start < self.start:
             self.hidden, self.start = [], start
-            self.verified = min(self.verified, start)
         del self.hidden[start - self.start:]
-        if start > self.start + len(self.hidden):
-            self.hidden, self.start = [], start  # a gap: nothing before `start` can be used any more
+        if start > self.start + len(self.hidden):   # positions missed: restart the module's cache here
+            self.offset, self.verified, self.hidden, self.start = start, 0, [], start
         self.hidden.extend(np.asarray(hidden, dtype=np.float32))
 
     def propose(self, context: np.ndarray, k: int) -> list[int]:
-        """Up to k greedy MTP tokens after `context` [m + 1] (whose positions 0..m-1 have been observed)."""
+        """Up to k greedy MTP tokens after `context` [m + 1] (whose positions up to m - 1 have been observed)."""
         ctx = np.asarray(context, dtype=np.int64)
         m = ctx.size - 1                         # the last token's position: its hidden state comes next pass
         cache = self.cache
-        cache.truncate(min(self.verified, m))    # drop last call's own-output positions
-        if k < 1 or m < 1 or cache.length < self.start or m > self.start + len(self.hidden) \
-                or m + k >= cache.max_len:
-            return []
-        if cache.length < m:                     # positions cache.length..m-1: token t_{i+1}, hidden h_i
-            lo = cache.length
-            rows = np.stack(self.hidden[lo - self.start : m - self.start])     # [m - lo, hidden]
-            logits, out = self.head.forward(ctx[lo + 1 : m + 1], rows, cache)
-            logits, out = logits[-1], out[-1]
-            self.verified = m
-            del self.hidden[: m - self.start]    # consumed: later positions come from later passes
-            self.start = m
-        else:
-            return []                            # nothing new to condition on (m was already run)
+        cache.truncate(self.verified)            # drop last call's own-output rows
+        lo = self.offset + self.verified         # the first position the module has not run
+        if k < 1 or lo >= m or lo < self.start or m > self.start + len(self.hidden) \
+                or m - self.offset + k >= cache.max_len:
+            return []                            # nothing asked, nothing new, or hidden states missing
+        rows = np.stack(self.hidden[lo - self.start : m - self.start])         # [m - lo, hidden]
+        logits, out = self.head.forward(ctx[lo + 1 : m + 1], rows, cache, origin=self.offset)
+        logits, out = logits[-1], out[-1]
+        self.verified = m - self.offset
+        del self.hidden[: m - self.start]        # consumed: later positions come from later passes
+        self.start = m
         draft: list[int] = []
         vocab = self.head.spec.vocab_size
         while True:
@@ -191,7 +196,7 @@ class MTPDrafter:
             draft.append(token)
             if len(draft) == k:
                 return draft
-            step, hid = self.head.forward(np.array([token]), out[None], cache)   # its own state as the next h
+            step, hid = self.head.forward(np.array([token]), out[None], cache, origin=self.offset)   # own state as h
             logits, out = step[-1], hid[-1]
 
     def close(self) -> None:

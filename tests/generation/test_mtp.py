@@ -88,6 +88,40 @@ def test_mtp_drafter_feeds_positions_one_at_a_time_as_in_one_pass(checkpoint):
     assert drafter.propose(np.array(PROMPT[:11]), 1) == [int(np.argmax(whole[9]))]
 
 
+def test_mtp_drafter_restarts_after_missed_positions(checkpoint):
+    """Positions the loop did not hand over (plain fused steps while drafting was off) restart the module at
+    the next position it sees: its guesses are then those of a fresh cache begun there."""
+    loaded = load_model(checkpoint)
+    head = load_mtp(checkpoint, loaded.spec)
+    hidden: list[np.ndarray] = []
+    loaded.model.forward(PROMPT, KVCache(loaded.spec, 64), all_logits=True, hidden=hidden)
+    h = hidden[0]                                                          # [T, hidden]
+    drafter = MTPDrafter(head, 64)
+    drafter.observe(0, h[:5])
+    assert len(drafter.propose(np.array(PROMPT[:6]), 1)) == 1
+    drafter.observe(8, h[8:9])                                             # positions 5..7 missed
+    fresh, _ = head.forward(np.array(PROMPT[9:10]), h[8:9], head.new_cache(64), origin=8)
+    assert drafter.propose(np.array(PROMPT[:10]), 1) == [int(np.argmax(fresh[-1]))]
+    assert drafter.propose(np.array(PROMPT[:10]), 1) == []                # nothing new: no guess
+    drafter.observe(9, h[9:12])
+    fresh, _ = head.forward(np.array(PROMPT[9:13]), h[8:12], head.new_cache(64), origin=8)
+    assert drafter.propose(np.array(PROMPT[:13]), 1) == [int(np.argmax(fresh[-1]))]
+
+
+def test_drafting_switched_off_and_on_again_keeps_plain_output(checkpoint):
+    """With random weights nothing is accepted: the controller switches drafting off (plain fused steps) and
+    tries again; the MTP drafter drafts again after each retry and the tokens stay plain decoding's."""
+    loaded = load_model(checkpoint)
+    head = load_mtp(checkpoint, loaded.spec)
+    sampling = SamplingParams(temperature=0.0)
+    plain, _ = _generate(loaded, PROMPT, 40, sampling)
+    spec = SpeculativeSettings(max_draft=1, mtp=head, warmup=1, retry_after=2, probe_every=2)
+    ours, controller = _generate(loaded, PROMPT, 40, sampling, spec)
+    assert ours == plain
+    assert controller.accepted == 0 and controller.switches >= 2
+    assert controller.draft_steps >= controller.switches                  # each retry drafted again
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_speculative_mtp_output_is_plain_decodings(checkpoint, tmp_path, streamed):
     """Greedy and seeded sampling with the MTP drafter produce plain decoding's tokens; drafts are counted."""
