@@ -23,7 +23,14 @@ from engine.events import (
 )
 from engine.generation.prefill import prefill, prefill_chunks
 from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
-from engine.generation.speculative import DraftModel, SpeculationController, SpeculativeSettings, make_drafter, verify
+from engine.generation.speculative import (
+    DraftModel,
+    HiddenStateDrafter,
+    SpeculationController,
+    SpeculativeSettings,
+    make_drafter,
+    verify,
+)
 from engine.kv import KVCache, KVFullError
 from engine.models.transformer import Transformer
 from engine.tokenizer.detokenize import StreamDecoder
@@ -110,7 +117,7 @@ def generate_step(
         controller = controller if controller is not None else SpeculationController(speculative)
     # an MTP drafter reads the main model's hidden states of every verified position (the prompt's too)
     observe: Callable[[int, np.ndarray], None] | None = \
-        getattr(drafter, "observe", None) if getattr(drafter, "wants_hidden", False) else None
+        drafter.observe if isinstance(drafter, HiddenStateDrafter) else None
     hidden: list[np.ndarray] | None = [] if observe is not None else None
     origin = cache.length                    # the prompt's first position: the drafter counts from it
     if first_logits is None:
@@ -196,7 +203,7 @@ def _in_vocab(draft: list[int], vocab: int) -> list[int]:
 def _close_drafters(drafter) -> None:
     """Release the draft models' and MTP drafter's caches (prompt lookup holds nothing)."""
     for d in getattr(drafter, "drafters", [drafter]):
-        if isinstance(d, DraftModel) or getattr(d, "wants_hidden", False):
+        if isinstance(d, (DraftModel, HiddenStateDrafter)):
             d.close()
 
 

@@ -136,7 +136,7 @@ def mtp_head(config: dict, source: TensorSource, spec: ModelSpec, where: str = "
 
 
 class MTPDrafter:
-    """Drafts with an MTP head that follows the decode loop's verified hidden states.
+    """A `HiddenStateDrafter`: drafts with an MTP head that follows the decode loop's verified hidden states.
 
     The loop calls `observe(start, hidden)` with the main model's hidden states [T, hidden] of context
     positions start.. after each verified pass (and the prompt's after prefill); `propose(context, k)` then
@@ -148,8 +148,6 @@ class MTPDrafter:
     while drafting is switched off), the module restarts at the first position it sees again: its cache
     then begins there (RoPE only sees offsets within it), and it drafts again one pass later.
     """
-
-    wants_hidden = True
 
     def __init__(self, head: MTPHead, max_len: int | None = None):
         self.head = head

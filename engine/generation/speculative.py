@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -36,15 +36,24 @@ from engine.models.transformer import Transformer
 
 
 class Drafter(Protocol):
-    """Proposes tokens that may follow a context; a wrong guess costs time, never correctness.
-
-    A drafter whose `wants_hidden` is true (the MTP drafter, engine/generation/mtp.py) also has
-    `observe(start, hidden)`: the decode loop hands it the main model's hidden states before the final
-    norm [T, hidden] of the verified positions start.. after the prompt and after every pass.
-    """
+    """Proposes tokens that may follow a context; a wrong guess costs time, never correctness."""
 
     def propose(self, context: np.ndarray, k: int) -> list[int]:
         """Up to k token ids guessed to follow `context` [n] (prompt + generated); [] for no guess."""
+        ...
+
+
+@runtime_checkable
+class HiddenStateDrafter(Drafter, Protocol):
+    """A drafter that reads the main model's hidden states (the MTP drafter, engine/generation/mtp.py): the
+    decode loop hands it those of the verified positions after the prompt and after every pass."""
+
+    def observe(self, start: int, hidden: np.ndarray) -> None:
+        """Hidden states before the final norm [T, hidden] of context positions start..start + T - 1."""
+        ...
+
+    def close(self) -> None:
+        """Give back what it holds (its KV cache)."""
         ...
 
 
