@@ -123,8 +123,9 @@ def mtp_layer_spec(main: ModelSpec, cfg: Config) -> ModelSpec | None:
         return None
     routed = [ls for ls in main.layers if isinstance(ls.ffn, MoESpec)] or list(main.layers)
     layer = routed[-1]
-    indexer = getattr(layer.attn, "indexer", None)
-    if indexer is not None and indexer.shared:      # an MTP layer has its own indexer: nothing to share with
+    attn = layer.attn
+    if isinstance(attn, MLASpec) and attn.indexer is not None and attn.indexer.shared:
+        # an MTP layer has its own indexer: there is no earlier layer of its own to share one with
         layer = dataclasses.replace(layer, attn=dataclasses.replace(
-            layer.attn, indexer=dataclasses.replace(indexer, shared=False, source=None)))
+            attn, indexer=dataclasses.replace(attn.indexer, shared=False, source=None)))
     return dataclasses.replace(main, layers=(layer,))

@@ -228,3 +228,26 @@ def test_colibri_run_speculative_mtp(tmp_path, capsys):
     assert main(["run", str(llama), "--tokens", "1,2,3", "--max-tokens", "2", "--speculative", "mtp"]) != 0
     err = capsys.readouterr().err
     assert "has no MTP layers" in err and "Traceback" not in err
+
+
+def test_mtp_spec_is_a_routed_layer_with_its_own_indexer():
+    """The MTP module's decoder layer is the routed layers' shape; a GLM-5 whose last layer shares an indexer gives
+    its MTP layer one of its own; no count (or 0) means no MTP layer."""
+    from engine.models import mtp_spec
+
+    glm5 = {"architectures": ["GlmMoeDsaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "indexer_types": ["full", "full", "shared"], "num_nextn_predict_layers": 1}
+    spec = mtp_spec(glm5)
+    assert spec is not None and spec.n_layers == 1
+    layer = spec.layers[0]
+    assert type(layer.ffn).__name__ == "MoESpec" and layer.attn.indexer is not None
+    assert not layer.attn.indexer.shared and layer.attn.indexer.source is None
+    assert mtp_spec({**glm5, "num_nextn_predict_layers": 0}) is None
+    v3 = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "vocab_size": 100}
+    assert mtp_spec(v3) is None                                          # the reference's default: none
+    assert mtp_spec({**v3, "num_nextn_predict_layers": 1}).layers[0].ffn.n_experts == 256
+    assert mtp_spec({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "vocab_size": 100, "intermediate_size": 96}) is None
