@@ -270,3 +270,12 @@ def _ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def load_mtp(path: str | Path, spec: ModelSpec):
+    """The MTP drafter's head (`engine.generation.mtp.MTPHead`) of the checkpoint at `path`, whose main model has
+    `spec`; NoMTPError when it has no MTP layers. Its tensors are mapped, not verified (the main model's were)."""
+    from engine.generation.mtp import mtp_head
+
+    ckpt = open_checkpoint(path, verify_experts=False, verify=False, quantized=True)
+    return mtp_head(ckpt.config, ckpt.source, spec, str(ckpt.path))

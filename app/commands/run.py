@@ -37,14 +37,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--logits-out", type=Path, metavar="FILE.npy", help="save the prompt's logits, float32 [prompt_len, vocab]")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.0)
     g = parser.add_argument_group("speculative decoding (the same output, faster when text repeats)")
-    g.add_argument("--speculative", action="store_true",
+    g.add_argument("--speculative", nargs="?", const=True, default=False, type=speculative_mode, metavar="mtp",
                    help="draft tokens from n-grams of the context and verify them in one pass; switches itself "
-                        "off when it does not pay")
-    g.add_argument("--draft", type=int, default=4, metavar="K", help="tokens drafted per step (default 4)")
+                        "off when it does not pay. `--speculative mtp` drafts with the checkpoint's "
+                        "multi-token-prediction layer instead (DeepSeek-V3, GLM-4.5, GLM-5)")
+    g.add_argument("--draft", type=int, default=None, metavar="K",
+                   help="tokens drafted per step (default 4; 1 with mtp, whose later guesses feed on its own)")
     g.add_argument("--draft-model", metavar="MODEL",
                    help="also draft with a small model sharing the tokenizer (e.g. smollm2-135m for smollm2-moe)")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
+
+
+def speculative_mode(text: str) -> bool | str:
+    """--speculative's value: "mtp", or on/off words (a settings file's or variable's true/false)."""
+    word = text.strip().lower()
+    if word == "mtp":
+        return "mtp"
+    if word in ("true", "1", "yes", "on", "lookup"):
+        return True
+    if word in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r}: give `--speculative` alone (prompt lookup) or `--speculative mtp`")
+
+
+speculative_mode.description = "mtp, or true or false"    # type: ignore[attr-defined]  # settings' error text
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -123,14 +140,24 @@ def _answer(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
 
         from engine.generation.speculative import SpeculationController, SpeculativeSettings
 
-        draft_model = None
+        draft_model = mtp = None
+        if args.speculative == "mtp":
+            if args.draft_model is not None:
+                raise ColibriError("--speculative mtp drafts with the model's own MTP layer: drop --draft-model "
+                                   "(or use --speculative without mtp)")
+            from engine.loader import load_mtp
+
+            mtp = load_mtp(loaded.path, loaded.spec)
         if args.draft_model is not None:
             draft = load(args.draft_model, quiet=True)
             if draft.spec.vocab_size != loaded.spec.vocab_size:
                 raise ColibriError(f"--draft-model {args.draft_model}: its vocabulary has {draft.spec.vocab_size} "
                                    f"tokens, {loaded.name}'s {loaded.spec.vocab_size}; use a model of the same family")
             draft_model = draft.model
-        settings = SpeculativeSettings(max_draft=args.draft, draft_model=draft_model)
+        # one MTP layer is trained for the next token but one: further guesses feed on its own state and are
+        # accepted less often, while each one widens the verify pass
+        k = args.draft if args.draft is not None else (1 if mtp is not None else 4)
+        settings = SpeculativeSettings(max_draft=k, draft_model=draft_model, mtp=mtp)
         settings.validate()
         request = dataclasses.replace(request, speculative=settings)
         controller = SpeculationController(settings)
@@ -168,6 +195,7 @@ def _answer(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
         )
         if controller is not None:
             c = controller
-            print(f"[speculative: {c.accepted} of {c.drafted} drafted tokens accepted in {c.draft_steps} steps, "
+            print(f"[speculative{' (MTP)' if args.speculative == 'mtp' else ''}: {c.accepted} of {c.drafted} drafted "
+                  f"tokens accepted in {c.draft_steps} steps, "
                   f"drafting {'on' if c.on else 'off'} at the end]", file=sys.stderr)
     return 0

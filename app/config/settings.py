@@ -251,6 +251,8 @@ def convert(action: argparse.Action, raw: Any, where: str, key: str) -> Any:
         return action.const if raw_bool else action.default      # store_const: on or off
     if _is_list(action):
         return [_scalar(action, item, bad) for item in (raw if isinstance(raw, list) else [raw])]
+    if action.nargs == "?" and isinstance(action.const, bool) and isinstance(raw, bool):
+        return action.const if raw else action.default      # a flag whose value is optional (--speculative [mtp])
     return _scalar(action, raw, bad)
 
 

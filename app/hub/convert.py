@@ -87,25 +87,50 @@ class Matrices:
     planned: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> shape
     float32: dict[str, tuple[int, ...]] = field(default_factory=dict)   # kept as float32
     experts: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (layer, expert) -> names
+    mtp: dict[str, tuple[int, int]] = field(default_factory=dict)       # MTP layers' matrices: MTP_BITS, unplanned
+
+
+# the MTP drafter's matrices are stored at this width or wider whatever the rest gets: the reference engine
+# measured 0-4% draft acceptance with a 4-bit MTP head
+MTP_BITS = 8
+
+
+def _keep_float(name: str, shape: tuple[int, ...]) -> bool:
+    # routers, the shared expert's gate, MLA's kv_b (used whole), the sparse-attention indexer's head
+    # weights (a top-k selection rides on them; the reference keeps them float32 too) and router biases
+    # ([1, E] in ERNIE) stay float32
+    return len(shape) != 2 or name.endswith("e_score_correction_bias") or (
+        _EXPERT not in name and name.endswith((".gate.weight", ".shared_expert_gate.weight", "kv_b_proj.weight",
+                                               ".indexer.weights_proj.weight"))
+    )
+
+
+def _mtp_names(ckpt: Checkpoint) -> list[str]:
+    """The checkpoint's MTP layer tensors (`model.layers.{num_hidden_layers}.*`), which the MTP drafter reads."""
+    from engine.models import mtp_spec
+
+    if isinstance(ckpt.source, GGUFModel) or mtp_spec(ckpt.config) is None:
+        return []
+    prefix = f"model.layers.{ckpt.spec.n_layers}."
+    return sorted(n for n in ckpt.source.names() if n.startswith(prefix))
 
 
 def classify(ckpt: Checkpoint) -> Matrices:
-    """Split the model's tensors into planned matrices and float32 ones; group routed experts."""
-    return classify_spec(ckpt.spec)
+    """Split the model's tensors into planned matrices and float32 ones; group routed experts; the MTP layer's
+    matrices apart (kept at MTP_BITS or more, outside the plan)."""
+    m = classify_spec(ckpt.spec)
+    for name in _mtp_names(ckpt):
+        shape = tuple(ckpt.source.shape(name))
+        (m.float32 if _keep_float(name, shape) else m.mtp)[name] = shape
+    return m
 
 
 def classify_spec(spec: ModelSpec) -> Matrices:
-    """`classify` from the model's spec alone (`colibri synth --bits` plans a model it has no source for)."""
+    """`classify` from the model's spec alone, without MTP layers (`colibri synth --bits` plans a model it has no
+    source for)."""
     m = Matrices()
     for name, shape in expected_shapes(spec).items():
-        # routers, the shared expert's gate, MLA's kv_b (used whole), the sparse-attention indexer's head
-        # weights (a top-k selection rides on them; the reference keeps them float32 too) and router biases
-        # ([1, E] in ERNIE) stay float32
-        keep_float = len(shape) != 2 or name.endswith("e_score_correction_bias") or (
-            _EXPERT not in name and name.endswith((".gate.weight", ".shared_expert_gate.weight", "kv_b_proj.weight",
-                                                   ".indexer.weights_proj.weight"))
-        )
-        (m.float32 if keep_float else m.planned)[name] = shape
+        (m.float32 if _keep_float(name, shape) else m.planned)[name] = shape
     for i, layer in enumerate(spec.layers):
         if isinstance(layer.ffn, MoESpec):
             for e in range(layer.ffn.n_experts):
@@ -376,7 +401,7 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
     writer.expected_bytes = _output_bytes(ckpt, mats, plan, partial)
     _check_space(writer)
 
-    total = len(mats.float32) + len(mats.planned)
+    total = len(mats.float32) + len(mats.planned) + len(mats.mtp)
     done, t0 = 0, time.perf_counter()
 
     def tick(n: int) -> None:
@@ -390,6 +415,11 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
         if not writer.has(name):
             tensor, kind = _store(ckpt, name, plan.tensors.get(name), stats)
             writer.add_dense(name, tensor, kind)
+        _used_up(ckpt, (name,))
+        tick(1)
+    for name, shape in mats.mtp.items():
+        if not writer.has(name):
+            writer.add_dense(name, *_store(ckpt, name, _mtp_plan(name, shape, settings), None))   # not calibrated
         _used_up(ckpt, (name,))
         tick(1)
     for (layer, expert), names in mats.experts.items():
@@ -409,12 +439,21 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
     return writer.finish(manifest, _small_files(ckpt, partial))
 
 
+def _mtp_plan(name: str, shape: tuple[int, int], settings: ConvertSettings) -> TensorPlan:
+    """An MTP matrix's format: MTP_BITS, or a wider width a --keep-bits pattern asks for (32: float32)."""
+    forced = forced_bits(name, list(settings.keep))
+    bits = forced if forced is not None and forced > MTP_BITS else MTP_BITS
+    g = group_for(shape[1], settings.group)
+    return TensorPlan(name, shape, bits, g, _bytes_at(shape, bits, g), 0.0, 1.0)
+
+
 def _output_bytes(ckpt: Checkpoint, mats: Matrices, plan: Plan, partial: Path) -> int:
     """About the bytes the finished container takes: its weights, their alignment, manifest and small files."""
-    n_tensors = len(mats.planned) + len(mats.float32)
+    n_tensors = len(mats.planned) + len(mats.float32) + len(mats.mtp)
     small = sum(p.stat().st_size for p in _small_sources(ckpt))
+    mtp = sum(_bytes_at(shape, MTP_BITS, group_for(shape[1], 32)) for shape in mats.mtp.values())
     # a 4 KiB extent per expert; per tensor up to 4 buffers padded to 64 B and its manifest and journal lines
-    return plan.total_bytes + EXTENT_ALIGN * (len(mats.experts) + 1) + 1024 * n_tensors + small
+    return plan.total_bytes + mtp + EXTENT_ALIGN * (len(mats.experts) + 1) + 1024 * n_tensors + small
 
 
 def _check_space(writer: ContainerWriter) -> None:

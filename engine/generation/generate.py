@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -23,7 +23,14 @@ from engine.events import (
 )
 from engine.generation.prefill import prefill, prefill_chunks
 from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
-from engine.generation.speculative import DraftModel, SpeculationController, SpeculativeSettings, make_drafter, verify
+from engine.generation.speculative import (
+    DraftModel,
+    HiddenStateDrafter,
+    SpeculationController,
+    SpeculativeSettings,
+    make_drafter,
+    verify,
+)
 from engine.kv import KVCache, KVFullError
 from engine.models.transformer import Transformer
 from engine.tokenizer.detokenize import StreamDecoder
@@ -87,13 +94,15 @@ def generate_step(
     sampling: SamplingParams,
     *,
     first_logits: np.ndarray | None = None,
+    first_hidden: np.ndarray | None = None,
     speculative: SpeculativeSettings | None = None,
     controller: SpeculationController | None = None,
     limit: int | None = None,
 ) -> Generator[int, None, None]:
     """Yield sampled token ids forever; the consumer stops iterating when it has enough.
 
-    `first_logits` are the prompt's last logits when the caller ran the prefill itself. With
+    `first_logits` are the prompt's last logits when the caller ran the prefill itself (with an MTP
+    drafter, `first_hidden` then holds the prompt's hidden states before the final norm [T, hidden]). With
     `speculative`, drafts are verified several tokens per forward pass; the ids are the same.
     `controller` (made from `speculative` when None) holds the drafting counters; `limit` is the
     number of tokens the consumer will take at most (drafting stops short of it). While the
@@ -102,7 +111,28 @@ def generate_step(
     """
     sampler = make_sampler(sampling)
     processors = make_logits_processors(sampling)
-    logits = first_logits if first_logits is not None else prefill(model, prompt, cache)
+    drafter = None
+    if speculative is not None:
+        drafter = make_drafter(speculative, model.spec.vocab_size, cache.max_len)
+        controller = controller if controller is not None else SpeculationController(speculative)
+    # an MTP drafter reads the main model's hidden states of every verified position (the prompt's too)
+    observe: Callable[[int, np.ndarray], None] | None = \
+        drafter.observe if isinstance(drafter, HiddenStateDrafter) else None
+    hidden: list[np.ndarray] | None = [] if observe is not None else None
+    origin = cache.length                    # the prompt's first position: the drafter counts from it
+    if first_logits is None:
+        logits = prefill(model, prompt, cache, hidden=hidden)
+    else:
+        logits = first_logits
+        if hidden is not None:
+            if first_hidden is None:
+                _close_drafters(drafter)
+                raise GenerationError("MTP drafting needs the prompt's hidden states: pass first_hidden with "
+                                      "first_logits (or let generate_step run the prefill)")
+            origin = cache.length - len(first_hidden)
+            hidden.append(first_hidden)
+    if observe is not None and hidden:
+        observe(0, np.concatenate(hidden))          # [prompt, hidden]
     seen = Seen(prompt)
     tel = model.context.telemetry
 
@@ -114,10 +144,6 @@ def generate_step(
         seen.append(token)
         return token
 
-    drafter = None
-    if speculative is not None:
-        drafter = make_drafter(speculative, model.spec.vocab_size)
-        controller = controller if controller is not None else SpeculationController(speculative)
     try:
         token = choose(logits)
         yield token
@@ -133,16 +159,25 @@ def generate_step(
             k = _draft_room(cache, speculative.max_draft, made, limit) if controller.want_draft() else 0
             draft = _in_vocab(drafter.propose(seen.view(), k)[:k], model.spec.vocab_size) if k else []
             base = cache.length
+            # while drafting is off, plain steps keep the fused step (which hands out no hidden states): an MTP
+            # drafter restarts from the first pass it sees again
+            watch = hidden if hidden is not None and controller.on else None
+            if watch is not None:
+                watch.clear()
             try:
-                rows = model.forward([token, *draft], cache, all_logits=bool(draft))     # [1 + k, V]
+                rows = model.forward([token, *draft], cache, all_logits=bool(draft), hidden=watch)  # [1 + k, V]
             except KVFullError:
                 if not draft:
                     raise
                 cache.truncate(base)        # a shared pool short of blocks for the draft: decode plainly
-                draft, rows = [], model.forward([token], cache)
+                if watch is not None:
+                    watch.clear()
+                draft, rows = [], model.forward([token], cache, hidden=watch)
             out = verify(rows, draft, choose) if draft else [choose(rows[-1])]
             if draft:
                 cache.truncate(base + len(out))     # the last token and the accepted drafts
+            if observe is not None and watch:
+                observe(base - origin, watch[-1][: len(out)])    # [len(out), hidden]: the verified rows
             controller.record(len(draft), len(out) - 1, len(out), controller.clock() - t0)
             for i, token in enumerate(out):
                 made += 1
@@ -166,9 +201,9 @@ def _in_vocab(draft: list[int], vocab: int) -> list[int]:
 
 
 def _close_drafters(drafter) -> None:
-    """Release the draft models' caches (prompt lookup holds nothing)."""
+    """Release the draft models' and MTP drafter's caches (prompt lookup holds nothing)."""
     for d in getattr(drafter, "drafters", [drafter]):
-        if isinstance(d, DraftModel):
+        if isinstance(d, (DraftModel, HiddenStateDrafter)):
             d.close()
 
 
@@ -225,6 +260,8 @@ def stream_generate(
     prompt = list(request.prompt)
     cache = cache if cache is not None else KVCache(model.spec)
     chunks: list[np.ndarray] = []
+    # the prompt's hidden states, for an MTP drafter (it reads every verified position's)
+    prompt_hidden: list[np.ndarray] | None = [] if request.speculative is not None and request.speculative.mtp is not None else None
     try:
         request.sampling.validate()
         if request.speculative is not None:
@@ -236,7 +273,7 @@ def stream_generate(
                 f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len} "
                 f"(with {cache.length} already used); shorten the prompt or raise --ctx"
             )
-        for done, logits in prefill_chunks(model, prompt, cache, all_logits=request.prompt_logits):
+        for done, logits in prefill_chunks(model, prompt, cache, all_logits=request.prompt_logits, hidden=prompt_hidden):
             chunks.append(logits)
             yield ProgressEvent(done, len(prompt))
             if cancel is not None and cancel.is_set() and done < len(prompt):
@@ -260,6 +297,7 @@ def stream_generate(
     reason, hit, sampled = "length", False, 0
     t_first = t_last = t_prefill
     steps = generate_step(model, prompt, cache, request.sampling, first_logits=logits,
+                          first_hidden=np.concatenate(prompt_hidden) if prompt_hidden else None,
                           speculative=request.speculative, controller=speculation, limit=request.max_tokens)
     try:
         for token in steps:

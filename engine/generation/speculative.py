@@ -3,7 +3,8 @@
 - A drafter proposes up to k tokens that may follow the context: `PromptLookup` copies what
   followed the last earlier occurrence of the context's final n-gram (free, and right whenever
   the output repeats the prompt: lists, code edits, quotes); `DraftModel` runs a small model
-  that shares the tokenizer greedily on its own KV cache.
+  that shares the tokenizer greedily on its own KV cache; `engine.generation.mtp.MTPDrafter` runs the
+  checkpoint's multi-token-prediction layer on the main model's hidden states.
 - `verify` walks the logits of [last token] + draft [1 + k, V] row by row, choosing each token
   exactly as plain decoding would (same processors, one sampler call per produced token, in
   order), and stops at the first token that differs from the draft. The tokens produced are
@@ -24,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -42,6 +43,20 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class HiddenStateDrafter(Drafter, Protocol):
+    """A drafter that reads the main model's hidden states (the MTP drafter, engine/generation/mtp.py): the
+    decode loop hands it those of the verified positions after the prompt and after every pass."""
+
+    def observe(self, start: int, hidden: np.ndarray) -> None:
+        """Hidden states before the final norm [T, hidden] of context positions start..start + T - 1."""
+        ...
+
+    def close(self) -> None:
+        """Give back what it holds (its KV cache)."""
+        ...
+
+
 @dataclass(frozen=True)
 class SpeculativeSettings:
     """How to draft and when to stop drafting; a `GenerationRequest` without them decodes plainly."""
@@ -52,6 +67,7 @@ class SpeculativeSettings:
     min_ngram: int = 1              # ... down to this one
     draft_model: Any = field(default=None, compare=False, repr=False)  # a small Transformer, same vocab
     drafter: Any = field(default=None, compare=False, repr=False)      # a Drafter used as is (replaces both)
+    mtp: Any = field(default=None, compare=False, repr=False)          # an MTPHead: draft with it (replaces both)
     adaptive: bool = True           # let the controller switch drafting off when it loses
     warmup: int = 4                 # drafting steps measured before the first verdict
     probe_every: int = 16           # while drafting, one plain step in this many (keeps the baseline fresh)
@@ -66,7 +82,7 @@ class SpeculativeSettings:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ColibriError(f"prompt lookup n-grams {self.min_ngram}..{self.max_ngram}: "
                                "need 1 <= min_ngram <= max_ngram")
-        if not self.lookup and self.draft_model is None and self.drafter is None:
+        if not self.lookup and self.draft_model is None and self.drafter is None and self.mtp is None:
             raise ColibriError("speculative decoding with neither prompt lookup nor a draft model drafts "
                                "nothing; turn lookup on or give a draft model")
         if min(self.warmup, self.retry_after) < 1 or self.probe_every < 2:
@@ -159,11 +175,16 @@ class FirstOf:
         return []
 
 
-def make_drafter(settings: SpeculativeSettings, vocab_size: int) -> Drafter:
-    """The drafter the settings describe: theirs, else prompt lookup, then the draft model when lookup has no guess."""
+def make_drafter(settings: SpeculativeSettings, vocab_size: int, max_len: int | None = None) -> Drafter:
+    """The drafter the settings describe: theirs, else the MTP head's, else prompt lookup, then the draft model
+    when lookup has no guess. `max_len` bounds the MTP drafter's cache (the target cache's length)."""
     settings.validate()
     if settings.drafter is not None:
         return settings.drafter
+    if settings.mtp is not None:
+        from engine.generation.mtp import MTPDrafter
+
+        return MTPDrafter(settings.mtp, max_len)
     drafters: list[Drafter] = []
     if settings.lookup:
         drafters.append(PromptLookup(settings.max_ngram, settings.min_ngram, settings.max_draft))

@@ -89,3 +89,11 @@ def fused_tensors(data: Mapping[str, Any], source: str = "config.json") -> tuple
     family, _ = _family(data, source)
     rules = getattr(family, "fused_tensors", None)      # optional: only families with fused checkpoints define it
     return tuple(rules(Config(data, source))) if rules is not None else ()
+
+
+def mtp_spec(data: Mapping[str, Any], source: str = "config.json") -> ModelSpec | None:
+    """The one-layer spec of this config's multi-token-prediction module (its decoder layer), or None when the
+    family has none or the config counts none (`num_nextn_predict_layers`)."""
+    family, arch = _family(data, source)
+    make = getattr(family, "mtp_spec", None)      # optional: only families whose checkpoints ship MTP layers
+    return make(Config(data, source), arch) if make is not None else None

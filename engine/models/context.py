@@ -65,13 +65,14 @@ class DecodeContext:
         all_logits: bool = False,
         routing: list[Routing] | None = None,
         probe: Probe | None = None,
+        hidden: list[np.ndarray] | None = None,
     ) -> list[np.ndarray]:
         """Run several sequences' next tokens (see `Transformer.forward_batch`); each sequence's logits."""
         ids_list = [self.model.token_ids(tokens) for tokens, _ in items]
         caches = [cache for _, cache in items]
         if len({id(c) for c in caches}) != len(caches):
             raise GenerationError("a sequence appears twice in one batch")
-        if (len(items) > 1 and not self.model.streamed and routing is None and probe is None
+        if (len(items) > 1 and not self.model.streamed and routing is None and probe is None and hidden is None
                 and all(i.size == 1 for i in ids_list)
                 and all(self.fused_step(1, c, None) is not None for c in caches)):
             # one token of each of several sequences: one pass for all, or a fused step for each, whichever
@@ -86,10 +87,11 @@ class DecodeContext:
                 out = self._pass(ids_list, caches, all_logits, None, None)
             self.apart.record(apart, (time.perf_counter() - t0) / len(items))
             return out
-        return self._pass(ids_list, caches, all_logits, routing, probe)
+        return self._pass(ids_list, caches, all_logits, routing, probe, hidden)
 
     def _pass(self, ids_list: list[np.ndarray], caches: list[KVCache], all_logits: bool,
-              routing: list[Routing] | None, probe: Probe | None) -> list[np.ndarray]:
+              routing: list[Routing] | None, probe: Probe | None,
+              hidden: list[np.ndarray] | None = None) -> list[np.ndarray]:
         """forward_batch's pass over validated tokens: one fused step, or the blocks for every row at once."""
         model, tel = self.model, self.telemetry
         pos_list = [cache.prepare(ids) for ids, cache in zip(ids_list, caches)]
@@ -101,7 +103,8 @@ class DecodeContext:
         ahead = self.prefetch_depth if model.reads_ahead and ids.size == 1 else 0
         with tel.phase("dense"):
             x = model.embed_tokens(ids)                                     # [T, hidden]
-        fused = self.fused_step(ids.size, caches[0], probe)
+        # the fused step keeps its hidden state to itself: a pass whose hidden states are asked for runs the blocks
+        fused = self.fused_step(ids.size, caches[0], probe) if hidden is None else None
         if fused is not None:
             return [self._fused_pass(fused, x, caches[0], int(positions[0]), ahead, routing)]
         n = len(model.layers)
@@ -115,6 +118,8 @@ class DecodeContext:
                              after_layer=after_layer if ahead else None)              # [T, hidden]
         for ids_i, cache in zip(ids_list, caches):
             cache.commit(ids_i.size)
+        if hidden is not None:
+            hidden.append(x)                    # [T, hidden], before the final norm (an MTP drafter reads them)
         if not all_logits:
             x = x[bounds[1:] - 1]
         logits = model.head(x, probe, tel)                                  # [T or batch, V]

@@ -4,6 +4,7 @@ group-limited routing, a score-correction bias, routed scaling and shared expert
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from engine.errors import ModelFormatError
@@ -105,3 +106,26 @@ def ignored_tensors(cfg: Config) -> tuple[str, ...]:
     cfg.require(mtp <= n, "num_nextn_predict_layers", mtp, f"at most num_hidden_layers ({n})")
     layers = "|".join(str(i) for i in range(n, n + mtp))
     return ROPE_BUFFERS + ((rf"model\.layers\.(?:{layers})\..+",) if mtp else ())
+
+
+def mtp_spec(cfg: Config, architecture: str) -> ModelSpec | None:
+    """The one-layer spec of the first MTP module's decoder layer (the routed layer's attention and MoE), or
+    None when the config counts no MTP layers (`num_nextn_predict_layers`)."""
+    return mtp_layer_spec(spec_from_config(cfg, architecture), with_defaults(cfg, DEFAULTS, ALIASES))
+
+
+def mtp_layer_spec(main: ModelSpec, cfg: Config) -> ModelSpec | None:
+    """`main` cut down to the decoder layer its MTP modules carry (the last routed layer's shape), or None
+    without MTP layers. Shared by the DeepSeek-V3-shaped families (GLM-4.5, GLM-5)."""
+    n, mtp = cfg.req("num_hidden_layers"), cfg.opt("num_nextn_predict_layers", 0, int)
+    cfg.require(0 <= mtp <= n, "num_nextn_predict_layers", mtp, f"from 0 to num_hidden_layers ({n})")
+    if not mtp:
+        return None
+    routed = [ls for ls in main.layers if isinstance(ls.ffn, MoESpec)] or list(main.layers)
+    layer = routed[-1]
+    attn = layer.attn
+    if isinstance(attn, MLASpec) and attn.indexer is not None and attn.indexer.shared:
+        # an MTP layer has its own indexer: there is no earlier layer of its own to share one with
+        layer = dataclasses.replace(layer, attn=dataclasses.replace(
+            attn, indexer=dataclasses.replace(attn.indexer, shared=False, source=None)))
+    return dataclasses.replace(main, layers=(layer,))

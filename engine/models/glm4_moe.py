@@ -95,5 +95,13 @@ def mtp_and_empty_shared(cfg: Config) -> tuple[str, ...]:
 
 def ignored_tensors(cfg: Config) -> tuple[str, ...]:
     """Tensors its checkpoints carry that the model does not read: the MTP layers (GLM-4.5 ships one,
-    `model.layers.46.*` / `92.*`, a drafter for speculative decoding) and an empty shared expert."""
+    `model.layers.46.*` / `92.*`, read only by the MTP drafter, `--speculative mtp`) and an empty shared
+    expert."""
     return mtp_and_empty_shared(with_defaults(cfg, DEFAULTS, ALIASES))
+
+
+def mtp_spec(cfg: Config, architecture: str) -> ModelSpec | None:
+    """The one-layer spec of the MTP module's decoder layer (a routed layer), or None without MTP layers."""
+    from engine.models.deepseek import mtp_layer_spec
+
+    return mtp_layer_spec(spec_from_config(cfg, architecture), with_defaults(cfg, DEFAULTS, ALIASES))

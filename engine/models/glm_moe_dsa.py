@@ -160,10 +160,20 @@ def ignored_tensors(cfg: Config) -> tuple[str, ...]:
     """Tensors its checkpoints carry that the model does not read: the multi-token-prediction layers.
 
     GLM-5 ships `num_nextn_predict_layers` MTP modules numbered from `num_hidden_layers` on (`model.layers.78.*`),
-    a drafter for speculative decoding, not read by next-token decoding.
+    a drafter for speculative decoding read only by the MTP drafter (`--speculative mtp`), not by next-token
+    decoding.
     """
     n = cfg.opt("num_hidden_layers", DEFAULTS["num_hidden_layers"], int)
     mtp = cfg.opt("num_nextn_predict_layers", 0, int)
     cfg.require(mtp <= n, "num_nextn_predict_layers", mtp, f"at most num_hidden_layers ({n})")
     layers = "|".join(str(i) for i in range(n, n + mtp))
     return ROPE_BUFFERS + ((rf"model\.layers\.(?:{layers})\..+",) if mtp else ())
+
+
+def mtp_spec(cfg: Config, architecture: str) -> ModelSpec | None:
+    """The one-layer spec of the MTP module's decoder layer (a routed layer with its own indexer), or None
+    without MTP layers."""
+    from engine.models.deepseek import mtp_layer_spec
+
+    return mtp_layer_spec(spec_from_config(cfg, architecture),
+                          Config({"num_hidden_layers": DEFAULTS["num_hidden_layers"], **cfg.data}, cfg.source))

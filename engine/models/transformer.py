@@ -280,13 +280,16 @@ class Transformer:
         all_logits: bool = False,
         routing: list[Routing] | None = None,
         probe: Probe | None = None,
+        hidden: list[np.ndarray] | None = None,
     ) -> np.ndarray:
         """Run tokens [T] after what `cache` holds; logits [T, V] (or [1, V] for the last token only).
 
         Appends each MoE layer's routing to `routing` when a list is given; calls `probe` with the
-        input of every weight matrix (by tensor name) when given.
+        input of every weight matrix (by tensor name) when given; appends the last layer's output
+        [T, hidden] (every row, before the final norm) to `hidden` when given.
         """
-        return self.forward_batch([(tokens, cache)], all_logits=all_logits, routing=routing, probe=probe)[0]
+        return self.forward_batch([(tokens, cache)], all_logits=all_logits, routing=routing, probe=probe,
+                                  hidden=hidden)[0]
 
     def forward_batch(
         self,
@@ -295,14 +298,16 @@ class Transformer:
         all_logits: bool = False,
         routing: list[Routing] | None = None,
         probe: Probe | None = None,
+        hidden: list[np.ndarray] | None = None,
     ) -> list[np.ndarray]:
         """Run several sequences' next tokens in one pass: each item is (tokens [T_i], its cache).
 
         The projections and experts run once for all rows (each distinct expert of a layer read once),
         attention per sequence on its own cache; every row is computed as it would be alone. Returns
-        each sequence's logits ([T_i, V], or [1, V] for its last token).
+        each sequence's logits ([T_i, V], or [1, V] for its last token). `hidden`, when given, receives
+        the last layer's output of all rows [sum T_i, hidden] before the final norm (no fused step then).
         """
-        return self.context.forward_batch(items, all_logits=all_logits, routing=routing, probe=probe)
+        return self.context.forward_batch(items, all_logits=all_logits, routing=routing, probe=probe, hidden=hidden)
 
     def token_ids(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """The token ids [T] of one sequence as int64, checked against the vocabulary."""
