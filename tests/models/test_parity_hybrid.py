@@ -296,6 +296,25 @@ def test_kda_truncating_into_the_last_short_step(kimi):
     assert np.array_equal(kimi.forward([9], cache), _solo(kimi, PROMPT + [4, 5, 9])[0][-1:])
 
 
+def test_kda_states_checkpointed_at_block_boundaries_serve_a_new_sequence(kimi):
+    """A long step (past KEEP_STEP) hands back its KDA state at the block boundary too, so another sequence
+    sharing the prefix restores it and gets the logits and tokens of no reuse."""
+    pool = KVPool(kimi.spec, 400, block_size=4)
+    first = KVCache(kimi.spec, 128, pool=pool)
+    kimi.forward(PROMPT[:17], first)                               # one long step: its last boundary is 16
+    assert pool.checkpoints.made == 1
+    prompt = PROMPT[:18] + [8, 8, 8]
+    other = KVCache(kimi.spec, 128, pool=pool)
+    assert other.adopt(prompt) == 16
+    got = [kimi.forward(prompt[16:], other, all_logits=True)]
+    for _ in range(3):
+        got.append(kimi.forward([int(got[-1][-1].argmax())], other))
+    want = _solo(kimi, prompt, steps=3)
+    assert np.array_equal(got[0], want[0][16:])
+    for a, b in zip(got[1:], want[1:]):
+        assert np.array_equal(a, b)
+
+
 def test_the_fused_step_declines_kda(kimi):
     assert FusedDecode.for_model(kimi) is None
     with pytest.raises(_NotFusable, match="Kimi delta attention"):
