@@ -31,7 +31,6 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -252,13 +251,13 @@ def tiny_model(spec: ModelSpec, repeat: int, work: Work, codes: CodePool, heads:
 
     Returns (model, layer kinds, its quantized matrices as {name: (shape, bits)}).
     """
-    from app.hub.convert import classify
+    from app.hub.convert import classify_spec
     from engine.models.transformer import Transformer, expected_shapes
 
     rng = np.random.default_rng(5)
     kinds = list(dict.fromkeys(_tiny_layer(layer, heads) for layer in spec.layers))
     tiny = replace(spec, vocab_size=TINY_VOCAB, hidden_size=TINY_HIDDEN, layers=tuple(kinds) * repeat, extra={})
-    planned = classify(SimpleNamespace(spec=tiny)).planned
+    planned = classify_spec(tiny).planned
     widths = Counter(work.dense) + Counter(work.head)
     dense_bits = max(widths, key=widths.get) if widths else work.main_bits
     expert_bits = max(work.experts, key=work.experts.get) if work.experts else dense_bits
