@@ -58,7 +58,10 @@ def speculative_mode(text: str) -> bool | str:
         return True
     if word in ("false", "0", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"{text!r}: give `--speculative` alone (prompt lookup) or `--speculative mtp`")
+    # a model named right after the bare flag is read as its value: say how to order them
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a speculation mode: give `--speculative` alone (prompt lookup) or `--speculative mtp`, "
+        "and name the model before the flag (`colibri run MODEL --speculative --prompt ...`)")
 
 
 speculative_mode.description = "mtp, or true or false"    # type: ignore[attr-defined]  # settings' error text

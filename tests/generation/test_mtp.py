@@ -251,3 +251,13 @@ def test_mtp_spec_is_a_routed_layer_with_its_own_indexer():
     assert mtp_spec({**v3, "num_nextn_predict_layers": 1}).layers[0].ffn.n_experts == 256
     assert mtp_spec({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "vocab_size": 100, "intermediate_size": 96}) is None
+
+
+def test_a_model_named_after_bare_speculative_gets_the_order_explained(capsys):
+    """`colibri run --speculative MODEL ...` reads MODEL as the flag's value: the error says how to order them."""
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--speculative", "smollm2-135m", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "name the model before the flag" in err and "Traceback" not in err
