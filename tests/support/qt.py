@@ -81,9 +81,13 @@ def wait_until(qtbot, condition, timeout_ms: int = LOAD_TIMEOUT_MS) -> None:
 
 @pytest.fixture
 def make_window(qtbot, tmp_path):
-    """make_window(model=None, settings_file=None) -> a shown MainWindow on temporary settings and conversations.
+    """make_window(model=None, settings_file=None, conversations=None, app_defaults=False) -> a shown MainWindow
+    on temporary settings and conversations.
 
-    With a model, it returns once the model has loaded. Every window is closed at teardown.
+    With a model, it returns once the model has loaded. Every window is closed at teardown. Unless app_defaults,
+    the chat starts greedy with loop stopping off (settings the user could choose), so that tests see exact,
+    repeatable answers and skip the slow first compile of the sampled path; the app's own defaults (temperature
+    0.7, top-p 0.9, Stop loops on) are what tests of those defaults ask for.
     """
     from PySide6.QtCore import QSettings
 
@@ -93,8 +97,12 @@ def make_window(qtbot, tmp_path):
     configure(qtbot_app())
     made = []
 
-    def make(model=None, settings_file: Path | None = None, conversations: Path | None = None):
+    def make(model=None, settings_file: Path | None = None, conversations: Path | None = None,
+             app_defaults: bool = False):
         settings = QSettings(str(settings_file or tmp_path / "colibri.ini"), QSettings.Format.IniFormat)
+        if not app_defaults:
+            settings.setValue("chat/greedy", True)
+            settings.setValue("chat/stop_loops", False)
         store = ConversationStore(conversations or tmp_path / "conversations")
         w = MainWindow(settings=settings, conversations=store)
         made.append(w)
