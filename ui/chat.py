@@ -187,14 +187,19 @@ class ChatPanel(QWidget):
         self.regen_button.clicked.connect(self.regenerate)
         self.input.textChanged.connect(self._update_buttons)
 
-        settings = QHBoxLayout()
-        settings.addStretch(1)
-        for label, widget in (("Temperature", self.temperature), ("", self.greedy), ("Top-p", self.top_p),
-                              ("Repeat penalty", self.repeat_penalty), ("Max tokens", self.max_tokens),
-                              ("", self.stop_loops)):
-            if label:
-                settings.addWidget(QLabel(label))
-            settings.addWidget(widget)
+        # two short rows rather than one long one: the chat keeps a narrow minimum width beside the docks
+        rows = ((("Temperature", self.temperature), ("", self.greedy), ("Top-p", self.top_p)),
+                (("Repeat penalty", self.repeat_penalty), ("Max tokens", self.max_tokens), ("", self.stop_loops)))
+        settings = QVBoxLayout()
+        settings.setSpacing(2)
+        for row in rows:
+            line = QHBoxLayout()
+            line.addStretch(1)
+            for label, widget in row:
+                if label:
+                    line.addWidget(QLabel(label))
+                line.addWidget(widget)
+            settings.addLayout(line)
         buttons = QHBoxLayout()
         buttons.addWidget(self.system_toggle)
         buttons.addWidget(self.status, 1)
