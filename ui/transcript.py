@@ -165,8 +165,10 @@ class Transcript(QTextBrowser):
             self._thought = reasoning
         self._flush(final=True)
         self.stop_answer()
-        if note:
-            self.add_note(note) if not error else self._note(note, error=True)
+        if note and error:
+            self._note(note, error=True)
+        elif note:
+            self.add_note(note)
 
     def stop_answer(self) -> None:
         """Stop redrawing (the answer stays as drawn)."""
