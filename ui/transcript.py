@@ -289,6 +289,8 @@ class Transcript(QTextBrowser):
 
     def _draw(self, segment: Segment, number: int) -> None:
         """One segment at the end: Markdown, or a code block numbered `number` (its Copy link's target)."""
+        if segment.kind == "markdown" and not segment.source.strip():
+            return      # the blank lines after a code block: Markdown would make empty paragraphs of them
         cursor = self._end_block()
         if segment.kind == "code":
             self._codes[number] = segment.code

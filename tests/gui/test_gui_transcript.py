@@ -74,7 +74,8 @@ def test_code_is_highlighted_and_its_copy_link_copies_it(qtbot, view):
     QGuiApplication.clipboard().clear()
     click_text(qtbot, view, "Copy")
     qtbot.waitUntil(lambda: QGuiApplication.clipboard().text() == CODE)
-    assert "python" in view.toPlainText() and "Done." in view.toPlainText()
+    page = view.toPlainText()
+    assert "python   Copy\n" + CODE + "\nDone." in page           # no empty paragraphs around the block
 
 
 def test_each_code_block_copies_its_own_code(qtbot, view):
