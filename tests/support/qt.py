@@ -16,7 +16,7 @@ import pytest
 
 from support.tiny_chat import tiny_models
 
-__all__ = ["no_leftovers", "models", "make_window", "window", "wait_until"]
+__all__ = ["no_leftovers", "models", "make_window", "window", "wait_until", "test_settings"]
 
 LOAD_TIMEOUT_MS = 180_000
 
@@ -89,7 +89,6 @@ def make_window(qtbot, tmp_path):
     repeatable answers and skip the slow first compile of the sampled path; the app's own defaults (temperature
     0.7, top-p 0.9, Stop loops on) are what tests of those defaults ask for.
     """
-    from PySide6.QtCore import QSettings
 
     from app.conversations import ConversationStore
     from ui.app import MainWindow, configure
@@ -99,10 +98,7 @@ def make_window(qtbot, tmp_path):
 
     def make(model=None, settings_file: Path | None = None, conversations: Path | None = None,
              app_defaults: bool = False):
-        settings = QSettings(str(settings_file or tmp_path / "colibri.ini"), QSettings.Format.IniFormat)
-        if not app_defaults:
-            settings.setValue("chat/greedy", True)
-            settings.setValue("chat/stop_loops", False)
+        settings = test_settings(settings_file or tmp_path / "colibri.ini", app_defaults)
         store = ConversationStore(conversations or tmp_path / "conversations")
         w = MainWindow(settings=settings, conversations=store)
         made.append(w)
@@ -117,6 +113,21 @@ def make_window(qtbot, tmp_path):
     for w in made:
         w.close()
         w.deleteLater()
+
+
+def test_settings(path: Path, app_defaults: bool = False):
+    """The QSettings of a test window at path: unless app_defaults, its chat starts greedy with loop stopping off
+    (exact, repeatable answers, and no compile of the sampled path)."""
+    from PySide6.QtCore import QSettings
+
+    settings = QSettings(str(path), QSettings.Format.IniFormat)
+    if not app_defaults:
+        settings.setValue("chat/greedy", True)
+        settings.setValue("chat/stop_loops", False)
+    return settings
+
+
+test_settings.__test__ = False      # a helper, not a test pytest should collect
 
 
 def qtbot_app():
