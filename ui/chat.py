@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 from app.config.catalog import DEFAULT_MODEL, DERIVED
 from app.conversations import Conversation, ConversationStore, Sampling, Turn
 from app.service.local import ModelInfo
+from app.service.remote import UNKNOWN_TOKEN
 from engine.events import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
 from engine.generation.loops import Loop, LoopDetector
 from engine.generation.sampling import SamplingParams
@@ -81,6 +82,13 @@ class ChatDefaults:
     def sampling(self, max_tokens: int = Sampling.max_tokens) -> Sampling:
         """A new conversation's sampling."""
         return Sampling(0.0 if self.greedy else self.temperature, self.top_p, max_tokens, self.repetition_penalty)
+
+
+def loop_key(event: TokenEvent) -> int:
+    """What the loop detector compares: the token id, or for a server's token seen only as text, the text."""
+    if event.token_id != UNKNOWN_TOKEN:
+        return event.token_id
+    return hash((event.text, event.reasoning)) & 0x7FFF_FFFF_FFFF_FFFF | 1 << 62   # never a real token id
 
 
 def is_demo(info: ModelInfo) -> bool:
@@ -322,7 +330,7 @@ class ChatPanel(QWidget):
             if shown:
                 self.transcript.add_text(event.text, event.reasoning)
             if self._loops is not None and self.loop is None:
-                self.loop = self._loops.push(event.token_id)
+                self.loop = self._loops.push(loop_key(event))
                 if self.loop is not None:   # the engine stops before its next token; _finish cuts the loop
                     self.bridge.service.cancel(request)
                     self._set_status("Stopping: the answer repeats itself…")

@@ -145,3 +145,17 @@ def test_the_demo_model_says_what_it_is(qtbot, make_window, models, tmp_path):
     with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
         window.open_model(str(models[1]))
     assert chat.transcript.placeholderText() == "" and "demo" not in chat.status.text()
+
+
+def test_a_servers_tokens_seen_only_as_text_are_told_apart_by_their_text():
+    """A remote server sends no token ids (all UNKNOWN_TOKEN): the detector compares their text instead."""
+    from app.service.remote import UNKNOWN_TOKEN
+    from engine.generation.loops import LoopDetector
+    from ui.chat import loop_key
+
+    words = [f"word{i} " for i in range(100)]
+    detector = LoopDetector()
+    assert all(detector.push(loop_key(TokenEvent(i, UNKNOWN_TOKEN, w))) is None for i, w in enumerate(words))
+    looping = [detector.push(loop_key(TokenEvent(i, UNKNOWN_TOKEN, "again "))) for i in range(48)]
+    assert looping[-1] is not None and looping[-1].period == 1 and looping[-2] is None
+    assert loop_key(TokenEvent(0, 17, "x")) == 17
