@@ -42,7 +42,8 @@ from engine.generation.sampling import SamplingParams
 from ui.bridge import Bridge
 from ui.transcript import LIVE, REDRAW_HZ, THINKING, Transcript, stats_line
 
-__all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "stats_line"]
+__all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "loop_key",
+           "stats_line"]
 
 log = logging.getLogger(__name__)
 
