@@ -170,7 +170,6 @@ def _post(server, path, body, key=KEY, raw=False):
     (json.dumps({"model": "tiny", "messages": "hi"}).encode(), 400, "messages"),
     (json.dumps({"model": "tiny", "messages": MESSAGES, "temperature": 9}).encode(), 400, "temperature"),
     (json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": "many"}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 100000}).encode(), 400, "context holds 256"),
     (json.dumps({"model": "gpt-9", "messages": MESSAGES}).encode(), 404, "not served here"),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]}).encode(), 400,
      "tokens but the context holds 256"),
