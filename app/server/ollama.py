@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -160,6 +161,11 @@ def _size(path: Path) -> int:
         return 0
 
 
+def family(architecture: str) -> str:
+    """The family name Ollama shows for an architecture: `MixtralForCausalLM` -> `mixtral` (a GGUF's `llama` stays)."""
+    return re.sub(r"For(CausalLM|ConditionalGeneration)$", "", architecture).lower()
+
+
 def add_ollama_routes(app: FastAPI, engine: Served) -> None:
     """Ollama's API on the model `engine` serves."""
     tokenizer = engine.service.tokenizer
@@ -168,6 +174,7 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
     size = _size(Path(info.path))
     digest = hashlib.sha256(f"{info.name}:{size}".encode()).hexdigest()      # stable per model, tells nothing
     reasons = tokenizer is not None and tokenizer.reasoning_format is not None
+    arch = family(info.architecture)
 
     def _check_model(name: str) -> None:
         if name not in (tag, info.name, "colibri", "default", "colibri:latest", "default:latest"):
@@ -177,7 +184,7 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
     def _details() -> dict:
         # the parameter count and quantization are not told by the engine service: left empty, not guessed
         return {"parent_model": "", "format": "colibri" if Path(info.path).is_dir() else "gguf",
-                "family": info.architecture, "families": [info.architecture], "parameter_size": "",
+                "family": arch, "families": [arch], "parameter_size": "",
                 "quantization_level": ""}
 
     def _entry() -> dict:
@@ -203,7 +210,6 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
         if name is None:
             raise ApiError(400, "model: give the model's name (GET /api/tags lists it)", "model")
         _check_model(name)
-        arch = info.architecture
         model_info: dict[str, Any] = {"general.architecture": arch, f"{arch}.context_length": info.max_context,
                                       f"{arch}.block_count": info.n_layers}
         if info.n_experts:
