@@ -8,6 +8,7 @@ What the client (2.17) needed: nothing for chat, streaming, stop_sequences, coun
 from __future__ import annotations
 
 import json
+import socket
 
 import anthropic
 import httpx
@@ -15,12 +16,13 @@ import pytest
 
 from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
+from app.server.http import HttpLimits
 from app.service.local import EngineService, LoadOptions
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
 from engine.loader import load_model
-from support.live import metrics, open_request, serve, wait_until
+from support.live import metrics, open_request, raw_answer, serve, wait_until
 from support.live_server import LiveServer
 from support.reasoning_chat import ANSWER_TOKENS, thinking_model
 from support.reasoning_chat import MESSAGES as THINK_MESSAGES
@@ -243,6 +245,38 @@ def test_size_limit_unknown_path_and_missing_key_answer_in_anthropics_shape(serv
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"       # OpenAI's stays OpenAI's
+
+
+def test_refusals_below_the_app_answer_in_anthropics_shape(server):
+    """408, 431 and 503 are written by the HTTP protocol, not the app: the path read from the request line (as
+    far as it came) picks the shape."""
+    live = LiveServer(create_app(server.service), HttpLimits(max_connections=2, head_timeout=1.0, body_timeout=3.0,
+                                                             linger=1.0))
+    busy = []
+    try:
+        slow_head = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\n"
+        status, body = raw_answer(live.port, slow_head)
+        assert status == 408 and body["error"]["type"] == "timeout_error" and "head did not" in body["error"]["message"]
+        slow_body = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 60\r\n\r\n{"
+        status, body = raw_answer(live.port, slow_body)
+        assert status == 408 and body["type"] == "error" and "body did not" in body["error"]["message"]
+        r = httpx.post(live.url + "/v1/messages/count_tokens", headers={"x-big": "a" * 200_000}, timeout=10)
+        assert r.status_code == 431 and r.json()["error"]["type"] == "request_too_large"
+        for _ in range(2):      # every connection carries a request (a slow body): a newcomer is refused
+            s = socket.create_connection(("127.0.0.1", live.port), timeout=10)
+            s.sendall(slow_body)
+            busy.append(s)
+        answers: list[httpx.Response] = []
+        # the heads are parsed at the server's pace: until then the newcomer evicts one waiting for its head
+        wait_until(lambda: answers.append(httpx.post(live.url + "/v1/messages", json={}, timeout=10))
+                   or answers[-1].status_code == 503, 5, "no newcomer was refused")
+        r = answers[-1]
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "overloaded_error"
+    finally:
+        for s in busy:
+            s.close()
+        live.stop()
 
 
 def test_a_full_queue_answers_429_in_anthropics_shape(container, monkeypatch):

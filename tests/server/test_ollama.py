@@ -14,11 +14,14 @@ import ollama
 import pytest
 
 from app.hub.convert import ConvertSettings, convert
+from app.server.app import create_app
+from app.server.http import HttpLimits
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
 from engine.loader import load_model
-from support.live import metrics, open_request, serve, wait_until
+from support.live import metrics, open_request, raw_answer, serve, wait_until
+from support.live_server import LiveServer
 from support.server import paced
 from support.tiny_chat import tiny_moe
 
@@ -183,6 +186,22 @@ def test_bad_requests_get_ollama_shaped_errors(server, path, body, status, words
     assert r.status_code == status, r.text
     answer = r.json()
     assert set(answer) == {"error"} and isinstance(answer["error"], str) and words in answer["error"], answer
+
+
+def test_refusals_below_the_app_answer_in_ollamas_shape(server):
+    """408 and 431, written by the HTTP protocol rather than the app, read the path from the request line."""
+    live = LiveServer(create_app(server.service), HttpLimits(head_timeout=1.0, body_timeout=1.0, linger=1.0))
+    try:
+        status, body = raw_answer(live.port, b"POST /api/chat HTTP/1.1\r\nhost: x\r\n")
+        assert status == 408 and set(body) == {"error"} and "head did not arrive" in body["error"]
+        status, body = raw_answer(live.port, b"POST /api/generate?x=1 HTTP/1.1\r\nhost: x\r\ncontent-length: 9\r\n\r\n{")
+        assert status == 408 and set(body) == {"error"} and "body did not arrive" in body["error"]
+        r = httpx.get(live.url + "/api/tags", headers={"x-big": "a" * 200_000}, timeout=10)
+        assert r.status_code == 431 and set(r.json()) == {"error"}
+        r = httpx.get(live.url + "/health", headers={"x-big": "a" * 200_000}, timeout=10)
+        assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"  # OpenAI's
+    finally:
+        live.stop()
 
 
 def test_a_full_queue_answers_429_in_ollamas_shape(container, monkeypatch):
