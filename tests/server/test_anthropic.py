@@ -331,6 +331,13 @@ def test_reasoning_comes_as_thinking_blocks(thinking):
             final = stream.get_final_message()
         assert [b.type for b in final.content] == kinds
         assert [b.model_dump() for b in final.content] == [b.model_dump() for b in r.content]
+        # a thinking block of the history goes back to the template as the turn's reasoning
+        history = [*THINK_MESSAGES, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "again"}]
+        plain = client.messages.count_tokens(model="default", messages=history).input_tokens
+        history[1] = {"role": "assistant", "content": [{"type": "thinking", "thinking": "be kind", "signature": ""},
+                                                       {"type": "text", "text": "fine"}]}
+        thought = client.messages.count_tokens(model="default", messages=history).input_tokens
+        assert thought == plain + len("(be kind) ")     # the template renders it so, one token a character
     finally:
         live.stop()
         service.close()
