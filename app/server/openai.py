@@ -6,7 +6,9 @@ reasons apart (its template has a reasoning format: engine.tokenizer.reasoning) 
 
 Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type
 (a JSON boolean is no number), a value out of range, an unknown model, a prompt longer than the context (with the
-numbers), an OpenAI field Colibri cannot honour (never silently ignored). `logit_bias` is honoured. A full queue
+numbers), an OpenAI field Colibri cannot honour (never silently ignored). `logit_bias` is honoured. A max_tokens
+past the room the prompt leaves in the context is clamped to that room (app.server.generation.budget, as on the
+Anthropic and Ollama routes): the answer then ends with "length" when the context is full. A full queue
 answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
 """
 
@@ -36,6 +38,7 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import QueueFull, Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.errors import sse as _sse
+from app.server.generation import budget
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
@@ -240,22 +243,14 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
 
     async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool,
                         reasoning: ReasoningFormat | None = None):
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        room = engine.ctx - len(prompt)
-        if room < 1:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the context holds {engine.ctx}; "
-                                "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
-        limit = body.max_completion_tokens or body.max_tokens
-        if limit is not None and limit > room:
-            raise ApiError(400, f"max_tokens {limit} does not fit: the prompt has {len(prompt)} tokens and the "
-                                f"context holds {engine.ctx}, leaving {room}", "max_tokens", "context_length_exceeded")
+        limit = budget(body.max_completion_tokens or body.max_tokens, len(prompt), engine.ctx,
+                       "messages" if chat else "prompt").max_tokens
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
         try:
-            ticket = engine.submit(list(prompt), max_tokens=limit or room, sampling=sampling, stop=stops,
+            ticket = engine.submit(list(prompt), max_tokens=limit, sampling=sampling, stop=stops,
                                    loop=asyncio.get_running_loop(), reasoning=reasoning)
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
