@@ -220,8 +220,91 @@ def test_overview_sets_model_memory_against_the_budget_and_shows_the_baseline_ap
     gen.decode(1)
     inspector.set_snapshot(gen.tel.snapshot())
     redraw(qtbot, inspector)
-    assert bar.format() == "model memory 2.20 GB of the 2.00 GB budget (110.0%)"
-    assert bar.value() == 1000
+    assert bar.format() == ("model memory 2.20 GB of the 2.00 GB budget (110.0%): over by 200.00 MB, "
+                            "the most in scratch (2.20 GB)")
+    assert bar.value() == 1000 and bar.state == "over"
+
+
+def test_the_budget_bar_stacks_what_model_memory_is_made_of_and_warns_near_and_over(qtbot, inspector):
+    gen = Generation()
+    gen.tel.set_gauge("rss_baseline", 400 * MB)
+    gen.tel.set_gauge("rss", 400 * MB + 880 * MB)   # model memory 880 MB of a 1 GB budget: 88%
+    gen.tel.set_gauge("dense_bytes", 300 * MB)
+    gen.tel.set_gauge("kv_bytes", 180 * MB)
+    gen.tel.set_gauge("working_bytes", 50 * MB)
+    gen.tel.set_occupancy("pinned", 100 * MB)
+    gen.tel.set_occupancy("cached", 200 * MB)
+    gen.decode(1)
+    inspector.set_model_info(4, 8, GB)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    bar = inspector.overview.budget_bar
+    parts = bar.parts
+    assert (parts.dense, parts.experts, parts.kv, parts.scratch) == (300 * MB, 300 * MB, 180 * MB, 100 * MB)
+    assert bar.state == "ok" and bar.format() == "model memory 880.00 MB of the 1.00 GB budget (88.0%)"
+    tip = bar.toolTip()
+    for line in ("dense weights: 300.0 MB", "cached experts: 300.0 MB", "KV cache: 180.0 MB", "scratch: 100.0 MB",
+                 "planned working buffers: 50.0 MB", "budget: 1,000.0 MB"):
+        assert line in tip
+
+    gen.tel.set_gauge("rss", 400 * MB + 950 * MB)   # 95%: amber
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    assert bar.state == "near" and bar.format().endswith("(95.0%)")
+
+    gen.tel.set_gauge("kv_bytes", 600 * MB)          # earlier chats' KV grew past the budget: red, and it says so
+    gen.tel.set_gauge("rss", 400 * MB + 1_300 * MB)
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    assert bar.state == "over"
+    assert bar.format().endswith("(130.0%): over by 300.00 MB, the most in KV cache (600.00 MB)")
+    image = bar.grab().toImage()                     # painted: the frame is red
+    assert image.pixelColor(1, bar.height() // 4).red() > 150
+
+
+def test_the_history_is_sampled_on_a_timer_as_steps_so_idle_time_stays_flat(qtbot, inspector, monkeypatch):
+    from ui.inspector.overview import SAMPLE_HZ
+
+    gen = Generation()
+    gen.tel.set_occupancy("cached", 100 * MB)
+    gen.decode(1)
+    inspector.set_model_info(4, 8, GB)
+    inspector.set_snapshot(gen.tel.snapshot())
+    overview = inspector.overview
+    # no new data: the timer keeps sampling, at SAMPLE_HZ, the same value
+    qtbot.waitUntil(lambda: len(overview.history) >= 4, timeout=10_000)
+    h = overview.history.samples()
+    assert np.all(h[:, 2] == 100 * MB)
+    gaps = np.diff(h[1:, 0])                          # (the first sample came with the first tick)
+    assert np.all(gaps > 0.5 / SAMPLE_HZ) and np.all(gaps < 3 / SAMPLE_HZ)
+    # one change: drawn as a step at its sample, flat before and after
+    gen.tel.set_occupancy("cached", 300 * MB)
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    n = len(overview.history)
+    qtbot.waitUntil(lambda: len(overview.history) >= n + 3, timeout=10_000)
+    qtbot.waitUntil(lambda: len(overview.cached_curve.getData()[0]) >= n + 3, timeout=10_000)
+    assert overview.cached_curve.opts["stepMode"] == "right"
+    path = overview.cached_curve.curve.getPath()      # the drawn path: vertical at the change, no slope
+    x, y = (np.array([getattr(path.elementAt(i), a) for i in range(path.elementCount())]) for a in "xy")
+    assert not np.any((np.diff(x) != 0) & (np.diff(y) != 0))   # steps only: every segment flat or vertical
+    assert set(np.unique(y).tolist()) == {0, 100, 300}          # (0: the fill's baseline), MB
+
+
+def test_the_recent_hit_rate_covers_the_last_64_tokens(qtbot, inspector):
+    gen = Generation()
+    gen.decode(100, hits=(0, 0, 8))                   # a cold start: every expert read from disk
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    v = inspector.overview.values
+    for _ in range(8):                                # then the cache serves: 16 tokens at a time
+        gen.decode(16, hits=(4, 4, 0))
+        inspector.set_snapshot(gen.tel.snapshot())
+        redraw(qtbot, inspector)
+    assert v["hit_recent"].text() == "100.0%"         # the last 64 tokens were all hits
+    assert v["hit_rate"].text() != "100.0%"           # the cumulative rate remembers the cold start
 
 
 def test_figures_follow_every_snapshot_and_plots_at_most_plot_hz(qtbot, inspector, monkeypatch):
@@ -250,12 +333,10 @@ def test_figures_follow_every_snapshot_and_plots_at_most_plot_hz(qtbot, inspecto
         now[0] += 0.1 / PLOT_HZ
     assert inspector.replots == plotted             # 0.8 plot intervals: the plots waited
     assert len(overview.pinned_curve.getData()[0]) == 1
-    assert len(overview.history) == 9
 
     now[0] += 0.3 / PLOT_HZ                         # their turn comes: drawn without a new snapshot
     qtbot.waitUntil(lambda: inspector.replots == plotted + 1, timeout=3000)
-    x, y = overview.pinned_curve.getData()
-    assert len(x) == 9 and y[-1] == pytest.approx(80)   # MB, the latest sample
+    inspector._sampler.stop()                       # (the history's own timer would replot at SAMPLE_HZ)
     qtbot.wait(5 * Inspector.INTERVAL_MS)
     assert inspector.replots == plotted + 1         # and nothing more while nothing changes
 
