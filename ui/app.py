@@ -71,6 +71,7 @@ class _InspectorPlaceholder(QLabel):
     def set_atlas(self, atlas) -> None: ...
     def set_atlas_progress(self, fraction) -> None: ...
     def close_views(self) -> None: ...
+    def forget_model(self) -> None: ...
 
 
 def configure(app: QApplication) -> None:
@@ -334,6 +335,7 @@ class MainWindow(QMainWindow):
         self.chat.set_model(None)
         self.controls.set_model(None)
         self.inspector.set_model_info(0, 0, None)
+        self._inspector_forgets()
         self._remote_atlas_offer()
         self.setWindowTitle(APP_NAME)
         if event.cancelled:
@@ -346,6 +348,10 @@ class MainWindow(QMainWindow):
             log.warning("the model did not load: %s", event.message)
             self.model_label.setText("No model (the last one failed to load)")
             self.show_error("The model could not be loaded", event.message)
+
+    def _inspector_forgets(self) -> None:
+        """No model is loaded: the inspector drops the last one's heat, tiers and current token."""
+        self.inspector.forget_model()
 
     def _end_load(self) -> None:
         self._load_request = None

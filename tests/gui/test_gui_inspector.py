@@ -400,6 +400,22 @@ def test_time_scales_to_decoded_tokens_and_cuts_a_prompt_spike(qtbot, inspector)
     assert view.plot.width() > 0.9 * view.width()
 
 
+def test_time_axes_carry_a_few_round_tick_labels(qtbot, inspector):
+    gen = Generation()
+    gen.prefill(50)
+    gen.decode(300)
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    item = inspector.time.plot.getPlotItem()
+    qtbot.waitUntil(lambda: inspector.time.bar_count() == 301, timeout=3000)
+    for name, most in (("bottom", 6), ("left", 5)):
+        axis = item.getAxis(name)
+        low, high = axis.range
+        labelled = axis.tickValues(low, high, axis.height() if name == "left" else axis.width())[0][1]
+        assert 2 <= len(labelled) <= most + 1, (name, labelled)
+
+
 def test_views_redraw_on_timer_ticks_not_per_snapshot(qtbot, inspector):
     gen = Generation()
     redraw(qtbot, inspector)                  # the first tick after show
@@ -476,10 +492,19 @@ def test_brain_colours_follow_tiers_and_heat(qtbot):
     heat = np.array([[4.0, 4.0, 4.0, 0.0]], np.float32)
     rgba = grid_rgba(theme, (1, 4), tiers, heat, ())
     assert len({tuple(px) for px in rgba[0, :3]}) == 3          # three tiers, three colours
-    cold = grid_rgba(theme, (1, 4), tiers, heat * np.array([[1, 0, 1, 0]], np.float32), ())
-    bg = np.array(theme.background)
-    # a cold cached expert sits nearer the background than a hot one
-    assert np.abs(cold[0, 1, :3] - bg).sum() < np.abs(rgba[0, 1, :3].astype(int) - bg).sum()
+    cold = grid_rgba(theme, (1, 4), tiers, heat * np.array([[1, 0, 0, 0]], np.float32), ())
+
+    def luma(px: np.ndarray) -> float:
+        return float(px[:3].astype(float) @ np.array([0.299, 0.587, 0.114]))
+
+    # hot is brighter than cold for every tier, on the light theme and the dark one (the legend says so)
+    for t in (theme, theme_for(QPalette(QColor(30, 30, 30)))):
+        hot, chill = grid_rgba(t, (1, 4), tiers, heat, ()), grid_rgba(t, (1, 4), tiers, heat * 0, ())
+        for e in range(3):
+            assert luma(hot[0, e]) > luma(chill[0, e]) + 40, (t.dark, e)
+        hue = np.argmax(t.tiers[TIER_CACHED])                     # the tier's hue stays: green leads when cold too
+        assert np.argmax(chill[0, 1, :3]) == hue and np.argmax(hot[0, 1, :3]) == hue
+    assert luma(cold[0, 1]) < luma(rgba[0, 1])
     # never routed, an expert in RAM still reads apart from one on disk, on either theme
     for t in (theme, theme_for(QPalette(QColor(30, 30, 30)))):
         frozen = grid_rgba(t, (1, 4), tiers, np.zeros((1, 4), np.float32), ()).astype(int)
@@ -487,6 +512,28 @@ def test_brain_colours_follow_tiers_and_heat(qtbot):
         assert np.abs(frozen[0, 0, :3] - frozen[0, 2, :3]).sum() > 100          # pinned vs disk
     wider = grid_rgba(theme, (2, 6), tiers, heat, ((1, (5, 9)),))  # grids grow; ids outside are ignored
     assert tuple(wider[1, 5, :3]) == theme.flash
+
+
+def test_the_current_token_is_cleared_when_the_answer_ends_and_the_model_goes(qtbot, inspector):
+    gen = Generation()
+    gen.decode(3)
+    inspector.set_model_info(4, 8, None)
+    inspector.set_generating(True)
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    flash = np.array(inspector.brain.theme.flash, np.uint8)
+    flashing = lambda: int(np.all(inspector.brain.rgba[..., :3] == flash, axis=-1).sum())  # noqa: E731
+    assert flashing() == 8                                # two experts in each of four layers
+    inspector.set_generating(False)
+    redraw(qtbot, inspector)
+    assert flashing() == 0
+    inspector.set_generating(True)
+    redraw(qtbot, inspector)
+    assert flashing() == 8
+    inspector.forget_model()                              # unloaded: nothing of it stays, the current token least
+    redraw(qtbot, inspector)
+    assert inspector.brain.rgba is None and inspector.brain.status.text().startswith("no experts")
 
 
 def test_brain_labels_whole_layers_and_experts_at_cell_centres_on_256_experts(qtbot, inspector):

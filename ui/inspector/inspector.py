@@ -103,6 +103,14 @@ class Inspector(QWidget):
         self.atlas.set_has_experts(self._shape[1] > 0)
         self._redraw_all()
 
+    def forget_model(self) -> None:
+        """The model was closed: drop its snapshot and tiers, so no view shows its heat or current token."""
+        self._snapshot = None
+        self._tiers = None
+        self._shape = (0, 0)
+        self._budget = None
+        self._dirty = self._replot = True
+
     def set_tiers(self, tiers: np.ndarray | None) -> None:
         """Each expert's tier [L, E] int8 (see ui.inspector.data), copied; None: unknown (any thread)."""
         if tiers is not None:
