@@ -138,7 +138,8 @@ class BrainView(QWidget):
         pen.setCosmetic(True)
         self.outline.setPen(pen)
         for swatch, key in self._legend_swatches:
-            swatch.setStyleSheet(swatch_css(theme.flash if key == "flash" else theme.tiers[key]))
+            rgb = theme.flash if key == "flash" else tuple(int(c) for c in _brightest(theme.tiers[key]))
+            swatch.setStyleSheet(swatch_css(rgb))   # a hot cell's colour: the legend's hues as the grid shows them
 
     def redraw(self, frame: Frame) -> None:
         """Rebuild and show the grid of the frame."""

@@ -208,7 +208,8 @@ class Inspector(QWidget):
         if snap is not None and not self._closed:
             self.overview.record(snap)
             self.overview.sample(snap, self._budget_of(snap), time.monotonic())
-            self._plots_behind = True
+            if self.tabs.currentWidget() is self.overview:   # other tabs have nothing new to draw
+                self._plots_behind = True
 
     def _tick(self) -> None:
         """Redraw the tab in view if a new snapshot arrived or anything else changed; its plots when due."""
