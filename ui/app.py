@@ -368,8 +368,8 @@ class MainWindow(QMainWindow):
         info = self.info = event.info
         self.chat.set_model(info)
         self.controls.set_model(info)
-        if self.remote is None:
-            self.controls.restore_remembered()   # the sliders as the user left them, where this model allows
+        if self.remote is None:   # the sliders as the user left them, where this model allows, but what this load set
+            self.controls.restore_remembered(self._given_settings())
         self.inspector.set_model_info(info.n_layers, info.n_experts, info.settings.memory_budget)
         try:
             self.inspector.set_atlas(dict(event.atlas) if event.atlas is not None else None)
@@ -409,6 +409,14 @@ class MainWindow(QMainWindow):
             log.warning("the model did not load: %s", event.message)
             self.model_label.setText("No model (the last one failed to load)")
             self.show_error("The model could not be loaded", event.message)
+
+    def _given_settings(self) -> frozenset[str]:
+        """The live settings the window's load options set (from the command line): remembered ones yield to them."""
+        o, default = self.load_options, LoadOptions()
+        given = {"memory_budget": o.max_memory is not None, "context_length": o.context_length is not None,
+                 "prefetch_depth": o.prefetch_depth != default.prefetch_depth,
+                 "io_threads": o.io_threads != default.io_threads}
+        return frozenset(name for name, set_ in given.items() if set_)
 
     def _inspector_forgets(self) -> None:
         """No model is loaded: the inspector drops the last one's heat, tiers and current token."""

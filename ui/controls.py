@@ -136,8 +136,9 @@ class ControlsPanel(QWidget):
             if name not in fixed:
                 self.store.setValue(REMEMBERED + name, getattr(s, name))
 
-    def restore_remembered(self) -> SettingsChange:
-        """Ask for the remembered settings the loaded model allows (clamped to its ranges); the change asked."""
+    def restore_remembered(self, keep: frozenset[str] = frozenset()) -> SettingsChange:
+        """Ask for the remembered settings the loaded model allows (clamped to its ranges), but those named in
+        `keep` (SettingsChange field names the user gave for this load); the change asked."""
         if self.store is None or self.info is None:
             return SettingsChange()
 
@@ -152,15 +153,16 @@ class ControlsPanel(QWidget):
         for slider in with_blocked:
             slider.blockSignals(True)
         try:
-            for name, setting, low, high in (("prefetch_depth", self.prefetch, 0, MAX_PREFETCH),
-                                             ("io_threads", self.io_threads, 1, MAX_IO_THREADS),
-                                             ("budget_position", self.budget, 0, BUDGET_STEPS)):
+            for name, field, setting, low, high in (
+                    ("prefetch_depth", "prefetch_depth", self.prefetch, 0, MAX_PREFETCH),
+                    ("io_threads", "io_threads", self.io_threads, 1, MAX_IO_THREADS),
+                    ("budget_position", "memory_budget", self.budget, 0, BUDGET_STEPS)):
                 value = saved(name)
-                if value is not None and setting.slider.isEnabled():
+                if value is not None and setting.slider.isEnabled() and field not in keep:
                     setting.slider.setValue(min(high, max(low, value)))
                     setting.show(setting.slider.value())
             ctx = saved("context_length")
-            if ctx is not None and self.context.slider.isEnabled():
+            if ctx is not None and self.context.slider.isEnabled() and "context_length" not in keep:
                 index = min(range(len(self._contexts)), key=lambda i: abs(self._contexts[i] - ctx))
                 self.context.slider.setValue(index)
                 self.context.show(index)

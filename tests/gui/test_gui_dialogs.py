@@ -11,7 +11,7 @@ from PySide6.QtCore import QSettings
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QApplication, QFileDialog
 
-from app.service.local import SettingsChange
+from app.service.local import LoadOptions, SettingsChange
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
 from support.qt import LOAD_TIMEOUT_MS
 from ui.models import output_name
@@ -152,3 +152,17 @@ def test_the_sliders_are_remembered_for_the_next_model(qtbot, make_window, model
     settings = applied.args[0].info.settings
     assert (settings.prefetch_depth, settings.io_threads) == (3, 4)
     assert again.controls.prefetch.slider.value() == 3 and again.controls.io_threads.slider.value() == 4
+
+
+def test_settings_given_for_a_load_win_over_remembered_ones(qtbot, make_window, models, tmp_path):
+    settings_file = tmp_path / "kept.ini"
+    kept = QSettings(str(settings_file), QSettings.Format.IniFormat)
+    kept.setValue("controls/prefetch_depth", 3)
+    kept.setValue("controls/io_threads", 4)
+    kept.sync()
+    window = make_window(settings_file=settings_file)
+    window.load_options = LoadOptions(io_threads=1)   # as `colibri gui --io-threads 1` would
+    with qtbot.waitSignal(window.bridge.settingsApplied, timeout=LOAD_TIMEOUT_MS) as applied:
+        window.open_model(str(models[1]))
+    settings = applied.args[0].info.settings
+    assert (settings.prefetch_depth, settings.io_threads) == (3, 1)
