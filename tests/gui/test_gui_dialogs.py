@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PySide6.QtCore import QSettings
 from PySide6.QtGui import QPalette
-from PySide6.QtWidgets import QApplication, QFileDialog
+from PySide6.QtWidgets import QApplication, QFileDialog, QLabel
 
 from app.service.local import LoadOptions, SettingsChange
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
@@ -115,6 +115,8 @@ def test_the_about_box_names_version_licence_and_links(qtbot, make_window):
     text = box.text()
     assert f"Colibri {__version__}" in text and "Apache-2.0" in text
     assert text.count("<a href=\"https://") >= 3
+    label = next(w for w in box.findChildren(QLabel) if "Apache-2.0" in w.text())
+    assert label.openExternalLinks()                # a click opens the link in the browser
     box.close()
 
 
