@@ -333,7 +333,7 @@ class EngineThread:
         # between two tokens: the only moment settings may change under a running generation
         if self._pending is not None:
             self._apply_pending()
-        tel.set_gauge("kv_bytes", model.pool.nbytes)
+        model.gauge_kv()
         tel.set_gauge("queue_depth", self._waiting())
         tel.set_gauge("running", self._batch)
         model.gauge_rss()
