@@ -99,9 +99,11 @@ class Served:
         return self.info.settings.context_length
 
     def submit(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-               loop: asyncio.AbstractEventLoop, reasoning: ReasoningFormat | None = None) -> Ticket:
-        """Start a generation (its text split into reasoning and answer by `reasoning`, when given); raises
-        QueueFull when too many wait for room in the batch."""
+               loop: asyncio.AbstractEventLoop, reasoning: ReasoningFormat | None = None,
+               logprobs: int | None = None) -> Ticket:
+        """Start a generation (its text split into reasoning and answer by `reasoning`, when given; its tokens'
+        log-probabilities with `logprobs` alternatives each, when given); raises QueueFull when too many wait for
+        room in the batch."""
         ticket = Ticket(self.service)
 
         def listen(event: ServiceEvent) -> None:     # engine thread
@@ -115,7 +117,7 @@ class Served:
 
         try:
             ticket.request = self.service.generate(prompt, sampling=sampling, max_tokens=max_tokens, stop=stop,
-                                                   listener=listen, reasoning=reasoning)
+                                                   listener=listen, reasoning=reasoning, logprobs=logprobs)
         except QueueFull:
             self.counters.rejected += 1
             raise

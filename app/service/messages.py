@@ -90,6 +90,7 @@ class GenerateRequest:
     max_tokens: int
     stop: tuple[str, ...]
     reasoning: ReasoningFormat | None = None    # split the answer of token ids so; messages find their own
+    logprobs: int | None = None                 # each token's log-probability and this many alternatives
 
 
 @dataclass(frozen=True)

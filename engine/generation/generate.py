@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Iterator, Sequence
 
@@ -22,7 +23,14 @@ from engine.events import (
     TokenEvent,
 )
 from engine.generation.prefill import prefill, prefill_chunks
-from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
+from engine.generation.sampling import (
+    History,
+    SamplingParams,
+    apply_processors,
+    make_logits_processors,
+    make_sampler,
+    token_logprobs,
+)
 from engine.generation.speculative import (
     DraftModel,
     HiddenStateDrafter,
@@ -51,6 +59,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True          # leave control tokens out of the text
     speculative: SpeculativeSettings | None = None  # draft and verify several tokens per pass (same output)
     reasoning: ReasoningFormat | None = None  # split the text into reasoning and answer (a chat's prompt decides)
+    logprobs: int | None = None               # each token's log-probability and this many alternatives (None: off)
 
 
 class Seen:
@@ -98,6 +107,7 @@ def generate_step(
     speculative: SpeculativeSettings | None = None,
     controller: SpeculationController | None = None,
     limit: int | None = None,
+    scored: Callable[[np.ndarray, int], None] | None = None,
 ) -> Generator[int, None, None]:
     """Yield sampled token ids forever; the consumer stops iterating when it has enough.
 
@@ -108,6 +118,8 @@ def generate_step(
     number of tokens the consumer will take at most (drafting stops short of it). While the
     consumer holds a token, `cache` holds everything before it, as in plain decoding; a consumer
     that stops mid-draft leaves it so (the closed generator truncates the accepted draft's tail).
+    `scored(logits, token)` sees each chosen token with the raw logits [V] it was chosen from (before the
+    processors), in order, as it is chosen (with drafts, before it is yielded).
     """
     sampler = make_sampler(sampling)
     processors = make_logits_processors(sampling)
@@ -138,9 +150,12 @@ def generate_step(
 
     def choose(row: np.ndarray) -> int:
         with tel.phase("sampling"):
+            raw = row
             if processors:
                 row = apply_processors(row, History(seen.view(), seen.n_prompt), processors)
             token = sampler(row)
+            if scored is not None:
+                scored(raw, token)
         seen.append(token)
         return token
 
@@ -268,6 +283,8 @@ def stream_generate(
             request.speculative.validate()
         if request.max_tokens < 1:
             raise GenerationError(f"max_tokens is {request.max_tokens}; it must be at least 1")
+        if request.logprobs is not None and request.logprobs < 0:
+            raise GenerationError(f"logprobs asks for {request.logprobs} alternatives; give 0 or more")
         if len(prompt) + cache.length >= cache.max_len:
             raise GenerationError(
                 f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len} "
@@ -296,15 +313,23 @@ def stream_generate(
     thought: list[str] = []
     reason, hit, sampled = "length", False, 0
     t_first = t_last = t_prefill
+    scores: deque[tuple[float, tuple[tuple[int, float], ...]]] = deque()   # chosen, not yet yielded
+    n_top = request.logprobs
+
+    def score(row: np.ndarray, token: int) -> None:
+        scores.append(token_logprobs(row, token, n_top or 0))
+
     steps = generate_step(model, prompt, cache, request.sampling, first_logits=logits,
                           first_hidden=np.concatenate(prompt_hidden) if prompt_hidden else None,
-                          speculative=request.speculative, controller=speculation, limit=request.max_tokens)
+                          speculative=request.speculative, controller=speculation, limit=request.max_tokens,
+                          scored=score if n_top is not None else None)
     try:
         for token in steps:
             t_last = time.perf_counter()
             if sampled == 0:
                 t_first = t_last
             sampled += 1
+            lp, alts = scores.popleft() if scores else (None, ())
             if token in stops:
                 reason = "stop"
                 break
@@ -313,7 +338,7 @@ def stream_generate(
             part = splitter.feed(delta)
             text.append(part.content)
             thought.append(part.reasoning)
-            yield TokenEvent(len(tokens) - 1, token, part.content, part.reasoning)
+            yield TokenEvent(len(tokens) - 1, token, part.content, part.reasoning, lp, alts)
             if hit:
                 reason = "stop"
                 break
