@@ -9,7 +9,10 @@ Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.error
 numbers), an OpenAI field Colibri cannot honour (never silently ignored). `logit_bias` is honoured, and so are
 `logprobs` / `top_logprobs` (chat) and `logprobs` (completions): the model's own log-softmax of each token's raw
 logits (before logit bias, penalties and temperature), with up to 20 alternatives; a streamed chunk carries those of
-its tokens (of a token whose text is held back, the next chunk). A full queue
+its tokens (of a token whose text is held back, the next chunk). `response_format` `json_object` and
+`json_schema` are honoured by grammar-constrained decoding (engine.generation.grammar): the answer is JSON matching
+the schema unless max_tokens cuts it short (finish_reason "length"); a schema that cannot be compiled gets a 400
+naming the problem. A full queue
 answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
 """
 
@@ -41,7 +44,7 @@ from app.server.errors import ApiError, error, responses
 from app.server.errors import sse as _sse
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
-from engine.generation.grammar import token_bytes
+from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar, token_bytes
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.reasoning import ReasoningFormat
 
@@ -56,7 +59,6 @@ MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (Open
 # them (`_UNSUPPORTED`) unless left at a value that asks for nothing.
 
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "response_format": ((None, {"type": "text"}), "only free text is produced (no JSON mode or schema)"),
     "tools": ((None, []), "tool calls are not supported"),
     "tool_choice": ((None, "none", "auto"), "tool calls are not supported"),
     "functions": ((None, []), "function calls are not supported"),
@@ -119,6 +121,35 @@ class _Body(BaseModel):
 
     _unsupported = field_validator(*(n for n in _UNSUPPORTED if n not in ("echo", "suffix", "best_of", "tool_calls")),
                                    mode="before")(_refuse_unsupported)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar `response_format` asks for (None: free text); ApiError (400) naming what is wrong with it.
+        Compiling a large schema takes a while: call it off the event loop."""
+        rf = self.response_format
+        if rf is None:
+            return None
+        kinds = '"text", "json_object" or "json_schema"'
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise ApiError(400, f'response_format must be an object with a "type": {kinds}', "response_format")
+        kind = rf["type"]
+        if kind == "text":
+            return None
+        if kind not in ("json_object", "json_schema"):
+            raise ApiError(400, f"response_format.type {kind!r} is not one of {kinds}", "response_format.type")
+        where = "response_format.json_schema"
+        try:
+            if kind == "json_object":
+                return json_object_grammar()
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ApiError(400, f'{where} is missing: give {{"name": ..., "schema": {{...}}}}', where)
+            if "schema" not in spec:
+                raise ApiError(400, f"{where}.schema is missing: give the JSON Schema the answer must match",
+                               f"{where}.schema")
+            name = spec.get("name")
+            return json_schema_grammar(spec["schema"], name if isinstance(name, str) else None)
+        except ColibriError as exc:
+            raise ApiError(400, f"{where}.schema: {exc}", f"{where}.schema") from None
 
     def sampling(self, vocab: int) -> SamplingParams:
         """The sampling settings this body asks for; ApiError (400) naming a logit_bias id outside the vocabulary."""
@@ -269,12 +300,14 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
+        grammar = await asyncio.to_thread(body.grammar)
         scores = None
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)
         try:
             ticket = engine.submit(list(prompt), max_tokens=limit or room, sampling=sampling, stop=stops,
-                                   loop=asyncio.get_running_loop(), reasoning=reasoning, logprobs=n_logprobs)
+                                   loop=asyncio.get_running_loop(), reasoning=reasoning, logprobs=n_logprobs,
+                                   grammar=grammar)
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER)}) from None

@@ -22,6 +22,7 @@ from engine.events import (
     PromptLogitsEvent,
     TokenEvent,
 )
+from engine.generation.grammar import Constraint, Grammar, make_constraint
 from engine.generation.prefill import prefill, prefill_chunks
 from engine.generation.sampling import (
     History,
@@ -60,6 +61,7 @@ class GenerationRequest:
     speculative: SpeculativeSettings | None = None  # draft and verify several tokens per pass (same output)
     reasoning: ReasoningFormat | None = None  # split the text into reasoning and answer (a chat's prompt decides)
     logprobs: int | None = None               # each token's log-probability and this many alternatives (None: off)
+    grammar: Grammar | None = None            # the output must match it (engine.generation.grammar); None: free text
 
 
 class Seen:
@@ -108,6 +110,7 @@ def generate_step(
     controller: SpeculationController | None = None,
     limit: int | None = None,
     scored: Callable[[np.ndarray, int], None] | None = None,
+    constraint: Constraint | None = None,
 ) -> Generator[int, None, None]:
     """Yield sampled token ids forever; the consumer stops iterating when it has enough.
 
@@ -119,10 +122,14 @@ def generate_step(
     consumer holds a token, `cache` holds everything before it, as in plain decoding; a consumer
     that stops mid-draft leaves it so (the closed generator truncates the accepted draft's tail).
     `scored(logits, token)` sees each chosen token with the raw logits [V] it was chosen from (before the
-    processors), in order, as it is chosen (with drafts, before it is yielded).
+    processors), in order, as it is chosen (with drafts, before it is yielded). `constraint` masks what its grammar
+    forbids (the last processor) and follows each chosen token: a drafted token is kept only when the constrained
+    choice equals it, so speculative output obeys the grammar as plain decoding does.
     """
     sampler = make_sampler(sampling)
     processors = make_logits_processors(sampling)
+    if constraint is not None:
+        processors.append(constraint)
     drafter = None
     if speculative is not None:
         drafter = make_drafter(speculative, model.spec.vocab_size, cache.max_len)
@@ -154,6 +161,8 @@ def generate_step(
             if processors:
                 row = apply_processors(row, History(seen.view(), seen.n_prompt), processors)
             token = sampler(row)
+            if constraint is not None:
+                constraint.advance(token)
             if scored is not None:
                 scored(raw, token)
         seen.append(token)
@@ -314,6 +323,12 @@ def stream_generate(
     reason, hit, sampled = "length", False, 0
     t_first = t_last = t_prefill
     scores: deque[tuple[float, tuple[tuple[int, float], ...]]] = deque()   # chosen, not yet yielded
+    try:
+        constraint = make_constraint(request.grammar, tokenizer, model.spec.vocab_size, stops) \
+            if request.grammar is not None else None
+    except ColibriError as exc:
+        yield ErrorEvent(str(exc))
+        return
     n_top = request.logprobs
 
     def score(row: np.ndarray, token: int) -> None:
@@ -322,7 +337,7 @@ def stream_generate(
     steps = generate_step(model, prompt, cache, request.sampling, first_logits=logits,
                           first_hidden=np.concatenate(prompt_hidden) if prompt_hidden else None,
                           speculative=request.speculative, controller=speculation, limit=request.max_tokens,
-                          scored=score if n_top is not None else None)
+                          scored=score if n_top is not None else None, constraint=constraint)
     try:
         for token in steps:
             t_last = time.perf_counter()

@@ -25,6 +25,7 @@ import numpy as np
 from engine.errors import ColibriError, GenerationError
 from engine.events import DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, TokenEvent
 from engine.generation.generate import GenerationRequest, Seen, StopStrings, request_decoder
+from engine.generation.grammar import make_constraint
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.generation.sampling import (
     History,
@@ -113,6 +114,14 @@ class Scheduler:
             return seq
         seq.sampler = make_sampler(request.sampling)
         seq.processors = make_logits_processors(request.sampling)
+        seq.constraint = None
+        if request.grammar is not None:
+            try:    # its own matcher: each sequence of the batch follows its own grammar
+                seq.constraint = make_constraint(request.grammar, self.tokenizer, self.model.spec.vocab_size, stops)
+            except ColibriError as exc:
+                self._fail(seq, str(exc))
+                return seq
+            seq.processors.append(seq.constraint)
         seq.seen = Seen(request.prompt)     # prompt then sampled ids: what the processors read
         seq.decoder = request_decoder(self.tokenizer, request)
         seq.matcher = StopStrings(request.stop)
@@ -202,6 +211,8 @@ class Scheduler:
             logits = apply_processors(logits, History(seq.seen.view(), seq.seen.n_prompt), seq.processors)
         try:
             token = seq.sampler(logits)
+            if seq.constraint is not None:
+                seq.constraint.advance(token)
             scored = token_logprobs(raw, token, req.logprobs) if req.logprobs is not None else None
         except ColibriError as exc:
             self._fail(seq, str(exc))
