@@ -324,7 +324,8 @@ def stream_generate(
     t_first = t_last = t_prefill
     scores: deque[tuple[float, tuple[tuple[int, float], ...]]] = deque()   # chosen, not yet yielded
     try:
-        constraint = make_constraint(request.grammar, tokenizer, model.spec.vocab_size, stops) \
+        constraint = make_constraint(request.grammar, tokenizer, model.spec.vocab_size, stops,
+                                     request.max_tokens) \
             if request.grammar is not None else None
     except ColibriError as exc:
         yield ErrorEvent(str(exc))

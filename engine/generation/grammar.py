@@ -12,7 +12,9 @@ Three pieces:
   token the grammar forbids next to -inf (greedy and sampled alike) and `advance`s on the token chosen. Once the
   grammar is complete only an end-of-sequence id stays allowed, so the sequence ends as any other does; before
   that, no end-of-sequence id is allowed. Speculative drafts are verified through the same chain: a drafted token
-  is kept only when the constrained choice equals it.
+  is kept only when the constrained choice equals it. Given the request's token budget, it steers the answer to
+  close as the budget ends (engine.generation.json_close): only tokens spelling the closing text stay allowed, so
+  an answer cut by max_tokens still parses wherever the grammar lets it close.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from engine.errors import GenerationError
+from engine.generation.json_close import JsonCloser
 from engine.generation.sampling import HistoryKind, TokenIds
 
 try:  # a runtime dependency; imported lazily by nothing else, so a broken install fails only grammar requests
@@ -155,9 +158,14 @@ class Constraint:
 
     wants: ClassVar[HistoryKind] = "generated"  # reads no history: its own state says what may follow
 
-    def __init__(self, grammar: Grammar, bridge: Any) -> None:
+    def __init__(self, grammar: Grammar, bridge: Any, budget: int | None = None, end_ids: frozenset[int] = frozenset()
+                 ) -> None:
         llg = _lib()
         self.grammar = grammar
+        self.bridge = bridge
+        self.left = budget              # tokens the answer may still have (None: no limit known)
+        self.end_ids = np.array(sorted(end_ids), dtype=np.int64)
+        self.closer = JsonCloser()
         self.matcher = llg.LLMatcher(bridge, grammar.source, log_level=0)
         if self.matcher.is_error():
             raise GenerationError(f"{grammar.what} cannot be matched: {self.matcher.get_error()}")
@@ -175,12 +183,36 @@ class Constraint:
             raise GenerationError(f"the output cannot continue as {self.grammar.what}: {self.matcher.get_error()}")
         bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")  # [32 W] token i is bit i
         np.copyto(self._allowed, bits[: self.vocab], casting="unsafe")
+        if self.left is not None:
+            self._steer_to_close()
         return np.where(self._allowed, logits, -np.inf).astype(logits.dtype, copy=False)
+
+    def _steer_to_close(self) -> None:
+        """Near the end of the budget, allow only tokens that spell the start of the text closing the JSON so far
+        (or an end-of-sequence id once it is whole), where the grammar allows them: an answer cut by max_tokens
+        would not parse. Where the grammar allows none of them (a required key still missing), the mask stays."""
+        assert self.left is not None
+        need = self.closer.suffix()
+        if self.left > len(need) + _CLOSE_MARGIN:
+            return
+        if need:
+            pieces = _piece_index(self.bridge)
+            ids = [i for k in range(len(need), 0, -1) for i in pieces.get(need[:k], ())]
+            keep = np.array(ids, dtype=np.int64)
+        else:
+            keep = self.end_ids
+        keep = keep[self._allowed[keep]] if keep.size else keep
+        if keep.size:
+            self._allowed[:] = False
+            self._allowed[keep] = True
 
     def advance(self, token: int) -> None:
         """Move past the chosen token; GenerationError if the grammar did not allow it."""
         if not self.matcher.consume_token(int(token)):
             raise GenerationError(f"token {token} does not continue {self.grammar.what}: {self.matcher.get_error()}")
+        if self.left is not None:
+            self.left -= 1
+            self.closer.feed(bytes(self.bridge.decode_bytes([int(token)])))
 
     @property
     def complete(self) -> bool:
@@ -188,8 +220,28 @@ class Constraint:
         return bool(self.matcher.is_accepting())
 
 
-def make_constraint(grammar: Grammar, tokenizer: Any, vocab: int, end_ids: frozenset[int]) -> Constraint:
-    """A fresh constraint for one sequence of a model with `vocab` logits, ending on any of `end_ids`."""
+def make_constraint(grammar: Grammar, tokenizer: Any, vocab: int, end_ids: frozenset[int],
+                    budget: int | None = None) -> Constraint:
+    """A fresh constraint for one sequence of a model with `vocab` logits, ending on any of `end_ids`; with a
+    `budget` (max_tokens), it steers the JSON to close before the budget ends."""
     if tokenizer is None:
         raise GenerationError("structured output needs the model's tokenizer, and this model has none")
-    return Constraint(grammar, grammar_tokenizer(tokenizer, vocab, end_ids))
+    return Constraint(grammar, grammar_tokenizer(tokenizer, vocab, end_ids), budget, end_ids)
+
+
+# Closing starts when the tokens left are at most the closing text's bytes plus this: one token may open more
+# than it closes (`{"` adds two bytes to close), so a little room is kept.
+_CLOSE_MARGIN = 4
+_pieces: dict[int, tuple[Any, dict[bytes, list[int]]]] = {}
+
+
+def _piece_index(bridge: Any) -> dict[bytes, list[int]]:
+    """The ids of each token text of `bridge` (built once per bridge, which lives as long as its tokenizer)."""
+    with _bridge_lock:
+        found = _pieces.get(id(bridge))
+        if found is None or found[0] is not bridge:
+            index: dict[bytes, list[int]] = {}
+            for i in range(int(bridge.vocab_size)):
+                index.setdefault(bytes(bridge.decode_bytes([i])), []).append(i)
+            found = _pieces[id(bridge)] = (bridge, index)
+        return found[1]

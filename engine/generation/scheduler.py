@@ -117,7 +117,8 @@ class Scheduler:
         seq.constraint = None
         if request.grammar is not None:
             try:    # its own matcher: each sequence of the batch follows its own grammar
-                seq.constraint = make_constraint(request.grammar, self.tokenizer, self.model.spec.vocab_size, stops)
+                seq.constraint = make_constraint(request.grammar, self.tokenizer, self.model.spec.vocab_size, stops,
+                                                 request.max_tokens)
             except ColibriError as exc:
                 self._fail(seq, str(exc))
                 return seq
