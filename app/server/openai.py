@@ -11,8 +11,8 @@ numbers), an OpenAI field Colibri cannot honour (never silently ignored). `logit
 logits (before logit bias, penalties and temperature), with up to 20 alternatives; a streamed chunk carries those of
 its tokens (of a token whose text is held back, the next chunk). `response_format` `json_object` and
 `json_schema` are honoured by grammar-constrained decoding (engine.generation.grammar): the answer is JSON matching
-the schema unless max_tokens cuts it short (finish_reason "length"); a schema that cannot be compiled gets a 400
-naming the problem. A full queue
+the schema; as max_tokens nears, the answer is steered to close (where the schema lets it close), so that it parses
+even when finish_reason is "length". A schema that cannot be compiled gets a 400 naming the problem. A full queue
 answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
 """
 
