@@ -60,8 +60,8 @@ def json_schema_grammar(schema: Any, name: str | None = None) -> Grammar:
     if not isinstance(schema, dict):
         raise GenerationError(f"the JSON schema must be a JSON object, got {type(schema).__name__}")
     try:
-        source = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema))
-    except (TypeError, ValueError) as exc:
+        source = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as exc:
         raise GenerationError(f"the JSON schema cannot be read: {exc}") from None
     _check(source, "the JSON schema")
     return Grammar(source, f"JSON matching the schema {name!r}" if name else "JSON matching the schema")
@@ -75,7 +75,10 @@ def json_object_grammar() -> Grammar:
 
 
 def _check(source: str, what: str) -> None:
-    is_error, messages = _lib().LLMatcher.validate_grammar_with_warnings(source)
+    try:
+        is_error, messages = _lib().LLMatcher.validate_grammar_with_warnings(source)
+    except (TypeError, ValueError, RuntimeError) as exc:    # user input: an answer, never a traceback
+        is_error, messages = True, [str(exc)]
     if is_error:
         raise GenerationError(f"{what} is not usable: {messages[0] if messages else 'unknown error'}")
 

@@ -102,3 +102,32 @@ def test_the_mask_allows_exactly_what_the_grammar_allows(tiny):
 def test_a_model_without_a_tokenizer_is_refused(tiny):
     with pytest.raises(GenerationError, match="tokenizer"):
         make_constraint(json_object_grammar(), None, tiny.spec.vocab_size, tiny.stop_ids)
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum (5) is greater than maximum (1)"),
+    ({"pattern": "(("}, "unclosed group"),
+    ({"$ref": "#/nope"}, "/nope"),
+    ({"type": "number", "minimum": float("nan")}, "cannot be read"),
+])
+def test_a_schema_it_cannot_use_is_refused_with_the_reason(schema, words):
+    with pytest.raises(GenerationError, match="schema") as caught:
+        json_schema_grammar(schema)
+    assert words in str(caught.value)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_json_object_that_parses(smol_model):
+    # the real model: json_object, greedy, within a tight budget the constraint steers it to close
+    tok = smol_model.tokenizer
+    for prompt in ("Describe a cat as a JSON object.", "Give the facts about Paris as JSON."):
+        ids = tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        request = GenerationRequest(prompt=tuple(ids), max_tokens=40, grammar=json_object_grammar())
+        done = list(stream_generate(smol_model.model, tok, request, stop_ids=smol_model.stop_ids,
+                                    cache=KVCache(smol_model.spec, CTX)))[-1]
+        assert isinstance(json.loads(done.text), dict), done.text
+
+
+@pytest.fixture(scope="module")
+def smol_model(smollm2_gguf):
+    return load_model(smollm2_gguf)
