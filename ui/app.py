@@ -105,7 +105,7 @@ class MainWindow(QMainWindow):
 
         self.bridge = Bridge(self, service)
         self.remote: RemoteService | None = self.bridge.remote   # a server on another machine, or None (local)
-        self.chat = ChatPanel(self.bridge, self.store)
+        self.chat = ChatPanel(self.bridge, self.store, settings=self.settings)   # sampling defaults live there
         self.conversations = ConversationList()
         self.controls = ControlsPanel()
         self.inspector = Inspector() if Inspector is not None else _InspectorPlaceholder(_INSPECTOR_MISSING)

@@ -1,30 +1,25 @@
-"""The chat: a transcript that streams the answer being written, the input with Send / Stop /
+"""The chat: a transcript that streams the answer being written (ui.transcript), the input with Send / Stop /
 Regenerate, the system prompt and sampling settings, and a stats line under every answer.
 
-Tokens only append to a string; the transcript re-renders the answer from it on a timer at
-REDRAW_HZ, so the UI never paints once per token. Conversations are saved (app.conversations)
-when a question is sent and when its answer ends. A model's reasoning (sent apart from the answer:
-engine.tokenizer.reasoning) shows above its answer as a block that a click on its "Reasoning" line
-opens or closes: open while the answer is being written, closed in the answers of the past.
+Conversations are saved (app.conversations) when a question is sent and when its answer ends. A new
+conversation starts with the app's sampling defaults (`ChatDefaults`: temperature 0.7, top-p 0.9, a mild
+repetition penalty, as suits small models), which the user's last choices replace, kept in QSettings; Greedy
+(temperature 0) is one click away. With "Stop loops" on, each token goes through a loop detector
+(engine.generation.loops): an answer that starts repeating itself is stopped, cut to one copy of its loop, and
+the transcript says why. The default demo model (`smollm2-moe`, a 135 M model upcycled to show streaming)
+is named as such in the empty transcript, so users expect its quality.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import (
-    QFont,
-    QFontDatabase,
-    QKeyEvent,
-    QTextBlockFormat,
-    QTextCharFormat,
-    QTextCursor,
-    QTextDocument,
-    QTextFormat,
-)
+from PySide6.QtCore import QEvent, QObject, QSettings, Qt, Signal
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
+    QCheckBox,
     QDoubleSpinBox,
     QHBoxLayout,
     QLabel,
@@ -32,291 +27,78 @@ from PySide6.QtWidgets import (
     QPushButton,
     QSizePolicy,
     QSpinBox,
-    QTextBrowser,
     QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
+from app.config.catalog import DEFAULT_MODEL, DERIVED
 from app.conversations import Conversation, ConversationStore, Sampling, Turn
 from app.service.local import ModelInfo
+from app.service.remote import UNKNOWN_TOKEN
 from engine.events import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
+from engine.generation.loops import Loop, LoopDetector
 from engine.generation.sampling import SamplingParams
 from ui.bridge import Bridge
-from ui.theme import chat_colors
+from ui.transcript import LIVE, REDRAW_HZ, THINKING, Transcript, stats_line
+
+__all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "loop_key",
+           "stats_line"]
 
 log = logging.getLogger(__name__)
 
-REDRAW_HZ = 30      # the streaming answer is re-rendered at most this often
-THINKING = "reasoning-"     # the reasoning blocks' link targets: "#reasoning-<turn index>" (LIVE: the answer)
-LIVE = -1
+DEMO_NOTE = ("This is the demo model: SmolLM2-135M, a small model upcycled into experts to show them streaming "
+             "from disk. Expect simple answers, and open a bigger model for real work (File ▸ Open).")
 
 
-def stats_line(stats: dict) -> str:
-    """'TTFT 0.21 s · 38.4 tok/s · 64 tokens' (· stopped / · error when it did not end normally)."""
-    parts = [f"TTFT {stats.get('ttft_s', 0.0):.2f} s", f"{stats.get('tok_s', 0.0):.1f} tok/s",
-             f"{stats.get('tokens', 0)} tokens"]
-    reason = stats.get("finish_reason")
-    if reason == "cancelled":
-        parts.append("stopped")
-    elif reason == "length":
-        parts.append("max tokens reached")
-    if stats.get("model"):
-        parts.append(str(stats["model"]))
-    return " · ".join(parts)
+@dataclass(frozen=True)
+class ChatDefaults:
+    """The sampling a new conversation starts with, and whether loops stop answers (kept in QSettings)."""
 
+    temperature: float = 0.7        # the last non-greedy temperature
+    top_p: float = 0.9
+    repetition_penalty: float = 1.1
+    greedy: bool = False            # temperature 0: the likeliest token every time
+    stop_loops: bool = True
 
-class Transcript(QTextBrowser):
-    """The conversation as a read-only rich-text document; the answer in progress is redrawn on a timer."""
+    @classmethod
+    def load(cls, settings: QSettings | None) -> ChatDefaults:
+        """The defaults saved in settings (the app's own where none are)."""
+        if settings is None:
+            return cls()
+        d = cls()
+        return cls(float(settings.value("chat/temperature", d.temperature, type=float)),
+                   float(settings.value("chat/top_p", d.top_p, type=float)),
+                   float(settings.value("chat/repetition_penalty", d.repetition_penalty, type=float)),
+                   bool(settings.value("chat/greedy", d.greedy, type=bool)),
+                   bool(settings.value("chat/stop_loops", d.stop_loops, type=bool)))
 
-    def __init__(self, parent: QWidget | None = None):
-        super().__init__(parent)
-        self.setOpenExternalLinks(True)
-        self.anchorClicked.connect(self._on_anchor)     # a reasoning block's link opens or closes it
-        self.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction
-                                     | Qt.TextInteractionFlag.TextSelectableByKeyboard)
-        self.document().setDocumentMargin(12)
-        self._shown: Conversation | None = None  # the conversation as last rendered whole
-        self._answer_start: int | None = None   # document position where the streaming answer begins
-        self._text = ""                         # the answer so far
-        self._thought = ""                      # the answer's reasoning so far
-        self._open: set[int] = set()            # turns (LIVE: the answer) whose reasoning is shown
-        self._dirty = False
-        self.redraws = 0                        # answer renders (tests check they stay below the token count)
-        self._timer = QTimer(self)
-        self._timer.setInterval(1000 // REDRAW_HZ)
-        self._timer.timeout.connect(self._flush)
-
-    # --- whole turns ---
-
-    def changeEvent(self, event: QEvent) -> None:
-        """A new palette (the system went dark or light): draw the turns again in its colours."""
-        super().changeEvent(event)
-        if event.type() == QEvent.Type.PaletteChange and self._shown is not None and not self.answering:
-            self.show_conversation(self._shown)
-
-    def show_conversation(self, conv: Conversation) -> None:
-        """Render every turn of conv (replacing what was shown)."""
-        self.stop_answer()
-        self._shown = conv
-        self.clear()
-        for i, turn in enumerate(conv.turns):
-            self._header(turn.role)
-            if turn.role == "assistant":
-                start = None
-                if turn.reasoning:
-                    cursor = self._end_block()
-                    self._insert_reasoning(cursor, turn.reasoning, i)
-                    start = cursor.position()
-                self._markdown(turn.content, start=start)
-                if turn.stats:
-                    self._note(stats_line(dict(turn.stats)))
-            else:
-                self._plain(turn.content)
-        self._scroll_to_end()
-
-    def remember(self, conv: Conversation) -> None:
-        """conv is what the transcript shows now (turns appended one by one): redraw it on a palette change."""
-        self._shown = conv
-
-    def add_user(self, text: str) -> None:
-        """Append a question."""
-        self._header("user")
-        self._plain(text)
-        self._scroll_to_end()
-
-    def add_error(self, message: str) -> None:
-        """Append an error note."""
-        self._note(message, error=True)
-        self._scroll_to_end()
-
-    # --- the streaming answer ---
-
-    def begin_answer(self) -> None:
-        """Start an assistant turn whose text arrives in pieces."""
-        self._header("assistant")
-        cursor = self._end_block()
-        self._answer_start = cursor.position()
-        self._text, self._thought, self._dirty = "", "", True
-        self._open.add(LIVE)
-        self._timer.start()
-
-    def add_text(self, text: str, reasoning: str = "") -> None:
-        """Append to the answer and to its reasoning (drawn at the next tick, not now)."""
-        if text or reasoning:
-            self._text += text
-            self._thought += reasoning
-            self._dirty = True
-
-    def end_answer(self, text: str, note: str = "", error: bool = False, reasoning: str | None = None) -> None:
-        """Draw the final answer (and its reasoning: None keeps what streamed) and its stats line."""
-        if self._answer_start is None:
+    def save(self, settings: QSettings | None) -> None:
+        """Keep these defaults for the next conversation and the next run."""
+        if settings is None:
             return
-        self._text, self._dirty = text, True
-        if reasoning is not None:
-            self._thought = reasoning
-        self._flush()
-        self.stop_answer()
-        if note:
-            self._note(note, error=error)
+        for key in ("temperature", "top_p", "repetition_penalty", "greedy", "stop_loops"):
+            settings.setValue(f"chat/{key}", getattr(self, key))
 
-    def stop_answer(self) -> None:
-        """Stop redrawing (the answer stays as drawn)."""
-        self._timer.stop()
-        self._answer_start = None
-
-    @property
-    def text(self) -> str:
-        """The streaming answer's text so far."""
-        return self._text
-
-    @property
-    def reasoning(self) -> str:
-        """The streaming answer's reasoning so far."""
-        return self._thought
-
-    def toggle_reasoning(self, key: int) -> None:
-        """Open or close the reasoning of turn `key` (LIVE: of the answer being written). A past turn's block
-        changes at once when no answer is being written, else when the conversation is next drawn whole."""
-        self._open ^= {key}
-        if key == LIVE:
-            self._dirty = True
-            self._flush()
-        elif not self.answering and self._shown is not None:
-            bar = self.verticalScrollBar()
-            where = bar.value()
-            self.show_conversation(self._shown)
-            bar.setValue(where)
-
-    def reasoning_open(self, key: int) -> bool:
-        """Whether the reasoning of turn `key` (LIVE: of the answer being written) is shown."""
-        return key in self._open
-
-    def _on_anchor(self, url: QUrl) -> None:
-        if _reasoning_link(url):
-            self.toggle_reasoning(int(url.fragment()[len(THINKING):]))
-
-    def doSetSource(self, name: QUrl, type: QTextDocument.ResourceType = QTextDocument.ResourceType.UnknownResource
-                    ) -> None:
-        """Links are followed as QTextBrowser does, except a reasoning block's (it toggles in place)."""
-        if not _reasoning_link(name):
-            super().doSetSource(name, type)
-
-    @property
-    def answering(self) -> bool:
-        """Whether an answer is being streamed in."""
-        return self._answer_start is not None
-
-    def _flush(self) -> None:
-        if not self._dirty or self._answer_start is None:
-            return
-        self._dirty = False
-        self.redraws += 1
-        bar = self.verticalScrollBar()
-        follow = bar.value() >= bar.maximum() - 4
-        cursor = QTextCursor(self.document())
-        cursor.setPosition(self._answer_start)
-        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
-        cursor.removeSelectedText()
-        start = self._answer_start
-        if self._thought:
-            self._insert_reasoning(cursor, self._thought, LIVE)
-            start = cursor.position()
-        self._markdown(self._text if self._text else ("" if self._thought else "…"), start=start)
-        if follow:
-            self._scroll_to_end()
-
-    # --- document building ---
-
-    def _end_block(self) -> QTextCursor:
-        """A cursor at the end, in a fresh block with neutral formats (markdown leaves its own behind)."""
-        cursor = QTextCursor(self.document())
-        cursor.movePosition(QTextCursor.MoveOperation.End)
-        if cursor.position() > 0:
-            cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
-        else:
-            cursor.setBlockFormat(QTextBlockFormat())
-            cursor.setCharFormat(QTextCharFormat())
-        return cursor
-
-    def _header(self, role: str) -> None:
-        colors = chat_colors(self.palette())
-        cursor = self._end_block()
-        block = QTextBlockFormat()
-        block.setTopMargin(14 if cursor.position() > 0 else 0)
-        cursor.setBlockFormat(block)
-        fmt = QTextCharFormat()
-        fmt.setFontWeight(QFont.Weight.Bold)
-        fmt.setForeground(colors.user if role == "user" else colors.assistant)
-        cursor.insertText({"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role), fmt)
-
-    def _insert_reasoning(self, cursor: QTextCursor, text: str, key: int) -> None:
-        """Reasoning at `cursor` (the end, in an empty block): a "Reasoning" link that opens or closes it, then
-        the text, muted, when open; `cursor` ends in a fresh block for the answer."""
-        colors = chat_colors(self.palette())
-        link = QTextCharFormat()
-        link.setAnchor(True)
-        link.setAnchorHref(f"#{THINKING}{key}")
-        link.setForeground(colors.muted)
-        shown = key in self._open
-        words = len(text.split())
-        cursor.insertText(f"{'▾' if shown else '▸'} Reasoning ({words} word{'' if words == 1 else 's'})", link)
-        if shown:
-            block = QTextBlockFormat()
-            block.setLeftMargin(14)
-            body = QTextCharFormat()
-            body.setForeground(colors.muted)
-            body.setFontItalic(True)
-            cursor.insertBlock(block, body)
-            cursor.insertText(text, body)
-        cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
-
-    def _plain(self, text: str) -> None:
-        cursor = self._end_block()
-        cursor.insertText(text)
-
-    def _markdown(self, text: str, start: int | None = None) -> None:
-        """Insert markdown at the end (or at `start`, the end too), then give code blocks a background."""
-        if start is None:
-            start = self._end_block().position()
-        cursor = QTextCursor(self.document())
-        cursor.setPosition(start)
-        cursor.insertMarkdown(text)
-        self._style_code(start)
-
-    def _style_code(self, start: int) -> None:
-        """Code blocks from `start` on: a fixed-pitch font on a background of their own."""
-        colors = chat_colors(self.palette())
-        mono = QTextCharFormat()
-        mono.setFontFixedPitch(True)
-        mono.setFontFamilies([QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont).family()])
-        block = self.document().findBlock(start)
-        while block.isValid():
-            fmt = block.blockFormat()
-            if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.nonBreakableLines():
-                fmt.setBackground(colors.code_background)
-                fmt.setLeftMargin(8)
-                cursor = QTextCursor(block)
-                cursor.setBlockFormat(fmt)
-                cursor.movePosition(QTextCursor.MoveOperation.EndOfBlock, QTextCursor.MoveMode.KeepAnchor)
-                cursor.mergeCharFormat(mono)
-            block = block.next()
-
-    def _note(self, text: str, error: bool = False) -> None:
-        colors = chat_colors(self.palette())
-        cursor = self._end_block()
-        fmt = QTextCharFormat()
-        fmt.setForeground(colors.error if error else colors.muted)
-        fmt.setFontPointSize(max(7.0, self.font().pointSizeF() * 0.85))
-        cursor.insertText(text, fmt)
-
-    def _scroll_to_end(self) -> None:
-        bar = self.verticalScrollBar()
-        bar.setValue(bar.maximum())
+    def sampling(self, max_tokens: int = Sampling.max_tokens) -> Sampling:
+        """A new conversation's sampling."""
+        return Sampling(0.0 if self.greedy else self.temperature, self.top_p, max_tokens, self.repetition_penalty)
 
 
-def _reasoning_link(url: QUrl) -> bool:
-    return url.isRelative() and url.fragment().startswith(THINKING)
+def loop_key(event: TokenEvent) -> int:
+    """What the loop detector compares: the token id, or for a server's token seen only as text, the text."""
+    if event.token_id != UNKNOWN_TOKEN:
+        return event.token_id
+    return hash((event.text, event.reasoning)) & 0x7FFF_FFFF_FFFF_FFFF | 1 << 62   # never a real token id
+
+
+def is_demo(info: ModelInfo) -> bool:
+    """Whether info is the default demo model (or the bf16 model it is converted from)."""
+    folders, name = set(), DEFAULT_MODEL
+    while name in DERIVED:
+        folders.add(DERIVED[name].folder)
+        name = DERIVED[name].source
+    return Path(info.path).name in folders
 
 
 class _SendOnEnter(QObject):
@@ -344,11 +126,16 @@ class ChatPanel(QWidget):
     conversationsChanged = Signal()     # a conversation was saved or started (the list refreshes)
     generatingChanged = Signal(bool)    # an answer started (True) or ended, stopped or failed (False)
 
-    def __init__(self, bridge: Bridge, store: ConversationStore, parent: QWidget | None = None):
+    def __init__(self, bridge: Bridge, store: ConversationStore, parent: QWidget | None = None,
+                 settings: QSettings | None = None):
         super().__init__(parent)
-        self.bridge, self.store = bridge, store
+        self.bridge, self.store, self.settings = bridge, store, settings
         self.info: ModelInfo | None = None
-        self.conversation = Conversation.new()
+        self.defaults = ChatDefaults.load(settings)
+        self.conversation = Conversation.new(sampling=self.defaults.sampling())
+        self._loops: LoopDetector | None = None  # watching the answer in flight (Stop loops on)
+        self.loop: Loop | None = None           # the loop that stopped the last answer, if one did
+        self._pieces: list[tuple[str, str]] = []  # per token of the answer in flight: (text, reasoning)
         self._request: int | None = None        # the generation in flight
         self._busy_shown = False                # what generatingChanged last said
         self._answering: Conversation | None = None  # the conversation that answer belongs to
@@ -376,11 +163,24 @@ class ChatPanel(QWidget):
         self.system_toggle.toggled.connect(self._toggle_system)
 
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, decimals=2)
-        self.temperature.setToolTip("0 is greedy: the likeliest token every time")
+        self.temperature.setToolTip("how freely tokens are chosen; 0 is greedy: the likeliest token every time")
+        self.greedy = QCheckBox("Greedy")
+        self.greedy.setToolTip("always the likeliest token (temperature 0): the same answer every time")
         self.top_p = QDoubleSpinBox(minimum=0.05, maximum=1.0, singleStep=0.05, decimals=2)
         self.top_p.setToolTip("nucleus sampling: keep the likeliest tokens holding this much probability (1 is off)")
+        self.repeat_penalty = QDoubleSpinBox(minimum=1.0, maximum=2.0, singleStep=0.05, decimals=2)
+        self.repeat_penalty.setToolTip("makes tokens already in the conversation less likely (1 is off; small "
+                                       "models repeat themselves less at 1.1)")
         self.max_tokens = QSpinBox(minimum=1, maximum=32768, singleStep=64)
         self.max_tokens.setToolTip("the longest answer, in tokens")
+        self.stop_loops = QCheckBox("Stop loops")
+        self.stop_loops.setToolTip("stop an answer that starts repeating itself, and say so")
+        self.stop_loops.setChecked(self.defaults.stop_loops)
+        self.temperature.valueChanged.connect(self._temperature_changed)
+        self.greedy.toggled.connect(self._greedy_toggled)
+        self.top_p.valueChanged.connect(lambda _v: self._keep_defaults())
+        self.repeat_penalty.valueChanged.connect(self._penalty_changed)
+        self.stop_loops.toggled.connect(lambda _on: self._keep_defaults())
 
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Ask something (Enter sends, Shift+Enter for a new line)")
@@ -396,12 +196,19 @@ class ChatPanel(QWidget):
         self.regen_button.clicked.connect(self.regenerate)
         self.input.textChanged.connect(self._update_buttons)
 
-        settings = QHBoxLayout()
-        settings.addStretch(1)
-        for label, widget in (("Temperature", self.temperature), ("Top-p", self.top_p),
-                              ("Max tokens", self.max_tokens)):
-            settings.addWidget(QLabel(label))
-            settings.addWidget(widget)
+        # two short rows rather than one long one: the chat keeps a narrow minimum width beside the docks
+        rows = ((("Temperature", self.temperature), ("", self.greedy), ("Top-p", self.top_p)),
+                (("Repeat penalty", self.repeat_penalty), ("Max tokens", self.max_tokens), ("", self.stop_loops)))
+        settings = QVBoxLayout()
+        settings.setSpacing(2)
+        for row in rows:
+            line = QHBoxLayout()
+            line.addStretch(1)
+            for label, widget in row:
+                if label:
+                    line.addWidget(QLabel(label))
+                line.addWidget(widget)
+            settings.addLayout(line)
         buttons = QHBoxLayout()
         buttons.addWidget(self.system_toggle)
         buttons.addWidget(self.status, 1)
@@ -422,12 +229,14 @@ class ChatPanel(QWidget):
     def set_model(self, info: ModelInfo | None) -> None:
         """The model answers come from (None: none loaded, nothing can be sent)."""
         self.info = info
+        demo = info is not None and is_demo(info)
+        self.transcript.setPlaceholderText(DEMO_NOTE if demo else "")
         if info is None:
             self._set_status("Open a model to chat (File ▸ Open)")
         elif not info.chat:
             self._set_status(f"{info.name} has no chat template: it cannot chat")
         else:
-            self._set_status(f"Ready: {info.name}")
+            self._set_status(f"Ready: {info.name}" + (" (the small demo model)" if demo else ""))
         self._update_buttons()
 
     def open_conversation(self, conv: Conversation) -> None:
@@ -502,6 +311,8 @@ class ChatPanel(QWidget):
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, repetition_penalty=s.repetition_penalty)
         self._answering = self.conversation
         self._tokens, self._partial, self._partial_reasoning = 0, "", ""
+        self._loops = LoopDetector() if self.stop_loops.isChecked() else None
+        self.loop, self._pieces = None, []
         self._request = self.bridge.service.generate(messages=self.conversation.messages(), sampling=params,
                                                      max_tokens=s.max_tokens)
         self.transcript.begin_answer()
@@ -516,8 +327,15 @@ class ChatPanel(QWidget):
             self._tokens += 1
             self._partial += event.text
             self._partial_reasoning += event.reasoning
+            self._pieces.append((event.text, event.reasoning))
             if shown:
                 self.transcript.add_text(event.text, event.reasoning)
+            if self._loops is not None and self.loop is None:
+                self.loop = self._loops.push(loop_key(event))
+                if self.loop is not None:   # the engine stops before its next token; _finish cuts the loop
+                    self.bridge.service.cancel(request)
+                    self._set_status("Stopping: the answer repeats itself…")
+                    return
             if self._tokens == 1 or self._tokens % 16 == 0:
                 self._set_status(f"Writing… {self._tokens} tokens")
         elif isinstance(event, ProgressEvent):
@@ -534,6 +352,11 @@ class ChatPanel(QWidget):
 
     def _finish(self, done: DoneEvent, shown: bool) -> None:
         s = done.stats
+        loop, self._loops = self.loop, None
+        if loop is not None:    # keep the answer up to the first copy of its loop
+            kept = self._pieces[: loop.start + loop.period]
+            done = replace(done, finish_reason="loop", text="".join(t for t, _ in kept),
+                           reasoning="".join(r for _, r in kept))
         stats = {"ttft_s": round(s.ttft_s, 4), "tok_s": round(s.decode_tok_s, 2), "tokens": len(done.tokens),
                  "finish_reason": done.finish_reason, "model": self.info.name if self.info else None}
         conv = self._answering
@@ -548,20 +371,29 @@ class ChatPanel(QWidget):
             self.transcript.remember(self.conversation)
         elif shown:
             self.transcript.show_conversation(self.conversation)
-        self._set_status(("Stopped: " if done.finish_reason == "cancelled" else "Done: ") + stats_line(stats))
+        if shown and loop is not None:
+            self.transcript.add_note(
+                f"The answer was stopped because it repeated itself ({loop.repeats} times a stretch of {loop.period} "
+                f"token{'s' if loop.period > 1 else ''}); it is shown up to the first repeat. Regenerate, raise "
+                "the temperature or the repeat penalty, or uncheck Stop loops to let it run.")
+        self._set_status(("Stopped: " if done.finish_reason in ("cancelled", "loop") else "Done: ")
+                         + stats_line(stats))
         self._update_buttons()
 
     # --- helpers ---
 
     def _show(self, conv: Conversation) -> None:
         self.transcript.show_conversation(conv)
-        for w in (self.system_edit, self.temperature, self.top_p, self.max_tokens):
+        widgets = (self.system_edit, self.temperature, self.greedy, self.top_p, self.repeat_penalty, self.max_tokens)
+        for w in widgets:
             w.blockSignals(True)
         self.system_edit.setPlainText(conv.system)
         self.temperature.setValue(conv.sampling.temperature)
+        self.greedy.setChecked(conv.sampling.temperature == 0)
         self.top_p.setValue(conv.sampling.top_p)
+        self.repeat_penalty.setValue(conv.sampling.repetition_penalty)
         self.max_tokens.setValue(conv.sampling.max_tokens)
-        for w in (self.system_edit, self.temperature, self.top_p, self.max_tokens):
+        for w in widgets:
             w.blockSignals(False)
         if conv.system and not self.system_toggle.isChecked():
             self.system_toggle.setChecked(True)
@@ -576,6 +408,32 @@ class ChatPanel(QWidget):
             self.conversation = conv = replace(conv, system=system, sampling=sampling)
             if conv.turns:
                 self._save(conv)
+
+    def _temperature_changed(self, value: float) -> None:
+        """Temperature 0 is greedy: the check box says so."""
+        self.greedy.blockSignals(True)
+        self.greedy.setChecked(value == 0)
+        self.greedy.blockSignals(False)
+        self._keep_defaults()
+
+    def _greedy_toggled(self, on: bool) -> None:
+        """Greedy sets the temperature to 0; unchecked, back to the last temperature above 0."""
+        self.temperature.setValue(0.0 if on else (self.defaults.temperature or ChatDefaults.temperature))
+
+    def _penalty_changed(self, value: float) -> None:
+        conv = self.conversation
+        if value != conv.sampling.repetition_penalty:
+            self.conversation = conv = replace(conv, sampling=replace(conv.sampling, repetition_penalty=value))
+            if conv.turns:
+                self._save(conv)
+        self._keep_defaults()
+
+    def _keep_defaults(self) -> None:
+        """The user changed a setting: it becomes the default of new conversations and of the next run."""
+        t = self.temperature.value()
+        self.defaults = ChatDefaults(t if t > 0 else self.defaults.temperature, self.top_p.value(),
+                                     self.repeat_penalty.value(), t == 0, self.stop_loops.isChecked())
+        self.defaults.save(self.settings)
 
     def _save(self, conv: Conversation) -> None:
         try:

@@ -1,4 +1,4 @@
-"""`colibri serve MODEL`: the model behind an OpenAI-compatible HTTP API (see app.server.app)."""
+"""`colibri serve MODEL`: the model behind OpenAI-, Anthropic- and Ollama-compatible HTTP APIs (see app.server.app)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ MAX_CONNECTIONS = 512       # app.server.http.HttpLimits' default (not imported 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` command."""
     parser = subparsers.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL on /v1/chat/completions, /v1/completions and /v1/models (streamed or not), with "
+        "serve", help="serve a model over OpenAI-, Anthropic- and Ollama-compatible HTTP APIs",
+        description="Serve MODEL on /v1/chat/completions, /v1/completions and /v1/models (streamed or not), "
+        "Anthropic's /v1/messages and Ollama's /api/chat, /api/generate, /api/tags ..., with "
         "/health, /metrics (Prometheus) and /v1/telemetry (server-sent events). Concurrent requests decode "
         "together; past --max-queue waiting requests the answer is 429. Binds to loopback unless told otherwise. "
         "A request head must arrive within 10 s and its body within 30 s (else 408); heads over 16 KiB get 431; "
@@ -26,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_argument(parser, required=False)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    parser.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health")
     parser.add_argument("--max-queue", type=int, default=16, metavar="N",
                         help="requests that may wait for room in the batch before 429 (default 16)")
     parser.add_argument("--max-batch", type=int, default=4, metavar="N", help="requests decoded together (default 4)")

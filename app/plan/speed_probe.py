@@ -39,7 +39,7 @@ from app.plan.speed_model import Call, Rates, Work, bytes_per_weight, decode_cal
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.offload.budget import kv_bytes
 from engine.plan.planner import group_for
-from engine.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
+from engine.spec import AttentionSpec, GatedDeltaNetSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec
 
 TINY_HIDDEN = 64           # the tiny models' widths (their own kernel time is taken out)
 TINY_FFN = 64
@@ -240,6 +240,10 @@ def _tiny_layer(layer: LayerSpec, heads: bool) -> LayerSpec:
     if isinstance(attn, AttentionSpec):
         attn = replace(attn, sliding_window=None)
         attn = attn if heads else replace(attn, n_heads=1, n_kv_heads=1)
+    elif isinstance(attn, GatedDeltaNetSpec):
+        # one key head with its group of value heads, so the group's shape (and the kernel's path) stays real
+        group = attn.n_v_heads // attn.n_k_heads
+        attn = attn if heads else replace(attn, n_k_heads=1, n_v_heads=group)
     elif not heads:
         attn = replace(attn, n_heads=1)
     return LayerSpec(attn, ffn)

@@ -16,6 +16,9 @@ half-open connections pile up until accept() fails with EMFILE. `GuardedH11Proto
 - 431 for a request head over `max_head` bytes (h11's own limit), and 400 for malformed requests;
 - a lingering close after any such refusal: the answer is sent, then what the client still sends is read and
   dropped for up to `linger` s, so that it reads the answer instead of a connection reset;
+- each refusal in the error shape of the API the request's path belongs to (app.server.errors.shape_of): the
+  path is read from the request line as far as it came (a refused newcomer's 503 waits up to `linger` s for its
+  request line, read apart from h11, so that an Anthropic or Ollama client gets an answer it can parse);
 - a bounded log: each repeated warning, and asyncio's "out of system resource" accept errors, at most once per
   `LOG_EVERY` s, with the count of those left out (an EMFILE storm once wrote 31 MB of tracebacks in 10 s).
 """
@@ -38,11 +41,13 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from app.server.errors import error_payload, shape_of
 from engine.errors import ColibriError
 
 LOG_EVERY = 10.0        # seconds between two log records of one kind
 FD_RESERVE = 256        # open files kept for the model's files, reader threads, /proc reads, the log
 LINGER_CAP = 64         # refused connections read-and-dropped at once; past it a refusal closes at once
+SAMPLE = 2048           # bytes of a request head kept to read its path from, when h11 has not parsed it
 
 
 @dataclass(frozen=True)
@@ -175,13 +180,25 @@ class _Registry:
 _REGISTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # uvicorn's ServerState -> _Registry
 
 
-def error_bytes(status: int, message: str, code: str | None, headers: tuple[tuple[str, str], ...] = ()) -> bytes:
-    """A whole HTTP/1.1 answer in OpenAI's error shape, closing the connection (written outside h11)."""
+def error_bytes(status: int, message: str, code: str | None, headers: tuple[tuple[str, str], ...] = (),
+                path: str = "") -> bytes:
+    """A whole HTTP/1.1 answer in the error shape of the API `path` belongs to (OpenAI's without a path), closing
+    the connection (written outside h11)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    body = json.dumps(error_payload(shape_of(path), status, message, kind, None, code)).encode()
     lines = [f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}", "content-type: application/json",
              f"content-length: {len(body)}", "connection: close", *(f"{k}: {v}" for k, v in headers)]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def request_path(head: bytes) -> str:
+    """The path of the request line at the start of `head` ("" until it has come to its end)."""
+    line = head.split(b"\r\n", 1)[0].split(b"\n", 1)[0]
+    parts = line.split(b" ")
+    if len(parts) < 3 and b"\n" not in head:      # the target may still be arriving
+        return ""
+    target = parts[1] if len(parts) > 1 else b""
+    return target.split(b"?", 1)[0].decode("latin-1")
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -196,6 +213,8 @@ class GuardedH11Protocol(H11Protocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0            # bytes received while waiting for the current head
+        self._head_sample = b""         # their first SAMPLE bytes, to read the path from
+        self._refusal: tuple | None = None      # a refusal waiting for the request line (its path picks the shape)
         self._dropping = False          # answered and closing: what still arrives is read and dropped
         self._lingering = False
         self._protocol_error: h11.RemoteProtocolError | None = None
@@ -215,16 +234,23 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections and not self._make_room():
-            self._refuse(503, f"the server holds {self.limits.max_connections} connections, each with a request in "
-                              "progress: retry shortly", "server_busy", (("retry-after", "1"),))
+            self._refuse_on_request_line(503, f"the server holds {self.limits.max_connections} connections, each with "
+                                              "a request in progress: retry shortly", "server_busy",
+                                         (("retry-after", "1"),))
             return
         self._await_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:
+            self._head_sample += data[: SAMPLE - len(self._head_sample)]
+            if b"\n" in self._head_sample or len(self._head_sample) >= SAMPLE:
+                self._refuse(*self._refusal, path=request_path(self._head_sample))
+            return
         if self._dropping:
             return
         if self in self.registry.waiting:
             self._head_bytes += len(data)
+            self._head_sample += data[: SAMPLE - len(self._head_sample)]
         super().data_received(data)
 
     def handle_events(self) -> None:
@@ -245,11 +271,12 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         status = getattr(self._protocol_error, "error_status_hint", 400)
+        path = request_path(self._head_sample)
         if status == 431:
             self._refuse(431, f"the request head is over {self.limits.max_head} bytes: send fewer or shorter headers",
-                         "request_header_fields_too_large")
+                         "request_header_fields_too_large", path=path)
         else:
-            self._refuse(400, f"malformed HTTP request: {self._protocol_error or msg}", "bad_http_request")
+            self._refuse(400, f"malformed HTTP request: {self._protocol_error or msg}", "bad_http_request", path=path)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._head_timer, self._body_timer, self._linger_timer):
@@ -273,6 +300,7 @@ class GuardedH11Protocol(H11Protocol):
         self.registry.waiting.pop(self, None)
         self.registry.waiting[self] = None
         self._head_bytes = 0
+        self._head_sample = b""
         self._head_timer = self.loop.call_later(self.limits.head_timeout, self._head_late)
 
     def _head_arrived(self) -> None:
@@ -287,7 +315,7 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer = None
         if self._head_bytes:
             self._refuse(408, f"the request head did not arrive within {self.limits.head_timeout:g} s",
-                         "request_timeout")
+                         "request_timeout", path=request_path(self._head_sample))
         else:                                   # not a byte: nobody is reading an answer
             self.registry.waiting.pop(self, None)
             self.transport.close()
@@ -298,7 +326,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         if not self.cycle.response_started:
             self._refuse(408, f"the request body did not arrive within {self.limits.body_timeout:g} s of its head",
-                         "request_timeout")
+                         "request_timeout", path=self.cycle.scope.get("path", ""))
         else:                                   # answered already (the body was not needed): just close
             self._end_cycle()
             self.transport.close()
@@ -323,24 +351,42 @@ class GuardedH11Protocol(H11Protocol):
             self.cycle.disconnected = True
             self.cycle.message_event.set()
 
-    def _refuse(self, status: int, message: str, code: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
-        """Answer `status` outside h11 and close after draining what the client still sends."""
+    def _refuse_on_request_line(self, status: int, message: str, code: str,
+                                headers: tuple[tuple[str, str], ...] = ()) -> None:
+        """Refuse a connection on which nothing came yet: wait up to `linger` s for its request line, whose path
+        picks the error's shape, then answer. Counted with the drained ones: past LINGER_CAP, answer at once."""
+        self.connections.discard(self)          # no longer uvicorn's; the registry bounds the waiting ones
+        if self.registry.lingering >= LINGER_CAP:
+            self._refuse(status, message, code, headers)
+            return
+        self.registry.lingering += 1
+        self._lingering = True
+        self._refusal = (status, message, code, headers)
+        self._head_timer = self.loop.call_later(self.limits.linger, lambda: self._refuse(
+            status, message, code, headers, path=request_path(self._head_sample)))
+
+    def _refuse(self, status: int, message: str, code: str, headers: tuple[tuple[str, str], ...] = (),
+                path: str = "") -> None:
+        """Answer `status` (in the error shape of `path`'s API) outside h11 and close after draining what the
+        client still sends."""
         for timer in (self._head_timer, self._body_timer):
             if timer is not None:
                 timer.cancel()
         self._head_timer = self._body_timer = None
+        self._refusal = None
         self.registry.waiting.pop(self, None)
         self._end_cycle()
         if self.transport.is_closing():
             return
         self._dropping = True
-        self.transport.write(error_bytes(status, message, code, headers))
+        self.transport.write(error_bytes(status, message, code, headers, path))
         self.connections.discard(self)          # no longer uvicorn's; the registry bounds the drained ones
-        if self.registry.lingering >= LINGER_CAP or not self.transport.can_write_eof():
+        if (not self._lingering and self.registry.lingering >= LINGER_CAP) or not self.transport.can_write_eof():
             self.transport.close()
             return
-        self.registry.lingering += 1
-        self._lingering = True
+        if not self._lingering:
+            self.registry.lingering += 1
+            self._lingering = True
         self.transport.write_eof()
         self.transport.resume_reading()         # drain even if uvicorn had paused reading a large body
         self._linger_timer = self.loop.call_later(self.limits.linger, self.transport.abort)

@@ -12,7 +12,9 @@ logits (before logit bias, penalties and temperature), with up to 20 alternative
 its tokens (of a token whose text is held back, the next chunk). `response_format` `json_object` and
 `json_schema` are honoured by grammar-constrained decoding (engine.generation.grammar): the answer is JSON matching
 the schema; as max_tokens nears, the answer is steered to close (where the schema lets it close), so that it parses
-even when finish_reason is "length". A schema that cannot be compiled gets a 400 naming the problem. A full queue
+even when finish_reason is "length". A schema that cannot be compiled gets a 400 naming the problem. A max_tokens
+past the room the prompt leaves in the context is clamped to that room (app.server.generation.budget, as on the
+Anthropic and Ollama routes): the answer then ends with "length" when the context is full. A full queue
 answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
 """
 
@@ -42,6 +44,7 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import QueueFull, Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.errors import sse as _sse
+from app.server.generation import budget
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar, token_bytes
@@ -286,16 +289,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
 
     async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool,
                         reasoning: ReasoningFormat | None = None, n_logprobs: int | None = None):
-        if not prompt:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        room = engine.ctx - len(prompt)
-        if room < 1:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens but the context holds {engine.ctx}; "
-                                "shorten it", "messages" if chat else "prompt", "context_length_exceeded")
-        limit = body.max_completion_tokens or body.max_tokens
-        if limit is not None and limit > room:
-            raise ApiError(400, f"max_tokens {limit} does not fit: the prompt has {len(prompt)} tokens and the "
-                                f"context holds {engine.ctx}, leaving {room}", "max_tokens", "context_length_exceeded")
+        limit = budget(body.max_completion_tokens or body.max_tokens, len(prompt), engine.ctx,
+                       "messages" if chat else "prompt").max_tokens
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
@@ -305,7 +300,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)
         try:
-            ticket = engine.submit(list(prompt), max_tokens=limit or room, sampling=sampling, stop=stops,
+            ticket = engine.submit(list(prompt), max_tokens=limit, sampling=sampling, stop=stops,
                                    loop=asyncio.get_running_loop(), reasoning=reasoning, logprobs=n_logprobs,
                                    grammar=grammar)
         except QueueFull as exc:

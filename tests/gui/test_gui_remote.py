@@ -33,7 +33,7 @@ from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
 from engine.telemetry import Snapshot
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS, qtbot_app
+from support.qt import LOAD_TIMEOUT_MS, qtbot_app, test_settings
 from support.server import paced
 
 KEY = "remote-test-key-0123"
@@ -300,7 +300,6 @@ def test_a_wrong_key_and_a_dead_port_are_clear_messages(server):
 @pytest.fixture
 def remote_window(qtbot, tmp_path):
     """remote_window(url, key) -> a shown MainWindow on the server at url; every one is closed at teardown."""
-    from PySide6.QtCore import QSettings
 
     from app.conversations import ConversationStore
     from ui.app import MainWindow, configure, remote_service
@@ -309,7 +308,7 @@ def remote_window(qtbot, tmp_path):
     made = []
 
     def make(url: str, key: str | None):
-        w = MainWindow(QSettings(str(tmp_path / "colibri.ini"), QSettings.Format.IniFormat),
+        w = MainWindow(test_settings(tmp_path / "colibri.ini"),     # greedy: the server's answer is known
                        ConversationStore(tmp_path / "conversations"), service=remote_service(url, key))
         made.append(w)
         w.show()

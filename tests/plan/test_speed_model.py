@@ -240,3 +240,26 @@ def test_the_sparse_attention_indexer_is_counted(tmp_path: Path) -> None:
     dense = dataclasses.replace(spec, layers=tuple(dataclasses.replace(layer, attn=dataclasses.replace(
         layer.attn, indexer=None)) for layer in spec.layers))
     assert sm._window_keys(dense, 999, 1) == 1000 * spec.n_layers         # without it: every key
+
+
+# widths a quantization group divides, as in real models (the parity shapes' 16-wide heads are not)
+WIDE = {"qwen3_next": dict(head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32),
+        "glm_moe_dsa": dict(kv_lora_rank=32, qk_nope_head_dim=32, v_head_dim=32)}
+
+
+@pytest.mark.parametrize("model_type", sorted(WIDE))
+def test_tiny_models_of_recurrent_and_latent_layers_run(tmp_path: Path, model_type: str) -> None:
+    """The probe's tiny models keep each layer kind, with one head (of each kind) unless asked for all."""
+    from engine.kv import KVCache
+
+    work = _work(tmp_path, _family_config(model_type, **WIDE[model_type]), name=model_type)
+    codes = speed_probe.CodePool(1 << 20, np.random.default_rng(0))
+    one, _, _ = speed_probe.tiny_model(work.spec, 1, work, codes)
+    heads, _, _ = speed_probe.tiny_model(work.spec, 1, work, codes, heads=True)
+    assert {type(layer.attn) for layer in one.spec.layers} == {type(layer.attn) for layer in work.spec.layers}
+    for tiny, real in zip(heads.spec.layers, one.spec.layers):
+        if isinstance(tiny.attn, sm.GatedDeltaNetSpec):
+            assert (real.attn.n_k_heads, real.attn.n_v_heads // real.attn.n_k_heads) == (
+                1, tiny.attn.n_v_heads // tiny.attn.n_k_heads)
+    for model in (one, heads):
+        assert np.isfinite(model.forward([1, 2, 3], KVCache(model.spec, 8))).all()

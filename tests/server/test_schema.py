@@ -1,5 +1,6 @@
-"""The server's OpenAPI schema says what it answers (errors in OpenAI's shape, server-sent events), and
-schemathesis holds the server to it over every route: no 5xx, every status, media type and body as documented."""
+"""The server's OpenAPI schema says what it answers (errors in the shape of each API: OpenAI's, Anthropic's,
+Ollama's; server-sent events and newline-delimited JSON), and schemathesis holds the server to it over every
+route: no 5xx, every status, media type and body as documented."""
 
 from __future__ import annotations
 
@@ -64,6 +65,22 @@ def test_the_completion_routes_document_their_errors_and_events(openapi, path):
     assert set(error["required"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("path, body, streamed", [
+    ("/v1/messages", "AnthropicErrorBody", "text/event-stream"), ("/v1/messages/count_tokens", "AnthropicErrorBody", None),
+    ("/api/chat", "OllamaErrorBody", "application/x-ndjson"), ("/api/generate", "OllamaErrorBody", "application/x-ndjson"),
+    ("/api/show", "OllamaErrorBody", None)])
+def test_the_anthropic_and_ollama_routes_document_their_own_error_shapes(openapi, path, body, streamed):
+    answers = openapi["paths"][path]["post"]["responses"]
+    for status in ("400", "401", "404", "413", "default"):
+        assert answers[status]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{body}"}
+    assert "422" not in answers
+    if streamed:
+        assert set(answers["200"]["content"]) == {"application/json", streamed}
+    schemas = openapi["components"]["schemas"]
+    assert schemas["OllamaErrorBody"]["properties"]["error"]["type"] == "string"
+    assert set(schemas["AnthropicErrorBody"]["required"]) == {"type", "error"}
+
+
 def test_every_route_documents_its_errors(openapi):
     for path, operations in openapi["paths"].items():
         for method, operation in operations.items():
@@ -99,7 +116,9 @@ def test_schemathesis_over_every_route(server, openapi):
                 assert 400 in statuses and (mode is GenerationMode.NEGATIVE or 200 in statuses), statuses
     assert {(method, path) for method, path, _ in ran} == {(op.method.upper(), op.path) for op in operations
                                                             if op.path != "/v1/telemetry"}
-    assert sum(mode == "negative" for _, _, mode in ran) == 2        # the two completion routes
+    assert {path for _, path, mode in ran if mode == "negative"} == {      # the routes that take a body
+        "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/api/chat",
+        "/api/generate", "/api/show"}
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -68,3 +68,15 @@ def open_request(port: int, path: str, body: dict, key: str | None = None) -> so
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.sendall(head.encode() + data)
     return sock
+
+
+def raw_answer(port: int, data: bytes, deadline: float = 10.0) -> tuple[int, dict]:
+    """Send `data` on a new connection and read until the server closes it: (status, JSON body). For the answers
+    written below the app (408, 431, 503), which close the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=deadline) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    head, body = out.split(b"\r\n\r\n", 1)
+    return int(head.split(b" ", 2)[1]), json.loads(body)

@@ -16,7 +16,7 @@ import pytest
 
 from support.tiny_chat import tiny_models
 
-__all__ = ["no_leftovers", "models", "make_window", "window", "wait_until"]
+__all__ = ["no_leftovers", "models", "make_window", "window", "wait_until", "test_settings"]
 
 LOAD_TIMEOUT_MS = 180_000
 
@@ -81,11 +81,14 @@ def wait_until(qtbot, condition, timeout_ms: int = LOAD_TIMEOUT_MS) -> None:
 
 @pytest.fixture
 def make_window(qtbot, tmp_path):
-    """make_window(model=None, settings_file=None) -> a shown MainWindow on temporary settings and conversations.
+    """make_window(model=None, settings_file=None, conversations=None, app_defaults=False) -> a shown MainWindow
+    on temporary settings and conversations.
 
-    With a model, it returns once the model has loaded. Every window is closed at teardown.
+    With a model, it returns once the model has loaded. Every window is closed at teardown. Unless app_defaults,
+    the chat starts greedy with loop stopping off (settings the user could choose), so that tests see exact,
+    repeatable answers and skip the slow first compile of the sampled path; the app's own defaults (temperature
+    0.7, top-p 0.9, Stop loops on) are what tests of those defaults ask for.
     """
-    from PySide6.QtCore import QSettings
 
     from app.conversations import ConversationStore
     from ui.app import MainWindow, configure
@@ -93,8 +96,9 @@ def make_window(qtbot, tmp_path):
     configure(qtbot_app())
     made = []
 
-    def make(model=None, settings_file: Path | None = None, conversations: Path | None = None):
-        settings = QSettings(str(settings_file or tmp_path / "colibri.ini"), QSettings.Format.IniFormat)
+    def make(model=None, settings_file: Path | None = None, conversations: Path | None = None,
+             app_defaults: bool = False):
+        settings = test_settings(settings_file or tmp_path / "colibri.ini", app_defaults)
         store = ConversationStore(conversations or tmp_path / "conversations")
         w = MainWindow(settings=settings, conversations=store)
         made.append(w)
@@ -109,6 +113,21 @@ def make_window(qtbot, tmp_path):
     for w in made:
         w.close()
         w.deleteLater()
+
+
+def test_settings(path: Path, app_defaults: bool = False):
+    """The QSettings of a test window at path: unless app_defaults, its chat starts greedy with loop stopping off
+    (exact, repeatable answers, and no compile of the sampled path)."""
+    from PySide6.QtCore import QSettings
+
+    settings = QSettings(str(path), QSettings.Format.IniFormat)
+    if not app_defaults:
+        settings.setValue("chat/greedy", True)
+        settings.setValue("chat/stop_loops", False)
+    return settings
+
+
+test_settings.__test__ = False      # a helper, not a test pytest should collect
 
 
 def qtbot_app():

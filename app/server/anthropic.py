@@ -1,0 +1,321 @@
+"""Anthropic's Messages API: `POST /v1/messages` (whole, or streamed as Anthropic's server-sent events:
+message_start, content_block_start, content_block_delta, content_block_stop, message_delta with the stop reason
+and usage, message_stop) and `POST /v1/messages/count_tokens`.
+
+A request's `system`, its messages' content blocks (text; tool_use and tool_result as the chat template's
+`tool_calls` and `tool` turns; thinking as the turn's reasoning) go through the model's chat template; an answer
+ending the conversation as the assistant is continued (Anthropic's prefill). `stop_sequences`, `max_tokens`,
+`temperature`, `top_p` and `top_k` steer the answer. A model that reasons apart (engine.tokenizer.reasoning)
+answers its reasoning in thinking blocks. Every mistake gets Anthropic's error shape (app.server.errors, chosen by
+the path); the key may come as `x-api-key` (app.server.app). `tools` are refused until tool calls are parsed back:
+`content_blocks` is the seam where a parser will turn the answer's text into tool_use blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic_core import PydanticCustomError
+
+from app.server.engine import Served, Ticket
+from app.server.errors import ApiError, error, responses
+from app.server.generation import Budget, budget, events, start, stop_sequence
+from engine.errors import ColibriError
+from engine.events import DoneEvent, ErrorEvent, TokenEvent
+from engine.generation.sampling import SamplingParams
+
+MAX_STOPS = 16              # stop sequences a request may give
+
+# --------------------------------------------------------------------------- request bodies
+# Unknown fields are ignored (`metadata`, `service_tier`, `cache_control` ... change nothing in an answer here);
+# those Colibri cannot honour are refused by name.
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: Union[StrictStr, list[TextBlock], None] = None
+    is_error: StrictBool = False
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(b.text for b in self.content)
+        return self.content or ""
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr | None = None
+
+
+class RedactedThinkingBlock(_Block):
+    type: Literal["redacted_thinking"]      # opaque: nothing a template could render
+    data: StrictStr | None = None
+
+
+class MediaBlock(_Block):
+    type: Literal["image", "document"]
+
+    @field_validator("type")
+    @classmethod
+    def _refuse(cls, value: str) -> str:
+        raise PydanticCustomError("unsupported", f"{value} blocks are not read: the served model reads text only")
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock, MediaBlock],
+                  Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant"]
+    content: Union[StrictStr, list[Block]]
+
+
+def _refuse_tools(value: Any) -> Any:
+    if value not in (None, []):
+        raise PydanticCustomError("unsupported", "tool definitions are not supported yet (Colibri does not parse "
+                                                 "tool calls); leave out `tools`")
+    return value
+
+
+def _refuse_tool_choice(value: Any) -> Any:
+    if value is not None and value not in ({"type": "auto"}, {"type": "none"}):
+        raise PydanticCustomError("unsupported", "tool calls are not supported yet; leave out `tool_choice`")
+    return value
+
+
+class CountBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr
+    messages: list[Message] = Field(min_length=1)
+    system: Union[StrictStr, list[TextBlock], None] = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None        # harmless: a model that reasons apart always shows its reasoning
+
+    _tools = field_validator("tools", mode="before")(_refuse_tools)
+    _tool_choice = field_validator("tool_choice", mode="before")(_refuse_tool_choice)
+
+
+class MessagesBody(CountBody):
+    max_tokens: StrictInt = Field(ge=1)
+    stop_sequences: list[StrictStr] | None = Field(None, max_length=MAX_STOPS)
+    stream: StrictBool = False
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=0)
+
+    def sampling(self) -> SamplingParams:
+        """The sampling settings this body asks for (Anthropic's defaults: temperature 1, no top-p or top-k)."""
+        params = SamplingParams(temperature=self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
+                                top_k=self.top_k or 0)
+        try:
+            params.validate()
+        except ColibriError as exc:
+            raise ApiError(400, str(exc)) from None
+        return params
+
+
+# --------------------------------------------------------------------------- the conversation
+
+
+def template_messages(body: CountBody) -> list[dict]:
+    """The conversation as chat-template messages: `system` first, a user turn's tool results as `tool` turns
+    (named after the tool_use they answer), an assistant turn's tool uses as its `tool_calls` and its thinking as
+    its `reasoning_content`."""
+    out: list[dict] = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        out.append({"role": "system", "content": system})
+    names: dict[str, str] = {}          # tool_use id -> tool name
+    for m in body.messages:
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+        if m.role == "assistant":
+            uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
+            names.update((u.id, u.name) for u in uses)
+            turn: dict[str, Any] = {"role": "assistant", "content": text}
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            if thinking:
+                turn["reasoning_content"] = thinking
+            if uses:
+                turn["tool_calls"] = [{"id": u.id, "type": "function",
+                                       "function": {"name": u.name, "arguments": u.input}} for u in uses]
+            out.append(turn)
+            continue
+        for r in (b for b in blocks if isinstance(b, ToolResultBlock)):
+            out.append({"role": "tool", "tool_call_id": r.tool_use_id, "name": names.get(r.tool_use_id),
+                        "content": ("error: " if r.is_error else "") + r.text()})
+        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            out.append({"role": "user", "content": text})
+    return out
+
+
+def content_blocks(text: str) -> list[dict]:
+    """The answer's text as content blocks. The seam for tool calls: a parser of the model's tool-call format
+    will split tool_use blocks out of the text here."""
+    return [{"type": "text", "text": text}]
+
+
+class Blocks:
+    """The answer's content blocks as its text arrives: a thinking block for reasoning and a text block for the
+    answer, a new block each time the kind changes (a model may write before it reasons). `feed` gives the
+    stream's events for each piece; `blocks` is the whole answer's content (built the same way, so the whole and
+    the streamed answers agree)."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict] = []
+        self.kind = ""              # the open block's kind, "" when none is open
+
+    def feed(self, kind: Literal["thinking", "text"], text: str) -> list[tuple[str, dict]]:
+        """Add `text` of `kind`; the stream's events for it."""
+        if not text:
+            return []
+        out = self._open(kind) if kind != self.kind else []
+        block = self.blocks[-1]
+        block[kind] += text
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta", "text": text}
+        out.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                            "delta": delta}))
+        return out
+
+    def finish(self) -> list[tuple[str, dict]]:
+        """Close the open block (opening an empty text block when the answer has none); the stream's events."""
+        out = [] if any(b["type"] == "text" for b in self.blocks) or self.kind == "text" else self._open("text")
+        if self.kind:
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1}))
+            self.kind = ""
+        return out
+
+    def _open(self, kind: Literal["thinking", "text"]) -> list[tuple[str, dict]]:
+        out = []
+        if self.kind:
+            out.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1}))
+        block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+        self.blocks.append(block)
+        self.kind = kind
+        out.append(("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
+                                            "content_block": dict(block)}))
+        return out
+
+
+def _sse(kind: str, payload: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
+    """Anthropic's Messages API on the model `engine` serves."""
+    tokenizer = engine.service.tokenizer
+
+    def _check_model(name: str) -> None:
+        if name not in (engine.name, "colibri", "default"):
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {engine.name!r}",
+                           "model", "model_not_found")
+
+    def _prompt(body: CountBody) -> tuple[list[int], str]:
+        """The prompt's token ids and its text (an assistant turn at the end is continued, not closed)."""
+        _check_model(body.model)
+        if tokenizer is None or not tokenizer.has_chat_template:
+            raise ApiError(400, f"{engine.name} has no chat template, which the Messages API needs; use "
+                                "/v1/completions", "messages")
+        messages = template_messages(body)
+        prefill = ""
+        if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1] and len(messages) > 1:
+            prefill = messages.pop()["content"]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True) + prefill
+            return tokenizer.encode(text, add_special_tokens=False), text
+        except ColibriError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+
+    @app.post("/v1/messages/count_tokens", responses=responses(400, 401, 404, 408, 413, api="anthropic"))
+    async def count_tokens(body: CountBody):
+        return {"input_tokens": len(_prompt(body)[0])}
+
+    @app.post("/v1/messages", responses=responses(400, 401, 404, 408, 413, 429, 503, stream=True, api="anthropic"))
+    async def messages(body: MessagesBody, request: Request):
+        prompt, text = _prompt(body)
+        limit = budget(body.max_tokens, len(prompt), engine.ctx, "messages")
+        stops = tuple(body.stop_sequences or ())
+        fmt = tokenizer.reasoning_format if tokenizer is not None else None
+        ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=body.sampling(), stops=stops,
+                       reasoning=fmt.after(text) if fmt else None)
+        rid = "msg_" + uuid.uuid4().hex[:24]
+        if body.stream:
+            return StreamingResponse(_stream(ticket, rid, len(prompt), limit, stops), media_type="text/event-stream")
+        return await _whole(ticket, rid, len(prompt), limit, stops, request.url.path)
+
+    def _stop(done: DoneEvent, limit: Budget, stops: tuple[str, ...]) -> dict:
+        """`stop_reason` and `stop_sequence` of an answer."""
+        if done.finish_reason == "length":
+            full = limit.clamped and len(done.tokens) >= limit.max_tokens
+            return {"stop_reason": "model_context_window_exceeded" if full else "max_tokens", "stop_sequence": None}
+        hit = stop_sequence(tokenizer.decode(done.tokens), stops) if tokenizer is not None and stops else None
+        return {"stop_reason": "stop_sequence" if hit is not None else "end_turn", "stop_sequence": hit}
+
+    def _message(rid: str, content: list[dict], n_prompt: int, n_out: int) -> dict:
+        return {"id": rid, "type": "message", "role": "assistant", "model": engine.name, "content": content,
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": n_prompt, "output_tokens": n_out}}
+
+    def _pieces(event: TokenEvent | DoneEvent) -> list[tuple[Literal["thinking", "text"], str]]:
+        if isinstance(event, TokenEvent):
+            return [("thinking", event.reasoning), ("text", event.text)]
+        return [("thinking", event.reasoning_tail), ("text", event.tail)]
+
+    async def _whole(ticket: Ticket, rid: str, n_prompt: int, limit: Budget, stops: tuple[str, ...], path: str):
+        blocks = Blocks()
+        async for event in events(ticket):
+            if isinstance(event, ErrorEvent):
+                raise ApiError(400, event.message)
+            for kind, piece in _pieces(event):
+                blocks.feed(kind, piece)
+        assert isinstance(event, DoneEvent)
+        if event.finish_reason == "cancelled":      # the client left (its ticket's watcher saw it): nobody reads
+            return error(499, "the client closed the request", path=path)
+        blocks.finish()
+        content = [c for b in blocks.blocks for c in (content_blocks(b["text"]) if b["type"] == "text" else [b])]
+        return {**_message(rid, content, n_prompt, len(event.tokens)), **_stop(event, limit, stops)}
+
+    async def _stream(ticket: Ticket, rid: str, n_prompt: int, limit: Budget, stops: tuple[str, ...]):
+        blocks = Blocks()
+        yield _sse("message_start", {"type": "message_start", "message": _message(rid, [], n_prompt, 0)})
+        async for event in events(ticket):
+            if isinstance(event, ErrorEvent):
+                yield _sse("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})
+                return
+            for kind, piece in _pieces(event):
+                for name, payload in blocks.feed(kind, piece):
+                    yield _sse(name, payload)
+            if isinstance(event, DoneEvent):
+                for name, payload in blocks.finish():
+                    yield _sse(name, payload)
+                yield _sse("message_delta", {"type": "message_delta", "delta": _stop(event, limit, stops),
+                                             "usage": {"output_tokens": len(event.tokens)}})
+                yield _sse("message_stop", {"type": "message_stop"})
