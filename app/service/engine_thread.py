@@ -311,7 +311,7 @@ class EngineThread:
             self._answer(req.id, ErrorEvent(_message(exc)))
             return
         request = GenerationRequest(prompt=prompt, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop,
-                                    reasoning=reasoning)
+                                    reasoning=reasoning, logprobs=req.logprobs, grammar=req.grammar)
         if not self._live:
             model.telemetry.begin()
         seq = sched.submit(request, cancel)
