@@ -9,6 +9,11 @@ when every missed byte must be read (bandwidth measured on the spot, same thread
 A resident run of the same chats, when the machine holds every weight, gives the compute bound:
 reads overlapped with compute at best, a streamed run decodes as fast as the slower of the two.
 
+A dense container has no experts to cache: under a budget its decoder layers past the first few are
+streamed (engine/offload/layers.py), every one read once a token. Its cold run starts with the page cache
+dropped, its warm run right after the cold one (the page cache as the cold run left it: with O_DIRECT reads
+the two match); the I/O roofline is the disk bandwidth over the bytes a decoded token reads.
+
 A trace is every layer step's distinct experts, recorded during the cold run. Replaying it
 through each policy and Belady's optimum at several cache sizes compares the policies on the
 same requests: the history of the first half of the chats is the learned policy's prior, and
@@ -57,6 +62,35 @@ class StreamRun:
     dense_ms: float
     other_ms: float
     peak_rss: int                   # bytes, this process, at the end of the run
+    ttft_s: float = 0.0             # seconds from a chat's prompt to its first token's logits, the chats' mean
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON values."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """One pass of the workload over a dense model whose layers past `resident_layers` are streamed."""
+
+    label: str                      # cold | warm
+    io: str
+    resident_layers: int
+    streamed_layers: int
+    prefetch_depth: int
+    prompt_tokens: int
+    decode_tokens: int
+    ttft_s: float                   # seconds from a chat's prompt to its first token's logits, the chats' mean
+    first_ttft_s: float             # the first chat's: the load's cold start included in nothing but the reads
+    prompt_tok_s: float
+    decode_tok_s: float
+    read_bytes_per_token: float     # layer bytes read from the disk per decoded token
+    disk_gb_s: float                # measured read bandwidth (the roofline's denominator)
+    io_roofline_tok_s: float        # disk bandwidth / bytes read per token
+    roofline_fraction: float        # decode_tok_s / io_roofline_tok_s
+    io_wait_ms: float               # per decoded token: the engine waiting for a layer's read
+    compute_ms: float               # per decoded token: the rest
+    peak_rss: int                   # bytes, this process, at the end of the run
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON values."""
@@ -98,9 +132,12 @@ def disk_bandwidth(folder: Path, block: int, threads: int, repeats: int = DISK_R
 def _disk_once(folder: Path, block: int, threads: int) -> float:
     from engine.offload.io import measure_read_bandwidth
 
-    files = sorted(Path(folder).glob("experts-*.bin"), key=lambda p: p.stat().st_size)
+    # a dense container's streamed layers are read from dense.bin
+    files = sorted(Path(folder).glob("experts-*.bin"), key=lambda p: p.stat().st_size) or \
+        [p for p in [Path(folder) / "dense.bin"] if p.is_file()]
     if not files:
-        raise ColibriError(f"{folder}: no experts file; the streaming bench needs an MoE container")
+        raise ColibriError(f"{folder}: no experts file nor dense.bin; the streaming bench needs a Colibri container "
+                           f"(`colibri convert {folder} OUT --bits 4`)")
     return measure_read_bandwidth(str(files[-1]), nbytes=min(512 << 20, files[-1].stat().st_size), block=block,
                                   threads=threads) / 1e9
 
@@ -121,6 +158,14 @@ def _rss() -> int:
     return _proc_bytes("/proc/self/status", "VmHWM:") or 0
 
 
+def _reset_peak_rss() -> None:
+    try:                                             # peak RSS from here on (Linux: reset the high-water mark)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def run_workload(path: Path, offload, prompts: list[list[int]], gen: int, label: str, disk_gb_s: float,
                  trace: list | None = None, log: Log = lambda m: None) -> StreamRun:
     """Load `path` streaming with `offload` (engine.loader.OffloadOptions), answer every prompt, measure."""
@@ -128,17 +173,14 @@ def run_workload(path: Path, offload, prompts: list[list[int]], gen: int, label:
     from engine.telemetry import Telemetry
 
     drop_caches(path)
-    try:                                             # peak RSS from here on (Linux: reset the high-water mark)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    _reset_peak_rss()
     telemetry = Telemetry()
     loaded = load_model(path, offload=offload, telemetry=telemetry)
     try:
         store, model = loaded.store, loaded.model
         prompt_s = decode_s = 0.0
         n_prompt = n_decode = 0
+        ttfts = []
         hits0 = {"pinned": 0, "cached": 0, "disk": 0}
         decode_hits = dict(hits0)
         decode_bytes = 0
@@ -155,6 +197,7 @@ def run_workload(path: Path, offload, prompts: list[list[int]], gen: int, label:
                 telemetry.reset()
             p_s, d_s = answer(model, ids, gen, decoding)
             prompt_s, decode_s = prompt_s + p_s, decode_s + d_s
+            ttfts.append(p_s)
             n_prompt += len(ids)
             n_decode += gen
             after = store.stats()
@@ -180,7 +223,69 @@ def run_workload(path: Path, offload, prompts: list[list[int]], gen: int, label:
                      n_prompt / prompt_s, decode_tok_s, hit_rate, missed, read, disk_gb_s, roof,
                      decode_tok_s / roof if roof != float("inf") else 0.0, stats.prefetch.recall,
                      stats.prefetch.precision, ms("io_wait"), ms("experts"), ms("attention"), ms("dense"),
-                     ms("other"), _rss())
+                     ms("other"), _rss(), float(np.mean(ttfts)))
+
+
+def run_layer_workload(path: Path, offload, prompts: list[list[int]], gen: int, label: str, disk_gb_s: float,
+                       cold: bool = True, log: Log = lambda m: None) -> LayerRun:
+    """Load the dense container at `path` with its layers streamed under `offload` (engine.loader.OffloadOptions),
+    answer every prompt, measure; `cold`: drop the container's pages from the page cache first."""
+    from engine.loader import load_model
+
+    if cold:
+        drop_caches(path)
+    _reset_peak_rss()
+    loaded = load_model(path, offload=offload)
+    try:
+        store, model = loaded.store, loaded.model
+        if store is None or not hasattr(store, "streamed"):
+            raise ColibriError(f"{path}: the budget holds every layer, nothing is streamed; give a smaller "
+                               "--max-memory (or --resident-layers) to measure streaming")
+        prompt_s = decode_s = wait_s = 0.0
+        n_prompt = n_decode = read = 0
+        ttfts = []
+        for c, ids in enumerate(prompts):
+            before = None
+
+            def decoding() -> None:
+                nonlocal before
+                before = store.stats()
+            p_s, d_s = answer(model, ids, gen, decoding)
+            after = store.stats()
+            prompt_s, decode_s = prompt_s + p_s, decode_s + d_s
+            ttfts.append(p_s)
+            n_prompt += len(ids)
+            n_decode += gen
+            read += after.bytes_read - before.bytes_read
+            wait_s += after.wait_seconds - before.wait_seconds
+            log(f"{label}: chat {c + 1}/{len(prompts)}: TTFT {p_s:.1f} s, {gen / max(d_s, 1e-9):.3f} tok/s decode")
+        resident, streamed = store.resident_layers, len(store.streamed)
+    finally:
+        loaded.close()
+    per_token = read / n_decode
+    roof = disk_gb_s * 1e9 / per_token if per_token else float("inf")
+    decode_tok_s = n_decode / decode_s
+    return LayerRun(label, offload.store.io, resident, streamed, offload.prefetch_depth, n_prompt, n_decode,
+                    float(np.mean(ttfts)), ttfts[0], n_prompt / prompt_s, decode_tok_s, per_token, disk_gb_s, roof,
+                    decode_tok_s / roof if roof != float("inf") else 0.0, wait_s / n_decode * 1e3,
+                    (decode_s - wait_s) / n_decode * 1e3, _rss())
+
+
+def format_layer_runs(runs: list[LayerRun]) -> str:
+    """The report of a dense model streamed layer by layer."""
+    lines = []
+    for r in runs:
+        lines.append(
+            f"  {r.label:5s} io={r.io:5s} {r.resident_layers} layers held, {r.streamed_layers} streamed, depth "
+            f"{r.prefetch_depth}: decode {r.decode_tok_s:6.3f} tok/s, TTFT {r.ttft_s:5.1f} s (first chat "
+            f"{r.first_ttft_s:.1f} s), prompt {r.prompt_tok_s:6.1f} tok/s, {r.read_bytes_per_token / 1e9:.2f} GB "
+            f"read/token, I/O roofline {r.io_roofline_tok_s:6.3f} tok/s at {r.disk_gb_s:.2f} GB/s -> "
+            f"{r.roofline_fraction * 100:5.1f}%; per token io wait {r.io_wait_ms:.0f} ms, compute {r.compute_ms:.0f} "
+            f"ms; peak RSS {r.peak_rss / 1e6:.0f} MB")
+    by = {r.label: r for r in runs}
+    if "cold" in by and "warm" in by:
+        lines.append(f"  warm/cold decode: {by['warm'].decode_tok_s / by['cold'].decode_tok_s:.2f}x")
+    return "\n".join(lines)
 
 
 def answer(model, ids: list[int], gen: int, decoding: Callable[[], None] = lambda: None) -> tuple[float, float]:
@@ -356,7 +461,8 @@ def format_runs(runs: list[StreamRun], resident_tok_s: float | None = None) -> s
             f"-> {r.roofline_fraction * 100:5.1f}% ({r.read_bytes_per_token / 1e6:.1f} MB read/token with reads ahead); "
             f"lookahead recall {r.prefetch_recall * 100:4.1f}% precision "
             f"{r.prefetch_precision * 100:4.1f}%; per token io wait {r.io_wait_ms:.1f} ms, experts {r.experts_ms:.1f} ms, "
-            f"attention {r.attention_ms:.1f} ms, dense {r.dense_ms:.1f} ms; peak RSS {r.peak_rss / 1e6:.0f} MB")
+            f"attention {r.attention_ms:.1f} ms, dense {r.dense_ms:.1f} ms; TTFT {r.ttft_s:.1f} s; "
+            f"peak RSS {r.peak_rss / 1e6:.0f} MB")
     by = {r.label: r for r in runs}
     if "cold" in by and "mmap" in by and by["mmap"].decode_tok_s:
         lines.append(f"  pread/mmap decode: {by['cold'].decode_tok_s / by['mmap'].decode_tok_s:.1f}x")

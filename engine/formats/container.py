@@ -14,10 +14,10 @@ inside its span. Readers map the files and build tensors as views: nothing is co
 must be widened (f16/bf16 to float32). At open the manifest's shape (engine/formats/manifest.py) and
 its model hash are checked, then every checksum.
 
-Writing goes into `OUT.partial/` with a journal: each finished tensor is flushed to disk before
-its journal line (which carries its own CRC-32), so an interrupted conversion resumes where it
-stopped, from the first torn or damaged record on, and the folder is renamed to OUT only when
-complete.
+Writing goes into `OUT.partial/` with a journal: finished tensors are flushed to disk before
+their journal lines (each carries its own CRC-32), after every tensor or, with `sync_bytes`, once
+that many bytes are written, so an interrupted conversion resumes where it last synced, from the
+first torn or damaged record on, and the folder is renamed to OUT only when complete.
 """
 
 from __future__ import annotations
@@ -158,6 +158,13 @@ class ContainerWriter:
         self._sizes: dict[str, int] = {}
         self._expert_file = "experts-00000.bin"
         self.expected_bytes = 0         # what the finished container will take, once the caller knows (messages)
+        # journal (and fsync) once this many bytes are written, 0: after every tensor. An fsync a tensor holds
+        # a fast writer (`colibri synth`) to half the disk's speed; a kill then loses at most this much work.
+        self.sync_bytes = 0
+        self._pending: list[str] = []   # journal lines of finished tensors whose bytes are not yet synced
+        self._dirty: set[str] = set()   # data files written since the last sync
+        self._synced_at = 0             # written_bytes at the last sync
+        self._run_crc: int | None = None    # an expert extent's CRC-32, computed while its bytes are written
         if self.out.exists():
             raise ModelFormatError(f"{self.out} already exists; choose another OUT or remove it")
         key_path = self.partial / RESUME_KEY
@@ -252,7 +259,11 @@ class ContainerWriter:
         return sum(self._sizes.values())
 
     def close(self) -> None:
-        """Close the open files without finishing (a failed conversion); OUT.partial stays for a resume."""
+        """Close the open files without finishing (a failed conversion); OUT.partial stays for a resume,
+        with the tensors finished so far journaled where the disk still takes them."""
+        if self._pending and self._journal is not None and not self._journal.closed:
+            with contextlib.suppress(OSError):      # a full disk: those tensors are redone on the resume
+                self._sync()
         for f in [*self._handles.values(), self._journal]:
             if f is not None:
                 with contextlib.suppress(OSError):
@@ -279,31 +290,49 @@ class ContainerWriter:
         start = self._sizes[fname]
         pad = _pad(start, align)
         if pad:
-            f.write(b"\0" * pad)
+            self._put(f, b"\0" * pad)
         offset = start + pad
         table, pos, crc = {}, 0, 0
         for key, arr in parts.items():
             gap = _pad(pos, BUFFER_ALIGN)
             if gap:
-                f.write(b"\0" * gap)
+                self._put(f, b"\0" * gap)
                 crc = zlib.crc32(b"\0" * gap, crc)
                 pos += gap
             for data in _buffer_bytes(arr):
-                f.write(data)
+                self._put(f, data)
                 crc = zlib.crc32(data, crc)
             table[key] = [pos, arr.nbytes, arr.dtype.str, list(arr.shape)]
             pos += arr.nbytes
         self._sizes[fname] = offset + pos
         return offset, pos, crc, table
 
+    def _put(self, f: Any, data: Any) -> None:
+        """Write bytes; inside an expert extent also into its CRC-32 (reading the extent back costs a disk pass)."""
+        f.write(data)
+        if self._run_crc is not None:
+            self._run_crc = zlib.crc32(data, self._run_crc)
+
     def _commit(self, fname: str, record: dict) -> None:
-        f = self._file(fname)
-        f.flush()
-        os.fsync(f.fileno())
+        """Journal a finished tensor, its bytes synced first: now, or with the next `sync_bytes` written."""
         # the line's own CRC-32: damage to an entry's fields (a bit width, a shape) is caught on resume
-        self._journal.write(json.dumps({**record, "crc": zlib.crc32(json.dumps(record).encode())}) + "\n")
+        self._pending.append(json.dumps({**record, "crc": zlib.crc32(json.dumps(record).encode())}) + "\n")
+        self._dirty.add(fname)
+        if self.written_bytes - self._synced_at >= self.sync_bytes:
+            self._sync()
+
+    def _sync(self) -> None:
+        """fsync the data files written since the last sync, then journal their finished tensors."""
+        for fname in sorted(self._dirty):
+            f = self._file(fname)
+            f.flush()
+            os.fsync(f.fileno())
+        self._dirty.clear()
+        self._journal.write("".join(self._pending))
         self._journal.flush()
         os.fsync(self._journal.fileno())
+        self._pending.clear()
+        self._synced_at = self.written_bytes
 
     def _entry(self, name: str, tensor: Any, kind: str, fname: str, align: int) -> TensorEntry:
         meta, parts = _tensor_parts(tensor, kind)
@@ -322,18 +351,25 @@ class ContainerWriter:
         if self._sizes.get(self._expert_file, 0) >= EXPERT_FILE_BYTES:
             self._expert_file = f"experts-{int(self._expert_file[8:13]) + 1:05d}.bin"
         fname = self._expert_file
-        self._file(fname)
+        f = self._file(fname)
         start = self._sizes[fname]
         first = start + _pad(start, EXTENT_ALIGN)
+        if first > start:       # the gap before the extent, outside its CRC
+            f.write(b"\0" * (first - start))
+            self._sizes[fname] = first
         entries = []
-        for i, (name, tensor) in enumerate(tensors.items()):
-            entries.append(self._entry(name, tensor, kinds[name], fname, EXTENT_ALIGN if i == 0 else BUFFER_ALIGN))
-        end = self._sizes[fname]
-        tail = _pad(end, EXTENT_ALIGN)
-        if tail:
-            self._file(fname).write(b"\0" * tail)
-            self._sizes[fname] = end + tail
-        crc = _crc_file_range(self._file(fname), self.partial / fname, first, self._sizes[fname] - first)
+        self._run_crc = 0
+        try:
+            for i, (name, tensor) in enumerate(tensors.items()):
+                entries.append(self._entry(name, tensor, kinds[name], fname, EXTENT_ALIGN if i == 0 else BUFFER_ALIGN))
+            end = self._sizes[fname]
+            tail = _pad(end, EXTENT_ALIGN)
+            if tail:
+                self._put(f, b"\0" * tail)
+                self._sizes[fname] = end + tail
+            crc = self._run_crc
+        finally:
+            self._run_crc = None
         extent = ExpertExtent(layer, expert, fname, first, self._sizes[fname] - first, crc, tuple(tensors))
         self.extents[(layer, expert)] = extent
         for e in entries:
@@ -345,6 +381,7 @@ class ContainerWriter:
 
         The journal goes before the rename: a partial folder with a manifest and no journal is complete
         (`complete` on the next run)."""
+        self._sync()            # the manifest must not name bytes the disk may not hold yet
         for f in self._handles.values():
             f.close()
         self._journal.close()

@@ -8,6 +8,7 @@ value. In `--io mmap` mode there is no arena: mapped experts are held here too, 
 from __future__ import annotations
 
 import mmap
+import sys
 from collections.abc import Container
 
 import numpy as np
@@ -18,6 +19,9 @@ from engine.offload.store_types import Key, Recipe
 from engine.pages import advise_huge_pages
 
 NO_SLOT = -1           # where a mapped expert (`--io mmap`) sits
+# Linux's flag (Python exposes it only from 3.13 on): without it the kernel's overcommit check refuses an arena
+# larger than RAM plus swap (ENOMEM), though only the budget's slots are ever committed
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class SlotArena:
@@ -39,7 +43,7 @@ class SlotArena:
             # room for every expert, reserved but not committed: the budget may grow later without moving
             # experts, and only the budget's slots take memory (committed at load; a shrink hands pages back)
             self._map = mmap.mmap(-1, max_slots * slot_bytes,
-                                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+                                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
             advise_huge_pages(self._map)               # the kernels read slots as they read resident weights
             self.arena = np.frombuffer(self._map, np.uint8)
             self.n_slots = min(n_slots, max_slots)

@@ -74,3 +74,36 @@ def test_no_resident_run_where_the_weights_would_not_fit(container: Path, monkey
     assert cli.main(["bench", str(container), "--max-memory", "2MB", *WORKLOAD]) == 0
     captured = capsys.readouterr()
     assert "resident: skipped" in captured.err and "every weight in memory" not in captured.out
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("sb") / "llama-tiny"
+    write_checkpoint("llama-tiny", src, dtype="f32", corpus=corpus_lines(20_000))
+    return convert(src, tmp_path_factory.mktemp("sb") / "q4", ConvertSettings(bits=4), log=lambda m: None)
+
+
+def test_a_dense_model_streams_its_layers_against_the_disk_roofline(dense: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", str(dense), "--max-memory", "2MB", "--resident-layers", "1", "--prefetch-depth", "1",
+            "--ctx", "64", "--chats", "2", "--gen", "3"]
+    assert cli.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = {r["label"]: r for r in report["runs"]}
+    assert set(runs) == {"cold", "warm"} and report["disk_gb_s"] > 0
+    for r in runs.values():
+        assert r["resident_layers"] == 1 and r["streamed_layers"] == 3 and r["decode_tokens"] == 2 * 3
+        # two slots for three streamed layers: every token reads each streamed layer again
+        assert r["read_bytes_per_token"] > 0 and r["ttft_s"] > 0 and r["peak_rss"] > 0
+        assert r["io_roofline_tok_s"] == pytest.approx(report["disk_gb_s"] * 1e9 / r["read_bytes_per_token"])
+        assert r["roofline_fraction"] == pytest.approx(r["decode_tok_s"] / r["io_roofline_tok_s"])
+    assert runs["cold"]["read_bytes_per_token"] == runs["warm"]["read_bytes_per_token"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "3 of 4 layers streamed" in out and "warm/cold decode" in out and "TTFT" in out
+
+
+def test_a_dense_budget_that_holds_every_layer_is_refused_with_the_fix(dense: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", str(dense), "--max-memory", "4GB", "--ctx", "64", "--chats", "1", "--gen", "1"]) != 0
+    assert "none is streamed" in capsys.readouterr().err
