@@ -44,6 +44,7 @@ import numpy as np
 from engine.errors import ColibriError, GenerationError
 from engine.kernels.attention import attend_latent, attend_paged
 from engine.kernels.sparse import attend_selected, index_scores
+from engine.pages import MAP_NORESERVE
 from engine.recurrent import Checkpoints, State, own
 from engine.spec import GatedDeltaNetSpec, MLASpec, ModelSpec, RopeSpec
 
@@ -153,7 +154,7 @@ class KVPool:
             self._layer_maps.append([])
             for part in _layer_parts(layer.attn, block_size, bits):
                 size = self.n_blocks * int(np.prod(part.shape)) * part.dtype.itemsize
-                m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+                m = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
                 self._maps.append(m)
                 arrays[part.name] = np.frombuffer(m, part.dtype, count=size // part.dtype.itemsize).reshape(
                     (self.n_blocks, *part.shape))

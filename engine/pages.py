@@ -12,7 +12,11 @@ The advice changes where bytes sit, never which bytes: answers are the same.
 from __future__ import annotations
 
 import mmap
+import sys
 
+# Linux's flag (Python exposes it only from 3.13 on): without it the kernel's overcommit check refuses a
+# reservation larger than RAM plus swap (ENOMEM), though only what is written is ever committed
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
 
 

@@ -8,7 +8,6 @@ value. In `--io mmap` mode there is no arena: mapped experts are held here too, 
 from __future__ import annotations
 
 import mmap
-import sys
 from collections.abc import Container
 
 import numpy as np
@@ -16,12 +15,9 @@ import numpy as np
 from engine.blocks.ffn import ExpertWeights
 from engine.offload.io import PAGE
 from engine.offload.store_types import Key, Recipe
-from engine.pages import advise_huge_pages
+from engine.pages import MAP_NORESERVE, advise_huge_pages
 
 NO_SLOT = -1           # where a mapped expert (`--io mmap`) sits
-# Linux's flag (Python exposes it only from 3.13 on): without it the kernel's overcommit check refuses an arena
-# larger than RAM plus swap (ENOMEM), though only the budget's slots are ever committed
-MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class SlotArena:
