@@ -106,7 +106,7 @@ class Conversation:
         title = " ".join(title.split())
         if not title:
             raise ValueError("a conversation's title cannot be empty: type a few words")
-        return replace(self, title=title, updated=time.time())
+        return replace(self, title=title)       # not "updated": its turns did not change
 
     def matches(self, query: str) -> bool:
         """Whether every word of query occurs (any case) in the title or in some turn's text."""
