@@ -9,14 +9,10 @@ repetition penalty, as suits small models), which the user's last choices replac
 the transcript says why. The default demo model (`smollm2-moe`, a 135 M model upcycled to show streaming)
 is named as such in the empty transcript, so users expect its quality.
 
-Under the transcript, a context meter (ui.context_meter) shows the tokens the conversation takes of the context
-length in force, as the engine counted them: the prompt once read, then the answer as it grows; each answer keeps
-its count (`context_tokens`) so a conversation opened again shows it too.
-
-A question's edit link (ui.transcript) puts it back in the input; sending it branches the conversation
-(`Conversation.branched`): the conversation is cut before that question and goes on from the edited one,
-while the old continuation is saved apart as "<title> (branch)". Conversations are renamed and exported
-(Markdown or JSON, through a save dialog that starts in the user's documents folder) from here too.
+A context meter (ui.context_meter) shows the tokens the conversation takes of the context in force, as the engine
+counted them (each answer keeps its count, `context_tokens`). A question's edit link puts it back in the input;
+sending it branches (`Conversation.branched`): the conversation goes on from the edited question and the old
+continuation is saved apart as "<title> (branch)". Conversations are renamed and exported here too.
 """
 
 from __future__ import annotations
