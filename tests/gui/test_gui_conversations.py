@@ -47,6 +47,23 @@ def test_the_context_meter_counts_as_the_engine_does_and_warns_when_nearly_full(
     assert meter.used == used
 
 
+def test_the_meter_says_what_each_overflow_policy_does_when_the_context_fills(qtbot):
+    from ui.context_meter import ContextMeter
+
+    meter = ContextMeter()
+    qtbot.addWidget(meter)
+    assert meter.label.text() == "Context: no model" and "once a model is open" in meter.toolTip()
+    meter.set_total(1024)
+    meter.set_used(800)
+    assert meter.label.text() == "Context 800 / 1,024" and not meter.warning and "(78%)" in meter.toolTip()
+    meter.set_used(900)
+    assert meter.warning and meter.bar.color() != meter.palette().color(meter.palette().ColorRole.Highlight)
+    for policy, says in (("error", "is refused"), ("slide", "oldest tokens are dropped"),
+                         ("retain", "drew the most attention"), (None, "the server decides")):
+        meter.set_overflow(policy)
+        assert says in meter.toolTip()
+
+
 def _saved(folder, *conversations):
     """Save conversations into folder (a window's store), newest last."""
     from dataclasses import replace
@@ -178,6 +195,7 @@ def _click_link(qtbot, view, href: str) -> None:
 
 
 def test_copy_and_edit_a_message_branch_and_keep_the_old_continuation(qtbot, window):
+    from PySide6.QtCore import Qt
     from PySide6.QtGui import QGuiApplication
 
     chat = window.chat
@@ -190,9 +208,12 @@ def test_copy_and_edit_a_message_branch_and_keep_the_old_continuation(qtbot, win
     assert QGuiApplication.clipboard().text() == before.turns[1].content
     _click_link(qtbot, chat.transcript, "#message-copy-2")
     assert QGuiApplication.clipboard().text() == "Second question"
+    _click_link(qtbot, chat.transcript, "#message-edit-0")              # Escape leaves the edit
+    assert chat.editing == 0 and chat.input.toPlainText() == "First question"
+    qtbot.keyClick(chat.input, Qt.Key.Key_Escape)
+    assert chat.editing is None and chat.input.toPlainText() == "" and not chat.edit_bar.isVisible()
     _click_link(qtbot, chat.transcript, "#message-edit-2")
     assert chat.editing == 2 and chat.input.toPlainText() == "Second question" and chat.edit_bar.isVisible()
-    chat.input.setPlainText("Second question, put another way")
     done = _ask(qtbot, window, "Second question, put another way")
     assert chat.editing is None and not chat.edit_bar.isVisible()
     after = chat.conversation
