@@ -106,9 +106,19 @@ class ConversationList(QWidget):
             self._pending = (conversations, current)
             return
         self._pending = None
+        shown = [(self.list.item(i).data(_ID), self.list.item(i).text()) for i in range(self.list.count())]
+        same = list(self._conversations.values()) == conversations and shown == [(c.id, c.title) for c in conversations]
         self._conversations = {c.id: c for c in conversations}
         self._current = current
         self.list.blockSignals(True)
+        if same:    # only the selection moves: the items stay, so a double-click that opened one can still rename it
+            self.list.clearSelection()
+            item = self.item(current) if current is not None else None
+            if item is not None:
+                item.setSelected(True)
+                self.list.setCurrentItem(item)
+            self.list.blockSignals(False)
+            return
         self.list.clear()
         for conv in conversations:
             item = QListWidgetItem(conv.title)

@@ -104,12 +104,10 @@ def test_a_double_click_renames_a_conversation_in_place(qtbot, make_window, tmp_
     window = make_window(conversations=tmp_path / "convs")
     listing = window.conversations
     assert listing.ids() == [code.id, birds.id]
-    item = listing.item(birds.id)
-    qtbot.mouseClick(listing.list.viewport(), Qt.MouseButton.LeftButton, pos=listing.list.visualItemRect(item).center())
-    assert window.chat.conversation.id == birds.id
     at = listing.list.visualItemRect(listing.item(birds.id)).center()
     qtbot.mouseClick(listing.list.viewport(), Qt.MouseButton.LeftButton, pos=at)    # a double-click's first press
-    qtbot.mouseDClick(listing.list.viewport(), Qt.MouseButton.LeftButton, pos=at)
+    qtbot.mouseDClick(listing.list.viewport(), Qt.MouseButton.LeftButton, pos=at)   # opens it, then edits its title
+    assert window.chat.conversation.id == birds.id
     _type_title(qtbot, window, "  Birds   that hover ")
     assert store.load(birds.id).title == "Birds that hover" == window.chat.conversation.title
     assert listing.item(birds.id).text() == "Birds that hover"
