@@ -487,16 +487,19 @@ class ChatPanel(QWidget):
             stats["context_tokens"] = s.prompt_tokens + s.generated_tokens
         conv = self._answering
         self._request = self._answering = None
-        if conv is not None and (done.text or done.reasoning or done.finish_reason != "cancelled"):
+        kept = conv is not None and bool(done.text or done.reasoning or done.finish_reason != "cancelled")
+        if conv is not None and kept:
             conv = conv.with_turn(Turn("assistant", done.text, stats, done.reasoning))
             self._save(conv)
             if conv.id == self.conversation.id:
                 self.conversation = conv
-        if shown and self.transcript.answering:
+        if shown and self.transcript.answering and kept:
             self.transcript.end_answer(done.text, stats_line(stats), reasoning=done.reasoning)
             self.transcript.remember(self.conversation)
-        elif shown:
+        elif shown:     # stopped before any text: no empty answer (its copy link would name the next question)
             self.transcript.show_conversation(self.conversation)
+            if not kept:
+                self.transcript.add_note(stats_line(stats))
         if shown:
             self.context_meter.set_used(self.conversation.context_tokens())
         if shown and loop is not None:

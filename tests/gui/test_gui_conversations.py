@@ -6,6 +6,7 @@ from __future__ import annotations
 from engine.events import DoneEvent
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
 from support.qt import LOAD_TIMEOUT_MS
+from support.server import paced
 
 
 def _ask(qtbot, window, text: str, max_tokens: int = 24) -> DoneEvent:
@@ -231,3 +232,20 @@ def test_copy_and_edit_a_message_branch_and_keep_the_old_continuation(qtbot, win
     assert chat.generating and not chat.edit_message(0) and "Wait for the answer" in chat.status.text()
     with qtbot.waitSignal(chat.generatingChanged, timeout=LOAD_TIMEOUT_MS):
         chat.stop()
+
+
+def test_an_answer_stopped_before_any_text_leaves_no_empty_answer(qtbot, window, monkeypatch):
+    from PySide6.QtGui import QGuiApplication
+
+    chat = window.chat
+    _ask(qtbot, window, "First question")
+    paced(monkeypatch, 0.3)             # the engine waits before each step: the stop lands before the first token
+    chat.input.setPlainText("Second")
+    with qtbot.waitSignal(chat.generatingChanged, check_params_cb=lambda busy: not busy, timeout=LOAD_TIMEOUT_MS):
+        chat.send()
+        chat.stop()                     # before the engine has read the prompt
+    assert [t.role for t in chat.conversation.turns] == ["user", "assistant", "user"]
+    page = chat.transcript.toPlainText()
+    assert page.count("Assistant") == 1 and "0 tokens · stopped" in page.splitlines()[-1]
+    _click_link(qtbot, chat.transcript, "#message-copy-2")
+    assert QGuiApplication.clipboard().text() == "Second"
