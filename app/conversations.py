@@ -3,6 +3,8 @@
 A conversation is a frozen value (its turns, system prompt, sampling settings, and the stats
 of each answer); the store lists, saves and deletes them. A file that cannot be read is left
 where it is, reported once as a warning and skipped: never overwritten, never deleted.
+A conversation can be renamed, searched (`matches`), branched at an edited question (the old
+continuation becomes a conversation of its own) and exported to Markdown or JSON (`export`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class Turn:
 
     role: str                                   # "user" | "assistant"
     content: str
-    stats: Mapping[str, Any] | None = None      # answers: ttft_s, tok_s, tokens, finish_reason, model
+    stats: Mapping[str, Any] | None = None      # answers: ttft_s, tok_s, tokens, finish_reason, model,
+                                                # context_tokens (prompt + answer, as the engine counted them)
     reasoning: str = ""                         # answers: the model's reasoning, apart from the answer
 
     def to_json(self) -> dict[str, Any]:
@@ -98,6 +101,57 @@ class Conversation:
             turns = turns[:-1]
         return replace(self, turns=turns, updated=time.time())
 
+    def renamed(self, title: str) -> Conversation:
+        """This conversation under another title (spaces collapsed); ValueError for an empty one."""
+        title = " ".join(title.split())
+        if not title:
+            raise ValueError("a conversation's title cannot be empty: type a few words")
+        return replace(self, title=title)       # not "updated": its turns did not change
+
+    def matches(self, query: str) -> bool:
+        """Whether every word of query occurs (any case) in the title or in some turn's text."""
+        words = query.casefold().split()
+        if not words:
+            return True
+        text = "\n".join([self.title, *(t.content for t in self.turns)]).casefold()
+        return all(w in text for w in words)
+
+    def branched(self, index: int, question: str) -> tuple[Conversation, Conversation]:
+        """Edit question `index` to `question`: (this conversation cut before that question and asking the new one,
+        the whole old conversation under a new id, titled "<title> (branch)", so that nothing is lost)."""
+        if not 0 <= index < len(self.turns) or self.turns[index].role != "user":
+            raise ValueError(f"turn {index} is not a question of this conversation ({len(self.turns)} turns)")
+        if not question.strip():
+            raise ValueError("the edited question is empty: type a question or cancel the edit")
+        old = replace(self, id=uuid.uuid4().hex, title=f"{self.title} (branch)")
+        cut = replace(self, turns=self.turns[:index], updated=time.time())
+        # the title stays (the user may have chosen it), unless it was the edited first question's
+        if index == 0 and self.title == _title(self.turns[0].content):
+            cut = replace(cut, title="New chat")
+        return cut.with_turn(Turn("user", question)), old
+
+    def context_tokens(self) -> int | None:
+        """Tokens of the context the last answer used (its prompt and itself, as the engine counted them);
+        None when the last turn is no answer or its stats do not say."""
+        if not self.turns or self.turns[-1].role != "assistant" or not self.turns[-1].stats:
+            return None
+        used = self.turns[-1].stats.get("context_tokens")
+        return int(used) if isinstance(used, (int, float)) else None
+
+    def to_markdown(self) -> str:
+        """The conversation as a Markdown document: title, system prompt, then each turn under its speaker."""
+        out = [f"# {self.title}", ""]
+        if self.system.strip():
+            out += ["**System prompt**", "", *(f"> {line}" for line in self.system.splitlines()), ""]
+        for turn in self.turns:
+            out += [f"## {'You' if turn.role == 'user' else 'Assistant'}", ""]
+            if turn.reasoning:
+                out += ["<details><summary>Reasoning</summary>", "", turn.reasoning.strip(), "", "</details>", ""]
+            out += [turn.content.rstrip(), ""]
+            if turn.stats and turn.stats.get("model"):
+                out += [f"*{turn.stats['model']}, {turn.stats.get('tokens', 0)} tokens*", ""]
+        return "\n".join(out)
+
     def messages(self) -> list[dict[str, str]]:
         """The chat template's input: the system prompt (when set), then the turns (an answer's reasoning as
         `reasoning_content`: the template decides whether to keep it)."""
@@ -138,6 +192,24 @@ class Conversation:
                        str(data.get("system", "")), tuple(turns), sampling)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"missing or malformed field: {exc}") from None
+
+
+EXPORTS = {".md": "Markdown", ".markdown": "Markdown", ".json": "JSON"}
+
+
+def export(conversation: Conversation, path: str | Path) -> Path:
+    """Write a conversation to path atomically, as Markdown (.md, .markdown) or as its JSON file (.json)."""
+    path = Path(path)
+    kind = EXPORTS.get(path.suffix.lower())
+    if kind is None:
+        raise ValueError(f"{path.name}: export to a file ending in {', '.join(EXPORTS)} (Markdown or JSON)")
+    with atomic_file(path) as f:                # the user's own file: the usual permissions
+        if kind == "JSON":
+            json.dump(conversation.to_json(), f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        else:
+            f.write(conversation.to_markdown())
+    return path
 
 
 def _title(text: str) -> str:

@@ -138,7 +138,8 @@ class MainWindow(QMainWindow):
 
         self.bridge = Bridge(self, service)
         self.remote: RemoteService | None = self.bridge.remote   # a server on another machine, or None (local)
-        self.chat = ChatPanel(self.bridge, self.store, settings=self.settings)   # sampling defaults live there
+        self.chat = ChatPanel(self.bridge, self.store, settings=self.settings,     # sampling defaults live there
+                              overflow=None if self.remote is not None else load_options.overflow)
         self.conversations = ConversationList()
         self.controls = ControlsPanel(settings=self.settings)
         self.inspector = Inspector() if Inspector is not None else _InspectorPlaceholder(_INSPECTOR_MISSING)
@@ -179,6 +180,10 @@ class MainWindow(QMainWindow):
         file.addAction(get_model)
         file.addSeparator()
         file.addAction(self.models.convert)
+        file.addSeparator()
+        self.export_action = QAction("Export conversation…", self)
+        self.export_action.triggered.connect(lambda: self.chat.export_conversation())
+        file.addAction(self.export_action)
         file.addSeparator()
         quit_action = QAction("Quit", self, shortcut=QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
@@ -264,6 +269,8 @@ class MainWindow(QMainWindow):
         self.conversations.selected.connect(self._open_conversation)
         self.conversations.newRequested.connect(self._new_conversation)
         self.conversations.deleteRequested.connect(self._delete_conversation)
+        self.conversations.renameRequested.connect(self.chat.rename_conversation)
+        self.conversations.exportRequested.connect(self.chat.export_conversation)
 
     def _remote_mode(self) -> None:
         """Disable what only makes sense for a model on this machine, each saying why."""

@@ -8,6 +8,11 @@ repetition penalty, as suits small models), which the user's last choices replac
 (engine.generation.loops): an answer that starts repeating itself is stopped, cut to one copy of its loop, and
 the transcript says why. The default demo model (`smollm2-moe`, a 135 M model upcycled to show streaming)
 is named as such in the empty transcript, so users expect its quality.
+
+A context meter (ui.context_meter) shows the tokens the conversation takes of the context in force, as the engine
+counted them (each answer keeps its count, `context_tokens`). A question's edit link puts it back in the input;
+sending it branches (`Conversation.branched`): the conversation goes on from the edited question and the old
+continuation is saved apart as "<title> (branch)". Conversations are renamed and exported here too.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QCheckBox,
     QDoubleSpinBox,
+    QFileDialog,
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
@@ -33,13 +39,15 @@ from PySide6.QtWidgets import (
 )
 
 from app.config.catalog import DEFAULT_MODEL, DERIVED
-from app.conversations import Conversation, ConversationStore, Sampling, Turn
-from app.service.local import ModelInfo
+from app.conversations import EXPORTS, Conversation, ConversationStore, Sampling, Turn, export
+from app.service.local import ModelInfo, SettingsApplied
 from app.service.remote import UNKNOWN_TOKEN
 from engine.events import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
 from engine.generation.loops import Loop, LoopDetector
 from engine.generation.sampling import SamplingParams
 from ui.bridge import Bridge
+from ui.context_meter import ContextMeter
+from ui.conversation_list import export_dialog
 from ui.transcript import LIVE, REDRAW_HZ, THINKING, Transcript, stats_line
 
 __all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "loop_key",
@@ -117,6 +125,9 @@ class _SendOnEnter(QObject):
             if event.key() == Qt.Key.Key_Escape and self.panel.generating:
                 self.panel.stop()
                 return True
+            if event.key() == Qt.Key.Key_Escape and self.panel.editing is not None:
+                self.panel.cancel_edit()
+                return True
         return False
 
 
@@ -127,7 +138,8 @@ class ChatPanel(QWidget):
     generatingChanged = Signal(bool)    # an answer started (True) or ended, stopped or failed (False)
 
     def __init__(self, bridge: Bridge, store: ConversationStore, parent: QWidget | None = None,
-                 settings: QSettings | None = None):
+                 settings: QSettings | None = None, overflow: str | None = "error"):
+        """overflow: the KV overflow policy the engine runs with ("error", "slide", "retain"; None: a server's)."""
         super().__init__(parent)
         self.bridge, self.store, self.settings = bridge, store, settings
         self.info: ModelInfo | None = None
@@ -142,13 +154,30 @@ class ChatPanel(QWidget):
         self._tokens = 0
         self._partial = ""                      # the answer in flight so far (shown or not)
         self._partial_reasoning = ""            # and its reasoning
+        self._prompt_tokens = 0                 # the prompt of the answer in flight, as the engine counted it
+        self.editing: int | None = None         # the question being edited (its turn index), if one is
+        self.export_dialog: QFileDialog | None = None   # the export's save dialog, while open
         self._build()
+        self.context_meter.set_overflow(overflow)
         bridge.generation.connect(self._on_generation)
+        bridge.settingsApplied.connect(self._on_settings)
         self._show(self.conversation)
         self._update_buttons()
 
     def _build(self) -> None:
         self.transcript = Transcript()
+        self.transcript.editRequested.connect(self.edit_message)
+        self.edit_note = QLabel()
+        self.edit_note.setWordWrap(True)
+        self.edit_cancel = QPushButton("Cancel edit")
+        self.edit_cancel.clicked.connect(self.cancel_edit)
+        self.edit_bar = QWidget()
+        edit_row = QHBoxLayout(self.edit_bar)
+        edit_row.setContentsMargins(0, 0, 0, 0)
+        edit_row.addWidget(self.edit_note, 1)
+        edit_row.addWidget(self.edit_cancel)
+        self.edit_bar.hide()
+        self.context_meter = ContextMeter()
         self.status = QLabel()
         self.status.setObjectName("chatStatus")
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -218,8 +247,10 @@ class ChatPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 6, 6, 6)
         layout.addWidget(self.transcript, 1)
+        layout.addWidget(self.context_meter)
         layout.addLayout(settings)
         layout.addWidget(self.system_edit)
+        layout.addWidget(self.edit_bar)
         layout.addWidget(self.input)
         layout.addLayout(buttons)
         self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -231,6 +262,7 @@ class ChatPanel(QWidget):
         self.info = info
         demo = info is not None and is_demo(info)
         self.transcript.setPlaceholderText(DEMO_NOTE if demo else "")
+        self.context_meter.set_total(info.settings.context_length if info is not None else None)
         if info is None:
             self._set_status("Open a model to chat (File ▸ Open)")
         elif not info.chat:
@@ -241,16 +273,20 @@ class ChatPanel(QWidget):
 
     def open_conversation(self, conv: Conversation) -> None:
         """Show conv (an answer being written keeps going into its own conversation, not shown)."""
+        self.cancel_edit()
         self._commit_settings()
         self.conversation = conv
         self._show(conv)
         if self._answering is not None and self._answering.id == conv.id:   # back to the answer being written
-            self.transcript.begin_answer()
+            self.transcript.begin_answer(len(conv.turns))
             self.transcript.add_text(self._partial, self._partial_reasoning)
+            if self._prompt_tokens:
+                self.context_meter.set_used(self._prompt_tokens + self._tokens)
         self._update_buttons()
 
     def new_conversation(self) -> None:
         """Start an empty conversation that keeps the current system prompt and sampling."""
+        self.cancel_edit()
         self._commit_settings()
         self.conversation = Conversation.new(self.conversation.system, self.conversation.sampling)
         self._show(self.conversation)
@@ -263,17 +299,97 @@ class ChatPanel(QWidget):
         return self._request is not None
 
     def send(self, text: str | None = None) -> bool:
-        """Send the input's text (or `text`) as a question; False when nothing could be sent."""
+        """Send the input's text (or `text`) as a question; False when nothing could be sent. While a question
+        is being edited, the conversation branches there (the old continuation is saved apart)."""
         text = (self.input.toPlainText() if text is None else text).strip()
         if not text or not self._can_generate():
             return False
         self._commit_settings()
-        self.conversation = self.conversation.with_turn(Turn("user", text))
+        if self.editing is not None:
+            self.conversation, old = self.conversation.branched(self.editing, text)
+            self._save(old)
+            self.cancel_edit()
+            self._show(self.conversation)
+        else:
+            self.conversation = self.conversation.with_turn(Turn("user", text))
+            self.transcript.add_user(text, len(self.conversation.turns) - 1)
         self._save(self.conversation)
         self.input.clear()
-        self.transcript.add_user(text)
         self._start()
         return True
+
+    def edit_message(self, index: int) -> bool:
+        """Put question `index` back in the input: the next send branches the conversation there."""
+        turns = self.conversation.turns
+        if not 0 <= index < len(turns) or turns[index].role != "user":
+            return False
+        if self.generating:
+            self._set_status("Wait for the answer to end, or stop it, before editing a question")
+            return False
+        self.editing = index
+        self.input.setPlainText(turns[index].content)
+        self.edit_note.setText(f"Editing question {sum(t.role == 'user' for t in turns[:index + 1])}: Send starts "
+                               f"a branch here; the conversation after it is kept as “{self.conversation.title} "
+                               "(branch)”. Escape cancels.")
+        self.edit_bar.show()
+        self.input.setFocus()
+        return True
+
+    def cancel_edit(self) -> None:
+        """Leave the question being edited as it was (the input is cleared)."""
+        if self.editing is None:
+            return
+        self.editing = None
+        self.edit_bar.hide()
+        self.input.clear()
+
+    def rename_conversation(self, conversation_id: str, title: str) -> bool:
+        """Give a saved conversation (or the one shown) a new title; False, saying why, when it cannot be."""
+        try:
+            conv = (self.conversation if conversation_id == self.conversation.id
+                    else self.store.load(conversation_id)).renamed(title)
+        except (OSError, ValueError) as exc:
+            self._set_status(f"Not renamed: {exc}")
+            self.conversationsChanged.emit()        # the list shows the title it had
+            return False
+        if conversation_id == self.conversation.id:
+            self.conversation = conv
+        if self._answering is not None and self._answering.id == conversation_id:   # its answer saves it again
+            self._answering = replace(self._answering, title=conv.title)
+        self._save(conv)
+        return True
+
+    def export_conversation(self, conversation_id: str | None = None) -> QFileDialog | None:
+        """Ask where to export a conversation (None: the one shown) as Markdown or JSON; the file is written when
+        the dialog is accepted. None, saying why, when there is nothing to export."""
+        try:
+            conv = (self.conversation if conversation_id in (None, self.conversation.id)
+                    else self.store.load(str(conversation_id)))
+        except (OSError, ValueError) as exc:
+            self._set_status(f"Not exported: {exc}")
+            return None
+        if not conv.turns:
+            self._set_status("Nothing to export yet: ask a question first")
+            return None
+        if self.export_dialog is not None:
+            self.export_dialog.reject()
+        dlg = self.export_dialog = export_dialog(self, conv.title, lambda path: self._export(conv, path))
+        dlg.finished.connect(lambda _r: self._export_closed(dlg))
+        dlg.open()
+        return dlg
+
+    def _export(self, conv: Conversation, path: str) -> None:
+        try:
+            written = export(conv, path)
+        except (OSError, ValueError) as exc:
+            log.warning("conversation %s not exported: %s", conv.id, exc)
+            self._set_status(f"Not exported: {exc}")
+            return
+        self._set_status(f"Exported “{conv.title}” as {EXPORTS[written.suffix.lower()]} to {written}")
+
+    def _export_closed(self, dlg: QFileDialog) -> None:
+        if self.export_dialog is dlg:
+            self.export_dialog = None
 
     def stop(self) -> None:
         """Stop the answer being written (the engine stops before its next token)."""
@@ -285,6 +401,7 @@ class ChatPanel(QWidget):
         """Write the last answer again."""
         if not self._can_generate() or not self.conversation.turns:
             return False
+        self.cancel_edit()
         self._commit_settings()
         self.conversation = self.conversation.without_last_answer()
         if not self.conversation.turns:
@@ -299,6 +416,8 @@ class ChatPanel(QWidget):
         self.transcript.stop_answer()
         if self._request is not None:
             self.bridge.service.cancel(self._request)
+        if self.export_dialog is not None:
+            self.export_dialog.reject()
         self._commit_settings()
 
     # --- generation ---
@@ -310,12 +429,12 @@ class ChatPanel(QWidget):
         s = self.conversation.sampling
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, repetition_penalty=s.repetition_penalty)
         self._answering = self.conversation
-        self._tokens, self._partial, self._partial_reasoning = 0, "", ""
+        self._tokens, self._partial, self._partial_reasoning, self._prompt_tokens = 0, "", "", 0
         self._loops = LoopDetector() if self.stop_loops.isChecked() else None
         self.loop, self._pieces = None, []
         self._request = self.bridge.service.generate(messages=self.conversation.messages(), sampling=params,
                                                      max_tokens=s.max_tokens)
-        self.transcript.begin_answer()
+        self.transcript.begin_answer(len(self.conversation.turns))
         self._set_status("Reading the prompt…")
         self._update_buttons()
 
@@ -338,8 +457,13 @@ class ChatPanel(QWidget):
                     return
             if self._tokens == 1 or self._tokens % 16 == 0:
                 self._set_status(f"Writing… {self._tokens} tokens")
+                if shown and self._prompt_tokens:
+                    self.context_meter.set_used(self._prompt_tokens + self._tokens)
         elif isinstance(event, ProgressEvent):
             self._set_status(f"Reading the prompt: {event.done}/{event.total} tokens")
+            self._prompt_tokens = event.total
+            if shown:
+                self.context_meter.set_used(event.total)
         elif isinstance(event, DoneEvent):
             self._finish(event, shown)
         elif isinstance(event, ErrorEvent):
@@ -359,18 +483,25 @@ class ChatPanel(QWidget):
                            reasoning="".join(r for _, r in kept))
         stats = {"ttft_s": round(s.ttft_s, 4), "tok_s": round(s.decode_tok_s, 2), "tokens": len(done.tokens),
                  "finish_reason": done.finish_reason, "model": self.info.name if self.info else None}
+        if s.prompt_tokens > 0:     # a server that sends no usage counts nothing
+            stats["context_tokens"] = s.prompt_tokens + s.generated_tokens
         conv = self._answering
         self._request = self._answering = None
-        if conv is not None and (done.text or done.reasoning or done.finish_reason != "cancelled"):
+        kept = conv is not None and bool(done.text or done.reasoning or done.finish_reason != "cancelled")
+        if conv is not None and kept:
             conv = conv.with_turn(Turn("assistant", done.text, stats, done.reasoning))
             self._save(conv)
             if conv.id == self.conversation.id:
                 self.conversation = conv
-        if shown and self.transcript.answering:
+        if shown and self.transcript.answering and kept:
             self.transcript.end_answer(done.text, stats_line(stats), reasoning=done.reasoning)
             self.transcript.remember(self.conversation)
-        elif shown:
+        elif shown:     # stopped before any text: no empty answer (its copy link would name the next question)
             self.transcript.show_conversation(self.conversation)
+            if not kept:
+                self.transcript.add_note(stats_line(stats))
+        if shown:
+            self.context_meter.set_used(self.conversation.context_tokens())
         if shown and loop is not None:
             self.transcript.add_note(
                 f"The answer was stopped because it repeated itself ({loop.repeats} times a stretch of {loop.period} "
@@ -380,10 +511,16 @@ class ChatPanel(QWidget):
                          + stats_line(stats))
         self._update_buttons()
 
+    def _on_settings(self, applied: SettingsApplied) -> None:
+        """The context length may have moved (Controls): the meter measures against the one in force."""
+        if applied.info is not None:
+            self.context_meter.set_total(applied.info.settings.context_length)
+
     # --- helpers ---
 
     def _show(self, conv: Conversation) -> None:
         self.transcript.show_conversation(conv)
+        self.context_meter.set_used(conv.context_tokens())
         widgets = (self.system_edit, self.temperature, self.greedy, self.top_p, self.repeat_penalty, self.max_tokens)
         for w in widgets:
             w.blockSignals(True)

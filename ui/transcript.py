@@ -10,11 +10,14 @@ The view follows new text while it is scrolled to the bottom; scrolled up, it st
 A model's reasoning (sent apart from the answer: engine.tokenizer.reasoning) shows above its answer as a
 block that a click on its "Reasoning" line opens or closes: open while the answer is being written, closed in
 the answers of the past.
+
+Each message's header carries small links: "copy" puts the message's raw Markdown on the clipboard, and on a
+question "edit" asks the chat (`editRequested`) to put it back in the input, to send it again as a branch.
 """
 
 from __future__ import annotations
 
-from PySide6.QtCore import QEvent, Qt, QTimer, QUrl
+from PySide6.QtCore import QEvent, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
     QFont,
     QGuiApplication,
@@ -34,6 +37,9 @@ from ui.theme import chat_colors
 REDRAW_HZ = 30      # the streaming answer is drawn at most this often
 THINKING = "reasoning-"     # the reasoning blocks' link targets: "#reasoning-<turn index>" (LIVE: the answer)
 LIVE = -1
+MESSAGE_COPY = "message-copy-"  # a message's copy link target: "#message-copy-<turn index>"
+MESSAGE_EDIT = "message-edit-"  # a question's edit link target: "#message-edit-<turn index>"
+IN_PLACE = (THINKING, COPY, MESSAGE_COPY, MESSAGE_EDIT)    # links that act in the transcript, never navigate
 FOLLOW_SLACK = 4    # pixels from the bottom that still count as "at the bottom" (the view follows new text)
 
 
@@ -56,6 +62,8 @@ def stats_line(stats: dict) -> str:
 class Transcript(QTextBrowser):
     """The conversation as a read-only rich-text document; the answer in progress is drawn on a timer."""
 
+    editRequested = Signal(int)     # a question's turn index: its edit link was clicked
+
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setOpenExternalLinks(True)
@@ -76,6 +84,8 @@ class Transcript(QTextBrowser):
         self._thought = ""                      # the answer's reasoning so far
         self._open: set[int] = set()            # turns (LIVE: the answer) whose reasoning is shown
         self._codes: dict[int, str] = {}        # code block number -> its code (what Copy copies)
+        self._messages: dict[int, str] = {}     # turn index -> its raw text (what a message's copy copies)
+        self._answer_index: int | None = None   # the turn index of the answer being written
         self._answer_codes = 0                  # the first code block number of the streaming answer
         self._tail_codes = 0                    # and of its unfinished part
         self._dirty = False
@@ -99,8 +109,10 @@ class Transcript(QTextBrowser):
         self._shown = conv
         self.clear()
         self._codes.clear()
+        self._messages.clear()
         for i, turn in enumerate(conv.turns):
-            self._header(turn.role)
+            self._messages[i] = turn.content
+            self._header(turn.role, i)
             if turn.role == "assistant":
                 if turn.reasoning:
                     self._insert_reasoning(turn.reasoning, i)
@@ -116,9 +128,11 @@ class Transcript(QTextBrowser):
         """conv is what the transcript shows now (turns appended one by one): redraw it on a palette change."""
         self._shown = conv
 
-    def add_user(self, text: str) -> None:
-        """Append a question."""
-        self._header("user")
+    def add_user(self, text: str, index: int | None = None) -> None:
+        """Append a question (turn `index` of the conversation: its copy and edit links; None: no links)."""
+        if index is not None:
+            self._messages[index] = text
+        self._header("user", index)
         self._plain(text)
         self._scroll_to_end()
 
@@ -136,9 +150,10 @@ class Transcript(QTextBrowser):
 
     # --- the streaming answer ---
 
-    def begin_answer(self) -> None:
-        """Start an assistant turn whose text arrives in pieces."""
-        self._header("assistant")
+    def begin_answer(self, index: int | None = None) -> None:
+        """Start an assistant turn whose text arrives in pieces (turn `index`: its copy link; None: no link)."""
+        self._answer_index = index
+        self._header("assistant", index)
         self._answer_start = self._tail_start = self._end()
         self._done_chars = 0
         self._answer_codes = self._tail_codes = len(self._codes)
@@ -173,7 +188,9 @@ class Transcript(QTextBrowser):
     def stop_answer(self) -> None:
         """Stop redrawing (the answer stays as drawn)."""
         self._timer.stop()
-        self._answer_start = None
+        if self._answer_start is not None and self._answer_index is not None:
+            self._messages[self._answer_index] = self._text
+        self._answer_start = self._answer_index = None
 
     @property
     def text(self) -> str:
@@ -215,17 +232,31 @@ class Transcript(QTextBrowser):
         """Put the code of block `number` on the clipboard (its Copy link)."""
         QGuiApplication.clipboard().setText(self._codes[number])
 
+    def message(self, index: int) -> str:
+        """The raw text (Markdown) of turn `index` as shown (the answer being written: so far)."""
+        if index == self._answer_index and self.answering:
+            return self._text
+        return self._messages[index]
+
+    def copy_message(self, index: int) -> None:
+        """Put the raw Markdown of turn `index` on the clipboard (its copy link)."""
+        QGuiApplication.clipboard().setText(self.message(index))
+
     def _on_anchor(self, url: QUrl) -> None:
         fragment = url.fragment()
         if _local_link(url, THINKING):
             self.toggle_reasoning(int(fragment[len(THINKING):]))
         elif _local_link(url, COPY):
             self.copy_code(int(fragment[len(COPY):]))
+        elif _local_link(url, MESSAGE_COPY):
+            self.copy_message(int(fragment[len(MESSAGE_COPY):]))
+        elif _local_link(url, MESSAGE_EDIT):
+            self.editRequested.emit(int(fragment[len(MESSAGE_EDIT):]))
 
     def doSetSource(self, name: QUrl, type: QTextDocument.ResourceType = QTextDocument.ResourceType.UnknownResource
                     ) -> None:
-        """Links are followed as QTextBrowser does, except reasoning and Copy links (they act in place)."""
-        if not (_local_link(name, THINKING) or _local_link(name, COPY)):
+        """Links are followed as QTextBrowser does, except reasoning, copy and edit links (they act in place)."""
+        if not any(_local_link(name, prefix) for prefix in IN_PLACE):
             super().doSetSource(name, type)
 
     def _flush(self, final: bool = False) -> None:
@@ -301,7 +332,8 @@ class Transcript(QTextBrowser):
         insert_markdown(cursor, segment.source)
         unwrap_code(self.document(), start, chat_colors(self.palette()))
 
-    def _header(self, role: str) -> None:
+    def _header(self, role: str, index: int | None = None) -> None:
+        """The speaker's name, then (for turn `index`) its copy link and, on a question, its edit link."""
         colors = chat_colors(self.palette())
         cursor = self._end_block()
         block = QTextBlockFormat()
@@ -311,6 +343,23 @@ class Transcript(QTextBrowser):
         fmt.setFontWeight(QFont.Weight.Bold)
         fmt.setForeground(colors.user if role == "user" else colors.assistant)
         cursor.insertText({"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role), fmt)
+        if index is None:
+            return
+        # lower case and muted: they stay out of the way of the message, and apart from a code block's "Copy"
+        links = [("copy", MESSAGE_COPY, "copy this message's text (Markdown)")]
+        if role == "user":
+            links.append(("edit", MESSAGE_EDIT, "edit this question and send it again as a branch "
+                                                "(the conversation after it is kept as a copy)"))
+        plain = QTextCharFormat()
+        plain.setForeground(colors.muted)
+        plain.setFontPointSize(max(7.0, self.font().pointSizeF() * 0.85))
+        for i, (label, prefix, tip) in enumerate(links):
+            cursor.insertText("   " if i == 0 else " · ", plain)
+            link = QTextCharFormat(plain)
+            link.setAnchor(True)
+            link.setAnchorHref(f"#{prefix}{index}")
+            link.setToolTip(tip)
+            cursor.insertText(label, link)
 
     def _insert_reasoning(self, text: str, key: int) -> None:
         """Reasoning at the end: a "Reasoning" link that opens or closes it, then the text, muted, when open."""

@@ -1,4 +1,5 @@
-"""Saved conversations: round trip, atomic writes, order, and unreadable files kept and skipped."""
+"""Saved conversations: round trip, atomic writes, order, unreadable files kept and skipped; rename, search,
+branch and export."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 
 import pytest
 
-from app.conversations import Conversation, ConversationStore, Sampling, Turn, conversations_dir
+from app.conversations import Conversation, ConversationStore, Sampling, Turn, conversations_dir, export
 
 
 def _chat(question: str = "What is a hummingbird?") -> Conversation:
@@ -80,3 +81,55 @@ def test_the_default_folder_is_in_the_user_data_dir(tmp_path, monkeypatch):
     if os.name != "posix" or not str(conversations_dir()).startswith(str(tmp_path)):
         pytest.skip("platformdirs does not follow XDG_DATA_HOME here")
     assert conversations_dir() == tmp_path / "colibri" / "conversations" and conversations_dir().is_dir()
+
+
+def test_rename_collapses_spaces_and_refuses_an_empty_title():
+    conv = _chat()
+    assert conv.renamed("  Birds \n of  the Andes ").title == "Birds of the Andes"
+    with pytest.raises(ValueError, match="cannot be empty"):
+        conv.renamed(" \t")
+
+
+def test_search_matches_every_word_in_the_title_or_the_text():
+    conv = _chat().renamed("Andes trip")
+    assert conv.matches("") and conv.matches("andes") and conv.matches("SMALL bird")
+    assert conv.matches("trip small")                   # one word in the title, one in an answer
+    assert not conv.matches("small penguin")
+
+
+def test_an_edited_question_branches_and_keeps_the_old_continuation():
+    conv = _chat("first").with_turn(Turn("user", "second")).with_turn(Turn("assistant", "two"))
+    conv = conv.renamed("Counting")
+    cut, old = conv.branched(2, "second, edited")
+    assert cut.id == conv.id and cut.title == "Counting"
+    assert [t.content for t in cut.turns] == ["first", "A small bird.", "second, edited"]
+    assert old.id != conv.id and old.title == "Counting (branch)" and old.turns == conv.turns
+    # editing the first question of an untitled chat names the chat after the new question
+    first, _ = _chat("first").branched(0, "zeroth")
+    assert first.title == "zeroth" and [t.content for t in first.turns] == ["zeroth"]
+    with pytest.raises(ValueError, match="not a question"):
+        conv.branched(1, "an answer is not edited")
+    with pytest.raises(ValueError, match="empty"):
+        conv.branched(0, "  ")
+
+
+def test_the_context_used_is_the_last_answers_count():
+    conv = _chat()
+    assert conv.context_tokens() is None                # its stats predate the count
+    counted = conv.with_turn(Turn("user", "more?")).with_turn(Turn("assistant", "No.", {"context_tokens": 57}))
+    assert counted.context_tokens() == 57
+    assert counted.with_turn(Turn("user", "why?")).context_tokens() is None   # a question not yet answered
+
+
+def test_export_writes_markdown_or_json_atomically(tmp_path):
+    conv = Conversation.new("Be brief.").with_turn(Turn("user", "Show code")).with_turn(
+        Turn("assistant", "```python\nprint(1)\n```", {"tokens": 9, "model": "tiny"}, "They want code."))
+    md = export(conv, tmp_path / "chat.md").read_text(encoding="utf-8")
+    assert md.startswith("# Show code\n") and "> Be brief." in md
+    assert md.index("## You") < md.index("Show code\n\n## Assistant") < md.index("They want code.")
+    assert "```python\nprint(1)\n```" in md and "*tiny, 9 tokens*" in md
+    again = Conversation.from_json(json.loads(export(conv, tmp_path / "chat.json").read_text(encoding="utf-8")))
+    assert again == conv
+    with pytest.raises(ValueError, match=r"ending in \.md, \.markdown, \.json"):
+        export(conv, tmp_path / "chat.txt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "chat.md"]    # no temporary left
