@@ -49,14 +49,12 @@ def _function(entry: Any, param: str, i: int) -> dict:
     fn = entry.get("function")
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise ApiError(400, f"{where}.function.name: give the function's name", param)
-    params = fn.get("parameters", {"type": "object", "properties": {}})
+    out = dict(fn)       # as sent, in its order: the template writes it out with tojson
+    params = out.setdefault("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, Mapping):
         raise ApiError(400, f"{where}.function.parameters must be a JSON schema object", param)
-    out = {"name": fn["name"], "parameters": dict(params)}
-    if fn.get("description") is not None:
-        if not isinstance(fn["description"], str):
-            raise ApiError(400, f"{where}.function.description must be a string", param)
-        out["description"] = fn["description"]
+    if out.get("description") is not None and not isinstance(out["description"], str):
+        raise ApiError(400, f"{where}.function.description must be a string", param)
     return {"type": "function", "function": out}
 
 
@@ -105,9 +103,8 @@ def anthropic_tools(tools: Any, tool_choice: Any, tokenizer: Any) -> Tools | Non
         schema = t.get("input_schema")
         if not isinstance(schema, Mapping):
             raise ApiError(400, f"tools[{i}].input_schema: give the tool's input as a JSON schema object", "tools")
-        fn = {"name": t.get("name"), "parameters": schema}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
+        fn = {"name": t.get("name"), **({"description": t["description"]} if "description" in t else {}),
+              "parameters": schema}
         functions.append(_function({"type": "function", "function": fn}, "tools", i))
     return None if kind == "none" else _offer(functions, tokenizer, "tools")
 
