@@ -127,3 +127,24 @@ def test_what_a_template_writes_for_a_call_parses_back(name):
     content = split.feed(answer).content + split.flush().content
     _, calls = parse_tool_calls(detect_tool_format(template), content, SCHEMAS)
     assert calls[:1] == [WEATHER]
+
+
+HARMONY_ANSWER = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                  'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>')
+
+
+@pytest.mark.parametrize("size", [1, 4, 9, len(HARMONY_ANSWER)])
+def test_a_harmony_call_passes_the_reasoning_parser_whole(size):
+    """gpt-oss's analysis is reasoning; its message to a function reaches the answer verbatim and parses."""
+    fmt = detect_format((TEMPLATES / "openai-gpt-oss-120b.jinja").read_text(encoding="utf-8"))
+    split = open_parser(fmt.after("<|start|>user<|message|>Weather?<|end|><|start|>assistant"))
+    calls = ToolCallParser("harmony", SCHEMAS)
+    reasoning, pieces = "", []
+    for cut in _cuts(HARMONY_ANSWER, size):
+        part = split.feed(cut)
+        reasoning += part.reasoning
+        pieces += calls.feed(part.content)
+    last = split.flush()
+    pieces += calls.feed(last.content) + calls.flush()
+    assert reasoning + last.reasoning == "Need the weather."
+    assert pieces == [WEATHER]
