@@ -167,7 +167,7 @@ class ToolCallParser:
         name = name.strip()
         if not name or any(c in name for c in "<>{}\n"):
             return None
-        props = self.schemas.get(name, {}).get("properties", {})
+        props = _properties(self.schemas.get(name))
         args: dict[str, Any] = {}
         rest = ARG_KEY + rest if rest else ""
         pattern = re.compile(re.escape(ARG_KEY) + r"(.*?)" + re.escape(ARG_KEY_END) + r"\s*" + re.escape(ARG_VALUE)
@@ -177,7 +177,7 @@ class ToolCallParser:
             if rest[pos:m.start()].strip():
                 return None
             key, value = m.group(1).strip(), m.group(2)
-            if props.get(key, {}).get("type") == "string":
+            if props.get(key) == "string":
                 args[key] = value
             else:
                 try:
@@ -226,6 +226,14 @@ class ToolCallParser:
                 return [raw]
             calls.append(call)
         return calls or [raw]
+
+
+def _properties(schema: object) -> dict[str, object]:
+    """A JSON schema's property names -> their `type` (what a client sent may be any JSON)."""
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    if not isinstance(props, Mapping):
+        return {}
+    return {k: v.get("type") if isinstance(v, Mapping) else None for k, v in props.items()}
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:

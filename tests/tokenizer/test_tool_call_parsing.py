@@ -148,3 +148,10 @@ def test_a_harmony_call_passes_the_reasoning_parser_whole(size):
     pieces += calls.feed(last.content) + calls.flush()
     assert reasoning + last.reasoning == "Need the weather."
     assert pieces == [WEATHER]
+
+
+def test_a_schema_of_any_shape_does_not_break_the_parser():
+    odd = {"note": {"properties": "text"}, "f": {"properties": {"a": ["string"]}}}
+    glm = "<tool_call>{}\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"
+    assert parse_tool_calls("glm", glm.format("note"), odd) == ("", [ToolCall("note", {"a": 1})])
+    assert parse_tool_calls("glm", glm.format("f"), odd) == ("", [ToolCall("f", {"a": 1})])
