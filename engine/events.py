@@ -57,12 +57,16 @@ class TokenEvent:
     """One generated token and the text it completes (may be empty while UTF-8 or a stop string is pending).
 
     For a chat whose model reasons apart (engine.tokenizer.reasoning), `text` is the answer's part and
-    `reasoning` the reasoning's; the format's markers are in neither."""
+    `reasoning` the reasoning's; the format's markers are in neither. When the request asks for log-probabilities,
+    `logprob` is the token's and `top_logprobs` the most likely (id, log-probability) pairs, most likely first
+    (engine.generation.sampling.token_logprobs: the model's own, before penalties, masks and temperature)."""
 
     index: int
     token_id: int
     text: str
     reasoning: str = ""
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,17 @@ class KVPool:
         if self.checkpoints is not None:
             self.checkpoints.clear()
 
+    def trim_cached(self, limit: int) -> int:
+        """Free cached prefixes, least recently used first, until the pool holds at most `limit` bytes (or none
+        is left); the blocks freed. Blocks in use stay: a memory budget bounds what earlier chats leave behind."""
+        freed = 0
+        while self.cached and self.nbytes > limit:
+            b, _ = self.cached.popitem(last=False)
+            self._unindex(b)
+            self._free(b)
+            freed += 1
+        return freed
+
     # --- the prefix index ---
 
     def lookup(self, digest: bytes) -> int | None:

@@ -15,8 +15,8 @@ import signal
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QPainter, QPaintEvent
 from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
@@ -39,7 +39,7 @@ from ui.conversation_list import ConversationList
 from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_default
 from ui.models import ModelActions
 from ui.selftest import SelfTest, SelfTestRun
-from ui.theme import app_icon, apply_theme
+from ui.theme import THEMES, app_icon, apply_theme
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,38 @@ except ImportError as _exc:  # pragma: no cover - only while ui.inspector is mis
 
 APP_NAME = "Colibri"
 ORGANIZATION = "colibri"
+THEME_KEY = "view/theme"
+LICENCE = ("Apache-2.0", "https://www.apache.org/licenses/LICENSE-2.0")
+LINKS = (("Qt for Python (PySide6), LGPL-3.0", "https://doc.qt.io/qtforpython-6/"),
+         ("pyqtgraph, MIT", "https://www.pyqtgraph.org/"),
+         ("numba, BSD-2-Clause", "https://numba.pydata.org/"),
+         ("The demo model: SmolLM2-135M-Instruct, Apache-2.0",
+          "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct"))
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that elides its text to the width it gets (the whole text in its tooltip), so a status
+    line never shows a cut word and never pushes its neighbours away."""
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self.setToolTip(text)
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(self.fontMetrics().horizontalAdvance("…") * 4, super().minimumSizeHint().height())
+
+    def elided(self) -> str:
+        """The text as drawn at the current width."""
+        return self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, self.contentsRect().width())
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        painter = QPainter(self)
+        try:
+            painter.setPen(self.palette().color(self.foregroundRole()))
+            painter.drawText(self.contentsRect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter),
+                             self.elided())
+        finally:
+            painter.end()
 
 
 class _InspectorPlaceholder(QLabel):
@@ -71,6 +103,7 @@ class _InspectorPlaceholder(QLabel):
     def set_atlas(self, atlas) -> None: ...
     def set_atlas_progress(self, fraction) -> None: ...
     def close_views(self) -> None: ...
+    def forget_model(self) -> None: ...
 
 
 def configure(app: QApplication) -> None:
@@ -107,7 +140,7 @@ class MainWindow(QMainWindow):
         self.remote: RemoteService | None = self.bridge.remote   # a server on another machine, or None (local)
         self.chat = ChatPanel(self.bridge, self.store, settings=self.settings)   # sampling defaults live there
         self.conversations = ConversationList()
-        self.controls = ControlsPanel()
+        self.controls = ControlsPanel(settings=self.settings)
         self.inspector = Inspector() if Inspector is not None else _InspectorPlaceholder(_INSPECTOR_MISSING)
         self.models = ModelActions(self, self.settings)
         self.setCentralWidget(self.chat)
@@ -157,13 +190,40 @@ class MainWindow(QMainWindow):
         view = self.menuBar().addMenu("&View")
         for dock in self.findChildren(QDockWidget):
             view.addAction(dock.toggleViewAction())
+        view.addSeparator()
+        self._build_theme_menu(view.addMenu("Theme"))
         help_menu = self.menuBar().addMenu("&Help")
         about = QAction("About Colibri", self)
         about.triggered.connect(self._about)
         help_menu.addAction(about)
 
+    def _build_theme_menu(self, menu: QMenu) -> None:
+        """System, Light and Dark, one checked; the choice is saved and applied at once (and at the next start)."""
+        saved = str(self.settings.value(THEME_KEY, "system"))
+        saved = saved if saved in THEMES else "system"
+        group = QActionGroup(self)
+        group.setExclusive(True)
+        self.theme_actions: dict[str, QAction] = {}
+        for choice in THEMES:
+            action = QAction(choice.capitalize(), self, checkable=True)
+            action.setChecked(choice == saved)
+            action.triggered.connect(lambda _=False, choice=choice: self.set_theme(choice))
+            group.addAction(action)
+            menu.addAction(action)
+            self.theme_actions[choice] = action
+        self.set_theme(saved)
+
+    def set_theme(self, choice: str) -> None:
+        """Apply theme `choice` ("system", "light" or "dark") to the app and remember it."""
+        app = QApplication.instance()
+        if isinstance(app, QApplication):
+            apply_theme(app, choice)
+        self.theme_actions[choice].setChecked(True)
+        self.settings.setValue(THEME_KEY, choice)
+
     def _build_status(self) -> None:
-        self.model_label = QLabel("No model")
+        self.model_label = ElidedLabel("No model")
+        self.model_label.setObjectName("modelLabel")
         self.load_bar = QProgressBar()
         self.load_bar.setRange(0, 1000)
         self.load_bar.setMaximumWidth(220)
@@ -272,7 +332,7 @@ class MainWindow(QMainWindow):
             self.first_run.reject()
             self.first_run.deleteLater()
         dlg = self.first_run = FirstRunDialog(models_dir, bundle if bundle is not None else bundled_models_dir(),
-                                              self)
+                                              self, current=self.info.name if self.info is not None else None)
         dlg.openRequested.connect(self.open_model)
         dlg.openFolderRequested.connect(self.models.open_folder.trigger)
         dlg.openGgufRequested.connect(self.models.open_gguf.trigger)
@@ -308,6 +368,8 @@ class MainWindow(QMainWindow):
         info = self.info = event.info
         self.chat.set_model(info)
         self.controls.set_model(info)
+        if self.remote is None:   # the sliders as the user left them, where this model allows, but what this load set
+            self.controls.restore_remembered(self._given_settings())
         self.inspector.set_model_info(info.n_layers, info.n_experts, info.settings.memory_budget)
         try:
             self.inspector.set_atlas(dict(event.atlas) if event.atlas is not None else None)
@@ -334,6 +396,7 @@ class MainWindow(QMainWindow):
         self.chat.set_model(None)
         self.controls.set_model(None)
         self.inspector.set_model_info(0, 0, None)
+        self._inspector_forgets()
         self._remote_atlas_offer()
         self.setWindowTitle(APP_NAME)
         if event.cancelled:
@@ -346,6 +409,18 @@ class MainWindow(QMainWindow):
             log.warning("the model did not load: %s", event.message)
             self.model_label.setText("No model (the last one failed to load)")
             self.show_error("The model could not be loaded", event.message)
+
+    def _given_settings(self) -> frozenset[str]:
+        """The live settings the window's load options set (from the command line): remembered ones yield to them."""
+        o, default = self.load_options, LoadOptions()
+        given = {"memory_budget": o.max_memory is not None, "context_length": o.context_length is not None,
+                 "prefetch_depth": o.prefetch_depth != default.prefetch_depth,
+                 "io_threads": o.io_threads != default.io_threads}
+        return frozenset(name for name, set_ in given.items() if set_)
+
+    def _inspector_forgets(self) -> None:
+        """No model is loaded: the inspector drops the last one's heat, tiers and current token."""
+        self.inspector.forget_model()
 
     def _end_load(self) -> None:
         self._load_request = None
@@ -458,10 +533,25 @@ class MainWindow(QMainWindow):
         self.shutdown()
         super().closeEvent(event)
 
-    def _about(self) -> None:
-        QMessageBox.about(self, "About Colibri",
-                          "Colibri runs language models, above all Mixture-of-Experts models, on computers whose "
-                          "memory cannot hold them, streaming experts from disk.")
+    def _about(self) -> QMessageBox:
+        """The About box: what Colibri is, its version and licence, and links (non-blocking)."""
+        from app import __version__
+
+        links = "".join(f'<li><a href="{url}">{name}</a></li>' for name, url in LINKS)
+        text = (f"<h3>Colibri {__version__}</h3>"
+                "<p>Colibri runs language models, above all Mixture-of-Experts models, on computers whose memory "
+                "cannot hold them, streaming experts from disk under a memory budget.</p>"
+                f'<p>Licence: <a href="{LICENCE[1]}">{LICENCE[0]}</a>.</p>'
+                f"<p>Built on:</p><ul>{links}</ul>")
+        box = QMessageBox(QMessageBox.Icon.NoIcon, "About Colibri", text, QMessageBox.StandardButton.Ok, self)
+        box.setObjectName("aboutBox")
+        box.setIconPixmap(app_icon().pixmap(64, 64))
+        box.setTextFormat(Qt.TextFormat.RichText)
+        box.setTextInteractionFlags(Qt.TextInteractionFlag.TextBrowserInteraction)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        self.about_box = box
+        box.open()
+        return box
 
 
 def startup_model(model: str | None, window: MainWindow) -> str | None:

@@ -3,12 +3,14 @@
 A slider only asks: its change goes to the service as a `SettingsChange` (after a short pause,
 or at once when released), the engine applies it between tokens, and the sliders then show the
 settings the engine reports as in force. A setting the loaded model cannot change is disabled,
-its tooltip saying why.
+its tooltip saying why. Settings the engine accepted are kept in QSettings (the budget as a slider
+position, since budgets differ between models) and asked for again when a model loads
+(`restore_remembered`), where that model allows them.
 """
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QSettings, Qt, QTimer, Signal
 from PySide6.QtWidgets import QFormLayout, QLabel, QSlider, QVBoxLayout, QWidget
 
 from app.config.sizes import format_size as format_bytes
@@ -19,6 +21,7 @@ BUDGET_STEPS = 1000     # the budget slider's positions between the least budget
 MAX_PREFETCH = 4
 MAX_IO_THREADS = 8
 MIN_CONTEXT = 256
+REMEMBERED = "controls/"   # QSettings group of the sliders' last accepted values
 
 
 def context_steps(limit: int) -> list[int]:
@@ -53,8 +56,9 @@ class ControlsPanel(QWidget):
 
     changeRequested = Signal(object)    # SettingsChange
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, parent: QWidget | None = None, settings: QSettings | None = None):
         super().__init__(parent)
+        self.store = settings               # where accepted settings are remembered (None: nowhere)
         self.info: ModelInfo | None = None
         self._contexts: list[int] = [MIN_CONTEXT]
         self._budget_range = (0, 0)
@@ -119,6 +123,56 @@ class ControlsPanel(QWidget):
         self.problem.setText("\n".join(applied.problems))
         if applied.info is not None:
             self._show(applied.info)
+            self.remember(applied.info)
+
+    def remember(self, info: ModelInfo) -> None:
+        """Keep the settings in force, those this model may change, for the next model loaded."""
+        if self.store is None:
+            return
+        s, fixed = info.settings, info.fixed
+        if self._budget_enabled():
+            self.store.setValue(REMEMBERED + "budget_position", self.position_of(s.memory_budget))
+        for name in ("prefetch_depth", "io_threads", "context_length"):
+            if name not in fixed:
+                self.store.setValue(REMEMBERED + name, getattr(s, name))
+
+    def restore_remembered(self, keep: frozenset[str] = frozenset()) -> SettingsChange:
+        """Ask for the remembered settings the loaded model allows (clamped to its ranges), but those named in
+        `keep` (SettingsChange field names the user gave for this load); the change asked."""
+        if self.store is None or self.info is None:
+            return SettingsChange()
+
+        def saved(name: str) -> int | None:
+            value = self.store.value(REMEMBERED + name)
+            try:
+                return int(value) if value is not None else None
+            except (TypeError, ValueError):
+                return None
+
+        with_blocked = [s.slider for s in self.settings()]
+        for slider in with_blocked:
+            slider.blockSignals(True)
+        try:
+            for name, field, setting, low, high in (
+                    ("prefetch_depth", "prefetch_depth", self.prefetch, 0, MAX_PREFETCH),
+                    ("io_threads", "io_threads", self.io_threads, 1, MAX_IO_THREADS),
+                    ("budget_position", "memory_budget", self.budget, 0, BUDGET_STEPS)):
+                value = saved(name)
+                if value is not None and setting.slider.isEnabled() and field not in keep:
+                    setting.slider.setValue(min(high, max(low, value)))
+                    setting.show(setting.slider.value())
+            ctx = saved("context_length")
+            if ctx is not None and self.context.slider.isEnabled() and "context_length" not in keep:
+                index = min(range(len(self._contexts)), key=lambda i: abs(self._contexts[i] - ctx))
+                self.context.slider.setValue(index)
+                self.context.show(index)
+        finally:
+            for slider in with_blocked:
+                slider.blockSignals(False)
+        change = self.requested_change()
+        if change != SettingsChange():
+            self.changeRequested.emit(change)
+        return change
 
     def requested_change(self) -> SettingsChange:
         """What the sliders ask that differs from the settings in force."""

@@ -12,6 +12,8 @@ are cleaned, or resumed, by the next pull.
 
 from __future__ import annotations
 
+import html
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -99,15 +101,19 @@ class FirstRunDialog(QDialog):
     openFolderRequested = Signal()
     openGgufRequested = Signal()
 
-    def __init__(self, models_dir: Path | None = None, bundle: Path | None = None, parent: QWidget | None = None):
+    def __init__(self, models_dir: Path | None = None, bundle: Path | None = None, parent: QWidget | None = None,
+                 current: str | None = None):
         super().__init__(parent)
         self.setObjectName("firstRun")
-        self.setWindowTitle("Welcome to Colibri")
+        self.setWindowTitle("Welcome to Colibri" if current is None else "Get a model")
         self.models_dir, self.bundle = models_dir, bundle
         self.job: PullJob | None = None
         self.progress_dialog: QProgressDialog | None = None
         shipped = " (shipped with the app: no download)" if bundle is not None else " (downloads about 100 MB)"
-        intro = QLabel("<b>No model yet.</b> Colibri needs a language model to chat with.")
+        intro = QLabel("<b>No model yet.</b> Colibri needs a language model to chat with." if current is None else
+                       f"<b>Get another model.</b> {html.escape(current)} stays loaded until the new one opens.")
+        intro.setObjectName("firstRunIntro")
+        intro.setWordWrap(True)
         self.demo_button = QPushButton("Prepare the demo model")
         self.demo_button.setDefault(True)
         demo_note = QLabel(f"SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose "
@@ -119,6 +125,7 @@ class FirstRunDialog(QDialog):
         self.pull_button = QPushButton("Pull")
         self.error = QLabel()
         self.error.setObjectName("firstRunError")
+        self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.close_button = QPushButton("Not now")
         for label in (demo_note, self.error):
             label.setWordWrap(True)
@@ -217,7 +224,14 @@ class FirstRunDialog(QDialog):
 
     def _failed(self, message: str, cancelled: bool) -> None:
         self._end()
-        self.error.setText(("Cancelled: " if cancelled else "It did not work: ") + message)
+        self.show_error(("Cancelled: " if cancelled else "It did not work: ") + message)
+
+    def show_error(self, message: str) -> None:
+        """Say what went wrong below the choices, wrapped, the dialog growing to hold it (never drawn over them)."""
+        # a long URL or path has no space to wrap at: offer a break after each of its slashes
+        self.error.setText(re.sub(r"\S{48,}", lambda m: m.group().replace("/", "/\u200b"), message))
+        self.error.setMinimumHeight(self.error.heightForWidth(max(self.error.width(), self.width() - 40)))
+        self.adjustSize()
 
     def _set_busy(self, busy: bool) -> None:
         for w in (self.demo_button, self.pull_button, self.folder_button, self.gguf_button, self.name_edit):

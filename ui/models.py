@@ -1,5 +1,9 @@
 """Models: open a folder or a GGUF file, the recent models, and converting one into a container.
 
+File dialogs start in the models folder (app.config.paths.models_dir). The conversion dialog proposes
+`NAME-q<bits>` from the source's name without its own quantization suffix, and refuses a Colibri
+container as a source: it is quantized already, and its source is what to convert again.
+
 A conversion (app.hub.convert) runs on a worker thread behind a progress dialog, which shows the
 conversion's typed events (app.hub.progress); Cancel raises from the conversion's progress callback
 at its next event, so it stops between tensors (the partial output resumes next time). The worker
@@ -8,6 +12,7 @@ is always joined before the dialog goes away.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +42,35 @@ from engine.errors import ColibriError
 
 RECENT_KEY = "models/recent"
 MAX_RECENT = 8
+# a quantization suffix of a model's name: "-q4", ".Q4_K_M", "-fp16", "-bf16", "-int8" ...
+_QUANT_SUFFIX = re.compile(r"[-_.](q\d+(_[a-z0-9]+)*|i?q\d_[a-z0-9_]+|f16|bf16|fp16|f32|fp32|fp8|int4|int8)$", re.I)
+
+
+def start_folder() -> str:
+    """Where file dialogs start: the models folder when it exists, else the home folder."""
+    from app.config.paths import models_dir
+
+    folder = models_dir()
+    return str(folder if folder.is_dir() else Path.home())
+
+
+def output_name(source: str, bits: int) -> str:
+    """The container's name for a source: its name without extension or quantization suffix, then `-q<bits>`."""
+    name = Path(source.strip()).name
+    name = name[:-5] if name.lower().endswith(".gguf") else name
+    while (stripped := _QUANT_SUFFIX.sub("", name)) != name and stripped:
+        name = stripped
+    return f"{name}-q{bits}"
+
+
+def requantize_error(src: Path) -> str | None:
+    """Why `src` cannot be converted, when it is a Colibri container already; None otherwise."""
+    from engine.formats.container import is_container
+
+    if src.is_dir() and is_container(src):
+        return (f"{src.name} is a Colibri container: it is quantized already, and quantizing it again would lose "
+                "more precision. Convert the model it was made from (its Hugging Face folder or GGUF) instead.")
+    return None
 
 
 class RecentModels:
@@ -229,6 +263,9 @@ class ConvertDialog(QDialog):
         try:
             if not src.exists():
                 raise ColibriError(f"{src}: no such folder or file")
+            why = requantize_error(src)
+            if why:
+                raise ColibriError(why)
             if not self.output.text().strip():
                 raise ColibriError("choose an output folder")
             settings = self.settings()
@@ -300,16 +337,18 @@ class ConvertDialog(QDialog):
         super().reject()
 
     def _browse(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Model folder to convert")
+        folder = QFileDialog.getExistingDirectory(self, "Model folder to convert", start_folder())
         if folder:
             self.source.setText(folder)
 
     def _suggest_output(self, src: str) -> None:
         if not src.strip():
             return
-        name = Path(src.strip()).name
-        name = name[:-5] if name.lower().endswith(".gguf") else name
-        self.output.setText(str(self.out_dir / f"{name}-q{self.bits.value()}"))
+        why = requantize_error(Path(src.strip()).expanduser())
+        self.error.setText(why or "")
+        self.start_button.setEnabled(why is None)
+        if why is None:
+            self.output.setText(str(self.out_dir / output_name(src, self.bits.value())))
 
 
 class ModelActions(QObject):
@@ -345,7 +384,9 @@ class ModelActions(QObject):
         if self.convert_dialog is not None:
             self.convert_dialog.cancel_job()
             self.convert_dialog.deleteLater()
-        dlg = ConvertDialog(source or self.current, models_dir(), self.window)
+        if source is None and self.current is not None and requantize_error(Path(self.current)) is None:
+            source = self.current        # a container loaded now is no source: it is quantized already
+        dlg = ConvertDialog(source, models_dir(), self.window)
         dlg.converted.connect(self.converted)
         self.convert_dialog = dlg
         dlg.open()
@@ -367,11 +408,12 @@ class ModelActions(QObject):
             action.triggered.connect(lambda _=False, p=p: self.openRequested.emit(p))
 
     def _open_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self.window, "Open a model folder (Hugging Face or container)")
+        folder = QFileDialog.getExistingDirectory(self.window, "Open a model folder (Hugging Face or container)",
+                                                  start_folder())
         if folder:
             self.openRequested.emit(folder)
 
     def _open_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self.window, "Open a GGUF file", "", "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self.window, "Open a GGUF file", start_folder(), "GGUF models (*.gguf)")
         if path:
             self.openRequested.emit(path)

@@ -50,18 +50,29 @@ def palette(dark: bool) -> QPalette:
     return p
 
 
-def apply_theme(app: QApplication) -> None:
-    """Fusion with the system's light or dark palette, re-applied when the system switches."""
+THEMES = ("system", "light", "dark")   # the View > Theme choices
+
+
+def apply_theme(app: QApplication, choice: str = "system") -> None:
+    """Fusion with a light or dark palette: the system's (re-applied when the system switches), or the one chosen."""
+    if choice not in THEMES:
+        raise ValueError(f"theme {choice!r}: choose one of {', '.join(THEMES)}")
     app.setStyle("Fusion")
-    follow_scheme(app, app.styleHints().colorScheme())
+    app.setProperty("colibriTheme", choice)
+    if choice == "system":
+        follow_scheme(app, app.styleHints().colorScheme())
+    else:
+        app.setPalette(palette(choice == "dark"))
     if not app.property("colibriThemed"):
         app.styleHints().colorSchemeChanged.connect(lambda scheme: follow_scheme(app, scheme))
         app.setProperty("colibriThemed", True)
 
 
 def follow_scheme(app: QApplication, scheme: Qt.ColorScheme) -> None:
-    """Take the palette of a colour scheme (Unknown counts as light); every widget repaints with it."""
-    app.setPalette(palette(scheme == Qt.ColorScheme.Dark))
+    """Take the palette of a colour scheme (Unknown counts as light) unless the user chose a theme; every widget
+    repaints with it."""
+    if app.property("colibriTheme") in (None, "system"):
+        app.setPalette(palette(scheme == Qt.ColorScheme.Dark))
 
 
 @dataclass(frozen=True)

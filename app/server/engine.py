@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from app.service.local import EngineService, Generation, QueueFull, ServiceEvent
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent
+from engine.generation.grammar import Grammar
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.reasoning import ReasoningFormat
 
@@ -99,9 +100,11 @@ class Served:
         return self.info.settings.context_length
 
     def submit(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
-               loop: asyncio.AbstractEventLoop, reasoning: ReasoningFormat | None = None) -> Ticket:
-        """Start a generation (its text split into reasoning and answer by `reasoning`, when given); raises
-        QueueFull when too many wait for room in the batch."""
+               loop: asyncio.AbstractEventLoop, reasoning: ReasoningFormat | None = None,
+               logprobs: int | None = None, grammar: Grammar | None = None) -> Ticket:
+        """Start a generation (its text split into reasoning and answer by `reasoning`, when given; its tokens'
+        log-probabilities with `logprobs` alternatives each, when given; decoded to match `grammar`, when given);
+        raises QueueFull when too many wait for room in the batch."""
         ticket = Ticket(self.service)
 
         def listen(event: ServiceEvent) -> None:     # engine thread
@@ -115,7 +118,8 @@ class Served:
 
         try:
             ticket.request = self.service.generate(prompt, sampling=sampling, max_tokens=max_tokens, stop=stop,
-                                                   listener=listen, reasoning=reasoning)
+                                                   listener=listen, reasoning=reasoning, logprobs=logprobs,
+                                                   grammar=grammar)
         except QueueFull:
             self.counters.rejected += 1
             raise

@@ -8,7 +8,13 @@ as one `tool_calls` delta per call; past calls and `tool` turns go back to the t
 
 Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type
 (a JSON boolean is no number), a value out of range, an unknown model, a prompt longer than the context (with the
-numbers), an OpenAI field Colibri cannot honour (never silently ignored). `logit_bias` is honoured. A max_tokens
+numbers), an OpenAI field Colibri cannot honour (never silently ignored). `logit_bias` is honoured, and so are
+`logprobs` / `top_logprobs` (chat) and `logprobs` (completions): the model's own log-softmax of each token's raw
+logits (before logit bias, penalties and temperature), with up to 20 alternatives; a streamed chunk carries those of
+its tokens (of a token whose text is held back, the next chunk). `response_format` `json_object` and
+`json_schema` are honoured by grammar-constrained decoding (engine.generation.grammar): the answer is JSON matching
+the schema; as max_tokens nears, the answer is steered to close (where the schema lets it close), so that it parses
+even when finish_reason is "length". A schema that cannot be compiled gets a 400 naming the problem. A max_tokens
 past the room the prompt leaves in the context is clamped to that room (app.server.generation.budget, as on the
 Anthropic and Ollama routes): the answer then ends with "length" when the context is full. A full queue
 answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
@@ -19,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -44,10 +50,12 @@ from app.server.generation import budget
 from app.server.tool_calls import AnswerSplitter, Tools, arguments, call_id, keep_markers, openai_tools
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
+from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar, token_bytes
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.reasoning import ReasoningFormat
 
 RETRY_AFTER = 2             # seconds a client is told to wait when the queue is full
+MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI's limit)
 
 
 # --------------------------------------------------------------------------- request bodies
@@ -57,9 +65,6 @@ RETRY_AFTER = 2             # seconds a client is told to wait when the queue is
 # them (`_UNSUPPORTED`) unless left at a value that asks for nothing.
 
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((None, False), "log probabilities are not returned; leave it out"),
-    "top_logprobs": ((None, 0), "log probabilities are not returned; leave it out"),
-    "response_format": ((None, {"type": "text"}), "only free text is produced (no JSON mode or schema)"),
     "functions": ((None, []), "function calls are not supported"),
     "function_call": ((None, "none", "auto"), "function calls are not supported"),
     "modalities": ((None, ["text"]), "only text is produced"),
@@ -107,8 +112,6 @@ class _Body(BaseModel):
     n: StrictInt = Field(1, ge=1, le=1)
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
@@ -121,6 +124,35 @@ class _Body(BaseModel):
 
     _unsupported = field_validator(*(n for n in _UNSUPPORTED if n not in ("echo", "suffix", "best_of")),
                                    mode="before")(_refuse_unsupported)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar `response_format` asks for (None: free text); ApiError (400) naming what is wrong with it.
+        Compiling a large schema takes a while: call it off the event loop."""
+        rf = self.response_format
+        if rf is None:
+            return None
+        kinds = '"text", "json_object" or "json_schema"'
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise ApiError(400, f'response_format must be an object with a "type": {kinds}', "response_format")
+        kind = rf["type"]
+        if kind == "text":
+            return None
+        if kind not in ("json_object", "json_schema"):
+            raise ApiError(400, f"response_format.type {kind!r} is not one of {kinds}", "response_format.type")
+        where = "response_format.json_schema"
+        try:
+            if kind == "json_object":
+                return json_object_grammar()
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ApiError(400, f'{where} is missing: give {{"name": ..., "schema": {{...}}}}', where)
+            if "schema" not in spec:
+                raise ApiError(400, f"{where}.schema is missing: give the JSON Schema the answer must match",
+                               f"{where}.schema")
+            name = spec.get("name")
+            return json_schema_grammar(spec["schema"], name if isinstance(name, str) else None)
+        except ColibriError as exc:
+            raise ApiError(400, f"{where}.schema: {exc}", f"{where}.schema") from None
 
     def sampling(self, vocab: int) -> SamplingParams:
         """The sampling settings this body asks for; ApiError (400) naming a logit_bias id outside the vocabulary."""
@@ -187,15 +219,28 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
+    logprobs: StrictBool | None = None                                 # each token's log-probability
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # and this many alternatives
+
+    def n_logprobs(self) -> int | None:
+        """Alternatives per token to report (None: no log-probabilities); ApiError without `logprobs: true`."""
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs \"logprobs\": true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionBody(_Body):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr]]
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # log-probabilities and this many alternatives
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
 
     _unsupported_here = field_validator("echo", "suffix", "best_of", mode="before")(_refuse_unsupported)
+
+    def n_logprobs(self) -> int | None:
+        """Alternatives per token to report (None: no log-probabilities)."""
+        return self.logprobs
 
 
 _Body.model_rebuild()
@@ -229,7 +274,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(400, str(exc), "messages") from None
         fmt = tokenizer.reasoning_format
         reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
-        return await _generate(body, prompt, request, chat=True, reasoning=reasoning, tools=tools)
+        return await _generate(body, prompt, request, chat=True, reasoning=reasoning, n_logprobs=body.n_logprobs(),
+                               tools=tools)
 
     @app.post("/v1/completions", responses=responses(400, 401, 404, 408, 413, 429, 503, stream=True))
     async def completions(body: CompletionBody, request: Request):
@@ -249,7 +295,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "prompt")
-        return await _generate(body, prompt, request, chat=False)
+        return await _generate(body, prompt, request, chat=False, n_logprobs=body.n_logprobs())
 
     # --- generation ---
 
@@ -259,16 +305,22 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                            "model", "model_not_found")
 
     async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool,
-                        reasoning: ReasoningFormat | None = None, tools: Tools | None = None):
+                        reasoning: ReasoningFormat | None = None, n_logprobs: int | None = None,
+                        tools: Tools | None = None):
         limit = budget(body.max_completion_tokens or body.max_tokens, len(prompt), engine.ctx,
                        "messages" if chat else "prompt").max_tokens
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
+        grammar = await asyncio.to_thread(body.grammar)
+        scores = None
+        if n_logprobs is not None:
+            scores = _TokenScores(await _pieces(), n_logprobs)
         try:
             ticket = engine.submit(list(prompt), max_tokens=limit, sampling=sampling, stop=stops,
-                                   loop=asyncio.get_running_loop(), reasoning=reasoning)
+                                   loop=asyncio.get_running_loop(), reasoning=reasoning, logprobs=n_logprobs,
+                                   grammar=grammar)
         except QueueFull as exc:
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER)}) from None
@@ -279,9 +331,26 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(ticket, rid, created, chat, include_usage, len(prompt), tools),
+            return StreamingResponse(_stream(ticket, rid, created, chat, include_usage, len(prompt), scores,
+                                             tools),
                                      media_type="text/event-stream")
-        return await _whole(ticket, rid, created, chat, len(prompt), tools)
+        return await _whole(ticket, rid, created, chat, len(prompt), scores, tools)
+
+    async def _pieces() -> Callable[[int], tuple[str, list[int] | None]]:
+        """A token's text and bytes, as logprobs report them (token ids alone without a tokenizer)."""
+        if tokenizer is None:
+            return lambda token: (f"token_id:{token}", None)
+        vocab = engine.info.vocab_size
+        try:       # the tokenizer bridge is built once (about a second for a large vocabulary): off the event loop
+            await asyncio.to_thread(token_bytes, tokenizer, vocab, 0)
+        except ColibriError as exc:
+            raise ApiError(400, f"logprobs: {exc}", "logprobs") from None
+
+        def piece(token: int) -> tuple[str, list[int] | None]:
+            raw = token_bytes(tokenizer, vocab, token)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+
+        return piece
 
     def _finish(event: DoneEvent, called: bool = False) -> str:
         if event.finish_reason == "length":
@@ -292,11 +361,15 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": len(done.tokens),
                 "total_tokens": prompt_tokens + len(done.tokens)}
 
-    async def _whole(ticket: Ticket, rid: str, created: int, chat: bool, n_prompt: int, tools: Tools | None):
+    async def _whole(ticket: Ticket, rid: str, created: int, chat: bool, n_prompt: int,
+                     scores: _TokenScores | None, tools: Tools | None):
+        tokens: list[TokenEvent] = []
         try:
             while True:
                 event = await ticket.events.get()
-                if isinstance(event, ErrorEvent):
+                if isinstance(event, TokenEvent):
+                    tokens.append(event)
+                elif isinstance(event, ErrorEvent):
                     raise ApiError(400, event.message)
                 if isinstance(event, DoneEvent):
                     break
@@ -309,24 +382,30 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             if event.reasoning:
                 message["reasoning_content"] = event.reasoning
             choice = {"index": 0, "message": message, "finish_reason": _finish(event, "tool_calls" in message),
-                      "logprobs": None}
+                      "logprobs": scores.chat(tokens) if scores else None}
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": event.text, "finish_reason": _finish(event), "logprobs": None}
+            choice = {"index": 0, "text": event.text, "finish_reason": _finish(event),
+                      "logprobs": scores.completion(tokens) if scores else None}
             kind = "text_completion"
         return {"id": rid, "object": kind, "created": created, "model": engine.name, "choices": [choice],
                 "usage": _usage(n_prompt, event)}
 
     async def _stream(ticket: Ticket, rid: str, created: int, chat: bool, include_usage: bool, n_prompt: int,
-                      tools: Tools | None = None):
+                      scores: _TokenScores | None, tools: Tools | None = None):
         kind = "chat.completion.chunk" if chat else "text_completion"
         calls = CallDeltas(tools)
+        unsent: list[TokenEvent] = []       # tokens whose log-probabilities no chunk carried yet (text held back)
 
         def chunk(delta: dict | str, finish: str | None) -> str:
+            logprobs = None
+            if scores is not None and unsent:
+                logprobs = scores.chat(unsent) if chat else scores.completion(unsent)
+                unsent.clear()
             if chat:
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": logprobs}
             payload = {"id": rid, "object": kind, "created": created, "model": engine.name, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
@@ -338,6 +417,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             while True:
                 event = await ticket.events.get()
                 if isinstance(event, TokenEvent):
+                    unsent.append(event)
                     if event.reasoning and chat:
                         yield chunk({"reasoning_content": event.reasoning}, None)
                     for delta in calls.feed(event.text) if chat else [event.text] if event.text else []:
@@ -359,6 +439,37 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             yield "data: [DONE]\n\n"
         finally:
             ticket.close()           # the client left (or we are done): stop and free the KV blocks
+
+
+class _TokenScores:
+    """Tokens' log-probabilities in OpenAI's shapes: chat's `logprobs.content` entries, or the completions API's
+    parallel lists (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). One per answer: a completion's
+    text offsets run on across its streamed chunks."""
+
+    def __init__(self, piece: Callable[[int], tuple[str, list[int] | None]], n_top: int):
+        self.piece, self.n_top = piece, n_top
+        self.offset = 0             # characters of the completion before the next token
+
+    def chat(self, events: list[TokenEvent]) -> dict:
+        """`choice.logprobs` of a chat answer or chunk."""
+        def entry(token: int, logprob: float | None) -> dict:
+            text, raw = self.piece(token)
+            return {"token": text, "logprob": logprob, "bytes": raw}
+
+        return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top_logprobs]}
+                            for e in events], "refusal": None}
+
+    def completion(self, events: list[TokenEvent]) -> dict:
+        """`choice.logprobs` of a completion or chunk."""
+        tokens, offsets = [], []
+        for e in events:
+            text = self.piece(e.token_id)[0]
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+        tops = [{self.piece(i)[0]: lp for i, lp in e.top_logprobs} for e in events] if self.n_top else None
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in events], "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 # --------------------------------------------------------------------------- tool calls

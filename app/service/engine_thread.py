@@ -311,7 +311,7 @@ class EngineThread:
             self._answer(req.id, ErrorEvent(_message(exc)))
             return
         request = GenerationRequest(prompt=prompt, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop,
-                                    reasoning=reasoning)
+                                    reasoning=reasoning, logprobs=req.logprobs, grammar=req.grammar)
         if not self._live:
             model.telemetry.begin()
         seq = sched.submit(request, cancel)
@@ -333,7 +333,7 @@ class EngineThread:
         # between two tokens: the only moment settings may change under a running generation
         if self._pending is not None:
             self._apply_pending()
-        tel.set_gauge("kv_bytes", model.pool.nbytes)
+        model.gauge_kv()
         tel.set_gauge("queue_depth", self._waiting())
         tel.set_gauge("running", self._batch)
         model.gauge_rss()

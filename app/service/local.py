@@ -64,6 +64,7 @@ from app.service.messages import (  # noqa: F401 - re-exported: front ends impor
     chat_message,
 )
 from engine.errors import ColibriError
+from engine.generation.grammar import Grammar
 from engine.generation.sampling import SamplingParams
 from engine.telemetry import Snapshot, Subscription
 from engine.tokenizer.reasoning import ReasoningFormat
@@ -121,12 +122,15 @@ class EngineService(EngineThread):
     def generate(self, prompt: Sequence[int] | None = None, *, messages: Sequence[ChatMessage | Mapping] | None = None,
                  sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = (),
                  listener: Callable[[ServiceEvent], None] | None = None,
-                 reasoning: ReasoningFormat | None = None) -> int:
+                 reasoning: ReasoningFormat | None = None, logprobs: int | None = None,
+                 grammar: Grammar | None = None) -> int:
         """Generate from token ids or chat messages; the events come back as `Generation` with this id (to
         `listener` too, on the engine thread, from before this returns). Raises QueueFull when `max_queue`
         generations already wait for room in the batch. A chat's answer comes with its reasoning apart when the
         model's template has a reasoning format; for token ids, `reasoning` (`ReasoningFormat.after` the prompt's
-        text) asks for that split. A message's `reasoning_content` goes back to the template."""
+        text) asks for that split. A message's `reasoning_content` goes back to the template. With `logprobs`, each
+        TokenEvent carries its token's log-probability and that many alternatives. With `grammar`
+        (engine.generation.grammar), the answer is decoded to match it."""
         if (prompt is None) == (messages is None):
             raise ValueError("generate: give either prompt token ids or chat messages")
         msgs = None if messages is None else tuple(chat_message(m) for m in messages)
@@ -138,7 +142,8 @@ class EngineService(EngineThread):
                                 "retry shortly")
             self._generations += 1
         try:
-            return self._put(lambda i: GenerateRequest(i, ids, msgs, sampling, int(max_tokens), tuple(stop), reasoning), listener)
+            return self._put(lambda i: GenerateRequest(i, ids, msgs, sampling, int(max_tokens), tuple(stop), reasoning,
+                                                       logprobs, grammar), listener)
         except BaseException:
             with self._lock:
                 self._generations -= 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.events import Event
+from engine.generation.grammar import Grammar
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.reasoning import ReasoningFormat
 
@@ -90,6 +91,8 @@ class GenerateRequest:
     max_tokens: int
     stop: tuple[str, ...]
     reasoning: ReasoningFormat | None = None    # split the answer of token ids so; messages find their own
+    logprobs: int | None = None                 # each token's log-probability and this many alternatives
+    grammar: Grammar | None = None              # the answer must match it (structured output)
 
 
 @dataclass(frozen=True)

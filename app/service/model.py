@@ -53,6 +53,7 @@ class Engaged:
     options: Any = None                 # app.service.messages.LoadOptions it was opened with
     pool: Any = None                    # engine.kv.KVPool for the context length in force (made on first use)
     scheduler: Any = None               # engine.generation.scheduler.Scheduler on that pool
+    dense_bytes: int | None = None      # weights held in memory whatever the budget (None: not known)
 
     def batcher(self):
         """The scheduler that runs this model's generations together, on a KV pool of `max_batch` contexts
@@ -78,10 +79,14 @@ class Engaged:
     def open(cls, loaded, telemetry: Telemetry, settings: EngineSettings, options=None) -> Engaged:
         """Describe a freshly loaded model."""
         from app.service.messages import LoadOptions
+        from engine.offload.budget import plan_memory
 
         container = loaded.store.container if loaded.store is not None else None   # the one its store reads
+        dense = None
+        if container is not None:
+            dense = plan_memory(container, loaded.spec, ALL, settings.context_length, settings.prefetch_depth).resident
         return cls(loaded, telemetry, model_info(loaded, container, settings), container,
-                   options=options if options is not None else LoadOptions())
+                   options=options if options is not None else LoadOptions(), dense_bytes=dense)
 
     # --- live settings ---
 
@@ -150,8 +155,35 @@ class Engaged:
         tel.set_gauge("context_length", s.context_length)
         tel.set_gauge("prefetch_depth", s.prefetch_depth)
         tel.set_gauge("io_threads", s.io_threads)
+        if self.dense_bytes is not None:
+            tel.set_gauge("dense_bytes", self.dense_bytes)
+        if s.memory_budget is not None:   # planned, not measured: the largest buffers a prompt chunk makes
+            from engine.offload.budget import working_bytes
+
+            tel.set_gauge("working_bytes", working_bytes(self.loaded.spec, s.context_length))
+        self.gauge_kv()
         self.rss_at = 0.0
         self.gauge_rss()
+
+    def kv_limit(self) -> int | None:
+        """The KV cache's share of the memory budget in bytes (what plan_memory set aside); None without a budget."""
+        from engine.offload.budget import kv_bytes
+
+        s = self.info.settings
+        if s.memory_budget is None or self.pool is None:
+            return None
+        return kv_bytes(self.loaded.spec, s.context_length, 32, self.pool.block_size)
+
+    def gauge_kv(self) -> None:
+        """Hold the KV pool to its share of the budget, then gauge it (between steps). Earlier chats' prefixes stay
+        cached for reuse only while they fit: the least recently used go first, blocks in use never."""
+        pool = self.pool
+        if pool is None:
+            return
+        limit = self.kv_limit()
+        if limit is not None:
+            pool.trim_cached(limit)
+        self.telemetry.set_gauge("kv_bytes", pool.nbytes)
 
     def gauge_rss(self) -> None:
         """Refresh the rss gauge, at most every RSS_INTERVAL seconds."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Iterator, Sequence
 
@@ -21,8 +22,16 @@ from engine.events import (
     PromptLogitsEvent,
     TokenEvent,
 )
+from engine.generation.grammar import Constraint, Grammar, make_constraint
 from engine.generation.prefill import prefill, prefill_chunks
-from engine.generation.sampling import History, SamplingParams, apply_processors, make_logits_processors, make_sampler
+from engine.generation.sampling import (
+    History,
+    SamplingParams,
+    apply_processors,
+    make_logits_processors,
+    make_sampler,
+    token_logprobs,
+)
 from engine.generation.speculative import (
     DraftModel,
     HiddenStateDrafter,
@@ -51,6 +60,8 @@ class GenerationRequest:
     skip_special_tokens: bool = True          # leave control tokens out of the text
     speculative: SpeculativeSettings | None = None  # draft and verify several tokens per pass (same output)
     reasoning: ReasoningFormat | None = None  # split the text into reasoning and answer (a chat's prompt decides)
+    logprobs: int | None = None               # each token's log-probability and this many alternatives (None: off)
+    grammar: Grammar | None = None            # the output must match it (engine.generation.grammar); None: free text
 
 
 class Seen:
@@ -98,6 +109,8 @@ def generate_step(
     speculative: SpeculativeSettings | None = None,
     controller: SpeculationController | None = None,
     limit: int | None = None,
+    scored: Callable[[np.ndarray, int], None] | None = None,
+    constraint: Constraint | None = None,
 ) -> Generator[int, None, None]:
     """Yield sampled token ids forever; the consumer stops iterating when it has enough.
 
@@ -108,9 +121,15 @@ def generate_step(
     number of tokens the consumer will take at most (drafting stops short of it). While the
     consumer holds a token, `cache` holds everything before it, as in plain decoding; a consumer
     that stops mid-draft leaves it so (the closed generator truncates the accepted draft's tail).
+    `scored(logits, token)` sees each chosen token with the raw logits [V] it was chosen from (before the
+    processors), in order, as it is chosen (with drafts, before it is yielded). `constraint` masks what its grammar
+    forbids (the last processor) and follows each chosen token: a drafted token is kept only when the constrained
+    choice equals it, so speculative output obeys the grammar as plain decoding does.
     """
     sampler = make_sampler(sampling)
     processors = make_logits_processors(sampling)
+    if constraint is not None:
+        processors.append(constraint)
     drafter = None
     if speculative is not None:
         drafter = make_drafter(speculative, model.spec.vocab_size, cache.max_len)
@@ -138,9 +157,14 @@ def generate_step(
 
     def choose(row: np.ndarray) -> int:
         with tel.phase("sampling"):
+            raw = row
             if processors:
                 row = apply_processors(row, History(seen.view(), seen.n_prompt), processors)
             token = sampler(row)
+            if constraint is not None:
+                constraint.advance(token)
+            if scored is not None:
+                scored(raw, token)
         seen.append(token)
         return token
 
@@ -268,6 +292,8 @@ def stream_generate(
             request.speculative.validate()
         if request.max_tokens < 1:
             raise GenerationError(f"max_tokens is {request.max_tokens}; it must be at least 1")
+        if request.logprobs is not None and request.logprobs < 0:
+            raise GenerationError(f"logprobs asks for {request.logprobs} alternatives; give 0 or more")
         if len(prompt) + cache.length >= cache.max_len:
             raise GenerationError(
                 f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len} "
@@ -296,15 +322,30 @@ def stream_generate(
     thought: list[str] = []
     reason, hit, sampled = "length", False, 0
     t_first = t_last = t_prefill
+    scores: deque[tuple[float, tuple[tuple[int, float], ...]]] = deque()   # chosen, not yet yielded
+    try:
+        constraint = make_constraint(request.grammar, tokenizer, model.spec.vocab_size, stops,
+                                     request.max_tokens) \
+            if request.grammar is not None else None
+    except ColibriError as exc:
+        yield ErrorEvent(str(exc))
+        return
+    n_top = request.logprobs
+
+    def score(row: np.ndarray, token: int) -> None:
+        scores.append(token_logprobs(row, token, n_top or 0))
+
     steps = generate_step(model, prompt, cache, request.sampling, first_logits=logits,
                           first_hidden=np.concatenate(prompt_hidden) if prompt_hidden else None,
-                          speculative=request.speculative, controller=speculation, limit=request.max_tokens)
+                          speculative=request.speculative, controller=speculation, limit=request.max_tokens,
+                          scored=score if n_top is not None else None, constraint=constraint)
     try:
         for token in steps:
             t_last = time.perf_counter()
             if sampled == 0:
                 t_first = t_last
             sampled += 1
+            lp, alts = scores.popleft() if scores else (None, ())
             if token in stops:
                 reason = "stop"
                 break
@@ -313,7 +354,7 @@ def stream_generate(
             part = splitter.feed(delta)
             text.append(part.content)
             thought.append(part.reasoning)
-            yield TokenEvent(len(tokens) - 1, token, part.content, part.reasoning)
+            yield TokenEvent(len(tokens) - 1, token, part.content, part.reasoning, lp, alts)
             if hit:
                 reason = "stop"
                 break

@@ -517,6 +517,30 @@ def _pick(w: np.ndarray, cdf: np.ndarray, target: float) -> int:
     return i if i < w.shape[0] else int(np.flatnonzero(w)[-1])
 
 
+# --------------------------------------------------------------------------- log-probabilities
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int = 0) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The chosen token's log-probability and the `top` most likely (id, log-probability) pairs, most likely
+    first (ties to the lowest id).
+
+    These are the model's own log-softmax of the raw logits [V]: taken before logit bias, penalties, a grammar's
+    mask and temperature, so they describe the model and not the sampler (a masked or tempered token keeps its
+    value; OpenAI's `logprobs` mean the same).
+    """
+    x = np.asarray(logits, dtype=np.float64)  # [V]
+    top_x = float(x.max())
+    if not math.isfinite(top_x):
+        raise GenerationError("cannot compute log-probabilities: the logits contain NaN or +inf, or are all -inf")
+    lse = top_x + math.log(float(np.exp(x - top_x).sum()))
+    alts: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        ids = _top_k_ids(x, min(top, x.shape[0]))  # ascending ids, ties at the k-th value to the lowest
+        order = ids[np.lexsort((ids, -x[ids]))]  # most likely first, then the lower id
+        alts = tuple((int(i), float(x[i] - lse)) for i in order)
+    return float(x[token] - lse), alts
+
+
 # --------------------------------------------------------------------------- the sampler
 
 

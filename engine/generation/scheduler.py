@@ -25,8 +25,15 @@ import numpy as np
 from engine.errors import ColibriError, GenerationError
 from engine.events import DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, TokenEvent
 from engine.generation.generate import GenerationRequest, Seen, StopStrings, request_decoder
+from engine.generation.grammar import make_constraint
 from engine.generation.prefill import PREFILL_CHUNK
-from engine.generation.sampling import History, apply_processors, make_logits_processors, make_sampler
+from engine.generation.sampling import (
+    History,
+    apply_processors,
+    make_logits_processors,
+    make_sampler,
+    token_logprobs,
+)
 from engine.kv import KVCache, KVPool
 from engine.models.transformer import Transformer
 from engine.tokenizer.reasoning import open_parser
@@ -97,6 +104,8 @@ class Scheduler:
                 raise GenerationError(f"max_tokens is {request.max_tokens}; it must be at least 1")
             if not request.prompt:
                 raise GenerationError("no tokens to run: the prompt is empty")
+            if request.logprobs is not None and request.logprobs < 0:
+                raise GenerationError(f"logprobs asks for {request.logprobs} alternatives; give 0 or more")
             if len(request.prompt) >= cache.max_len and cache.overflow == "error":
                 raise GenerationError(f"the prompt has {len(request.prompt)} tokens but the context holds "
                                       f"{cache.max_len}; shorten the prompt, raise --ctx or use --overflow")
@@ -105,6 +114,15 @@ class Scheduler:
             return seq
         seq.sampler = make_sampler(request.sampling)
         seq.processors = make_logits_processors(request.sampling)
+        seq.constraint = None
+        if request.grammar is not None:
+            try:    # its own matcher: each sequence of the batch follows its own grammar
+                seq.constraint = make_constraint(request.grammar, self.tokenizer, self.model.spec.vocab_size, stops,
+                                                 request.max_tokens)
+            except ColibriError as exc:
+                self._fail(seq, str(exc))
+                return seq
+            seq.processors.append(seq.constraint)
         seq.seen = Seen(request.prompt)     # prompt then sampled ids: what the processors read
         seq.decoder = request_decoder(self.tokenizer, request)
         seq.matcher = StopStrings(request.stop)
@@ -189,10 +207,14 @@ class Scheduler:
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> None:
         req = seq.request
+        raw = logits                          # [V] the model's own: what log-probabilities describe
         if seq.processors:
             logits = apply_processors(logits, History(seq.seen.view(), seq.seen.n_prompt), seq.processors)
         try:
             token = seq.sampler(logits)
+            if seq.constraint is not None:
+                seq.constraint.advance(token)
+            scored = token_logprobs(raw, token, req.logprobs) if req.logprobs is not None else None
         except ColibriError as exc:
             self._fail(seq, str(exc))
             return
@@ -210,7 +232,8 @@ class Scheduler:
         part = seq.splitter.feed(delta)
         seq.text.append(part.content)
         seq.thought.append(part.reasoning)
-        seq.events.append(TokenEvent(len(seq.tokens) - 1, token, part.content, part.reasoning))
+        lp, alts = scored if scored is not None else (None, ())
+        seq.events.append(TokenEvent(len(seq.tokens) - 1, token, part.content, part.reasoning, lp, alts))
         if hit:
             self._finish(seq, "stop", hit=True)
         elif len(seq.tokens) >= req.max_tokens or (seq.cache.overflow == "error" and seq.cache.length + 1 >= seq.cache.max_len):

@@ -39,12 +39,19 @@ def test_a_model_that_fails_to_load_shows_its_error_and_the_app_stays_up(qtbot, 
     assert window.models.recent.paths()[0] == str(models[0])
 
 
-def test_a_load_can_be_cancelled_from_the_status_bar(qtbot, make_window, models):
+def test_a_load_can_be_cancelled_from_the_status_bar(qtbot, make_window, models, monkeypatch):
+    from app.service.engine_thread import EngineThread
+
+    # a warm tiny model loads in milliseconds, sooner than a click: the load waits at its start for the click
+    clicked, plan = threading.Event(), EngineThread._plan_load
+    monkeypatch.setattr(EngineThread, "_plan_load", lambda self, *a: (clicked.wait(LOAD_TIMEOUT_MS / 1000),
+                                                                      plan(self, *a))[1])
     window = make_window()
     with qtbot.waitSignal(window.bridge.loadFailed, timeout=LOAD_TIMEOUT_MS) as failed:
         window.open_model(str(models[0]))
         assert window.load_cancel.isVisible()
         window.load_cancel.click()              # before the engine is done: the load stops at its next step
+        clicked.set()
     assert failed.args[0].cancelled and window.error_dialog is None
     assert "cancelled" in window.model_label.text() and window.load_bar.isHidden()
 

@@ -220,8 +220,91 @@ def test_overview_sets_model_memory_against_the_budget_and_shows_the_baseline_ap
     gen.decode(1)
     inspector.set_snapshot(gen.tel.snapshot())
     redraw(qtbot, inspector)
-    assert bar.format() == "model memory 2.20 GB of the 2.00 GB budget (110.0%)"
-    assert bar.value() == 1000
+    assert bar.format() == ("model memory 2.20 GB of the 2.00 GB budget (110.0%): over by 200.00 MB, "
+                            "the most in scratch (2.20 GB)")
+    assert bar.value() == 1000 and bar.state == "over"
+
+
+def test_the_budget_bar_stacks_what_model_memory_is_made_of_and_warns_near_and_over(qtbot, inspector):
+    gen = Generation()
+    gen.tel.set_gauge("rss_baseline", 400 * MB)
+    gen.tel.set_gauge("rss", 400 * MB + 880 * MB)   # model memory 880 MB of a 1 GB budget: 88%
+    gen.tel.set_gauge("dense_bytes", 300 * MB)
+    gen.tel.set_gauge("kv_bytes", 180 * MB)
+    gen.tel.set_gauge("working_bytes", 50 * MB)
+    gen.tel.set_occupancy("pinned", 100 * MB)
+    gen.tel.set_occupancy("cached", 200 * MB)
+    gen.decode(1)
+    inspector.set_model_info(4, 8, GB)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    bar = inspector.overview.budget_bar
+    parts = bar.parts
+    assert (parts.dense, parts.experts, parts.kv, parts.scratch) == (300 * MB, 300 * MB, 180 * MB, 100 * MB)
+    assert bar.state == "ok" and bar.format() == "model memory 880.00 MB of the 1.00 GB budget (88.0%)"
+    tip = bar.toolTip()
+    for line in ("dense weights: 300.0 MB", "cached experts: 300.0 MB", "KV cache: 180.0 MB", "scratch: 100.0 MB",
+                 "planned working buffers: 50.0 MB", "budget: 1,000.0 MB"):
+        assert line in tip
+
+    gen.tel.set_gauge("rss", 400 * MB + 950 * MB)   # 95%: amber
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    assert bar.state == "near" and bar.format().endswith("(95.0%)")
+
+    gen.tel.set_gauge("kv_bytes", 600 * MB)          # earlier chats' KV grew past the budget: red, and it says so
+    gen.tel.set_gauge("rss", 400 * MB + 1_300 * MB)
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    assert bar.state == "over"
+    assert bar.format().endswith("(130.0%): over by 300.00 MB, the most in KV cache (600.00 MB)")
+    image = bar.grab().toImage()                     # painted: the frame is red
+    assert image.pixelColor(1, bar.height() // 4).red() > 150
+
+
+def test_the_history_is_sampled_on_a_timer_as_steps_so_idle_time_stays_flat(qtbot, inspector, monkeypatch):
+    from ui.inspector.overview import SAMPLE_HZ
+
+    gen = Generation()
+    gen.tel.set_occupancy("cached", 100 * MB)
+    gen.decode(1)
+    inspector.set_model_info(4, 8, GB)
+    inspector.set_snapshot(gen.tel.snapshot())
+    overview = inspector.overview
+    # no new data: the timer keeps sampling, at SAMPLE_HZ, the same value
+    qtbot.waitUntil(lambda: len(overview.history) >= 4, timeout=10_000)
+    h = overview.history.samples()
+    assert np.all(h[:, 2] == 100 * MB)
+    gaps = np.diff(h[1:, 0])                          # (the first sample came with the first tick)
+    assert np.all(gaps > 0.5 / SAMPLE_HZ) and np.all(gaps < 3 / SAMPLE_HZ)
+    # one change: drawn as a step at its sample, flat before and after
+    gen.tel.set_occupancy("cached", 300 * MB)
+    gen.decode(1)
+    inspector.set_snapshot(gen.tel.snapshot())
+    n = len(overview.history)
+    qtbot.waitUntil(lambda: len(overview.history) >= n + 3, timeout=10_000)
+    qtbot.waitUntil(lambda: len(overview.cached_curve.getData()[0]) >= n + 3, timeout=10_000)
+    assert overview.cached_curve.opts["stepMode"] == "right"
+    path = overview.cached_curve.curve.getPath()      # the drawn path: vertical at the change, no slope
+    x, y = (np.array([getattr(path.elementAt(i), a) for i in range(path.elementCount())]) for a in "xy")
+    assert not np.any((np.diff(x) != 0) & (np.diff(y) != 0))   # steps only: every segment flat or vertical
+    assert set(np.unique(y).tolist()) == {0, 100, 300}          # (0: the fill's baseline), MB
+
+
+def test_the_recent_hit_rate_covers_the_last_64_tokens(qtbot, inspector):
+    gen = Generation()
+    gen.decode(100, hits=(0, 0, 8))                   # a cold start: every expert read from disk
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    v = inspector.overview.values
+    for _ in range(8):                                # then the cache serves: 16 tokens at a time
+        gen.decode(16, hits=(4, 4, 0))
+        inspector.set_snapshot(gen.tel.snapshot())
+        redraw(qtbot, inspector)
+    assert v["hit_recent"].text() == "100.0%"         # the last 64 tokens were all hits
+    assert v["hit_rate"].text() != "100.0%"           # the cumulative rate remembers the cold start
 
 
 def test_figures_follow_every_snapshot_and_plots_at_most_plot_hz(qtbot, inspector, monkeypatch):
@@ -250,12 +333,10 @@ def test_figures_follow_every_snapshot_and_plots_at_most_plot_hz(qtbot, inspecto
         now[0] += 0.1 / PLOT_HZ
     assert inspector.replots == plotted             # 0.8 plot intervals: the plots waited
     assert len(overview.pinned_curve.getData()[0]) == 1
-    assert len(overview.history) == 9
 
     now[0] += 0.3 / PLOT_HZ                         # their turn comes: drawn without a new snapshot
     qtbot.waitUntil(lambda: inspector.replots == plotted + 1, timeout=3000)
-    x, y = overview.pinned_curve.getData()
-    assert len(x) == 9 and y[-1] == pytest.approx(80)   # MB, the latest sample
+    inspector._sampler.stop()                       # (the history's own timer would replot at SAMPLE_HZ)
     qtbot.wait(5 * Inspector.INTERVAL_MS)
     assert inspector.replots == plotted + 1         # and nothing more while nothing changes
 
@@ -317,6 +398,22 @@ def test_time_scales_to_decoded_tokens_and_cuts_a_prompt_spike(qtbot, inspector)
     assert "1 bars cut at the top" in view.total.text() and "400.0 ms" in view.total.text()
     # the bars use the tab's width; the table sits under them
     assert view.plot.width() > 0.9 * view.width()
+
+
+def test_time_axes_carry_a_few_round_tick_labels(qtbot, inspector):
+    gen = Generation()
+    gen.prefill(50)
+    gen.decode(300)
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    item = inspector.time.plot.getPlotItem()
+    qtbot.waitUntil(lambda: inspector.time.bar_count() == 301, timeout=3000)
+    for name, most in (("bottom", 6), ("left", 5)):
+        axis = item.getAxis(name)
+        low, high = axis.range
+        labelled = axis.tickValues(low, high, axis.height() if name == "left" else axis.width())[0][1]
+        assert 2 <= len(labelled) <= most + 1, (name, labelled)
 
 
 def test_views_redraw_on_timer_ticks_not_per_snapshot(qtbot, inspector):
@@ -395,10 +492,19 @@ def test_brain_colours_follow_tiers_and_heat(qtbot):
     heat = np.array([[4.0, 4.0, 4.0, 0.0]], np.float32)
     rgba = grid_rgba(theme, (1, 4), tiers, heat, ())
     assert len({tuple(px) for px in rgba[0, :3]}) == 3          # three tiers, three colours
-    cold = grid_rgba(theme, (1, 4), tiers, heat * np.array([[1, 0, 1, 0]], np.float32), ())
-    bg = np.array(theme.background)
-    # a cold cached expert sits nearer the background than a hot one
-    assert np.abs(cold[0, 1, :3] - bg).sum() < np.abs(rgba[0, 1, :3].astype(int) - bg).sum()
+    cold = grid_rgba(theme, (1, 4), tiers, heat * np.array([[1, 0, 0, 0]], np.float32), ())
+
+    def luma(px: np.ndarray) -> float:
+        return float(px[:3].astype(float) @ np.array([0.299, 0.587, 0.114]))
+
+    # hot is brighter than cold for every tier, on the light theme and the dark one (the legend says so)
+    for t in (theme, theme_for(QPalette(QColor(30, 30, 30)))):
+        hot, chill = grid_rgba(t, (1, 4), tiers, heat, ()), grid_rgba(t, (1, 4), tiers, heat * 0, ())
+        for e in range(3):
+            assert luma(hot[0, e]) > luma(chill[0, e]) + 40, (t.dark, e)
+        hue = np.argmax(t.tiers[TIER_CACHED])                     # the tier's hue stays: green leads when cold too
+        assert np.argmax(chill[0, 1, :3]) == hue and np.argmax(hot[0, 1, :3]) == hue
+    assert luma(cold[0, 1]) < luma(rgba[0, 1])
     # never routed, an expert in RAM still reads apart from one on disk, on either theme
     for t in (theme, theme_for(QPalette(QColor(30, 30, 30)))):
         frozen = grid_rgba(t, (1, 4), tiers, np.zeros((1, 4), np.float32), ()).astype(int)
@@ -406,6 +512,28 @@ def test_brain_colours_follow_tiers_and_heat(qtbot):
         assert np.abs(frozen[0, 0, :3] - frozen[0, 2, :3]).sum() > 100          # pinned vs disk
     wider = grid_rgba(theme, (2, 6), tiers, heat, ((1, (5, 9)),))  # grids grow; ids outside are ignored
     assert tuple(wider[1, 5, :3]) == theme.flash
+
+
+def test_the_current_token_is_cleared_when_the_answer_ends_and_the_model_goes(qtbot, inspector):
+    gen = Generation()
+    gen.decode(3)
+    inspector.set_model_info(4, 8, None)
+    inspector.set_generating(True)
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    flash = np.array(inspector.brain.theme.flash, np.uint8)
+    flashing = lambda: int(np.all(inspector.brain.rgba[..., :3] == flash, axis=-1).sum())  # noqa: E731
+    assert flashing() == 8                                # two experts in each of four layers
+    inspector.set_generating(False)
+    redraw(qtbot, inspector)
+    assert flashing() == 0
+    inspector.set_generating(True)
+    redraw(qtbot, inspector)
+    assert flashing() == 8
+    inspector.forget_model()                              # unloaded: nothing of it stays, the current token least
+    redraw(qtbot, inspector)
+    assert inspector.brain.rgba is None and inspector.brain.status.text().startswith("no experts")
 
 
 def test_brain_labels_whole_layers_and_experts_at_cell_centres_on_256_experts(qtbot, inspector):

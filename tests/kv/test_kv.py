@@ -186,6 +186,22 @@ def test_cached_prefixes_are_evicted_least_recently_used(tiny):
         tiny.model.forward([1, 2], c)
 
 
+def test_trimming_frees_the_oldest_cached_prefixes_down_to_a_limit_and_keeps_blocks_in_use(tiny):
+    pool = KVPool(tiny.spec, 32, block_size=4)
+    old, recent = KVCache(tiny.spec, 64, pool=pool), KVCache(tiny.spec, 64, pool=pool)
+    tiny.model.forward(PROMPT[:8], old)                 # two full blocks, cached once released
+    tiny.model.forward(list(range(30, 38)), recent)
+    old.release()
+    recent.release()
+    live = KVCache(tiny.spec, 64, pool=pool)
+    tiny.model.forward(list(range(60, 72)), live)       # three blocks in use
+    assert len(pool.cached) == 4 and pool.nbytes == 7 * pool.block_bytes
+    assert pool.trim_cached(5 * pool.block_bytes) == 2  # the first chat's prefix goes first
+    assert pool.nbytes == 5 * pool.block_bytes and not pool.index.keys() & set(old._digests)
+    assert set(recent._digests) <= pool.index.keys()
+    assert pool.trim_cached(0) == 2 and pool.nbytes == 3 * pool.block_bytes == live.nbytes
+
+
 def test_writing_after_truncating_into_a_shared_block_copies_it(tiny):
     pool = KVPool(tiny.spec, 32, block_size=4)
     a = KVCache(tiny.spec, 64, pool=pool)

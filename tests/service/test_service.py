@@ -18,6 +18,7 @@ from app.service.local import (
     TIER_PINNED,
     TIER_RESIDENT,
     AtlasReady,
+    ChatMessage,
     EngineService,
     Generation,
     LoadFailed,
@@ -462,3 +463,20 @@ def test_the_local_and_the_remote_service_are_both_a_service():
 
     with EngineService() as local, RemoteService("http://127.0.0.1:9") as remote:
         assert isinstance(local, Service) and isinstance(remote, Service)
+
+
+def test_earlier_chats_kv_stays_within_its_share_of_the_budget_over_ten_chats(service, container):
+    _load(service, container, LoadOptions(context_length=256, offload=True))
+    model = service._model
+    kv, held = [], []
+    for i in range(10):                       # different chats: nothing is shared, every full block stays cached
+        r = service.generate(messages=[ChatMessage("user", f"chat {i}: " + "xyz"[i % 3] * (20 + i))],
+                             max_tokens=150)
+        assert isinstance(service.events.done(r), DoneEvent)
+        snap = service.snapshot()
+        kv.append(snap.gauges["kv_bytes"])
+        held.append(model.pool.nbytes)
+    limit = model.kv_limit()
+    assert limit is not None and max(kv) <= limit and max(held) <= limit
+    assert model.pool.capacity_bytes > 2 * limit   # the pool could have grown past it: the trim held it
+    assert len(model.pool.cached) > 0               # and the latest chats' prefixes still wait for reuse

@@ -1,8 +1,9 @@
 """The Brain tab: every expert of every layer as one cell of a grid [layers x experts].
 
-Colour is the expert's tier, its strength the heat (decayed routing count, log-scaled against the
-hottest; a cold expert in RAM keeps more of its colour than one on disk), and the experts the
-current token routed to flash. The whole grid is one RGBA image built with numpy and handed to a
+Hue is the expert's tier, always visible; brightness is the heat (decayed routing count, log-scaled
+against the hottest), so "brighter = routed more lately" holds on light and dark themes alike. A
+cold expert in RAM keeps more brightness than a cold one on disk, so residency reads at a glance. The
+experts the current token routed to flash. The whole grid is one RGBA image built with numpy and handed to a
 single ImageItem per redraw, so 20,000 experts cost one array and one texture, not 20,000 items.
 Hovering a cell shows its tooltip; clicking selects it.
 """
@@ -27,9 +28,15 @@ from ui.inspector.data import (
 )
 
 _CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
-# How much of its tier's colour a never-routed cell keeps: an expert in RAM stays plainly coloured when
-# cold, so that residency reads at a glance, while a cold expert on disk fades nearly to the background.
-_FLOOR = np.array([0.0, 0.15, 0.45, 0.45, 0.45, 0.3], np.float32)
+# The brightness of a never-routed cell, as a share of its tier's brightest colour: a cold expert in RAM
+# stays plainly coloured, a cold one on disk dims, and heat brightens both toward full.
+_FLOOR = np.array([0.0, 0.25, 0.6, 0.6, 0.6, 0.4], np.float32)
+
+
+def _brightest(rgb: tuple[int, int, int]) -> np.ndarray:
+    """The colour of rgb's hue and saturation at full brightness (its largest channel at 255), float32 [3]."""
+    c = np.array(rgb, np.float32)
+    return c * (255.0 / max(float(c.max()), 1.0))
 
 
 def _fit(a: np.ndarray | None, shape: tuple[int, int], fill: float, dtype: type) -> np.ndarray:
@@ -43,17 +50,17 @@ def _fit(a: np.ndarray | None, shape: tuple[int, int], fill: float, dtype: type)
 
 def grid_rgba(theme: Theme, shape: tuple[int, int], tiers: np.ndarray | None, heat: np.ndarray | None,
               current: tuple[tuple[int, tuple[int, ...]], ...]) -> np.ndarray:
-    """The Brain image [L, E, 4] uint8: tier colour dimmed by coldness, the current token's experts in flash."""
+    """The Brain image [L, E, 4] uint8: tier hue, brighter with heat, the current token's experts in flash."""
     bg = np.array(theme.background, np.float32)
     fg = np.array(theme.foreground, np.float32)
     codes = _fit(tiers, shape, TIER_NONE, np.int8) if tiers is not None else np.full(shape, TIER_UNKNOWN, np.int8)
-    lut = np.array([theme.tiers.get(c, theme.background) for c in _CODES], np.float32)  # [6, 3]
+    lut = np.array([_brightest(theme.tiers.get(c, theme.background)) for c in _CODES], np.float32)  # [6, 3]
     h = _fit(heat, shape, 0.0, np.float32)                                                 # [L, E]
     hmax = float(h.max()) if h.size else 0.0
     level = np.log1p(h) / np.log1p(hmax) if hmax > 0 else h                                # 0..1
     floor = _FLOOR[codes + 1]                                                              # [L, E]
-    mix = floor + (1.0 - floor) * level                                                    # cold cells keep their tier's colour
-    rgb = bg + (lut[codes + 1] - bg) * mix[..., None]                                      # [L, E, 3]
+    value = floor + (1.0 - floor) * level                                                  # brightness: heat
+    rgb = lut[codes + 1] * value[..., None]                                                # [L, E, 3] the tier's hue
     rgb[codes == TIER_NONE] = bg + (fg - bg) * 0.06                                        # no expert: just off the background
     rgba = np.empty((*shape, 4), np.uint8)
     rgba[..., :3] = rgb
@@ -107,7 +114,7 @@ class BrainView(QWidget):
             self.legend.addWidget(swatch)
             self.legend.addWidget(QLabel(text))
             self.legend.addSpacing(8)
-        self.legend.addWidget(QLabel("faint = not routed lately"))   # true on light and dark themes alike
+        self.legend.addWidget(QLabel("brighter = routed more lately"))   # brightness is heat on either theme
         self.legend.addStretch(1)
         self.status = QLabel("")
         self.legend.addWidget(self.status)
@@ -131,7 +138,8 @@ class BrainView(QWidget):
         pen.setCosmetic(True)
         self.outline.setPen(pen)
         for swatch, key in self._legend_swatches:
-            swatch.setStyleSheet(swatch_css(theme.flash if key == "flash" else theme.tiers[key]))
+            rgb = theme.flash if key == "flash" else tuple(int(c) for c in _brightest(theme.tiers[key]))
+            swatch.setStyleSheet(swatch_css(rgb))   # a hot cell's colour: the legend's hues as the grid shows them
 
     def redraw(self, frame: Frame) -> None:
         """Rebuild and show the grid of the frame."""

@@ -4,7 +4,9 @@ Setters only store what they are given; a QTimer (at most REDRAW_HZ, running whi
 shown) builds one frozen `Frame` per tick when something changed and hands it to the tab in view,
 so the cost of the views is bounded by the screen rate, never by the token rate. Figures follow
 every such frame; the plots (Overview curves, Time bars), which cost several ms to paint, only
-frames with `plots` set: at most PLOT_HZ, and one more once a change has waited its turn.
+frames with `plots` set: at most PLOT_HZ, and one more once a change has waited its turn. A second
+timer samples the Overview's history at SAMPLE_HZ, shown or hidden, from the widget's creation until
+`close_views`: the history records time as it passed, not only when data arrived.
 
 Threads: `set_snapshot` and `set_tiers` store one reference and may be called from any thread
 (e.g. a telemetry subscriber on the engine thread); every other method is for the GUI thread.
@@ -25,7 +27,7 @@ from ui.inspector.atlas import AtlasView
 from ui.inspector.brain import BrainView
 from ui.inspector.common import PLOT_HZ, REDRAW_HZ, theme_for
 from ui.inspector.data import AtlasData, Frame
-from ui.inspector.overview import OverviewView
+from ui.inspector.overview import SAMPLE_HZ, OverviewView
 from ui.inspector.timeline import TimeView
 
 
@@ -72,6 +74,10 @@ class Inspector(QWidget):
         self._timer = QTimer(self)
         self._timer.setInterval(self.INTERVAL_MS)
         self._timer.timeout.connect(self._tick)
+        self._sampler = QTimer(self)
+        self._sampler.setInterval(round(1000 / SAMPLE_HZ))
+        self._sampler.timeout.connect(self._sample)
+        self._sampler.start()
         self.tabs.currentChanged.connect(self._redraw_all)
         self.brain.selected.connect(self._user_selected)
         self.atlas.selected.connect(self._user_selected)
@@ -96,6 +102,14 @@ class Inspector(QWidget):
         self._budget = float(budget_bytes) if budget_bytes else None
         self.atlas.set_has_experts(self._shape[1] > 0)
         self._redraw_all()
+
+    def forget_model(self) -> None:
+        """The model was closed: drop its snapshot and tiers, so no view shows its heat or current token."""
+        self._snapshot = None
+        self._tiers = None
+        self._shape = (0, 0)
+        self._budget = None
+        self._dirty = self._replot = True
 
     def set_tiers(self, tiers: np.ndarray | None) -> None:
         """Each expert's tier [L, E] int8 (see ui.inspector.data), copied; None: unknown (any thread)."""
@@ -130,6 +144,7 @@ class Inspector(QWidget):
         """Stop the timer and free the Atlas's GL context; the inspector draws nothing afterwards."""
         self._closed = True
         self._timer.stop()
+        self._sampler.stop()
         QToolTip.hideText()
         self.atlas.close_gl()
 
@@ -179,10 +194,22 @@ class Inspector(QWidget):
         for grid in (snap.heat if snap is not None else None, self._tiers):
             if grid is not None and grid.ndim == 2:
                 shape = (max(shape[0], grid.shape[0]), max(shape[1], grid.shape[1]))
-        budget = self._budget
-        if budget is None and snap is not None and snap.gauges.get("budget"):
-            budget = snap.gauges["budget"]
-        return Frame(snap, shape, budget, self._tiers, self._atlas, self._selected, plots)
+        return Frame(snap, shape, self._budget_of(snap), self._tiers, self._atlas, self._selected, plots)
+
+    def _budget_of(self, snap: Snapshot | None) -> float | None:
+        """set_model_info's budget, else the snapshot's "budget" gauge."""
+        if self._budget is None and snap is not None and snap.gauges.get("budget"):
+            return snap.gauges["budget"]
+        return self._budget
+
+    def _sample(self) -> None:
+        """A history sample of the latest snapshot, new or not (the SAMPLE_HZ timer)."""
+        snap = self._snapshot
+        if snap is not None and not self._closed:
+            self.overview.record(snap)
+            self.overview.sample(snap, self._budget_of(snap), time.monotonic())
+            if self.tabs.currentWidget() is self.overview:   # other tabs have nothing new to draw
+                self._plots_behind = True
 
     def _tick(self) -> None:
         """Redraw the tab in view if a new snapshot arrived or anything else changed; its plots when due."""
@@ -197,8 +224,10 @@ class Inspector(QWidget):
             return
         self._dirty = False
         self._drawn = snap
+        if snap is not None and not len(self.overview.history):   # the first snapshot is plotted at once
+            self._sample()
         frame = self._frame(plots)
-        self.overview.record(frame)
+        self.overview.record(frame.snapshot)
         if view is not None:
             view.redraw(frame)
         if changed:

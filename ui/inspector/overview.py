@@ -1,27 +1,32 @@
-"""The Overview tab: rates, hit rate, model memory against the budget, and tier occupancy over time.
+"""The Overview tab: rates, hit rates, model memory against the budget, and tier occupancy over time.
 
-Figures follow every frame. The two plots draw a history the view keeps itself (one sample per new
-snapshot, so at most REDRAW_HZ a second, in one preallocated array) and are redrawn only by frames
-with `plots` set (at most PLOT_HZ). Sizes are decimal (MB, GB), the units of `--max-memory`.
+Figures follow every frame. The two plots draw a history the view keeps itself: the Inspector samples
+the latest snapshot on a SAMPLE_HZ timer, whether data arrived or not, so an idle stretch stays flat
+and a change shows when it happened; curves are steps (a value holds until the next sample). They are
+redrawn only by frames with `plots` set (at most PLOT_HZ). Sizes are decimal (MB, GB), the units of
+`--max-memory`.
 
 Model memory is the process RSS minus the `rss_baseline` gauge (the interpreter and libraries,
-measured before the model was loaded): that is what the budget covers, so it is what the bar and
-the plot set against the budget; the baseline is shown apart.
+measured before the model was loaded): that is what the budget covers, so it is what the stacked bar
+(ui.inspector.budget) and the plot set against the budget; the baseline is shown apart.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
+from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtWidgets import QGridLayout, QLabel, QProgressBar, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
+from engine.telemetry import Snapshot
+from ui.inspector.budget import BudgetBar, memory_parts, model_memory
 from ui.inspector.common import Theme, fmt_bytes, fmt_ms, fmt_percent, live_plot, nice_ceil, style_plot
 from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, Frame
 
-HISTORY = 9000  # samples kept: five minutes at 30 Hz
+SAMPLE_HZ = 2   # history samples a second, taken on a timer whether data arrived or not
+HISTORY = 3600  # samples kept: half an hour at SAMPLE_HZ
+RECENT_TOKENS = 64  # the recent hit rate's window
 POINTS = 500    # at most this many points per curve: a plot is a few hundred pixels wide
 T, PINNED, CACHED, DISK, MODEL, BUDGET = range(6)  # columns of a history sample (seconds, then bytes)
 
@@ -29,7 +34,10 @@ T, PINNED, CACHED, DISK, MODEL, BUDGET = range(6)  # columns of a history sample
 FIGURES = (
     ("tok_per_s", "Decode speed", "decoded tokens per second over the recent tokens"),
     ("ttft", "Time to first token", "from the request to its first token, prompt included"),
-    ("hit_rate", "Expert hit rate", "routed experts found in memory (pinned or cached), not read from disk"),
+    ("hit_rate", "Expert hit rate", "routed experts found in memory (pinned or cached), not read from disk, "
+                                    "since the model was loaded"),
+    ("hit_recent", f"Hit rate, last {RECENT_TOKENS} tokens", "the same over the latest tokens (prompt and "
+                                                             "decoded): how the cache serves now"),
     ("model", "Model memory", "process RSS minus the baseline: weights, expert cache, KV cache and buffers, "
                               "what the memory budget covers"),
     ("baseline", "Baseline", "process RSS before the model was loaded: the interpreter and libraries, "
@@ -88,10 +96,7 @@ class OverviewView(QWidget):
             grid.addWidget(name, 2 * (n // 3), n % 3)
             grid.addWidget(value, 2 * (n // 3) + 1, n % 3)
             self.values[key] = value
-        self.budget_bar = QProgressBar()
-        self.budget_bar.setRange(0, 1000)
-        self.budget_bar.setFormat("no budget")
-        self.budget_bar.setValue(0)
+        self.budget_bar = BudgetBar(theme)
 
         self.memory_plot = pg.PlotWidget()
         self.disk_plot = pg.PlotWidget()
@@ -101,11 +106,12 @@ class OverviewView(QWidget):
         self.units = {"memory": "MB", "disk": "MB"}
         self.legend = mem.addLegend(offset=(8, 8))
         # stacked areas: the cached curve is pinned + cached, drawn first so pinned covers its lower part
-        self.cached_curve = mem.plot(name="cached", fillLevel=0)
-        self.pinned_curve = mem.plot(name="pinned", fillLevel=0)
-        self.model_curve = mem.plot(name="model memory")
-        self.budget_curve = mem.plot(name="budget")
-        self.disk_curve = disk.plot(fillLevel=0)
+        # steps: a sample's value holds until the next one, so nothing is drawn as a slope that never happened
+        self.cached_curve = mem.plot(name="cached", fillLevel=0, stepMode="right")
+        self.pinned_curve = mem.plot(name="pinned", fillLevel=0, stepMode="right")
+        self.model_curve = mem.plot(name="model memory", stepMode="right")
+        self.budget_curve = mem.plot(name="budget", stepMode="right")
+        self.disk_curve = disk.plot(fillLevel=0, stepMode="right")
         for curve in (self.cached_curve, self.pinned_curve, self.disk_curve):
             curve.setSkipFiniteCheck(True)                   # occupancy is always known (0 when not reported)
 
@@ -118,6 +124,7 @@ class OverviewView(QWidget):
         self._t0: float | None = None
         self._seen = -1
         self.history = History()
+        self._hits: deque[tuple[int, int, int]] = deque()   # (tokens, hits in memory, all hits) of recent snapshots
         self.set_theme(theme)
 
     def set_theme(self, theme: Theme) -> None:
@@ -133,21 +140,41 @@ class OverviewView(QWidget):
         self.model_curve.setPen(pg.mkPen(theme.qcolor(theme.foreground), width=1))
         self.budget_curve.setPen(pg.mkPen(theme.qcolor(theme.phases["io_wait"]), width=1,
                                           style=pg.QtCore.Qt.PenStyle.DashLine))
+        self.budget_bar.set_theme(theme)
 
-    def record(self, frame: Frame) -> None:
-        """Add a history sample if the frame holds a snapshot not seen yet (called whether shown or not)."""
-        snap = frame.snapshot
-        if snap is None or snap.seq == self._seen:
+    def sample(self, snap: Snapshot | None, budget: float | None, now: float) -> None:
+        """Add a history sample of the latest snapshot at `now` (time.monotonic seconds), new data or not."""
+        if snap is None:
             return
-        self._seen = snap.seq
-        now = time.monotonic()
         if self._t0 is None:
             self._t0 = now
         occ = snap.occupancy
         model = model_memory(snap.gauges)
         self.history.append((now - self._t0, occ.get("pinned", 0), occ.get("cached", 0), occ.get("disk", 0),
-                             model if model is not None else np.nan,
-                             frame.budget if frame.budget is not None else np.nan))
+                             model if model is not None else np.nan, budget if budget is not None else np.nan))
+
+    def record(self, snap: Snapshot | None) -> None:
+        """Note a snapshot not seen yet for the recent hit rate (at every tick and sample, shown or not)."""
+        if snap is None or snap.seq == self._seen:
+            return
+        self._seen = snap.seq
+        tokens = snap.tokens + snap.prefill_tokens
+        hits = self._hits
+        if hits and tokens < hits[-1][0]:     # counts were reset: the window starts again
+            hits.clear()
+        held = snap.hits.get("pinned", 0) + snap.hits.get("cached", 0)
+        hits.append((tokens, held, held + snap.hits.get("disk", 0)))
+        while len(hits) > 1 and hits[1][0] <= tokens - RECENT_TOKENS:
+            hits.popleft()
+
+    def recent_hit_rate(self) -> tuple[float, int] | None:
+        """(hit rate, tokens it covers) over about the last RECENT_TOKENS tokens; None before any hit."""
+        if len(self._hits) < 2:
+            return None
+        (t0, held0, all0), (t1, held1, all1) = self._hits[0], self._hits[-1]
+        if all1 == all0:
+            return None
+        return (held1 - held0) / (all1 - all0), t1 - t0
 
     def redraw(self, frame: Frame) -> None:
         """Show the frame's figures, and the history if the frame says plots."""
@@ -160,6 +187,9 @@ class OverviewView(QWidget):
         v["ttft"].setText(fmt_ms(ttft) if ttft is not None else "—")
         total = sum(snap.hits.values())
         v["hit_rate"].setText(fmt_percent(snap.hit_rate) if total else "—")
+        recent = self.recent_hit_rate()
+        v["hit_recent"].setText("—" if recent is None else fmt_percent(recent[0]) if recent[1] >= RECENT_TOKENS
+                                else f"{fmt_percent(recent[0])} ({recent[1]} tokens)")
         v["tokens"].setText(f"{snap.tokens} decoded, {snap.prefill_tokens} prompt")
         v["bytes_read"].setText(fmt_bytes(snap.bytes_read))
         wasted = f", {snap.prefetch_wasted} wasted" if snap.prefetch_wasted else ""
@@ -168,16 +198,7 @@ class OverviewView(QWidget):
         model, budget = model_memory(snap.gauges), frame.budget
         v["model"].setText(fmt_bytes(model))
         v["baseline"].setText(fmt_bytes(snap.gauges.get("rss_baseline")))
-        if budget and model is not None:
-            self.budget_bar.setValue(int(min(1.0, max(0.0, model / budget)) * 1000))
-            self.budget_bar.setFormat(f"model memory {fmt_bytes(model)} of the {fmt_bytes(budget)} budget "
-                                      f"({fmt_percent(model / budget)})")
-        elif budget:
-            self.budget_bar.setValue(0)
-            self.budget_bar.setFormat(f"budget {fmt_bytes(budget)} (model memory not reported)")
-        else:
-            self.budget_bar.setValue(0)
-            self.budget_bar.setFormat("no memory budget (the whole model is resident)")
+        self.budget_bar.set_memory(memory_parts(snap.gauges, snap.occupancy), budget)
         if frame.plots and len(self.history):
             self._plot(envelope(self.history.samples(), POINTS))
 
@@ -218,10 +239,3 @@ def envelope(samples: np.ndarray, points: int) -> np.ndarray:
     out[:, T] = runs[:, -1, T]
     return out
 
-
-def model_memory(gauges: Mapping[str, float]) -> float | None:
-    """Process RSS minus the baseline before loading (bytes); None unless both gauges are reported."""
-    rss, baseline = gauges.get("rss"), gauges.get("rss_baseline")
-    if rss is None or baseline is None:
-        return None
-    return max(0.0, rss - baseline)

@@ -24,6 +24,7 @@ from ui.inspector.data import Frame
 LABELS = {"attention": "attention", "dense": "dense matmuls", "experts": "expert matmuls",
           "io_wait": "I/O wait", "sampling": "sampling", "other": "other"}
 _FIELDS = attrgetter("n", *PHASES)  # a record's token count and seconds per phase
+X_LABELS, Y_LABELS = 6, 5           # at most so many tick labels on each axis
 
 
 def scale_ms(tops: np.ndarray, prefill: np.ndarray, mean_ms: float) -> float:
@@ -36,6 +37,12 @@ def scale_ms(tops: np.ndarray, prefill: np.ndarray, mean_ms: float) -> float:
     if decoded.size == 0:
         return 1.0
     return nice_ceil(1.1 * max(float(np.percentile(decoded, 95)), 2.0 * mean_ms))
+
+
+def tick_spacing(span: float, most: int) -> tuple[float, float]:
+    """(major, minor) tick spacing for an axis of `span` with at most `most` labels: round steps (1, 2, 5 ...)."""
+    major = nice_ceil(span / most)
+    return major, major / 5 if major >= 5 else major / 2
 
 
 class TimeView(QWidget):
@@ -54,6 +61,7 @@ class TimeView(QWidget):
         self.clip_marks = pg.ScatterPlotItem(symbol="arrow_up", size=9)   # bars cut at the top of the scale
         item.addItem(self.clip_marks)
         self.scale = 1.0                                                   # the plot's height, ms
+        self._spacing: tuple[tuple[float, float], ...] = ()                # the axes' tick spacing in force
         self._clipped = ""                                                 # the summary's note on cut bars
         self.mean_line = pg.InfiniteLine(angle=0, movable=False)
         self.mean_line.setVisible(False)
@@ -150,4 +158,11 @@ class TimeView(QWidget):
         self.mean_line.setVisible(wall > 0)
         if wall > 0:
             self.mean_line.setPos(wall * 1e3)
-        self.plot.getPlotItem().getViewBox().setRange(xRange=(0, max(r, 1)), yRange=(0, self.scale), padding=0)
+        item = self.plot.getPlotItem()
+        item.getViewBox().setRange(xRange=(0, max(r, 1)), yRange=(0, self.scale), padding=0)
+        # a few labels whatever the width: pyqtgraph's own spacing crowds a narrow axis (24 labels were seen)
+        spacing = (tick_spacing(max(r, 1), X_LABELS), tick_spacing(self.scale, Y_LABELS))
+        if spacing != self._spacing:
+            self._spacing = spacing
+            item.getAxis("bottom").setTickSpacing(*spacing[0])
+            item.getAxis("left").setTickSpacing(*spacing[1])
