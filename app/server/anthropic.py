@@ -9,11 +9,13 @@ ending the conversation as the assistant is continued (Anthropic's prefill). `st
 answers its reasoning in thinking blocks. Every mistake gets Anthropic's error shape (app.server.errors, chosen by
 the path); the key may come as `x-api-key` (app.server.app). `tools` ({name, description, input_schema}) reach the
 model through its chat template as JSON-schema functions; its calls come back as tool_use blocks (stop_reason
-`tool_use`), streamed as a content_block_start and one `input_json_delta` each (app.server.tool_calls).
+`tool_use`), streamed as a content_block_start and one `input_json_delta` each (app.server.tool_calls);
+`tool_choice` any or tool constrains the answer to such a call where the model's format allows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -282,8 +284,9 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
         stops = tuple(body.stop_sequences or ())
         fmt = tokenizer.reasoning_format if tokenizer is not None else None
         reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+        grammar = await asyncio.to_thread(tools.grammar) if tools is not None else None     # compiling takes a while
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=body.sampling(), stops=stops,
-                       reasoning=reasoning)
+                       reasoning=reasoning, grammar=grammar)
         rid = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
             return StreamingResponse(_stream(ticket, rid, len(prompt), limit, stops, Blocks(tools)),

@@ -4,7 +4,8 @@ reasons apart (its template has a reasoning format: engine.tokenizer.reasoning) 
 `reasoning_content` (in `message`, or in streamed `delta`s) and only the answer in `content`; a message's
 `reasoning_content` goes back to the template. `tools` reach the model through its chat template and its calls
 come back parsed (app.server.tool_calls) as the message's `tool_calls` (finish_reason "tool_calls"), or streamed
-as one `tool_calls` delta per call; past calls and `tool` turns go back to the template.
+as one `tool_calls` delta per call; past calls and `tool` turns go back to the template. tool_choice "required"
+or a named function constrains the answer to such a call where the model's format allows (else 400).
 
 Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type
 (a JSON boolean is no number), a value out of range, an unknown model, a prompt longer than the context (with the
@@ -314,6 +315,11 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
         grammar = await asyncio.to_thread(body.grammar)
+        if tools is not None and tools.forced:
+            if grammar is not None:
+                raise ApiError(400, "response_format and a forced tool call (tool_choice) cannot both shape the "
+                                    "answer; drop one", "tool_choice")
+            grammar = await asyncio.to_thread(tools.grammar)
         scores = None
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)

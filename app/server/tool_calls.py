@@ -3,8 +3,10 @@ function form chat templates read (OpenAI's and Ollama's `tools` already are; An
 choice of whether the model may call (`tool_choice`), and the answer's text split into prose and calls as it
 streams (`AnswerSplitter`, over engine.tokenizer.tool_calls), so that a route only shapes what comes out.
 
-`tool_choice` "auto" and "none" are honoured; a choice that forces a call ("required", Anthropic's "any", one
-named tool) needs the call constrained while it is decoded, which Colibri does not do yet: it is refused (400).
+`tool_choice` "auto" and "none" are honoured. A choice that forces a call ("required", Anthropic's "any", one
+named tool) constrains the whole answer to one call of the formats that open it with a marker in text (hermes):
+`<tool_call>`, a JSON object naming an allowed tool with arguments matching its schema, `</tool_call>`
+(engine.generation.grammar, through llguidance). For the other formats it is refused (400).
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.server.errors import ApiError
+from engine.errors import ColibriError
+from engine.generation.grammar import Grammar, lark_grammar
 from engine.tokenizer.reasoning import ReasoningFormat
-from engine.tokenizer.tool_calls import MARKERS, Piece, ToolCall, ToolCallParser, ToolFormat
+from engine.tokenizer.tool_calls import MARKERS, TOOL_CLOSE, TOOL_OPEN, Piece, ToolCall, ToolCallParser, ToolFormat
 
-FORCED = ("forcing a tool call (tool_choice {choice}) needs the call constrained while it is decoded (Colibri does "
-          "not implement it yet); use tool_choice auto and ask for the call in the prompt")
+FORCED = ("forcing a tool call (tool_choice {choice}) is done for models writing <tool_call> JSON calls only, "
+          "and this model writes {fmt} calls (Colibri does not implement it for them); use tool_choice auto and "
+          "ask for the call in the prompt")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,24 @@ class Tools:
     fmt: ToolFormat
     functions: tuple[dict, ...]          # {"type": "function", "function": {name, description, parameters}}
     schemas: dict[str, dict]             # tool name -> JSON schema of its parameters
+    forced: tuple[str, ...] = ()         # the tools one of which the answer must call (none: the model chooses)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar a forced call is decoded under (None when the model chooses); 400 naming a schema that
+        cannot be compiled."""
+        if not self.forced:
+            return None
+        one = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.schemas[name]},
+                "required": ["name", "arguments"], "additionalProperties": False} for name in self.forced]
+        # compact JSON, as the template writes past calls: no run of whitespace for a weak model to wander into
+        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        lark = (f'start: {json.dumps(TOOL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CLOSE)}\n'
+                f"call: %json {json.dumps({'anyOf': one, 'x-guidance': compact}, allow_nan=False)}\n")
+        try:
+            return lark_grammar(lark, f"a call of {' or '.join(self.forced)}")
+        except (ColibriError, ValueError) as exc:
+            raise ApiError(400, f"tools: a tool's parameters schema cannot constrain its call: {exc}", "tools") \
+                from None
 
     def template_tools(self) -> list[dict]:
         """The tools as the chat template's `tools` variable."""
@@ -58,7 +81,8 @@ def _function(entry: Any, param: str, i: int) -> dict:
     return {"type": "function", "function": out}
 
 
-def _offer(functions: list[dict], tokenizer: Any, param: str) -> Tools | None:
+def _offer(functions: list[dict], tokenizer: Any, param: str, forced: tuple[str, ...] = (),
+           choice: Any = None) -> Tools | None:
     if not functions:
         return None
     names = [f["function"]["name"] for f in functions]
@@ -69,28 +93,49 @@ def _offer(functions: list[dict], tokenizer: Any, param: str) -> Tools | None:
         raise ApiError(400, "the served model's chat template writes no tool-call format Colibri reads (hermes "
                             "<tool_call>, GLM, Llama 3 JSON, harmony), so its calls could not be read back (Colibri "
                             f"does not implement it for this model); leave out {param}", param)
-    return Tools(fmt, tuple(functions), {f["function"]["name"]: f["function"]["parameters"] for f in functions})
+    if forced and fmt != "hermes":
+        raise ApiError(400, FORCED.format(choice=json.dumps(choice), fmt=fmt), "tool_choice")
+    unknown = [n for n in forced if n not in names]
+    if unknown:
+        raise ApiError(400, f"tool_choice names {unknown[0]!r}, which is not among the tools ({', '.join(names)})",
+                       "tool_choice")
+    return Tools(fmt, tuple(functions), {f["function"]["name"]: f["function"]["parameters"] for f in functions},
+                 forced)
 
 
 def openai_tools(tools: Any, tool_choice: Any, tokenizer: Any, param: str = "tools") -> Tools | None:
     """The tools of an OpenAI (or Ollama) request, or None when the model may not call any (none given, or
     tool_choice "none"); 400 for a malformed tool or a choice that forces a call."""
-    if tool_choice not in (None, "auto", "none"):
-        raise ApiError(400, FORCED.format(choice=json.dumps(tool_choice)), "tool_choice")
+    named = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
+    if tool_choice not in (None, "auto", "none", "required") and not (
+            isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function"
+            and isinstance(named, Mapping) and isinstance(named.get("name"), str)):
+        raise ApiError(400, 'tool_choice: give "auto", "none", "required" or {"type": "function", "function": '
+                            '{"name": ...}}', "tool_choice")
     if tools is None or tools == []:
+        if tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice asks for a call, but no tools are given", "tool_choice")
         return None
     if not isinstance(tools, list):
         raise ApiError(400, f"{param} must be a list of function tools", param)
     functions = [_function(t, param, i) for i, t in enumerate(tools)]
-    return None if tool_choice == "none" else _offer(functions, tokenizer, param)
+    if tool_choice == "none":
+        return None
+    forced = tuple(f["function"]["name"] for f in functions) if tool_choice == "required" else \
+        (named["name"],) if isinstance(named, Mapping) else ()
+    return _offer(functions, tokenizer, param, forced, tool_choice)
 
 
 def anthropic_tools(tools: Any, tool_choice: Any, tokenizer: Any) -> Tools | None:
     """The tools of an Anthropic request ({name, description, input_schema}) in the function form, or None."""
     kind = tool_choice.get("type") if isinstance(tool_choice, Mapping) else tool_choice
-    if kind not in (None, "auto", "none"):
-        raise ApiError(400, FORCED.format(choice=json.dumps(tool_choice)), "tool_choice")
+    if kind not in (None, "auto", "none", "any", "tool") or (
+            kind == "tool" and not isinstance(tool_choice.get("name"), str)):
+        raise ApiError(400, 'tool_choice: give {"type": "auto"}, {"type": "none"}, {"type": "any"} or '
+                            '{"type": "tool", "name": ...}', "tool_choice")
     if tools is None or tools == []:
+        if kind in ("any", "tool"):
+            raise ApiError(400, "tool_choice asks for a call, but no tools are given", "tool_choice")
         return None
     if not isinstance(tools, list):
         raise ApiError(400, "tools must be a list of {name, description, input_schema}", "tools")
@@ -106,7 +151,11 @@ def anthropic_tools(tools: Any, tool_choice: Any, tokenizer: Any) -> Tools | Non
         fn = {"name": t.get("name"), **({"description": t["description"]} if "description" in t else {}),
               "parameters": schema}
         functions.append(_function({"type": "function", "function": fn}, "tools", i))
-    return None if kind == "none" else _offer(functions, tokenizer, "tools")
+    if kind == "none":
+        return None
+    forced = tuple(f["function"]["name"] for f in functions) if kind == "any" else \
+        (tool_choice["name"],) if kind == "tool" else ()
+    return _offer(functions, tokenizer, "tools", forced, tool_choice)
 
 
 def arguments(value: Any, param: str) -> dict:

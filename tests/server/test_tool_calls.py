@@ -15,6 +15,7 @@ import json
 
 import anthropic
 import httpx
+import jsonschema
 import ollama
 import openai
 import pytest
@@ -139,12 +140,36 @@ def test_tool_choice_none_hides_the_tools(oai, script):
     assert r.choices[0].finish_reason == "stop" and "<tool_call>" in r.choices[0].message.content
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_call_is_refused(oai, choice):
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "utc": {"type": "boolean"}},
+    "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice, name", [("required", None),
+                                          ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+def test_a_forced_call_is_decoded_under_the_tools_schema(oai, monkeypatch, folder, choice, name):
+    """The model would answer in prose; forced, it writes a call whose arguments match the tool's schema (the
+    stand-in has no preference once it strays: its string runs on until the budget's end closes it)."""
+    script = Script(lambda prompt: "I would rather not.", strict=False)
+    scripted(monkeypatch, Tokenizer.from_folder(folder), script)
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],
+                                    tools=[*TOOLS, CLOCK], tool_choice=choice, max_tokens=60, temperature=0)
+    calls = r.choices[0].message.tool_calls
+    assert calls is not None and len(calls) == 1, r.choices[0]
+    assert name is None or calls[0].function.name == name
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in [*TOOLS, CLOCK]}[calls[0].function.name]
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+
+
+def test_a_forced_call_without_tools_is_refused(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],
+                                    tool_choice="required", max_tokens=5)
+    assert "no tools" in str(err.value) and err.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}], tools=TOOLS,
-                                    tool_choice=choice, max_tokens=5)
-    assert "constrained" in str(err.value) and err.value.body["param"] == "tool_choice"
+                                    tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=5)
+    assert "'nope'" in str(err.value)
 
 
 def test_malformed_tools_are_refused(oai):
@@ -202,11 +227,13 @@ def test_anthropic_streams_the_call_as_input_json(claude, script):
     assert final.content[-1].input == {"city": "Paris"}
 
 
-def test_anthropic_forced_call_is_refused(claude):
-    with pytest.raises(anthropic.BadRequestError) as err:
-        claude.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": QUESTION}],
-                               tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
-    assert "constrained" in str(err.value)
+def test_anthropic_any_tool_forces_a_call(claude, monkeypatch, folder):
+    scripted(monkeypatch, Tokenizer.from_folder(folder), Script(lambda prompt: "No.", strict=False))
+    r = claude.messages.create(model="tiny", max_tokens=60, messages=[{"role": "user", "content": QUESTION}],
+                               tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"}, extra_body={"temperature": 0.0})
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, ANTHROPIC_TOOLS[0]["input_schema"])
 
 
 # --------------------------------------------------------------------------- Ollama
