@@ -7,12 +7,15 @@ A request's `system`, its messages' content blocks (text; tool_use and tool_resu
 ending the conversation as the assistant is continued (Anthropic's prefill). `stop_sequences`, `max_tokens`,
 `temperature`, `top_p` and `top_k` steer the answer. A model that reasons apart (engine.tokenizer.reasoning)
 answers its reasoning in thinking blocks. Every mistake gets Anthropic's error shape (app.server.errors, chosen by
-the path); the key may come as `x-api-key` (app.server.app). `tools` are refused until tool calls are parsed back:
-`content_blocks` is the seam where a parser will turn the answer's text into tool_use blocks.
+the path); the key may come as `x-api-key` (app.server.app). `tools` ({name, description, input_schema}) reach the
+model through its chat template as JSON-schema functions; its calls come back as tool_use blocks (stop_reason
+`tool_use`), streamed as a content_block_start and one `input_json_delta` each (app.server.tool_calls);
+`tool_choice` any or tool constrains the answer to such a call where the model's format allows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -25,9 +28,11 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.generation import Budget, budget, events, start, stop_sequence
+from app.server.tool_calls import AnswerSplitter, Tools, anthropic_tools, call_id, keep_markers
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
+from engine.tokenizer.tool_calls import Piece, ToolCall
 
 MAX_STOPS = 16              # stop sequences a request may give
 
@@ -94,30 +99,14 @@ class Message(BaseModel):
     content: Union[StrictStr, list[Block]]
 
 
-def _refuse_tools(value: Any) -> Any:
-    if value not in (None, []):
-        raise PydanticCustomError("unsupported", "tool definitions are not supported yet (Colibri does not parse "
-                                                 "tool calls); leave out `tools`")
-    return value
-
-
-def _refuse_tool_choice(value: Any) -> Any:
-    if value is not None and value not in ({"type": "auto"}, {"type": "none"}):
-        raise PydanticCustomError("unsupported", "tool calls are not supported yet; leave out `tool_choice`")
-    return value
-
-
 class CountBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr
     messages: list[Message] = Field(min_length=1)
     system: Union[StrictStr, list[TextBlock], None] = None
-    tools: Any = None
+    tools: Any = None           # checked by app.server.tool_calls.anthropic_tools
     tool_choice: Any = None
     thinking: Any = None        # harmless: a model that reasons apart always shows its reasoning
-
-    _tools = field_validator("tools", mode="before")(_refuse_tools)
-    _tool_choice = field_validator("tool_choice", mode="before")(_refuse_tool_choice)
 
 
 class MessagesBody(CountBody):
@@ -174,26 +163,55 @@ def template_messages(body: CountBody) -> list[dict]:
     return out
 
 
-def content_blocks(text: str) -> list[dict]:
-    """The answer's text as content blocks. The seam for tool calls: a parser of the model's tool-call format
-    will split tool_use blocks out of the text here."""
-    return [{"type": "text", "text": text}]
-
-
 class Blocks:
-    """The answer's content blocks as its text arrives: a thinking block for reasoning and a text block for the
-    answer, a new block each time the kind changes (a model may write before it reasons). `feed` gives the
-    stream's events for each piece; `blocks` is the whole answer's content (built the same way, so the whole and
-    the streamed answers agree)."""
+    """The answer's content blocks as its text arrives: a thinking block for reasoning, a text block for the
+    answer and a tool_use block for each call parsed out of it (app.server.tool_calls), a new block each time the
+    kind changes (a model may write before it reasons). `feed` gives the stream's events for each piece; `blocks`
+    is the whole answer's content (built the same way, so the whole and the streamed answers agree)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Tools | None = None) -> None:
         self.blocks: list[dict] = []
         self.kind = ""              # the open block's kind, "" when none is open
+        self._splitter = AnswerSplitter(tools)
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer holds a tool call."""
+        return bool(self._splitter.calls)
 
     def feed(self, kind: Literal["thinking", "text"], text: str) -> list[tuple[str, dict]]:
         """Add `text` of `kind`; the stream's events for it."""
         if not text:
             return []
+        if kind == "text":
+            return self._pieces(self._splitter.feed(text))
+        return self._add(kind, text)
+
+    def _pieces(self, pieces: list[Piece]) -> list[tuple[str, dict]]:
+        out = []
+        for p in pieces:
+            out += self._add("text", p) if isinstance(p, str) else self._tool_use(p)
+        return out
+
+    def _tool_use(self, call: ToolCall) -> list[tuple[str, dict]]:
+        out = self._close()
+        block = {"type": "tool_use", "id": call_id("toolu_"), "name": call.name, "input": call.arguments}
+        self.blocks.append(block)
+        index = len(self.blocks) - 1
+        out.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                            "content_block": {**block, "input": {}}}))
+        out.append(("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+            "type": "input_json_delta", "partial_json": call.arguments_json()}}))
+        out.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        return out
+
+    def _close(self) -> list[tuple[str, dict]]:
+        if not self.kind:
+            return []
+        self.kind = ""
+        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]
+
+    def _add(self, kind: Literal["thinking", "text"], text: str) -> list[tuple[str, dict]]:
         out = self._open(kind) if kind != self.kind else []
         block = self.blocks[-1]
         block[kind] += text
@@ -203,17 +221,15 @@ class Blocks:
         return out
 
     def finish(self) -> list[tuple[str, dict]]:
-        """Close the open block (opening an empty text block when the answer has none); the stream's events."""
-        out = [] if any(b["type"] == "text" for b in self.blocks) or self.kind == "text" else self._open("text")
-        if self.kind:
-            out.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1}))
-            self.kind = ""
-        return out
+        """Close the open block (opening an empty text block when the answer has neither text nor a call); the
+        stream's events."""
+        out = self._pieces(self._splitter.flush())
+        if not any(b["type"] in ("text", "tool_use") for b in self.blocks):
+            out += self._open("text")
+        return out + self._close()
 
     def _open(self, kind: Literal["thinking", "text"]) -> list[tuple[str, dict]]:
-        out = []
-        if self.kind:
-            out.append(("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1}))
+        out = self._close()
         block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
         self.blocks.append(block)
         self.kind = kind
@@ -238,19 +254,22 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(404, f"model {name!r} is not served here; this server serves {engine.name!r}",
                            "model", "model_not_found")
 
-    def _prompt(body: CountBody) -> tuple[list[int], str]:
-        """The prompt's token ids and its text (an assistant turn at the end is continued, not closed)."""
+    def _prompt(body: CountBody) -> tuple[list[int], str, Tools | None]:
+        """The prompt's token ids, its text (an assistant turn at the end is continued, not closed) and the tools
+        the model may call."""
         _check_model(body.model)
         if tokenizer is None or not tokenizer.has_chat_template:
             raise ApiError(400, f"{engine.name} has no chat template, which the Messages API needs; use "
                                 "/v1/completions", "messages")
+        tools = anthropic_tools(body.tools, body.tool_choice, tokenizer)
         messages = template_messages(body)
         prefill = ""
         if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1] and len(messages) > 1:
             prefill = messages.pop()["content"]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True) + prefill
-            return tokenizer.encode(text, add_special_tokens=False), text
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 **({"tools": tools.template_tools()} if tools else {})) + prefill
+            return tokenizer.encode(text, add_special_tokens=False), text, tools
         except ColibriError as exc:
             raise ApiError(400, str(exc), "messages") from None
 
@@ -260,22 +279,27 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
 
     @app.post("/v1/messages", responses=responses(400, 401, 404, 408, 413, 429, 503, stream=True, api="anthropic"))
     async def messages(body: MessagesBody, request: Request):
-        prompt, text = _prompt(body)
+        prompt, text, tools = _prompt(body)
         limit = budget(body.max_tokens, len(prompt), engine.ctx, "messages")
         stops = tuple(body.stop_sequences or ())
         fmt = tokenizer.reasoning_format if tokenizer is not None else None
+        reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+        grammar = await asyncio.to_thread(tools.grammar) if tools is not None else None     # compiling takes a while
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=body.sampling(), stops=stops,
-                       reasoning=fmt.after(text) if fmt else None)
+                       reasoning=reasoning, grammar=grammar)
         rid = "msg_" + uuid.uuid4().hex[:24]
         if body.stream:
-            return StreamingResponse(_stream(ticket, rid, len(prompt), limit, stops), media_type="text/event-stream")
-        return await _whole(ticket, rid, len(prompt), limit, stops, request.url.path)
+            return StreamingResponse(_stream(ticket, rid, len(prompt), limit, stops, Blocks(tools)),
+                                     media_type="text/event-stream")
+        return await _whole(ticket, rid, len(prompt), limit, stops, request.url.path, Blocks(tools))
 
-    def _stop(done: DoneEvent, limit: Budget, stops: tuple[str, ...]) -> dict:
+    def _stop(done: DoneEvent, limit: Budget, stops: tuple[str, ...], called: bool = False) -> dict:
         """`stop_reason` and `stop_sequence` of an answer."""
         if done.finish_reason == "length":
             full = limit.clamped and len(done.tokens) >= limit.max_tokens
             return {"stop_reason": "model_context_window_exceeded" if full else "max_tokens", "stop_sequence": None}
+        if called:
+            return {"stop_reason": "tool_use", "stop_sequence": None}
         hit = stop_sequence(tokenizer.decode(done.tokens), stops) if tokenizer is not None and stops else None
         return {"stop_reason": "stop_sequence" if hit is not None else "end_turn", "stop_sequence": hit}
 
@@ -289,8 +313,8 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
             return [("thinking", event.reasoning), ("text", event.text)]
         return [("thinking", event.reasoning_tail), ("text", event.tail)]
 
-    async def _whole(ticket: Ticket, rid: str, n_prompt: int, limit: Budget, stops: tuple[str, ...], path: str):
-        blocks = Blocks()
+    async def _whole(ticket: Ticket, rid: str, n_prompt: int, limit: Budget, stops: tuple[str, ...], path: str,
+                     blocks: Blocks):
         async for event in events(ticket):
             if isinstance(event, ErrorEvent):
                 raise ApiError(400, event.message)
@@ -300,11 +324,11 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
         if event.finish_reason == "cancelled":      # the client left (its ticket's watcher saw it): nobody reads
             return error(499, "the client closed the request", path=path)
         blocks.finish()
-        content = [c for b in blocks.blocks for c in (content_blocks(b["text"]) if b["type"] == "text" else [b])]
-        return {**_message(rid, content, n_prompt, len(event.tokens)), **_stop(event, limit, stops)}
+        return {**_message(rid, blocks.blocks, n_prompt, len(event.tokens)),
+                **_stop(event, limit, stops, blocks.called)}
 
-    async def _stream(ticket: Ticket, rid: str, n_prompt: int, limit: Budget, stops: tuple[str, ...]):
-        blocks = Blocks()
+    async def _stream(ticket: Ticket, rid: str, n_prompt: int, limit: Budget, stops: tuple[str, ...],
+                      blocks: Blocks):
         yield _sse("message_start", {"type": "message_start", "message": _message(rid, [], n_prompt, 0)})
         async for event in events(ticket):
             if isinstance(event, ErrorEvent):
@@ -316,6 +340,7 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
             if isinstance(event, DoneEvent):
                 for name, payload in blocks.finish():
                     yield _sse(name, payload)
-                yield _sse("message_delta", {"type": "message_delta", "delta": _stop(event, limit, stops),
+                yield _sse("message_delta", {"type": "message_delta", "delta": _stop(event, limit, stops,
+                                                                                      blocks.called),
                                              "usage": {"output_tokens": len(event.tokens)}})
                 yield _sse("message_stop", {"type": "message_stop"})

@@ -16,6 +16,7 @@ from app.server.engine import QueueFull, Served, Ticket
 from app.server.errors import ApiError
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
+from engine.generation.grammar import Grammar
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.reasoning import ReasoningFormat
 
@@ -47,12 +48,14 @@ def budget(asked: int | None, n_prompt: int, ctx: int, param: str) -> Budget:
 
 
 def start(engine: Served, prompt: Sequence[int], request: Request, *, max_tokens: int, sampling: SamplingParams,
-          stops: tuple[str, ...] = (), reasoning: ReasoningFormat | None = None) -> Ticket:
+          stops: tuple[str, ...] = (), reasoning: ReasoningFormat | None = None, grammar: Grammar | None = None
+          ) -> Ticket:
     """Submit a generation: 429 with Retry-After when the queue is full, 503 when the server is closing; the
     ticket is cancelled as soon as the client disconnects, whether it still waits or runs."""
     try:
         ticket = engine.submit(list(prompt), max_tokens=max_tokens, sampling=sampling, stop=stops,
-                               loop=asyncio.get_running_loop(), reasoning=reasoning)
+                               loop=asyncio.get_running_loop(), reasoning=reasoning,
+                               grammar=grammar)
     except QueueFull as exc:
         raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER)}) from None

@@ -6,7 +6,9 @@ A request's `options` map to Colibri's sampling settings: temperature, top_p, to
 repeat_penalty and repeat_last_n, presence_penalty and frequency_penalty; num_predict bounds the answer (-1 or
 -2: the room left in the context); stop gives stop strings. Options Ollama uses for its own runner (num_ctx,
 num_gpu, num_thread ...) are ignored, as Ollama ignores options it does not know. Left out, a setting takes
-Ollama's documented default. A model that reasons apart answers its reasoning in `thinking`. Every mistake gets
+Ollama's documented default. A model that reasons apart answers its reasoning in `thinking`. `tools` (OpenAI's
+function form) reach the model through its chat template; its calls come back as `message.tool_calls`, each
+whole in its own streamed line (app.server.tool_calls); past calls and `tool` turns go back. Every mistake gets
 Ollama's error shape `{"error": "..."}` (app.server.errors, chosen by the path).
 """
 
@@ -28,9 +30,11 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.generation import budget, events, start
+from app.server.tool_calls import AnswerSplitter, Tools, arguments, keep_markers, openai_tools
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
+from engine.tokenizer.tool_calls import ToolCall
 
 VERSION = "0.12.0"          # the Ollama API version whose routes and fields these follow (clients gate on it)
 MAX_STOPS = 16              # stop strings a request may give
@@ -119,9 +123,7 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: Any = None
-
-    _tools = field_validator("tools", mode="before")(_refuse("tool calls are not supported yet; leave out `tools`"))
+    tools: Any = None           # OpenAI-shaped function tools, checked by app.server.tool_calls.openai_tools
 
 
 class GenerateBody(_Body):
@@ -145,6 +147,26 @@ class ShowBody(BaseModel):
 
 
 # --------------------------------------------------------------------------- routes
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The conversation as chat-template messages: a tool turn named after its tool, an assistant turn's calls in
+    the function form templates read (Ollama sends {"function": {"name", "arguments"}})."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = None
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                fn = c.get("function")
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise ApiError(400, f"messages[{i}].tool_calls[{j}]: give the call as "
+                                        "{\"function\": {\"name\": ..., \"arguments\": {...}}}", "messages")
+                calls.append({"type": "function", "function": {
+                    "name": fn["name"], "arguments": arguments(fn.get("arguments", {}), "messages")}})
+        out.append({"role": m.role, "content": m.content, "reasoning_content": m.thinking, "name": m.tool_name,
+                    "tool_calls": calls})
+    return out
 
 
 def _now() -> str:
@@ -215,7 +237,8 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
         if info.n_experts:
             model_info[f"{arch}.expert_count"] = info.n_experts
             model_info[f"{arch}.expert_used_count"] = info.top_k
-        capabilities = ["completion"] + (["thinking"] if reasons else [])
+        capabilities = ["completion"] + (["tools"] if tokenizer is not None and tokenizer.tool_format else []) + \
+            (["thinking"] if reasons else [])
         return {"modelfile": "", "parameters": "", "template": "", "details": _details(), "model_info": model_info,
                 "capabilities": capabilities, "modified_at": _entry()["modified_at"]}
 
@@ -224,15 +247,16 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
         _check_model(body.model)
         if tokenizer is None or not tokenizer.has_chat_template:
             raise ApiError(400, f"{info.name} has no chat template; use /api/generate with `raw`", "messages")
-        messages = [{"role": m.role, "content": m.content, "reasoning_content": m.thinking,
-                     "name": m.tool_name, "tool_calls": m.tool_calls} for m in body.messages]
+        tools = openai_tools(body.tools, None, tokenizer)
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(template_messages(body.messages), add_generation_prompt=True,
+                                                 **({"tools": tools.template_tools()} if tools else {}))
             prompt = tokenizer.encode(text, add_special_tokens=False)
         except ColibriError as exc:
             raise ApiError(400, str(exc), "messages") from None
         fmt = tokenizer.reasoning_format
-        return await _generate(body, prompt, request, chat=True, reasoning=fmt.after(text) if fmt else None)
+        reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+        return await _generate(body, prompt, request, chat=True, reasoning=reasoning, tools=tools)
 
     @app.post("/api/generate", responses=responses(400, 401, 404, 408, 413, 429, 503, api="ollama", ndjson=True))
     async def generate(body: GenerateBody, request: Request):
@@ -262,19 +286,24 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(400, str(exc), "prompt") from None
         return await _generate(body, context + ids, request, chat=False, reasoning=reasoning)
 
-    async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool, reasoning):
+    async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool, reasoning,
+                        tools: Tools | None = None):
         options = body.options or Options()
         limit = budget(options.limit(), len(prompt), engine.ctx, "messages" if chat else "prompt")
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=options.sampling(),
                        stops=options.stops(), reasoning=reasoning)
         if body.stream:
-            return StreamingResponse(_stream(ticket, body.model, prompt, chat), media_type="application/x-ndjson")
-        return await _whole(ticket, body.model, prompt, chat, request.url.path)
+            return StreamingResponse(_stream(ticket, body.model, prompt, chat, AnswerSplitter(tools)),
+                                     media_type="application/x-ndjson")
+        return await _whole(ticket, body.model, prompt, chat, request.url.path, AnswerSplitter(tools))
 
-    def _part(model: str, chat: bool, text: str, thinking: str) -> dict:
+    def _part(model: str, chat: bool, text: str, thinking: str, calls: list[ToolCall] = ()) -> dict:
         out: dict[str, Any] = {"model": model, "created_at": _now()}
         if chat:
             out["message"] = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}
+            if calls:
+                out["message"]["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
+                                                for c in calls]
         else:
             out["response"] = text
             if thinking:
@@ -291,7 +320,7 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
             out["context"] = [*prompt, *done.tokens]
         return out
 
-    async def _whole(ticket: Ticket, model: str, prompt: list[int], chat: bool, path: str):
+    async def _whole(ticket: Ticket, model: str, prompt: list[int], chat: bool, path: str, split: AnswerSplitter):
         t0 = ticket.submitted
         async for event in events(ticket):
             if isinstance(event, ErrorEvent):
@@ -300,9 +329,11 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
         if event.finish_reason == "cancelled":      # the client left (its ticket's watcher saw it): nobody reads
             return error(499, "the client closed the request", path=path)
         final = _final(model, prompt, chat, event, t0)
-        return {**final, **_part(model, chat, event.text, event.reasoning), "created_at": final["created_at"]}
+        pieces = split.feed(event.text) + split.flush()
+        prose = "".join(p for p in pieces if isinstance(p, str))
+        return {**final, **_part(model, chat, prose, event.reasoning, split.calls), "created_at": final["created_at"]}
 
-    async def _stream(ticket: Ticket, model: str, prompt: list[int], chat: bool):
+    async def _stream(ticket: Ticket, model: str, prompt: list[int], chat: bool, split: AnswerSplitter):
         t0 = ticket.submitted
         async for event in events(ticket):
             if isinstance(event, ErrorEvent):
@@ -310,7 +341,11 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
                 return
             text, thinking = ((event.text, event.reasoning) if isinstance(event, TokenEvent)
                               else (event.tail, event.reasoning_tail))
-            if text or thinking:
-                yield json.dumps({**_part(model, chat, text, thinking), "done": False}, ensure_ascii=False) + "\n"
+            pieces = split.feed(text) + (split.flush() if isinstance(event, DoneEvent) else [])
+            prose = "".join(p for p in pieces if isinstance(p, str))
+            calls = [p for p in pieces if isinstance(p, ToolCall)]
+            if prose or thinking or calls:      # a call comes whole, in its own line, as Ollama sends it
+                yield json.dumps({**_part(model, chat, prose, thinking, calls), "done": False},
+                                 ensure_ascii=False) + "\n"
             if isinstance(event, DoneEvent):
                 yield json.dumps(_final(model, prompt, chat, event, t0), ensure_ascii=False) + "\n"

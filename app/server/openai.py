@@ -2,7 +2,10 @@
 streamed as server-sent events ending with `data: [DONE]` (`"stream": true`) or whole. A chat with a model that
 reasons apart (its template has a reasoning format: engine.tokenizer.reasoning) answers its reasoning in
 `reasoning_content` (in `message`, or in streamed `delta`s) and only the answer in `content`; a message's
-`reasoning_content` goes back to the template.
+`reasoning_content` goes back to the template. `tools` reach the model through its chat template and its calls
+come back parsed (app.server.tool_calls) as the message's `tool_calls` (finish_reason "tool_calls"), or streamed
+as one `tool_calls` delta per call; past calls and `tool` turns go back to the template. tool_choice "required"
+or a named function constrains the answer to such a call where the model's format allows (else 400).
 
 Every client mistake gets a 4xx answer in OpenAI's error shape (app.server.errors): a field of the wrong type
 (a JSON boolean is no number), a value out of range, an unknown model, a prompt longer than the context (with the
@@ -45,6 +48,7 @@ from app.server.engine import QueueFull, Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.errors import sse as _sse
 from app.server.generation import budget
+from app.server.tool_calls import AnswerSplitter, Tools, arguments, call_id, keep_markers, openai_tools
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar, token_bytes
@@ -62,8 +66,6 @@ MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (Open
 # them (`_UNSUPPORTED`) unless left at a value that asks for nothing.
 
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "tool calls are not supported"),
-    "tool_choice": ((None, "none", "auto"), "tool calls are not supported"),
     "functions": ((None, []), "function calls are not supported"),
     "function_call": ((None, "none", "auto"), "function calls are not supported"),
     "modalities": ((None, ["text"]), "only text is produced"),
@@ -73,7 +75,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), "the prompt is not echoed; leave it out"),
     "suffix": ((None, ""), "text after the completion (insertion) is not supported"),
     "best_of": ((None, 1), "only one completion is made per request (best_of 1)"),
-    "tool_calls": ((None, []), "tool calls are not supported"),
 }
 
 
@@ -122,7 +123,7 @@ class _Body(BaseModel):
     web_search_options: Any = None
     reasoning_effort: Any = None
 
-    _unsupported = field_validator(*(n for n in _UNSUPPORTED if n not in ("echo", "suffix", "best_of", "tool_calls")),
+    _unsupported = field_validator(*(n for n in _UNSUPPORTED if n not in ("echo", "suffix", "best_of")),
                                    mode="before")(_refuse_unsupported)
 
     def grammar(self) -> Grammar | None:
@@ -183,17 +184,33 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: Union[StrictStr, dict[str, Any]] = "{}"     # a JSON string, as answers give it
+
+
+class CallIn(BaseModel):
+    """A call an assistant turn made, as the history sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
     name: StrictStr | None = None       # harmless: a chat template has no place for it
     reasoning_content: StrictStr | None = None   # an assistant turn's reasoning, as answers give it (the template
                                                  # decides whether to keep it)
-    tool_calls: Any = None
+    tool_calls: list[CallIn] | None = None       # an assistant turn's calls
+    tool_call_id: StrictStr | None = None        # a tool turn: the call it answers
     audio: Any = None
 
-    _unsupported = field_validator("tool_calls", "audio", mode="before")(_refuse_unsupported)
+    _unsupported = field_validator("audio", mode="before")(_refuse_unsupported)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -249,16 +266,17 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         _check_model(body.model)
         if tokenizer is None or not tokenizer.has_chat_template:
             raise ApiError(400, f"{engine.name} has no chat template; use /v1/completions", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                     "reasoning_content": m.reasoning_content} for m in body.messages]
+        tools = openai_tools(body.tools, body.tool_choice, tokenizer)
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(template_messages(body.messages), add_generation_prompt=True,
+                                                 **({"tools": tools.template_tools()} if tools else {}))
             prompt = tokenizer.encode(text, add_special_tokens=False)
         except ColibriError as exc:
             raise ApiError(400, str(exc), "messages") from None
         fmt = tokenizer.reasoning_format
-        return await _generate(body, prompt, request, chat=True, reasoning=fmt.after(text) if fmt else None,
-                               n_logprobs=body.n_logprobs())
+        reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+        return await _generate(body, prompt, request, chat=True, reasoning=reasoning, n_logprobs=body.n_logprobs(),
+                               tools=tools)
 
     @app.post("/v1/completions", responses=responses(400, 401, 404, 408, 413, 429, 503, stream=True))
     async def completions(body: CompletionBody, request: Request):
@@ -288,7 +306,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                            "model", "model_not_found")
 
     async def _generate(body: _Body, prompt: list[int], request: Request, chat: bool,
-                        reasoning: ReasoningFormat | None = None, n_logprobs: int | None = None):
+                        reasoning: ReasoningFormat | None = None, n_logprobs: int | None = None,
+                        tools: Tools | None = None):
         limit = budget(body.max_completion_tokens or body.max_tokens, len(prompt), engine.ctx,
                        "messages" if chat else "prompt").max_tokens
         stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -296,6 +315,11 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
         grammar = await asyncio.to_thread(body.grammar)
+        if tools is not None and tools.forced:
+            if grammar is not None:
+                raise ApiError(400, "response_format and a forced tool call (tool_choice) cannot both shape the "
+                                    "answer; drop one", "tool_choice")
+            grammar = await asyncio.to_thread(tools.grammar)
         scores = None
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)
@@ -313,9 +337,10 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(ticket, rid, created, chat, include_usage, len(prompt), scores),
+            return StreamingResponse(_stream(ticket, rid, created, chat, include_usage, len(prompt), scores,
+                                             tools),
                                      media_type="text/event-stream")
-        return await _whole(ticket, rid, created, chat, len(prompt), scores)
+        return await _whole(ticket, rid, created, chat, len(prompt), scores, tools)
 
     async def _pieces() -> Callable[[int], tuple[str, list[int] | None]]:
         """A token's text and bytes, as logprobs report them (token ids alone without a tokenizer)."""
@@ -333,15 +358,17 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
 
         return piece
 
-    def _finish(event: DoneEvent) -> str:
-        return "length" if event.finish_reason == "length" else "stop"
+    def _finish(event: DoneEvent, called: bool = False) -> str:
+        if event.finish_reason == "length":
+            return "length"
+        return "tool_calls" if called else "stop"
 
     def _usage(prompt_tokens: int, done: DoneEvent) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": len(done.tokens),
                 "total_tokens": prompt_tokens + len(done.tokens)}
 
     async def _whole(ticket: Ticket, rid: str, created: int, chat: bool, n_prompt: int,
-                     scores: _TokenScores | None):
+                     scores: _TokenScores | None, tools: Tools | None):
         tokens: list[TokenEvent] = []
         try:
             while True:
@@ -357,10 +384,10 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if event.finish_reason == "cancelled":      # the client left (its ticket's watcher saw it): nobody reads
             return error(499, "the client closed the request")
         if chat:
-            message = {"role": "assistant", "content": event.text}
+            message = answer_message(event.text, tools)
             if event.reasoning:
                 message["reasoning_content"] = event.reasoning
-            choice = {"index": 0, "message": message, "finish_reason": _finish(event),
+            choice = {"index": 0, "message": message, "finish_reason": _finish(event, "tool_calls" in message),
                       "logprobs": scores.chat(tokens) if scores else None}
             kind = "chat.completion"
         else:
@@ -371,8 +398,9 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                 "usage": _usage(n_prompt, event)}
 
     async def _stream(ticket: Ticket, rid: str, created: int, chat: bool, include_usage: bool, n_prompt: int,
-                      scores: _TokenScores | None):
+                      scores: _TokenScores | None, tools: Tools | None = None):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        calls = CallDeltas(tools)
         unsent: list[TokenEvent] = []       # tokens whose log-probabilities no chunk carried yet (text held back)
 
         def chunk(delta: dict | str, finish: str | None) -> str:
@@ -398,8 +426,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                     unsent.append(event)
                     if event.reasoning and chat:
                         yield chunk({"reasoning_content": event.reasoning}, None)
-                    if event.text:
-                        yield chunk({"content": event.text} if chat else event.text, None)
+                    for delta in calls.feed(event.text) if chat else [event.text] if event.text else []:
+                        yield chunk(delta, None)
                 elif isinstance(event, ErrorEvent):
                     yield _sse({"error": {"message": event.message, "type": "invalid_request_error",
                                           "param": None, "code": None}})
@@ -407,9 +435,9 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
                 elif isinstance(event, DoneEvent):
                     if event.reasoning_tail and chat:
                         yield chunk({"reasoning_content": event.reasoning_tail}, None)
-                    if event.tail:
-                        yield chunk({"content": event.tail} if chat else event.tail, None)
-                    yield chunk({} if chat else "", _finish(event))
+                    for delta in calls.feed(event.tail) + calls.flush() if chat else [event.tail] if event.tail else []:
+                        yield chunk(delta, None)
+                    yield chunk({} if chat else "", _finish(event, calls.n > 0))
                     if include_usage:
                         yield _sse({"id": rid, "object": kind, "created": created, "model": engine.name,
                                     "choices": [], "usage": _usage(n_prompt, event)})
@@ -448,6 +476,75 @@ class _TokenScores:
         tops = [{self.piece(i)[0]: lp for i, lp in e.top_logprobs} for e in events] if self.n_top else None
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in events], "top_logprobs": tops,
                 "text_offset": offsets}
+
+
+# --------------------------------------------------------------------------- tool calls
+
+
+def template_messages(messages: list[Message]) -> list[dict]:
+    """The conversation as chat-template messages: a developer turn as a system one, an assistant turn's calls
+    with their arguments as objects (templates iterate them), a tool turn named after the call it answers."""
+    out: list[dict] = []
+    names: dict[str, str] = {}          # call id -> the tool's name
+    for i, m in enumerate(messages):
+        turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                                "reasoning_content": m.reasoning_content}
+        if m.tool_calls:
+            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": arguments(c.function.arguments, f"messages[{i}].tool_calls")}}
+                for c in m.tool_calls]
+            names.update((c.id, c.function.name) for c in m.tool_calls)
+        if m.role == "tool":
+            turn["tool_call_id"] = m.tool_call_id
+            turn["name"] = m.name or names.get(m.tool_call_id or "")
+        out.append(turn)
+    return out
+
+
+def _call(call, index: int) -> dict:
+    return {"index": index, "id": call_id(), "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json()}}
+
+
+def answer_message(text: str, tools: Tools | None) -> dict:
+    """The assistant message of a whole answer: its prose as `content` (None when it only called), its calls as
+    `tool_calls`."""
+    splitter = AnswerSplitter(tools)
+    pieces = splitter.feed(text) + splitter.flush()
+    prose = "".join(p for p in pieces if isinstance(p, str))
+    if not splitter.calls:
+        return {"role": "assistant", "content": prose}
+    calls = [_call(c, i) for i, c in enumerate(splitter.calls)]
+    for c in calls:
+        del c["index"]                  # indices belong to streamed deltas only
+    return {"role": "assistant", "content": prose or None, "tool_calls": calls}
+
+
+class CallDeltas:
+    """A streamed answer's text as chat deltas: prose as `content`, each call, once whole, as one `tool_calls`
+    delta (its id, name and all its arguments)."""
+
+    def __init__(self, tools: Tools | None):
+        self._splitter = AnswerSplitter(tools)
+        self.n = 0                      # calls given so far
+
+    def feed(self, text: str) -> list[dict]:
+        """The deltas `text` completes."""
+        return self._deltas(self._splitter.feed(text)) if text else []
+
+    def flush(self) -> list[dict]:
+        """The deltas still held at the end."""
+        return self._deltas(self._splitter.flush())
+
+    def _deltas(self, pieces) -> list[dict]:
+        out = []
+        for p in pieces:
+            if isinstance(p, str):
+                out.append({"content": p})
+            else:
+                out.append({"tool_calls": [_call(p, self.n)]})
+                self.n += 1
+        return out
 
 
 def model_description(info) -> dict:

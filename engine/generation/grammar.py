@@ -74,6 +74,17 @@ def json_object_grammar() -> Grammar:
     return Grammar(source, "a JSON object")
 
 
+def lark_grammar(lark: str, what: str) -> Grammar:
+    """A grammar written in llguidance's Lark dialect (`%json {...}` embeds a JSON schema); GenerationError naming
+    the problem."""
+    try:
+        source = _lib().LLMatcher.grammar_from_lark(lark)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise GenerationError(f"{what} cannot be compiled: {exc}") from None
+    _check(source, what)
+    return Grammar(source, what)
+
+
 def _check(source: str, what: str) -> None:
     try:
         is_error, messages = _lib().LLMatcher.validate_grammar_with_warnings(source)

@@ -21,6 +21,7 @@ from engine.tokenizer.chat_template import render_chat, select_template
 from engine.tokenizer.detokenize import StreamDecoder
 from engine.tokenizer.reasoning import ReasoningFormat, detect_format
 from engine.tokenizer.text import clean_text
+from engine.tokenizer.tool_calls import ToolFormat, detect_tool_format
 
 # Decoders whose output, past one token of context, is the plain concatenation of each token's text
 _WINDOW_SAFE_DECODERS = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip", "Sequence"}
@@ -77,6 +78,7 @@ class Tokenizer:
         kinds = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
         self._windowed = not self._clean_up and kinds <= _WINDOW_SAFE_DECODERS
         self.reasoning_format: ReasoningFormat | None = detect_format(self._templates or None, self.token_to_id)
+        self.tool_format: ToolFormat | None = detect_tool_format(self._templates or None)
 
     # ---- construction -----------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ Two formats cover the families Colibri runs:
 - "think": reasoning between `<think>` and `</think>` (Qwen3, DeepSeek-R1 and V3.1, GLM-4.5 to 5, MiniMax-M2,
   Kimi K2 Thinking). Some templates open `<think>` in the prompt, so the output starts inside reasoning.
 - "harmony" (gpt-oss): messages `<|channel|>NAME<|message|>TEXT<|end|>`, each after `<|start|>ROLE`; the
-  `analysis` channel is reasoning, `final` and `commentary` (preambles meant for the user) the answer.
+  `analysis` channel is reasoning, `final` and `commentary` (preambles meant for the user) the answer; a message
+  to a function (`to=functions.NAME` in its header, a tool call) goes to the answer verbatim, markers included,
+  for engine.tokenizer.tool_calls to read.
 
 Which format applies is read from the chat template and the vocabulary, never from the model's name
 (`detect_format`). Where the output starts comes from the rendered prompt itself: the parser reads the prompt
@@ -23,6 +25,7 @@ START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", 
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 HARMONY_MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
 _ENDS = (END, RETURN, CALL)
+TO_FUNCTION = "to=functions."      # a harmony header's recipient when the message is a tool call
 _REASONING_CHANNELS = frozenset({"analysis"})
 
 # Where a parser is: in the answer, in reasoning, or (harmony) in a message header / between two messages
@@ -152,6 +155,7 @@ class HarmonyParser(ReasoningParser):
     def __init__(self, state: State):
         super().__init__(state)
         self._channel = ""
+        self._call = False        # in a message to a function (a tool call)
 
     def _scan(self, final: bool) -> Split:
         out = Split()
@@ -168,6 +172,9 @@ class HarmonyParser(ReasoningParser):
                 header, self._buf = self._buf[:at], self._buf[at + len(MESSAGE):]
                 self._channel = _channel_of(header)
                 self._switch("reasoning" if self._channel in _REASONING_CHANNELS else "content")
+                self._call = TO_FUNCTION in header
+                if self._call:      # a tool call: passed on whole, for engine.tokenizer.tool_calls to read
+                    out += Split(content=START + header + MESSAGE)
                 continue
             # inside a message (reasoning or content) or between messages: look for the next marker
             hits = [(self._buf.find(m), m) for m in (*_ENDS, START, CHANNEL)]
@@ -188,6 +195,9 @@ class HarmonyParser(ReasoningParser):
                     self._switch("content")
                 out += self._emit(self._buf[:at])
             if marker in _ENDS:
+                if self._call:
+                    out += Split(content=marker)
+                    self._call = False
                 self._buf = self._buf[at + len(marker):]
                 self._switch("between")
             else:   # a new header: after <|start|> the role, or straight to <|channel|>

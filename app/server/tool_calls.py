@@ -1,0 +1,228 @@
+"""Tool calls as every API route needs them: the tools a request offers, checked and put in the JSON-schema
+function form chat templates read (OpenAI's and Ollama's `tools` already are; Anthropic's are converted), the
+choice of whether the model may call (`tool_choice`), and the answer's text split into prose and calls as it
+streams (`AnswerSplitter`, over engine.tokenizer.tool_calls), so that a route only shapes what comes out.
+
+`tool_choice` "auto" and "none" are honoured. A choice that forces a call ("required", Anthropic's "any", one
+named tool) constrains the whole answer to one call of the formats that open it with a marker in text (hermes):
+`<tool_call>`, a JSON object naming an allowed tool with arguments matching its schema, `</tool_call>`
+(engine.generation.grammar, through llguidance). For the other formats it is refused (400).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from app.server.errors import ApiError
+from engine.errors import ColibriError
+from engine.generation.grammar import Grammar, lark_grammar
+from engine.tokenizer.reasoning import ReasoningFormat
+from engine.tokenizer.tool_calls import MARKERS, TOOL_CLOSE, TOOL_OPEN, Piece, ToolCall, ToolCallParser, ToolFormat
+
+FORCED = ("forcing a tool call (tool_choice {choice}) is done for models writing <tool_call> JSON calls only, "
+          "and this model writes {fmt} calls (Colibri does not implement it for them); use tool_choice auto and "
+          "ask for the call in the prompt")
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The tools a request offers the model, and how the model writes its calls."""
+
+    fmt: ToolFormat
+    functions: tuple[dict, ...]          # {"type": "function", "function": {name, description, parameters}}
+    schemas: dict[str, dict]             # tool name -> JSON schema of its parameters
+    forced: tuple[str, ...] = ()         # the tools one of which the answer must call (none: the model chooses)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar a forced call is decoded under (None when the model chooses); 400 naming a schema that
+        cannot be compiled."""
+        if not self.forced:
+            return None
+        one = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.schemas[name]},
+                "required": ["name", "arguments"], "additionalProperties": False} for name in self.forced]
+        # compact JSON, as the template writes past calls: no run of whitespace for a weak model to wander into
+        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        lark = (f'start: {json.dumps(TOOL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CLOSE)}\n'
+                f"call: %json {json.dumps({'anyOf': one, 'x-guidance': compact}, allow_nan=False)}\n")
+        try:
+            return lark_grammar(lark, f"a call of {' or '.join(self.forced)}")
+        except (ColibriError, ValueError) as exc:
+            raise ApiError(400, f"tools: a tool's parameters schema cannot constrain its call: {exc}", "tools") \
+                from None
+
+    def template_tools(self) -> list[dict]:
+        """The tools as the chat template's `tools` variable."""
+        return [dict(f) for f in self.functions]
+
+    def parser(self) -> ToolCallParser:
+        """A fresh parser of this model's calls."""
+        return ToolCallParser(self.fmt, self.schemas)
+
+
+def _function(entry: Any, param: str, i: int) -> dict:
+    """One OpenAI-shaped tool, checked: {"type": "function", "function": {"name", "description"?, "parameters"?}}."""
+    where = f"{param}[{i}]"
+    if not isinstance(entry, Mapping) or entry.get("type", "function") != "function":
+        raise ApiError(400, f"{where}: only function tools are supported ({{\"type\": \"function\", "
+                            "\"function\": {\"name\": ..., \"parameters\": {...}}}})", param)
+    fn = entry.get("function")
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ApiError(400, f"{where}.function.name: give the function's name", param)
+    out = dict(fn)       # as sent, in its order: the template writes it out with tojson
+    params = out.setdefault("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, Mapping):
+        raise ApiError(400, f"{where}.function.parameters must be a JSON schema object", param)
+    if out.get("description") is not None and not isinstance(out["description"], str):
+        raise ApiError(400, f"{where}.function.description must be a string", param)
+    return {"type": "function", "function": out}
+
+
+def _offer(functions: list[dict], tokenizer: Any, param: str, forced: tuple[str, ...] = (),
+           choice: Any = None) -> Tools | None:
+    if not functions:
+        return None
+    names = [f["function"]["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ApiError(400, f"{param}: two tools are named alike ({', '.join(sorted(names))}); name each apart", param)
+    fmt = tokenizer.tool_format if tokenizer is not None else None
+    if fmt is None:
+        raise ApiError(400, "the served model's chat template writes no tool-call format Colibri reads (hermes "
+                            "<tool_call>, GLM, Llama 3 JSON, harmony), so its calls could not be read back (Colibri "
+                            f"does not implement it for this model); leave out {param}", param)
+    if forced and fmt != "hermes":
+        raise ApiError(400, FORCED.format(choice=json.dumps(choice), fmt=fmt), "tool_choice")
+    unknown = [n for n in forced if n not in names]
+    if unknown:
+        raise ApiError(400, f"tool_choice names {unknown[0]!r}, which is not among the tools ({', '.join(names)})",
+                       "tool_choice")
+    return Tools(fmt, tuple(functions), {f["function"]["name"]: f["function"]["parameters"] for f in functions},
+                 forced)
+
+
+def openai_tools(tools: Any, tool_choice: Any, tokenizer: Any, param: str = "tools") -> Tools | None:
+    """The tools of an OpenAI (or Ollama) request, or None when the model may not call any (none given, or
+    tool_choice "none"); 400 for a malformed tool or a choice that forces a call."""
+    named = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
+    if tool_choice not in (None, "auto", "none", "required") and not (
+            isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function"
+            and isinstance(named, Mapping) and isinstance(named.get("name"), str)):
+        raise ApiError(400, 'tool_choice: give "auto", "none", "required" or {"type": "function", "function": '
+                            '{"name": ...}}', "tool_choice")
+    if tools is None or tools == []:
+        if tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, "tool_choice asks for a call, but no tools are given", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, f"{param} must be a list of function tools", param)
+    functions = [_function(t, param, i) for i, t in enumerate(tools)]
+    if tool_choice == "none":
+        return None
+    forced = tuple(f["function"]["name"] for f in functions) if tool_choice == "required" else \
+        (named["name"],) if isinstance(named, Mapping) else ()
+    return _offer(functions, tokenizer, param, forced, tool_choice)
+
+
+def anthropic_tools(tools: Any, tool_choice: Any, tokenizer: Any) -> Tools | None:
+    """The tools of an Anthropic request ({name, description, input_schema}) in the function form, or None."""
+    kind = tool_choice.get("type") if isinstance(tool_choice, Mapping) else tool_choice
+    if kind not in (None, "auto", "none", "any", "tool") or (
+            kind == "tool" and not isinstance(tool_choice.get("name"), str)):
+        raise ApiError(400, 'tool_choice: give {"type": "auto"}, {"type": "none"}, {"type": "any"} or '
+                            '{"type": "tool", "name": ...}', "tool_choice")
+    if tools is None or tools == []:
+        if kind in ("any", "tool"):
+            raise ApiError(400, "tool_choice asks for a call, but no tools are given", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list of {name, description, input_schema}", "tools")
+    functions = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, Mapping) or t.get("type") not in (None, "custom"):
+            kind_of = t.get("type") if isinstance(t, Mapping) else type(t).__name__
+            raise ApiError(400, f"tools[{i}]: only client tools ({{name, description, input_schema}}) are supported, "
+                                f"not {kind_of!r}", "tools")
+        schema = t.get("input_schema")
+        if not isinstance(schema, Mapping):
+            raise ApiError(400, f"tools[{i}].input_schema: give the tool's input as a JSON schema object", "tools")
+        fn = {"name": t.get("name"), **({"description": t["description"]} if "description" in t else {}),
+              "parameters": schema}
+        functions.append(_function({"type": "function", "function": fn}, "tools", i))
+    if kind == "none":
+        return None
+    forced = tuple(f["function"]["name"] for f in functions) if kind == "any" else \
+        (tool_choice["name"],) if kind == "tool" else ()
+    return _offer(functions, tokenizer, "tools", forced, tool_choice)
+
+
+def arguments(value: Any, param: str) -> dict:
+    """A past call's arguments as the object templates iterate: OpenAI sends them as a JSON string."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise ApiError(400, f"{param}: the arguments are not JSON ({value[:60]!r}); send the JSON object the "
+                                "call was made with", param) from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ApiError(400, f"{param}: the arguments must be a JSON object", param)
+
+
+def keep_markers(reasoning: ReasoningFormat | None, tokenizer: Any, tools: Tools | None) -> ReasoningFormat | None:
+    """The reasoning format with the tool format's markers kept in the decoded text (a model whose markers are
+    special tokens, as GLM's are, would otherwise write its calls invisibly)."""
+    if tools is None or reasoning is None or tokenizer is None:
+        return reasoning
+    ids = {tokenizer.token_to_id(m) for m in MARKERS[tools.fmt]} - {None}
+    return replace(reasoning, marker_ids=reasoning.marker_ids | frozenset(i for i in ids if i is not None))
+
+
+def call_id(prefix: str = "call_") -> str:
+    """A new id for a call the model made."""
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class AnswerSplitter:
+    """The answer's text as prose and calls, fed as it streams (`feed`, then `flush` once); without tools all of
+    it is prose. Whitespace between or around calls is dropped once a call is made (templates put newlines
+    there), so whole and streamed answers agree."""
+
+    def __init__(self, tools: Tools | None):
+        self._parser = tools.parser() if tools is not None else None
+        self._space = ""          # whitespace-only prose held until more prose or the end
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[Piece]:
+        """Pieces completed by `text`."""
+        if self._parser is None:
+            return [text] if text else []
+        return self._pass(self._parser.feed(text))
+
+    def flush(self) -> list[Piece]:
+        """Pieces still held at the end of the answer."""
+        if self._parser is None:
+            return []
+        out = self._pass(self._parser.flush())
+        if self._space and not self.calls:
+            out.append(self._space)
+        self._space = ""
+        return out
+
+    def _pass(self, pieces: Sequence[Piece]) -> list[Piece]:
+        out: list[Piece] = []
+        for p in pieces:
+            if isinstance(p, ToolCall):
+                self._space = ""
+                self.calls.append(p)
+                out.append(p)
+            elif not p.strip():
+                self._space += p
+            else:
+                out.append(p if self.calls else self._space + p)
+                self._space = ""
+        return out
