@@ -8,12 +8,15 @@ repeat_penalty and repeat_last_n, presence_penalty and frequency_penalty; num_pr
 num_gpu, num_thread ...) are ignored, as Ollama ignores options it does not know. Left out, a setting takes
 Ollama's documented default. A model that reasons apart answers its reasoning in `thinking`. `tools` (OpenAI's
 function form) reach the model through its chat template; its calls come back as `message.tool_calls`, each
-whole in its own streamed line (app.server.tool_calls); past calls and `tool` turns go back. Every mistake gets
+whole in its own streamed line (app.server.tool_calls); past calls and `tool` turns go back. `format` ("json", or
+a JSON Schema object) constrains the answer by grammar (engine.generation.grammar), as `response_format` does on
+the OpenAI route. Every mistake gets
 Ollama's error shape `{"error": "..."}` (app.server.errors, chosen by the path).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -33,6 +36,7 @@ from app.server.generation import budget, events, start
 from app.server.tool_calls import AnswerSplitter, Tools, arguments, keep_markers, openai_tools
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
+from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.tool_calls import ToolCall
 
@@ -105,8 +109,22 @@ class _Body(BaseModel):
     format: Any = None
     images: Any = None
 
-    _format = field_validator("format", mode="before")(_refuse("structured output (`format`) is not supported yet"))
     _images = field_validator("images", mode="before")(_refuse("images are not read: the served model reads text only"))
+
+
+    def grammar(self) -> Grammar | None:
+        """The grammar `format` asks for: "json" any JSON object, an object a JSON Schema the answer must match
+        (None: free text); ApiError (400) naming what is wrong. Compiling takes a while: call it off the event loop."""
+        if self.format is None or self.format == "":
+            return None
+        try:
+            if self.format == "json":
+                return json_object_grammar()
+            if isinstance(self.format, dict):
+                return json_schema_grammar(self.format)
+        except ColibriError as exc:
+            raise ApiError(400, f"format: {exc}", "format") from None
+        raise ApiError(400, 'format must be "json" or a JSON Schema object', "format")
 
 
 class ChatMessage(BaseModel):
@@ -290,8 +308,9 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
                         tools: Tools | None = None):
         options = body.options or Options()
         limit = budget(options.limit(), len(prompt), engine.ctx, "messages" if chat else "prompt")
+        grammar = await asyncio.to_thread(body.grammar)
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=options.sampling(),
-                       stops=options.stops(), reasoning=reasoning)
+                       stops=options.stops(), reasoning=reasoning, grammar=grammar)
         if body.stream:
             return StreamingResponse(_stream(ticket, body.model, prompt, chat, AnswerSplitter(tools)),
                                      media_type="application/x-ndjson")

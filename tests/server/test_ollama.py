@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import ollama
 import pytest
 
@@ -146,6 +147,21 @@ def test_a_num_predict_past_the_context_fills_it(model, client):
         assert r.eval_count == room and r.done_reason == "length"
 
 
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+         "required": ["x", "y"], "additionalProperties": False}
+
+
+def test_format_constrains_the_answer_to_json_or_a_schema(client):
+    """The random model writes no JSON by itself: the grammar makes it, on chat and generate, streamed or not."""
+    r = client.chat(model="tiny", messages=MESSAGES, format=POINT, options={"temperature": 0, "num_predict": 60})
+    jsonschema.validate(json.loads(r.message.content), POINT)
+    text = "".join(part.response for part in client.generate(model="tiny", prompt="a point", format=POINT,
+                                                              stream=True, options={"num_predict": 60}))
+    jsonschema.validate(json.loads(text), POINT)
+    r = client.generate(model="tiny", prompt="anything", format="json", options={"temperature": 0, "num_predict": 60})
+    assert isinstance(json.loads(r.response), dict)
+
+
 def test_the_client_raises_with_ollamas_error(client, server):
     with pytest.raises(ollama.ResponseError) as caught:
         client.chat(model="llama9", messages=MESSAGES)
@@ -170,7 +186,10 @@ def _raw(server, body: bytes, path="/api/chat") -> httpx.Response:
     ("/api/chat", json.dumps({"model": "tiny", "messages": MESSAGES, "options": {"num_predict": 0}}).encode(), 400,
      "num_predict"),
     ("/api/chat", json.dumps({"model": "tiny", "messages": MESSAGES, "options": {"top_p": 0}}).encode(), 400, "top_p"),
-    ("/api/chat", json.dumps({"model": "tiny", "messages": MESSAGES, "format": "json"}).encode(), 400, "format"),
+    ("/api/chat", json.dumps({"model": "tiny", "messages": MESSAGES, "format": "yaml"}).encode(), 400,
+     'format must be "json" or a JSON Schema'),
+    ("/api/chat", json.dumps({"model": "tiny", "messages": MESSAGES, "format": {"type": "strng"}}).encode(), 400,
+     "format: "),
     ("/api/chat", json.dumps({"model": "tiny", "messages": MESSAGES, "stream": "yes"}).encode(), 400, "stream"),
     ("/api/chat", json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]}).encode(), 400,
      "context holds 256"),
