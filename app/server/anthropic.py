@@ -11,6 +11,8 @@ the path); the key may come as `x-api-key` (app.server.app). `tools` ({name, des
 model through its chat template as JSON-schema functions; its calls come back as tool_use blocks (stop_reason
 `tool_use`), streamed as a content_block_start and one `input_json_delta` each (app.server.tool_calls);
 `tool_choice` any or tool constrains the answer to such a call where the model's format allows.
+`output_config.format` (`{"type": "json_schema", "schema": ...}`; the beta's `output_format` too) constrains the
+answer to JSON matching the schema by grammar (engine.generation.grammar).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from app.server.generation import Budget, budget, events, start, stop_sequence
 from app.server.tool_calls import AnswerSplitter, Tools, anthropic_tools, call_id, keep_markers
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
+from engine.generation.grammar import Grammar, json_schema_grammar
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.tool_calls import Piece, ToolCall
 
@@ -111,11 +114,32 @@ class CountBody(BaseModel):
 
 class MessagesBody(CountBody):
     max_tokens: StrictInt = Field(ge=1)
+    output_config: Any = None   # {"format": {"type": "json_schema", "schema": ...}}: structured output
+    output_format: Any = None   # the same format under the structured-outputs beta's older name
     stop_sequences: list[StrictStr] | None = Field(None, max_length=MAX_STOPS)
     stream: StrictBool = False
     temperature: StrictFloat = Field(1.0, ge=0.0, le=1.0)
     top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(None, ge=0)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar `output_config.format` (or the beta's `output_format`) asks for: the answer is JSON matching
+        its schema (None: free text); ApiError (400) naming what is wrong. Compiling takes a while: call it off the
+        event loop."""
+        where = "output_config.format"
+        fmt = self.output_config.get("format") if isinstance(self.output_config, dict) else None
+        if self.output_config is not None and not isinstance(self.output_config, dict):
+            raise ApiError(400, "output_config must be an object", "output_config")
+        if fmt is None and self.output_format is not None:
+            fmt, where = self.output_format, "output_format"
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise ApiError(400, f'{where} must be {{"type": "json_schema", "schema": {{...}}}}', where)
+        try:
+            return json_schema_grammar(fmt["schema"])
+        except ColibriError as exc:
+            raise ApiError(400, f"{where}.schema: {exc}", where) from None
 
     def sampling(self) -> SamplingParams:
         """The sampling settings this body asks for (Anthropic's defaults: temperature 1, no top-p or top-k)."""
@@ -284,7 +308,12 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
         stops = tuple(body.stop_sequences or ())
         fmt = tokenizer.reasoning_format if tokenizer is not None else None
         reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
-        grammar = await asyncio.to_thread(tools.grammar) if tools is not None else None     # compiling takes a while
+        grammar = await asyncio.to_thread(body.grammar)                                     # compiling takes a while
+        if tools is not None and tools.forced:
+            if grammar is not None:
+                raise ApiError(400, "output_config.format and a forced tool call (tool_choice) cannot both shape the "
+                                    "answer; drop one", "tool_choice")
+            grammar = await asyncio.to_thread(tools.grammar)
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=body.sampling(), stops=stops,
                        reasoning=reasoning, grammar=grammar)
         rid = "msg_" + uuid.uuid4().hex[:24]

@@ -12,6 +12,7 @@ import socket
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from app.hub.convert import ConvertSettings, convert
@@ -142,6 +143,28 @@ def test_temperature_and_top_k_are_honoured_through_extra_body(model, client):
     hot = {client.messages.create(model="tiny", max_tokens=16, messages=MESSAGES,
                                   extra_body={"temperature": 1.0, "top_p": 1.0}).content[0].text for _ in range(3)}
     assert hot != {greedy}      # sampled at temperature 1 over 160 tokens: 16 greedy picks three times is ~never
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+         "required": ["x", "y"], "additionalProperties": False}
+
+
+def test_output_config_format_constrains_the_answer_to_the_schema(client):
+    """The random model writes no JSON by itself: the grammar makes it, whole and streamed, under either name."""
+    fmt = {"type": "json_schema", "schema": POINT}
+    r = client.messages.create(model="tiny", max_tokens=60, messages=MESSAGES, output_config={"format": fmt},
+                               extra_body=GREEDY)
+    jsonschema.validate(json.loads(r.content[0].text), POINT)
+    with client.messages.stream(model="tiny", max_tokens=60, messages=MESSAGES, extra_body={"output_format": fmt}) \
+            as stream:
+        text = "".join(stream.text_stream)
+    jsonschema.validate(json.loads(text), POINT)
+    for bad, words in (({"format": {"type": "yaml"}}, "must be"), ({"format": {"type": "json_schema", "schema": {
+            "type": "strng"}}}, "output_config.format.schema")):
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model="tiny", max_tokens=8, messages=MESSAGES, output_config=bad)
+        assert caught.value.body["error"]["type"] == "invalid_request_error"
+        assert words in caught.value.body["error"]["message"]
 
 
 def test_count_tokens_counts_what_the_template_renders(model, client):
