@@ -9,8 +9,9 @@ Weights are dequantized to float32 with the `gguf` package (every type it can de
 when the model runs them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become
 `QuantizedTensor`s holding the same values: those block formats are Colibri's 4-, 5- and 8-bit
 group-32 formats with the bytes rearranged (no rounding), so decode reads 4.5-8.5 bits per weight
-instead of 32. Q2_K, Q4_K, Q5_K and Q6_K matrices (outside expert stacks) become `KQuantTensor`s over the
-file's own bytes, run by their own kernels (engine/kernels/kquant.py), each tensor in its own type.
+instead of 32. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices (outside expert stacks) become
+`KQuantTensor`s over the file's own bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each
+tensor in its own type.
 llama.cpp stores the Q and K projections of Llama-architecture models permuted for its interleaved RoPE;
 that permutation is undone here so the shared blocks see Hugging Face layout.
 """
@@ -438,8 +439,8 @@ class GGUFModel:
     """A GGUF file's metadata, config and tensors (by Hugging Face name, as float32).
 
     With `quantized`, matrices stored in a block format Colibri runs as is (Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0) load as QuantizedTensors of the same values, and Q2_K, Q4_K, Q5_K, Q6_K ones (not expert stacks) as
-    KQuantTensors over the file's bytes; routers and vectors stay float32.
+    Q8_0) load as QuantizedTensors of the same values, and K-quant (Q2_K .. Q6_K) and IQ4 (IQ4_NL, IQ4_XS) ones
+    (not expert stacks) as KQuantTensors over the file's bytes; routers and vectors stay float32.
     """
 
     def __init__(self, path: str | Path, quantized: bool = False):

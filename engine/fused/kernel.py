@@ -14,7 +14,8 @@ the same function on the same inputs, so the same bits, written over identical b
 ever waits for another to be scheduled, which is what a busy machine costs a lockstep kernel.
 
 Every number is computed by the functions the batched blocks call (engine/kernels/matmul.py for the
-products, engine/kernels/rows.py and engine/kernels/attention.py for the rest), so the logits are
+products of Colibri's formats, engine/kernels/kquant.py for GGUF K-quant matrices, each matrix in its own type;
+engine/kernels/rows.py and engine/kernels/attention.py for the rest), so the logits are
 bitwise those of `Transformer.forward_batch` for the same token.
 """
 
@@ -28,6 +29,7 @@ from engine.fused.post import MAX_GUESS, W_ALL, W_SOME, W_STOP
 from engine.fused.sync import LINE, atomic_load, atomic_store, cycles, fence, spin_pause, wake, yield_cpu
 from engine.kernels.attention import attend_row, encode_i8_row
 from engine.kernels.experts import silu_rows
+from engine.kernels.kquant import KQUANT_FLAG, kq_desc_rows
 from engine.kernels.matmul import TILE, otf_rows, planes, tile_rows
 from engine.kernels.rows import norm_row, norm_scale, rope_row, route_row
 from engine.kernels.simd import U64, address_as_voidptr, f32_to_f16, fma32
@@ -70,11 +72,22 @@ S_QKV, S_KV, S_HEADS, S_O, S_ROUTER, S_GATE_UP, S_DOWN, S_HEAD = range(8)
 
 
 @njit(boundscheck=False)
+def _product(desc, r0, r1, x, xrows, orows, out, col0):
+    """Rows r0 .. r1 - 1 of the matrix `desc` describes times one token (x row xrows[0]) -> out[orows[0] + col0 ..]:
+    Colibri's formats by engine/kernels/matmul.py, GGUF K-quants by engine/kernels/kquant.py (the kernels the
+    blocks run for either, so the same bits)."""
+    if desc[0] == KQUANT_FLAG:
+        kq_desc_rows(desc, r0, r1 - r0, x, xrows, orows, 0, 1, out, 0, col0)
+    else:
+        bits, asym, group, _, cols, a, b, sc, mn = planes(desc)
+        otf_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1 - r0, x, xrows, orows, 0, 1, out, 0, col0)
+
+
+@njit(boundscheck=False)
 def _item(descs, items, i, x, xrows, out):
     """Item i of the table: rows r0 .. r1 - 1 of matrix `mat` times x -> out[base + r]."""
     mat, r0, r1, base = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
-    bits, asym, group, _, cols, a, b, sc, mn = planes(descs[mat])
-    otf_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1 - r0, x, xrows[:1], xrows[1:], 0, 1, out, 0, base + r0)
+    _product(descs[mat], r0, r1, x, xrows[:1], xrows[1:], out, base + r0)
 
 
 @njit
@@ -201,9 +214,7 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         m0 = _expert(lay, l, k, ids, iscr[io + 5] != 0) if lay[l, L_MOE] != 0 else lay[l, L_GATE]
         gu = lb[g[G_GU]:]
         for m in range(2):
-            bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m0 + m])
-            otf_rows(bits, asym, grp, a, b, scl, mn, cols, r0, r1 - r0, h, xrows[:1], xrows[1:], 0, 1, gu, 0,
-                     (2 * k + m) * inter_ff + r0)
+            _product(descs[m0 + m], r0, r1, h, xrows[:1], xrows[1:], gu, (2 * k + m) * inter_ff + r0)
         silu_rows(gu, U64(2 * k * inter_ff + r0), gu, U64((2 * k + 1) * inter_ff + r0), lb[g[G_HB]:],
                   U64(k * inter_ff + r0), r1 - r0)
     else:  # S_DOWN: rows r0 .. r1 of slot k's down matrix times its SiLU product
@@ -213,11 +224,9 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         r0 = (c % per) * rows
         r1 = min(hidden, r0 + rows)
         m = _expert(lay, l, k, ids, iscr[io + 5] != 0) + 2 if lay[l, L_MOE] != 0 else lay[l, L_DOWN]
-        bits, asym, grp, _, cols, a, b, scl, mn = planes(descs[m])
         kr = iscr[io + 2:io + 3]                       # the SiLU product row this slot reads
         kr[0] = k
-        otf_rows(bits, asym, grp, a, b, scl, mn, cols, r0, r1 - r0, lb[g[G_HB]:], kr, xrows[1:], 0, 1, lb[g[G_Y]:], 0,
-                 k * hidden + r0)
+        _product(descs[m], r0, r1, lb[g[G_HB]:], kr, xrows[1:], lb[g[G_Y]:], k * hidden + r0)
 
 
 @njit(boundscheck=False)

@@ -3,7 +3,8 @@
 `FusedDecode.for_model` accepts the common decoder shape: pre-norm layers (RMSNorm) of grouped-query attention
 (q/k/v biases, per-head q/k norms or, without biases, whole-projection ones, any RoPE, sliding windows included;
 no soft-capping), a SiLU-gated MLP without biases or a MoE routed by softmax or sigmoid without expert groups or
-shared experts, an output head without a bias, every matrix quantized, the experts
+shared experts, an output head without a bias, every matrix quantized (Colibri's formats or GGUF K-quants, each
+matrix in its own type), the experts
 resident or streamed by an expert store. The KV cache may hold float32, fp16 or int8 rows and keep
 attention weights for retention. Anything else (a step of several tokens of a sequence, a probe)
 runs through `Transformer.forward_batch` one block at a time; both give the same bits for the same
@@ -44,6 +45,7 @@ from engine.fused.post import MAX_GUESS, PostLayout
 from engine.fused.sync import in_use, set_flag
 from engine.kernels.rows import SIGMOID, SOFTMAX
 from engine.kv import KVCache, KVPool
+from engine.quant.kquant import KQuantTensor
 from engine.quant.tensor import QuantizedTensor
 from engine.telemetry import Telemetry
 from engine.tuning import ThreadChoice
@@ -170,7 +172,7 @@ class FusedDecode:
     # --- building ---
 
     def _matrix(self, w) -> int:
-        if not isinstance(w, QuantizedTensor):
+        if not isinstance(w, (QuantizedTensor, KQuantTensor)):     # a GGUF K-quant runs in its own type
             raise _NotFusable("a float32 matrix")
         self._descs.append(w.descriptor)
         return len(self._descs) - 1

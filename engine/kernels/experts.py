@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 import numpy as np
 from numba import njit
 
+from engine.kernels.kquant import KQUANT_FLAG
 from engine.kernels.layout import DESCRIPTOR_FIELDS as DESCRIPTOR
 from engine.kernels.layout import check_activations
 from engine.kernels.matmul import run_items
@@ -201,12 +202,20 @@ def expert_outputs(x: np.ndarray, ids: np.ndarray, experts: Mapping[int, ExpertL
 
 
 def _descriptors(experts, i: int) -> tuple[int, ...]:
-    """gate, up, down descriptors of expert i, concatenated; ValueError when missing or not quantized."""
+    """gate, up, down descriptors of expert i, concatenated; ValueError when missing, not quantized, or in a GGUF
+    K-quant type (a KQuantTensor's descriptor has the same shape, but these kernels read Colibri's layout only)."""
     try:
         e = experts[i]
-        return e.gate.descriptor + e.up.descriptor + e.down.descriptor
+        mats = (e.gate, e.up, e.down)
+        row = mats[0].descriptor + mats[1].descriptor + mats[2].descriptor
     except (KeyError, IndexError):
         raise ValueError(f"routing chose expert {i} but no weights were given for it") from None
     except AttributeError:
         raise ValueError(f"expert {i}: the fused kernel runs quantized experts only (QuantizedTensor gate, up, down); "
                          "run float32 experts with gated_mlp") from None
+    for m, name in enumerate(("gate", "up", "down")):
+        if row[m * DESCRIPTOR] == KQUANT_FLAG:
+            raise ValueError(f"expert {i}: its {name} matrix is a GGUF K-quant ({mats[m]!r}), which the fused expert "
+                             "kernels do not run: load K-quant expert stacks dequantized (GGUFModel does) or convert "
+                             "the model into a Colibri container (`colibri convert`)")
+    return row

@@ -1,5 +1,8 @@
 """numba kernels for GGUF K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) read in the file's own block layout.
 
+The entry points (`kq_rows`, `kq_otf_rows`, `kq_dequant_rows`, `kq_desc_rows`) also take IQ4_NL and IQ4_XS
+matrices, whose kernels live in engine/kernels/iquant.py.
+
 A row of K weights is K / 256 super-blocks of ggml bytes, kept exactly as the file holds them (no
 copy of a memory map, memory = the file's size):
 
@@ -33,6 +36,7 @@ import numpy as np
 from numba import literally, njit, prange, types
 from numba.extending import intrinsic
 
+from engine.kernels import iquant
 from engine.kernels.matmul import OTF_MAX_TOKENS, TILE, tile_rows
 from engine.kernels.simd import (
     U64,
@@ -64,7 +68,14 @@ F32 = np.float32
 SUPER = 256                       # weights per super-block
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14     # ggml type numbers, the kernels' `kind`
 BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block (Python side; kernels: _block_bytes)
+BLOCK_BYTES |= iquant.BLOCK_BYTES                    # IQ4_NL, IQ4_XS: run by engine/kernels/iquant.py
+BLOCK_WEIGHTS = {kind: SUPER for kind in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)} | iquant.BLOCK_WEIGHTS
+IQ4_NL, IQ4_XS = iquant.IQ4_NL, iquant.IQ4_XS
 DESC_FIELDS = 5                   # kind, rows, cols, address, bytes: one matrix in a kernel table
+# field 0 of a K-quant (or IQ4) matrix's 13-int descriptor, the shape of QuantizedTensor.descriptor, so that one table
+# of a fused step holds both (KQuantTensor.descriptor: flag, kind, weights per block, rows, cols, address, bytes, 0s);
+# no Colibri width or flag (bits | ROWS16_FLAG) equals it
+KQUANT_FLAG = 64
 _I32 = ir.IntType(32)
 
 
@@ -262,9 +273,13 @@ def _group(kind, raw, so, g, a, b):
 
 @njit(cache=True, boundscheck=False)
 def kq_dequant_rows(kind, raw, K, r0, nr, dst):
-    """Rows r0 .. r0 + nr - 1 of a K-quant matrix (raw: its bytes, flat) -> dst[i * K + k], float32."""
+    """Rows r0 .. r0 + nr - 1 of a K-quant (or IQ4) matrix (raw: its bytes, flat) -> dst[i * K + k], float32."""
     if kind == Q4_K:
         _dequant(Q4_K, raw, K, r0, nr, dst)
+    elif kind == IQ4_XS:
+        iquant.iq_dequant(IQ4_XS, raw, K, r0, nr, dst)
+    elif kind == IQ4_NL:
+        iquant.iq_dequant(IQ4_NL, raw, K, r0, nr, dst)
     elif kind == Q2_K:
         _dequant(Q2_K, raw, K, r0, nr, dst)
     elif kind == Q3_K:
@@ -414,9 +429,13 @@ def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
 
 @njit(boundscheck=False)
 def kq_otf_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
-    """K-quant rows r0 .. r0 + nr - 1 times tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]."""
+    """K-quant (or IQ4) rows r0 .. r0 + nr - 1 times tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]."""
     if kind == Q4_K:
         _otf(Q4_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    elif kind == IQ4_XS:
+        iquant.iq_otf(IQ4_XS, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    elif kind == IQ4_NL:
+        iquant.iq_otf(IQ4_NL, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     elif kind == Q2_K:
         _otf(Q2_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     elif kind == Q3_K:
@@ -484,6 +503,14 @@ def kq_rows(kind, raw, K, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scrat
         kq_dequant_rows(kind, raw, K, r, nr, scratch)
         tile_rows(scratch, U64(0), K, nr, x, xrows, orows, i0, i1, out, ldo, col0 + r - r0)
         r += TILE
+
+
+@njit(boundscheck=False)
+def kq_desc_rows(desc, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+    """Rows r0 .. r0 + nr - 1 of the K-quant matrix a 13-int descriptor describes (KQuantTensor.descriptor) times
+    tokens i0 .. i1 - 1, on the fly -> out[orows[i] * ldo + col0 + row - r0] (the bits `kq_otf_rows` gives)."""
+    raw = numba.carray(address_as_voidptr(desc[5]), (desc[6],), np.uint8)
+    kq_otf_rows(desc[1], raw, desc[4], r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
 
 
 @njit

@@ -3,7 +3,7 @@
 - `QuantizedTensor`, `quantize`, `weighted_error`, `matmul_many` (engine/quant/tensor.py):
   storage as read-only views, the importance-weighted clip search (engine/quant/search.py), the
   error the bit planner minimises, and several matrices that share an input (q, k, v) in one call.
-- `KQuantTensor` (engine/quant/kquant.py): a GGUF K-quant matrix (Q2_K, Q4_K, Q5_K, Q6_K) in the file's own
+- `KQuantTensor` (engine/quant/kquant.py): a GGUF K-quant (Q2_K .. Q6_K) or IQ4 (IQ4_NL, IQ4_XS) matrix in the file's own
   super-blocks, run by engine/kernels/kquant.py.
 - The packed layouts and the kernels that read them live in engine/kernels/: the plane layout's
   float kernels keep activations in float32; the 16-row layout's integer kernels (4- and 8-bit

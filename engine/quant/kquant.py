@@ -1,6 +1,7 @@
-"""`KQuantTensor`: a weight matrix in a GGUF K-quant type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), held in the file's bytes.
+"""`KQuantTensor`: a weight matrix in a GGUF K-quant type (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or a non-linear 4-bit one
+(IQ4_NL, IQ4_XS), held in the file's bytes.
 
-The rows are the file's own super-blocks (layout in engine/kernels/kquant.py), as a read-only view
+The rows are the file's own blocks (layouts in engine/kernels/kquant.py and iquant.py), as a read-only view
 of the memory map: nothing is copied or widened, so a K-quant model takes the file's size in
 memory. The kernels dequantize exactly as `gguf.quants.dequantize` does (bitwise), and the tensor
 offers what the blocks call on a weight: `matmul` (decode and prefill), `rows` (embeddings).
@@ -16,34 +17,37 @@ import numba
 import numpy as np
 
 from engine.kernels import kquant, matmul
-from engine.kernels.layout import check_activations
+from engine.kernels.layout import DESCRIPTOR_FIELDS, check_activations
 
 _Q = gguf.GGMLQuantizationType
 KINDS = {_Q.Q2_K: kquant.Q2_K, _Q.Q3_K: kquant.Q3_K, _Q.Q4_K: kquant.Q4_K, _Q.Q5_K: kquant.Q5_K,   # types the kernels run
-         _Q.Q6_K: kquant.Q6_K}
+         _Q.Q6_K: kquant.Q6_K, _Q.IQ4_NL: kquant.IQ4_NL, _Q.IQ4_XS: kquant.IQ4_XS}
 _NAMES = {kind: qtype.name for qtype, kind in KINDS.items()}
 
 
 @dataclass(frozen=True, eq=False)
 class KQuantTensor:
-    """A [out, in] weight matrix in a K-quant type: `raw` [out, in / 256 * block bytes] uint8, the file's blocks."""
+    """A [out, in] weight matrix in a K-quant or IQ4 type: `raw` [out, in / block weights * block bytes] uint8, the
+    file's blocks."""
 
-    shape: tuple[int, int]        # [out, in]; in % 256 == 0
+    shape: tuple[int, int]        # [out, in]; in % 256 == 0 (IQ4_NL: in % 32 == 0)
     qtype: gguf.GGMLQuantizationType
-    raw: np.ndarray               # [out, in / 256 * BLOCK_BYTES] uint8
+    raw: np.ndarray               # [out, in / BLOCK_WEIGHTS * BLOCK_BYTES] uint8
     _table: np.ndarray = field(init=False, repr=False)   # [1, DESC_FIELDS]: kind, rows, cols, address, bytes
+    _descriptor: np.ndarray = field(init=False, repr=False)   # [13]: see `descriptor`
     _rows: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.qtype not in KINDS:
-            raise ValueError(f"{getattr(self.qtype, 'name', self.qtype)} is not a K-quant type Colibri runs natively: "
+            raise ValueError(f"{getattr(self.qtype, 'name', self.qtype)} is not a K-quant type Colibri runs natively (nor an IQ4): "
                              f"one of {', '.join(_NAMES.values())}")
         out, n_in = (int(s) for s in self.shape)
-        if out <= 0 or n_in <= 0 or n_in % kquant.SUPER:
-            raise ValueError(f"a {self.qtype.name} matrix needs [out, in] with in a multiple of {kquant.SUPER}, "
-                             f"got {[out, n_in]}")
         kind = KINDS[self.qtype]
-        want = (out, n_in // kquant.SUPER * kquant.BLOCK_BYTES[kind])
+        block = kquant.BLOCK_WEIGHTS[kind]
+        if out <= 0 or n_in <= 0 or n_in % block:
+            raise ValueError(f"a {self.qtype.name} matrix needs [out, in] with in a multiple of {block}, "
+                             f"got {[out, n_in]}")
+        want = (out, n_in // block * kquant.BLOCK_BYTES[kind])
         raw = self.raw
         if not isinstance(raw, np.ndarray) or raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.size != want[0] * want[1]:
             raise ValueError(f"{self.qtype.name} {[out, n_in]} needs {want[0] * want[1]} C-contiguous uint8 bytes, "
@@ -56,6 +60,9 @@ class KQuantTensor:
         set_(self, "raw", raw)
         set_(self, "_table", np.array([[kind, out, n_in, raw.ctypes.data, raw.size]], np.int64))
         set_(self, "_rows", np.array([out], np.int64))
+        desc = np.zeros(DESCRIPTOR_FIELDS, np.int64)
+        desc[:7] = (kquant.KQUANT_FLAG, kind, block, out, n_in, raw.ctypes.data, raw.size)
+        set_(self, "_descriptor", desc)
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """x [T, in] float32 -> x @ W.T [T, out] float32 (bitwise independent of T and of threads)."""
@@ -91,6 +98,21 @@ class KQuantTensor:
 
     def __repr__(self) -> str:
         return f"KQuantTensor(shape={list(self.shape)}, {self.qtype.name}, {self.bits_per_weight:.3f} bits/weight)"
+
+    @property
+    def descriptor(self) -> tuple[int, ...]:
+        """13 ints in the shape of QuantizedTensor.descriptor, for a fused step's table: KQUANT_FLAG, the kernels'
+        kind, weights per block, out, in, the bytes' address and length, then zeros.
+
+        Kernels that run only Colibri's formats must refuse it (field 0 is KQUANT_FLAG). The address is valid
+        while this tensor lives: whoever passes it on keeps the tensor referenced.
+        """
+        return tuple(int(v) for v in self._descriptor)
+
+    @property
+    def descriptor_row(self) -> np.ndarray:
+        """`descriptor` as an int64 array [13] (read-only use: copy it into a kernel's table)."""
+        return self._descriptor
 
     @property
     def nbytes(self) -> int:

@@ -71,7 +71,7 @@ def roundtrip(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarr
     """(the bytes or values to store, what reading them back gives as float32)."""
     if qtype == gguf.GGMLQuantizationType.F32:
         return w.astype(np.float32), w.astype(np.float32)
-    if qtype in kquant_blocks.TYPES:     # the gguf package cannot quantize to K-quants
+    if qtype in kquant_blocks.TYPES + kquant_blocks.IQ_TYPES:     # the gguf package cannot quantize to these
         data = kquant_blocks.quantize_k(w, qtype)
         return data, gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape)
     data = gguf.quants.quantize(w.astype(np.float32), qtype)

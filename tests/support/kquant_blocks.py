@@ -1,4 +1,5 @@
-"""A plain numpy quantizer to GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), which the `gguf` package cannot make.
+"""A plain numpy quantizer to GGUF K-quant blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4 blocks (IQ4_NL, IQ4_XS),
+which the `gguf` package cannot make.
 
 The scales are chosen simply (min/max per sub-block, not llama.cpp's search): tests need valid blocks
 laid out exactly as ggml lays them out, whose meaning `gguf.quants.dequantize` then defines.
@@ -12,6 +13,10 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 SUPER = 256
 TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+IQ_TYPES = (Q.IQ4_NL, Q.IQ4_XS)
+KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+BYTES = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210, Q.IQ4_NL: 18, Q.IQ4_XS: 136}
+WEIGHTS = {Q.IQ4_NL: 32}                   # weights per block (256 for the others)
 
 
 def _f16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -110,15 +115,56 @@ def _q3k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([hmask, qs.reshape(n, 64), scales, d_bytes.reshape(n, 2)], axis=1)
 
 
+def _nearest(v: np.ndarray) -> np.ndarray:
+    """Codes of the KVALUES nearest to v (any shape) as uint8."""
+    return np.abs(v[..., None] - KVALUES).argmin(axis=-1).astype(np.uint8)
+
+
+def _iq4_codes(q: np.ndarray) -> np.ndarray:
+    """Codes [n, 32] of 32-weight (sub-)blocks -> their 16 bytes [n, 16] (low nibble weight j, high 16 + j)."""
+    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
+
+
+def _iq4nl(x: np.ndarray) -> np.ndarray:
+    """Blocks x [n, 32] -> IQ4_NL blocks [n, 18]: d, qs."""
+    d_bytes, d = _f16(np.abs(x).max(axis=-1) / 127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = _nearest(np.nan_to_num(x / d[:, None]))
+    return np.concatenate([d_bytes.reshape(-1, 2), _iq4_codes(q)], axis=1)
+
+
+def _iq4xs(x: np.ndarray) -> np.ndarray:
+    """Super-blocks x [n, 256] -> IQ4_XS blocks [n, 136]: d, scales_h, scales_l, qs."""
+    n = x.shape[0]
+    sub = x.reshape(n, 8, 32)
+    scale = np.abs(sub).max(axis=-1) / 127                                  # [n, 8]
+    d_bytes, d = _f16(scale.max(axis=-1) / 31)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = (np.nan_to_num(np.round(scale / d[:, None])).clip(-32, 31) + 32).astype(np.uint16)   # [n, 8]
+        dl = d[:, None] * (ls.astype(np.float32) - 32)
+        q = _nearest(np.nan_to_num(sub / dl[..., None]))                    # [n, 8, 32]
+    high = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)    # [n]
+    low = (ls & 15).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)                           # [n, 4]
+    return np.concatenate([d_bytes.reshape(n, 2), high.astype("<u2")[:, None].view(np.uint8), scales_l,
+                           _iq4_codes(q.reshape(n * 8, 32)).reshape(n, 128)], axis=1)
+
+
 def quantize_k(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """w [..., in] (in % 256 == 0) -> the K-quant bytes [..., in / 256 * block bytes] uint8, as a GGUF stores them."""
-    if qtype not in TYPES:
-        raise ValueError(f"quantize_k makes {', '.join(t.name for t in TYPES)}, not {qtype.name}")
+    """w [..., in] (in % 256 == 0; IQ4_NL: % 32) -> the K-quant or IQ4 bytes [..., in / block weights * block bytes]
+    uint8, as a GGUF stores them."""
+    if qtype not in TYPES + IQ_TYPES:
+        raise ValueError(f"quantize_k makes {', '.join(t.name for t in TYPES + IQ_TYPES)}, not {qtype.name}")
     x = np.asarray(w, np.float32)
-    if x.shape[-1] % SUPER:
-        raise ValueError(f"K-quants need rows of a multiple of {SUPER} weights, got {x.shape[-1]}")
-    flat = x.reshape(-1, SUPER)
-    if qtype == Q.Q2_K:
+    block = WEIGHTS.get(qtype, SUPER)
+    if x.shape[-1] % block:
+        raise ValueError(f"{qtype.name} needs rows of a multiple of {block} weights, got {x.shape[-1]}")
+    flat = x.reshape(-1, block)
+    if qtype == Q.IQ4_NL:
+        blocks = _iq4nl(flat)
+    elif qtype == Q.IQ4_XS:
+        blocks = _iq4xs(flat)
+    elif qtype == Q.Q2_K:
         blocks = _q2k(flat)
     elif qtype == Q.Q3_K:
         blocks = _q3k(flat)
@@ -128,11 +174,14 @@ def quantize_k(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
 
 
 def random_k_blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes [rows, cols / 256 * block bytes] as K-quant blocks, with finite fp16 scales of either sign."""
-    size = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}[qtype]
-    raw = rng.integers(0, 256, (rows, cols // SUPER, size), dtype=np.uint8)
-    d = (rng.standard_normal((rows, cols // SUPER, 2)) * 0.01).astype(np.float16).view(np.uint8)   # [.., 2 values x 2 bytes]
-    if qtype == Q.Q6_K:
+    """Random bytes [rows, cols / block weights * block bytes] as K-quant or IQ4 blocks, with finite fp16 scales of
+    either sign."""
+    size, nb = BYTES[qtype], cols // WEIGHTS.get(qtype, SUPER)
+    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    d = (rng.standard_normal((rows, nb, 2)) * 0.01).astype(np.float16).view(np.uint8)   # [.., 2 values x 2 bytes]
+    if qtype in IQ_TYPES:
+        raw[..., 0:2] = d[..., 0:2]
+    elif qtype == Q.Q6_K:
         raw[..., 208:210] = d[..., 0:2]
     elif qtype == Q.Q2_K:
         raw[..., 80:84] = d
