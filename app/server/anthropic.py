@@ -30,7 +30,7 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.generation import Budget, budget, events, start, stop_sequence
-from app.server.tool_calls import AnswerSplitter, Tools, anthropic_tools, call_id, keep_markers
+from app.server.tool_calls import AnswerSplitter, Tools, answer_reasoning, anthropic_tools, call_id, render_chat
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.grammar import Grammar, json_schema_grammar
@@ -290,12 +290,7 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
         prefill = ""
         if messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1] and len(messages) > 1:
             prefill = messages.pop()["content"]
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 **({"tools": tools.template_tools()} if tools else {})) + prefill
-            return tokenizer.encode(text, add_special_tokens=False), text, tools
-        except ColibriError as exc:
-            raise ApiError(400, str(exc), "messages") from None
+        return (*render_chat(tokenizer, messages, tools, prefill), tools)
 
     @app.post("/v1/messages/count_tokens", responses=responses(400, 401, 404, 408, 413, api="anthropic"))
     async def count_tokens(body: CountBody):
@@ -306,8 +301,7 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
         prompt, text, tools = _prompt(body)
         limit = budget(body.max_tokens, len(prompt), engine.ctx, "messages")
         stops = tuple(body.stop_sequences or ())
-        fmt = tokenizer.reasoning_format if tokenizer is not None else None
-        reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+        reasoning = answer_reasoning(tokenizer, text, tools)
         grammar = await asyncio.to_thread(body.grammar)                                     # compiling takes a while
         if tools is not None and tools.forced:
             if grammar is not None:

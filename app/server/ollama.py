@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.generation import budget, events, start
-from app.server.tool_calls import AnswerSplitter, Tools, arguments, keep_markers, openai_tools
+from app.server.tool_calls import AnswerSplitter, Tools, answer_reasoning, arguments, openai_tools, render_chat
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar
@@ -266,14 +266,8 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
         if tokenizer is None or not tokenizer.has_chat_template:
             raise ApiError(400, f"{info.name} has no chat template; use /api/generate with `raw`", "messages")
         tools = openai_tools(body.tools, None, tokenizer)
-        try:
-            text = tokenizer.apply_chat_template(template_messages(body.messages), add_generation_prompt=True,
-                                                 **({"tools": tools.template_tools()} if tools else {}))
-            prompt = tokenizer.encode(text, add_special_tokens=False)
-        except ColibriError as exc:
-            raise ApiError(400, str(exc), "messages") from None
-        fmt = tokenizer.reasoning_format
-        reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+        prompt, text = render_chat(tokenizer, template_messages(body.messages), tools)
+        reasoning = answer_reasoning(tokenizer, text, tools)
         return await _generate(body, prompt, request, chat=True, reasoning=reasoning, tools=tools)
 
     @app.post("/api/generate", responses=responses(400, 401, 404, 408, 413, 429, 503, api="ollama", ndjson=True))

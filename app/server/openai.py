@@ -44,18 +44,25 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from app.server.engine import QueueFull, Served, Ticket
+from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.errors import sse as _sse
-from app.server.generation import budget
-from app.server.tool_calls import AnswerSplitter, Tools, arguments, call_id, keep_markers, openai_tools
+from app.server.generation import budget, start
+from app.server.tool_calls import (
+    AnswerSplitter,
+    Tools,
+    answer_reasoning,
+    arguments,
+    call_id,
+    openai_tools,
+    render_chat,
+)
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar, token_bytes
 from engine.generation.sampling import SamplingParams
 from engine.tokenizer.reasoning import ReasoningFormat
 
-RETRY_AFTER = 2             # seconds a client is told to wait when the queue is full
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI's limit)
 
 
@@ -267,14 +274,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if tokenizer is None or not tokenizer.has_chat_template:
             raise ApiError(400, f"{engine.name} has no chat template; use /v1/completions", "messages")
         tools = openai_tools(body.tools, body.tool_choice, tokenizer)
-        try:
-            text = tokenizer.apply_chat_template(template_messages(body.messages), add_generation_prompt=True,
-                                                 **({"tools": tools.template_tools()} if tools else {}))
-            prompt = tokenizer.encode(text, add_special_tokens=False)
-        except ColibriError as exc:
-            raise ApiError(400, str(exc), "messages") from None
-        fmt = tokenizer.reasoning_format
-        reasoning = keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+        prompt, text = render_chat(tokenizer, template_messages(body.messages), tools)
+        reasoning = answer_reasoning(tokenizer, text, tools)
         return await _generate(body, prompt, request, chat=True, reasoning=reasoning, n_logprobs=body.n_logprobs(),
                                tools=tools)
 
@@ -323,16 +324,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         scores = None
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)
-        try:
-            ticket = engine.submit(list(prompt), max_tokens=limit, sampling=sampling, stop=stops,
-                                   loop=asyncio.get_running_loop(), reasoning=reasoning, logprobs=n_logprobs,
-                                   grammar=grammar)
-        except QueueFull as exc:
-            raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER)}) from None
-        except ColibriError as exc:
-            raise ApiError(503, str(exc), kind="server_error") from None
-        ticket.watch(request.receive)      # a client that leaves cancels at once, queued or running
+        ticket = start(engine, prompt, request, max_tokens=limit, sampling=sampling, stops=stops,
+                       reasoning=reasoning, grammar=grammar, logprobs=n_logprobs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:

@@ -182,6 +182,24 @@ def keep_markers(reasoning: ReasoningFormat | None, tokenizer: Any, tools: Tools
     return replace(reasoning, marker_ids=reasoning.marker_ids | frozenset(i for i in ids if i is not None))
 
 
+def render_chat(tokenizer: Any, messages: list[dict], tools: Tools | None, prefill: str = "") -> tuple[list[int], str]:
+    """The prompt's token ids and text: the messages (and the tools, if any) through the model's chat template, then
+    `prefill` (an answer the client began); 400 naming `messages` when the template refuses them."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             **({"tools": tools.template_tools()} if tools else {})) + prefill
+        return tokenizer.encode(text, add_special_tokens=False), text
+    except ColibriError as exc:
+        raise ApiError(400, str(exc), "messages") from None
+
+
+def answer_reasoning(tokenizer: Any, text: str, tools: Tools | None) -> ReasoningFormat | None:
+    """How the answer to the prompt `text` separates reasoning (None: the model does not reason apart), with the
+    tool format's markers kept."""
+    fmt = tokenizer.reasoning_format if tokenizer is not None else None
+    return keep_markers(fmt.after(text) if fmt else None, tokenizer, tools)
+
+
 def call_id(prefix: str = "call_") -> str:
     """A new id for a call the model made."""
     return prefix + uuid.uuid4().hex[:24]
