@@ -77,7 +77,8 @@ def warm_up(model: str | Path, report: Report = _quiet, options: LoadOptions = Q
     from app.service.local import EngineService
 
     t0 = time.perf_counter()
-    steps = ("loading the model", "compiling a greedy answer's kernels", "compiling a sampled answer's kernels")
+    steps = ("loading the model", "a greedy answer (its kernels compile at their first use)",
+             "a sampled answer (its kernels compile at their first use)")
 
     def step(i: int) -> None:
         report(Progress("warm", i, len(steps), f"warm-up: {steps[i]} ({time.perf_counter() - t0:.0f} s so far)"))
