@@ -10,6 +10,10 @@ so every kernel of a prompt chunk, a decode step and the sampler is compiled int
 It runs the model itself rather than a tiny random one: the kernels' signatures follow the real tensors
 (GGUF block types or the container's widths and layouts, read-only memory maps), which a model made of fresh
 arrays would not share. Only a few tokens are generated, so a warm cache makes it take seconds.
+
+Measured on the 2-core machine (2026-12-05, load 3 to 4), `colibri run` with 8 tokens, wall time:
+SmolLM2's Q4_1 GGUF 174 s cold, 4.2 s after a 256 s warm-up; the demo model 111 s cold, 2.6 s after
+a 104 s warm-up. A warm-up on a warm cache takes 3.6 s (the demo model) to 6.4 s (the GGUF).
 """
 
 from __future__ import annotations
