@@ -32,8 +32,9 @@ help: ## list the targets
 	@echo "Colibri: make TARGET"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  \1\t/' | expand -t 16
 
-run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-135M upcycled to an MoE) and open the app on it
+run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-135M upcycled to an MoE), compile its kernels, open the app
 	$(VENV)/bin/colibri pull smollm2-moe
+	$(VENV)/bin/colibri warm smollm2-moe
 	@if $(VENV)/bin/colibri gui --check-display; then \
 		$(VENV)/bin/colibri gui smollm2-moe; \
 	else \

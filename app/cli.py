@@ -22,6 +22,7 @@ COMMANDS: list[str] = [
     "plan",
     "info",
     "doctor",
+    "warm",
     "eval",
     "synth",
     "bench",

@@ -4,9 +4,11 @@ The demo is the derived MoE (`colibri pull smollm2-moe`: SmolLM2-135M upcycled i
 then converted into a 4-bit container whose experts stream; made once). The packaged app
 ships the SmolLM2 GGUF it is derived from in its `models/` folder, copied into the user's models
 folder first, so no network is needed. A pull runs app.hub.pull.pull on a worker thread behind a
-progress dialog that shows the pull's typed events (app.hub.progress); Cancel raises from the
-pull's progress callback at its next event (the upcycling reports every tenth, the conversion
-every 64 tensors), and the worker is always joined before the dialog goes away. Half-made models
+progress dialog that shows the pull's typed events (app.hub.progress), then the warm-up that
+compiles the model's kernels (app.service.warm), so the first answer does not wait for them; Cancel
+raises from the progress callback at its next event (the upcycling reports every tenth, the
+conversion every 64 tensors, the warm-up every second), and the worker is always joined before the
+dialog goes away. Half-made models
 are cleaned, or resumed, by the next pull.
 """
 
@@ -75,7 +77,8 @@ def seed_from_bundle(bundle: Path | None, models_dir: Path, log: Log = _quiet) -
 
 
 class PullJob(BackgroundJob):
-    """app.hub.pull.pull(NAME) on a worker thread, after seeding the models folder from the bundle."""
+    """app.hub.pull.pull(NAME) on a worker thread, after seeding the models folder from the bundle, then the
+    warm-up of the pulled model (its kernels compiled into Numba's cache)."""
 
     thread_name = "colibri-pull"
     cancelled_message = "cancelled; asking again starts over where it can"
@@ -87,11 +90,17 @@ class PullJob(BackgroundJob):
 
     def _work(self, report: Report) -> Path:
         from app.config.paths import models_dir
+        from app.service.warm import warm_up
 
         root = self.models_dir or models_dir()
         if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
             seed_from_bundle(self.bundle, root, noting(report))
-        return pulls.pull(self.name, root, progress=report)
+        path = pulls.pull(self.name, root, progress=report)
+        try:
+            warm_up(path, report)
+        except ColibriError as exc:     # the model may still open with other settings: say so and go on
+            noting(report)(f"the warm-up failed ({exc}); the first answer will compile its kernels")
+        return path
 
 
 class FirstRunDialog(QDialog):

@@ -8,7 +8,7 @@ import threading
 import time
 
 from app.hub import pull as pulls
-from app.hub.progress import Progress
+from app.hub.progress import Progress, render
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
 from support.qt import LOAD_TIMEOUT_MS
 
@@ -54,11 +54,15 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
     monkeypatch.setattr(pulls, "pull", fake_pull)
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
+    lines = []
     with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
         dlg.demo_button.click()
+        dlg.job.progress.connect(lambda event: lines.append(render(event)))
         assert dlg.progress_dialog is not None and dlg.progress_dialog.isVisible()
         assert not dlg.demo_button.isEnabled()
     assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models")]
+    # the pulled model's kernels were compiled behind the same dialog, before it opened
+    assert any("warm-up: kernels ready" in line for line in lines), lines
     assert window.info.name == models[0].name and not dlg.isVisible() and dlg.progress_dialog is None
     assert not dlg.job.running
 

@@ -1,0 +1,44 @@
+"""`colibri warm [MODEL]`: compile the kernels MODEL runs into Numba's cache before its first question."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `warm` command."""
+    parser = subparsers.add_parser(
+        "warm",
+        help="compile a model's kernels ahead of its first question",
+        description="Load MODEL as the app does and answer two short questions (greedy, then sampled at the "
+        "chat window's defaults) so that every kernel it runs is compiled into Numba's cache "
+        "(NUMBA_CACHE_DIR, else beside the installed modules). Once per install and kind of model: the first "
+        "time takes minutes on a small machine, later ones seconds. `make run` does it before opening the app.",
+    )
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="a model folder, container, GGUF file or pulled name (default: the demo model, "
+                        "smollm2-moe)")
+    parser.set_defaults(func=_run)
+
+
+EVERY = 15.0       # seconds between lines while one step compiles (the warm-up reports each second)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import time
+
+    from app.hub.progress import HubEvent, Progress, to_stderr
+    from app.hub.pull import DEFAULT_MODEL
+    from app.service.warm import warm_up
+
+    last: list = [None, 0.0]        # the step last printed, and when
+
+    def report(event: HubEvent) -> None:
+        now = time.monotonic()
+        if isinstance(event, Progress) and event.done == last[0] and now - last[1] < EVERY:
+            return
+        last[:] = [event.done if isinstance(event, Progress) else None, now]
+        to_stderr(event)
+
+    warm_up(args.model or DEFAULT_MODEL, report)
+    return 0
