@@ -155,7 +155,7 @@ def test_output_config_format_constrains_the_answer_to_the_schema(client):
     r = client.messages.create(model="tiny", max_tokens=60, messages=MESSAGES, output_config={"format": fmt},
                                extra_body=GREEDY)
     jsonschema.validate(json.loads(r.content[0].text), POINT)
-    with client.messages.stream(model="tiny", max_tokens=60, messages=MESSAGES, extra_body={"output_format": fmt}) \
+    with client.messages.stream(model="tiny", max_tokens=60, messages=MESSAGES, extra_body={**GREEDY, "output_format": fmt}) \
             as stream:
         text = "".join(stream.text_stream)
     jsonschema.validate(json.loads(text), POINT)

@@ -147,17 +147,21 @@ def test_a_num_predict_past_the_context_fills_it(model, client):
         assert r.eval_count == room and r.done_reason == "length"
 
 
-POINT = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+# bounded values: the random model would write an integer's digits until the tokens run out
+FLAGS = {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"enum": ["a", "b"]}},
          "required": ["x", "y"], "additionalProperties": False}
 
 
 def test_format_constrains_the_answer_to_json_or_a_schema(client):
-    """The random model writes no JSON by itself: the grammar makes it, on chat and generate, streamed or not."""
-    r = client.chat(model="tiny", messages=MESSAGES, format=POINT, options={"temperature": 0, "num_predict": 60})
-    jsonschema.validate(json.loads(r.message.content), POINT)
-    text = "".join(part.response for part in client.generate(model="tiny", prompt="a point", format=POINT,
-                                                              stream=True, options={"num_predict": 60}))
-    jsonschema.validate(json.loads(text), POINT)
+    """The random model writes no JSON by itself: the grammar makes it, on chat and generate, streamed or not.
+    Greedy, so the answers are the same on every run: sampled, the random model can still be inside a number when
+    the tokens run out, where no steering can close it."""
+    r = client.chat(model="tiny", messages=MESSAGES, format=FLAGS, options={"temperature": 0, "num_predict": 60})
+    jsonschema.validate(json.loads(r.message.content), FLAGS)
+    text = "".join(part.response for part in client.generate(model="tiny", prompt="a point", format=FLAGS,
+                                                              stream=True, options={"temperature": 0,
+                                                                                    "num_predict": 60}))
+    jsonschema.validate(json.loads(text), FLAGS)
     r = client.generate(model="tiny", prompt="anything", format="json", options={"temperature": 0, "num_predict": 60})
     assert isinstance(json.loads(r.response), dict)
 
