@@ -15,39 +15,22 @@ import httpx
 import jsonschema
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
 from app.server.http import HttpLimits
 from app.service.local import EngineService, LoadOptions
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
-from engine.loader import load_model
 from support.live import metrics, open_request, raw_answer, serve, wait_until
 from support.live_server import LiveServer
 from support.reasoning_chat import ANSWER_TOKENS, thinking_model
 from support.reasoning_chat import MESSAGES as THINK_MESSAGES
 from support.server import paced
-from support.tiny_chat import tiny_moe
 
 KEY = "anthropic-key-0123456789"
 CTX = 256
 MESSAGES = [{"role": "user", "content": "hello there"}]
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
-
-
-@pytest.fixture(scope="module")
-def model(container):
-    """The same model loaded directly, for the answers the server must give."""
-    loaded = load_model(container)
-    yield loaded
-    loaded.close()
 
 
 @pytest.fixture(scope="module")

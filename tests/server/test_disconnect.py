@@ -9,22 +9,14 @@ import threading
 import httpx
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
 from support.live import metrics, open_request, serve, wait_until
 from support.server import paced
-from support.tiny_chat import tiny_moe
 
 CTX = 256
 MESSAGES = [{"role": "user", "content": "hello there"}]
 # greedy, so no end-of-sequence token comes early: 200 tokens at 50 ms a step last 10 s, far longer than the
 # few hundred milliseconds a test waits for a cancelled request to end
 LONG = {"model": "tiny", "max_tokens": 200, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
 
 
 @pytest.fixture

@@ -18,23 +18,16 @@ import numpy as np
 import pytest
 
 from app.commands import serve
-from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
 from app.server.http import HttpLimits, Throttle, ThrottleFilter, check_fd_limit
 from app.service.local import EngineService, LoadOptions
 from engine.errors import ColibriError, GenerationError
 from engine.generation.sampling import LogitBias, SamplingParams, apply_processors, make_logits_processors
 from support.live_server import LiveServer
-from support.tiny_chat import CHARS, tiny_moe
+from support.tiny_chat import CHARS
 
 CTX = 256
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
 
 
 @pytest.fixture(scope="module")

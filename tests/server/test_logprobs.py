@@ -9,30 +9,15 @@ import numpy as np
 import openai
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
 from app.service.local import EngineService, LoadOptions
 from engine.events import PromptLogitsEvent
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.kv import KVCache
-from engine.loader import load_model
 from support.live_server import LiveServer
-from support.tiny_chat import tiny_moe
 
 CTX = 256
 MESSAGES = [{"role": "user", "content": "hello there"}]
-
-
-@pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
-
-
-@pytest.fixture(scope="module")
-def model(container):
-    """The same model loaded directly: its logits are the oracle."""
-    return load_model(container)
 
 
 @pytest.fixture(scope="module")

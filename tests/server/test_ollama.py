@@ -14,17 +14,14 @@ import jsonschema
 import ollama
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
 from app.server.http import HttpLimits
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
-from engine.loader import load_model
 from support.live import metrics, open_request, raw_answer, serve, wait_until
 from support.live_server import LiveServer
 from support.server import paced
-from support.tiny_chat import tiny_moe
 
 KEY = "ollama-key-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -32,20 +29,6 @@ CTX = 256
 MESSAGES = [{"role": "user", "content": "hello there"}]
 # Ollama's defaults, which a request that sets only the temperature keeps
 OLLAMA = SamplingParams(top_k=40, top_p=0.9, repetition_penalty=1.1, penalty_last_n=64)
-
-
-@pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
-
-
-@pytest.fixture(scope="module")
-def model(container):
-    """The same model loaded directly, for the answers the server must give."""
-    loaded = load_model(container)
-    yield loaded
-    loaded.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,12 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
 from app.service.local import EngineService, LoadOptions
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
-from engine.loader import load_model
 from support.server import paced
-from support.tiny_chat import tiny_moe
 
 KEY = "test-key-0123456789"
 CTX = 256
@@ -49,18 +46,6 @@ class Live:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
-
-
-@pytest.fixture(scope="module")
-def model(container):
-    """The same model loaded directly, for the answers the server must give."""
-    return load_model(container)
 
 
 def _serve(container, max_batch, max_queue, **app_kw) -> Live:

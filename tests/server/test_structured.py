@@ -13,11 +13,10 @@ import jsonschema
 import openai
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
 from app.server.app import create_app
 from app.service.local import EngineService, LoadOptions
 from support.live_server import LiveServer
-from support.tiny_chat import CHARS, tiny_moe
+from support.tiny_chat import CHARS
 
 CTX = 512
 MESSAGES = [{"role": "user", "content": "describe a person"}]
@@ -32,12 +31,6 @@ POINT = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type":
 
 def _schema(schema: dict, name: str = "person") -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def container(tmp_path_factory):
-    src = tiny_moe(tmp_path_factory.mktemp("moe"))
-    return convert(src, tmp_path_factory.mktemp("c") / "tiny", ConvertSettings(bits=4), log=lambda m: None)
 
 
 @pytest.fixture(scope="module")
