@@ -70,10 +70,10 @@ VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_siz
               num_attention_heads=2, image_size=28, patch_size=14)
 TEXT = {k: v for k, v in BASE.items() if k != "initializer_range"}
 VL_CASES = {
-    "tied-pattern": dict(text_config=dict(TEXT, GEMMA, sliding_window=6, sliding_window_pattern=2)),
+    "tied-pattern": dict(text_config=dict(TEXT, **GEMMA, sliding_window=6, sliding_window_pattern=2)),
     # an untied head, GELU with erf, and a final cap in the text config, which this reference does not apply
     "untied-erf-gelu-cap-ignored": dict(tie_word_embeddings=False, text_config=dict(
-        TEXT, GEMMA, sliding_window=4, hidden_activation="gelu", final_logit_softcapping=2.0,
+        TEXT, **GEMMA, sliding_window=4, hidden_activation="gelu", final_logit_softcapping=2.0,
         rope_scaling=LINEAR)),
 }
 
