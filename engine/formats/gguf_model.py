@@ -2,7 +2,7 @@
 
 Architectures as llama.cpp names them: llama (with or without experts; Mistral too), qwen2, qwen3, qwen2moe,
 qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, and those of
-engine/formats/gguf_families.py (granitemoe). What
+engine/formats/gguf_families.py (granitemoe, minimax-m2). What
 llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
 DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
 
@@ -132,6 +132,7 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "attn_sinks.weight": "self_attn.sinks",
         "ffn_gate_inp.bias": "mlp.gate.bias",
     },
+    **gguf_families.LAYER_NAMES,
 }
 _EXPERT_STACKS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
 # gpt-oss's experts carry biases, stacked [E, out] as their weights are

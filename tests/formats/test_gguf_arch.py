@@ -261,6 +261,16 @@ def test_granitemoe_multipliers_permuted_qk_split_experts(tmp_path):
     assert (loaded.spec.embedding_multiplier, loaded.spec.logits_scaling) == (3.0, 2.5)
 
 
+def test_minimax_m2_qk_norms_partial_rotary_routing_bias(tmp_path):
+    """MiniMax-M2: whole-projection q/k norms, half the head rotated, sigmoid routing with its correction bias,
+    w1/w3/w2 expert stacks."""
+    path, ref, _ = _convert(tmp_path, "minimax_m2", F16, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                            rotary_dim=8)
+    assert {"blk.0.attn_q_norm.weight", "blk.0.exp_probs_b.bias", "blk.0.ffn_down_exps.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "MiniMaxM2ForCausalLM")
+    assert loaded.spec.layers[0].attn.rope.dim == 8 and loaded.spec.layers[0].ffn.correction_bias
+
+
 def test_granitemoe_shared_experts_are_refused(tmp_path):
     """GraniteMoeShared files use the same GGUF name with shared-expert tensors: refused, not run without them."""
     path = tmp_path / "shared.gguf"

@@ -161,17 +161,18 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
     return back
 
 
-# --- llama.cpp's converter for olmoe, deepseek2, glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, granitemoe --------
+# --- llama.cpp's converter for olmoe, deepseek2, glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, granitemoe,
+# minimax-m2 ---------------------------------------------------------------------------------------------------
 # (convert_hf_to_gguf.py's TextModel.set_gguf_parameters plus each model class, as of llama-cpp-python 0.3.36)
 
 CONVERTED = {"olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
              "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS, "olmo2": gguf.MODEL_ARCH.OLMO2,
              "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
-             "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE}
+             "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2}
 HF_TO_GGUF = {"OlmoeForCausalLM": "olmoe", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
               "Glm4MoeForCausalLM": "glm4moe", "GptOssForCausalLM": "gpt-oss", "Olmo2ForCausalLM": "olmo2",
               "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-              "GraniteMoeForCausalLM": "granitemoe"}
+              "GraniteMoeForCausalLM": "granitemoe", "MiniMaxM2ForCausalLM": "minimax-m2"}
 F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
 
 
@@ -295,6 +296,9 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> No
         types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                                            for i in range(cfg["num_hidden_layers"])]
         w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    elif w.arch == "minimax-m2":
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_dimension_count(cfg["rotary_dim"])
     elif w.arch == "granitemoe":      # GraniteModel: the multipliers as *_scale keys
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -359,7 +363,7 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
                            outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True,
                            expert_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
     """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss /
-    olmo2 / phi3 / gemma2 / gemma3 / granitemoe model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
+    olmo2 / phi3 / gemma2 / gemma3 / granitemoe / minimax-m2 model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
     them (after F16 rounding; Gemma's norms as the checkpoint's w, which the reader must restore).
 
     Names come from gguf's own tensor map (the converter's map_tensor_name); per-expert matrices are stacked
@@ -392,7 +396,7 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
             w.add_tensor(name_map.get_name(name, try_suffixes=(".weight",)), stored.astype(np.float32))
             back[name] = value.astype(np.float32)         # the model undoes the shift: the reference keeps w
             continue
-        e = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        e = re.fullmatch(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight", name)
         if e:   # per-expert matrices: stacked once a layer's are all seen (the converter's _experts)
             stacks.setdefault(f"{e.group(1)}.{e.group(3)}.weight", {})[int(e.group(2))] = name
             continue
