@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.commands._common import (
     add_model_argument,
@@ -27,6 +28,9 @@ from app.commands._common import (
 from app.commands._memory import add_memory_arguments, load_options
 from app.service.loading import KVOptions, kv_pool
 from engine.errors import ColibriError
+
+if TYPE_CHECKING:
+    from engine.generation.scheduler import DraftTotals
 
 HELP = "commands: /reset forgets the conversation, /exit leaves; Ctrl-C stops an answer"
 
@@ -65,7 +69,7 @@ class ChatSession:
         self.pool = pool if pool is not None else KVPool(loaded.spec, blocks_for(ctx) + 1)
         self.overflow = overflow
         self.speculative = speculative      # engine SpeculativeSettings: each answer drafts (None: plainly)
-        self.drafting = None                # the drafting counters of every answer so far (DraftTotals)
+        self.drafting: DraftTotals | None = None    # the drafting counters of every answer so far
         self.cache = KVCache(loaded.spec, ctx, pool=self.pool, overflow=overflow)   # the conversation so far
         self.reused = 0                     # prompt tokens of the last turn taken from the cache
         self.messages: list[dict] = []

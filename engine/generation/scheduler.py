@@ -214,8 +214,10 @@ class Scheduler:
             chunk = None
         if not items and chunk is None:
             return touched
-        watch = [] if any(isinstance(s.drafter, HiddenStateDrafter) and s.speculation is not None and s.speculation.on
-                          for s, _ in items) else None
+        # an MTP drafter reads every verified position's hidden states while its drafting is on
+        mtp = any(isinstance(s.drafter, HiddenStateDrafter) and s.speculation is not None and s.speculation.on
+                  for s, _ in items)
+        watch: list[np.ndarray] | None = [] if mtp else None
         results = self._forward(items, bool(drafts), watch) if items else []
         seconds = time.perf_counter() - t0      # what the controllers time: the decode rows' step
         if chunk is not None:   # apart from the speculative rows: its logits are not all computed, nor timed with them
@@ -310,7 +312,7 @@ class Scheduler:
                 return [str(exc)]
         if hidden is not None:
             hidden.clear()      # the rows below run one item at a time: no batch-wide hidden states
-        out = []
+        out: list[np.ndarray | str] = []
         for seq, ids in items:                # find the one that failed; the rest go on
             base = seq.cache.length
             try:
