@@ -1,6 +1,7 @@
 """Speculative decoding inside the scheduler: each sequence drafts on its own and gives exactly the tokens, text and
-cache that plain decoding gives, alone or batched with others, greedy or seeded, under a grammar, with a drafter
-that is always right and one that is always wrong."""
+cache that plain decoding in the scheduler gives (tests/generation/test_scheduler.py holds that against
+stream_generate), alone or batched with others, greedy or seeded, under a grammar, with a drafter that is always
+right and one that is always wrong."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from app.hub.convert import ConvertSettings, convert
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
-from engine.generation.generate import GenerationRequest, stream_generate
+from engine.generation.generate import GenerationRequest
 from engine.generation.grammar import json_schema_grammar
 from engine.generation.sampling import SamplingParams
 from engine.generation.scheduler import Scheduler
@@ -43,9 +44,13 @@ def target(tmp_path_factory):
 
 
 def _plain(loaded, request: GenerationRequest, tokenizer=None, stop_ids=frozenset()) -> tuple[list, KVCache]:
-    cache = KVCache(loaded.spec, CTX)
-    plain = GenerationRequest(**{**request.__dict__, "speculative": None})
-    return list(stream_generate(loaded.model, tokenizer, plain, stop_ids=stop_ids, cache=cache)), cache
+    """The events of the request decoded plainly, alone in a scheduler, and the cache it leaves."""
+    sched = Scheduler(loaded.model, KVPool(loaded.spec, 40, block_size=8), max_len=CTX, tokenizer=tokenizer,
+                      stop_ids=stop_ids)
+    cache = KVCache(loaded.spec, CTX, pool=sched.pool)
+    seq = sched.submit(GenerationRequest(**{**request.__dict__, "speculative": None}), cache=cache, keep=True)
+    sched.run()
+    return list(seq.drain()), cache
 
 
 def _scheduler(loaded, **kw) -> Scheduler:
