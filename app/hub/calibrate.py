@@ -3,8 +3,8 @@
 The default needs no data set: the model answers the probe prompts in `assets/probes/` (one topic
 after another, so every topic is represented), and prompt + answer are the calibration tokens.
 The answers are greedy (with a light repetition penalty) and decoded many prompts at a time: one
-pass of the weights serves every answer of a wave, as `forward_batch` computes each row as it
-would be alone.
+pass of the weights serves every prompt, then every answer of a wave at each step, as
+`forward_batch` computes each row as it would be alone.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from app.atlas.probes import ProbeTopic, load_probes
 from engine.errors import ColibriError
-from engine.generation.prefill import prefill
+from engine.generation.prefill import PREFILL_CHUNK, prefill
 from engine.generation.sampling import greedy, repetition_penalty
 from engine.kv import KVCache
 
@@ -22,6 +24,7 @@ SEQUENCE_TOKENS = 512       # a calibration file is cut into sequences this long
 ANSWER_TOKENS = 48          # tokens the model writes per probe prompt
 REPETITION_PENALTY = 1.1    # keeps greedy answers from looping on one phrase
 WAVE = 64                   # answers decoded together at most (their KV caches are small)
+PREFILL_ROWS = 2048         # prompt tokens prefilled in one pass at most (bounds its activations)
 
 
 def interleaved(topics: list[ProbeTopic]) -> list[tuple[str, str]]:
@@ -75,10 +78,24 @@ def answer_greedily(model, prompts: list[Sequence[int]], stop_ids, max_tokens: i
     """Each prompt's greedy answer (up to max_tokens, without its stop token), all decoded together.
 
     The tokens are those of one `stream_generate` per prompt with SamplingParams(repetition_penalty=penalty):
-    each prompt is prefilled alone, then one batched forward pass per step runs every unfinished answer.
+    the prompts (those up to a prefill chunk long) take one forward pass together, then one pass per step runs
+    every unfinished answer.
     """
     caches = [KVCache(model.spec, len(p) + max_tokens + 1) for p in prompts]
-    rows = {i: prefill(model, list(p), caches[i]) for i, p in enumerate(prompts)}       # i -> [V]
+    rows: dict[int, np.ndarray] = {}                                                     # i -> [V]
+    together: list[int] = []       # short prompts, prefilled together up to PREFILL_ROWS rows per pass
+    for i, p in enumerate(prompts + [[0] * (PREFILL_ROWS + 1)]):       # a sentinel flushes the last group
+        if together and (len(p) > PREFILL_CHUNK or sum(len(prompts[j]) for j in together) + len(p) > PREFILL_ROWS):
+            out = model.forward_batch([(list(prompts[j]), caches[j]) for j in together])   # [1, V] each
+            rows |= {j: o[-1] for j, o in zip(together, out)}
+            together = []
+        if i == len(prompts):
+            break
+        if len(p) <= PREFILL_CHUNK:
+            together.append(i)
+        else:
+            rows[i] = prefill(model, list(p), caches[i])
+    rows = dict(sorted(rows.items()))
     seen = [list(p) for p in prompts]
     answers: list[list[int]] = [[] for _ in prompts]
     while rows:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from app.hub import calibrate
 from app.hub.calibrate import REPETITION_PENALTY, answer_greedily
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.generation.sampling import SamplingParams
@@ -22,7 +24,10 @@ def _solo(model, prompt, stop_ids) -> list[int]:
     return list(list(stream_generate(model, None, request, stop_ids=stop_ids, cache=cache))[-1].tokens)
 
 
-def test_answers_decoded_together_equal_one_by_one(tmp_path):
+@pytest.mark.parametrize("chunk,rows", [(256, 2048), (20, 24)])   # one prefill pass; several, and one prompt alone
+def test_answers_decoded_together_equal_one_by_one(tmp_path, monkeypatch, chunk, rows):
+    monkeypatch.setattr(calibrate, "PREFILL_CHUNK", chunk)
+    monkeypatch.setattr(calibrate, "PREFILL_ROWS", rows)
     ckpt = open_checkpoint(build_checkpoint(tmp_path, "llama", vocab_size=96, num_hidden_layers=2))
     model = Transformer(ckpt.spec, ckpt.source)
     rng = np.random.default_rng(3)
