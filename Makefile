@@ -32,13 +32,12 @@ help: ## list the targets
 	@echo "Colibri: make TARGET"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  \1\t/' | expand -t 16
 
-run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-135M upcycled to an MoE), compile its kernels, open the app
-	$(VENV)/bin/colibri pull smollm2-moe
-	$(VENV)/bin/colibri warm smollm2-moe
+run: system-deps $(RUNTIME_STAMP) ## set up and open the app on the default model (SmolLM2-135M upcycled to an MoE); the window prepares it with progress the first time
 	@if $(VENV)/bin/colibri gui --check-display; then \
 		$(VENV)/bin/colibri gui smollm2-moe; \
 	else \
-		echo "make run: so the terminal chat opens instead (Ctrl-D leaves)" >&2; \
+		echo "make run: so the terminal chat opens instead, once the model is prepared (Ctrl-D leaves)" >&2; \
+		$(VENV)/bin/colibri pull smollm2-moe && $(VENV)/bin/colibri warm smollm2-moe && \
 		$(VENV)/bin/colibri chat smollm2-moe; \
 	fi
 

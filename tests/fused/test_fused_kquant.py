@@ -79,7 +79,7 @@ def test_k_quant_fused_steps_equal_the_blocks(tmp_path, threads, name):
         got, tokens = _greedy(model, fused=True, pool=KVPool(model.spec, 32, block_size=4))
         plan = model.context.fused
         assert isinstance(plan, FusedDecode)                      # the fused step ran them, in their own types
-        assert (plan.descs[:, 0] == KQUANT_FLAG).sum() == len(native)
+        assert (plan.descs[:, 0] == KQUANT_FLAG).sum() == len(native) and plan.kquant is True
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
         assert tokens == want_tokens, n
     loaded.close()
