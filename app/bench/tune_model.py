@@ -25,8 +25,6 @@ STREAMING_AXES = (("prefetch_depth", (0, 1, 2, 3)), ("io_threads", (1, 2, 4, 8))
 EXPERT_AXES = (("cache_policy", ("lru", "lfru", "learned")),)
 COMMON_AXES = (("kv_block_size", (16, 32, 64)), ("speculative", (False, True)))
 DRAFTS = (2, 4, 8)
-LOAD_KEYS = ("max_memory", "io", "io_threads", "prefetch_depth", "cache_policy", "resident_layers", "kv_bits",
-             "kv_block_size", "overflow", "ctx")
 
 
 def axes_for(streaming: bool, experts: bool, most_threads: int) -> list[Axis]:
@@ -76,7 +74,6 @@ class ModelBench:
     def __init__(self, path: Path, gen: int = GEN) -> None:
         self.path, self.gen = Path(path), gen
         self._loaded: Any = None
-        self._key: tuple | None = None
         self.prompt: list[int] | None = None
 
     @property
@@ -87,21 +84,21 @@ class ModelBench:
         """Close the model held (a resident run keeps it between runs)."""
         if self._loaded is not None:
             self._loaded.close()
-            self._loaded, self._key = None, None
+            self._loaded = None
 
     def _load(self, settings: Settings):
         from app.bench.offload import drop_caches
         from app.commands._common import load
 
         options = load_options(settings)
-        key = tuple(settings.get(k) for k in LOAD_KEYS)
-        streamed = options.max_memory is not None
-        if self._loaded is not None and key == self._key and not streamed:
+        if options.max_memory is None:          # held whole: no load option applies, one load serves every run
+            if self._loaded is None:
+                self._loaded = load(str(self.path), quiet=True)
             return self._loaded
         self.close()
-        if streamed and self.path.is_dir():
+        if self.path.is_dir():
             drop_caches(self.path)              # the same cold start for every streamed run
-        self._loaded, self._key = load(str(self.path), quiet=True, options=options), key
+        self._loaded = load(str(self.path), quiet=True, options=options)
         return self._loaded
 
     def __call__(self, settings: Settings) -> Trial:

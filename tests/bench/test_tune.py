@@ -90,7 +90,7 @@ def test_a_changed_reference_output_stops_the_tune() -> None:
     class Flaky(Scripted):
         def __call__(self, s) -> Trial:
             t = super().__call__(s)
-            return Trial((7,) if self.calls == 3 else t.tokens, t.seconds)     # the baseline's second run
+            return Trial((7,) if self.calls == 4 else t.tokens, t.seconds)     # the baseline's third run
 
     m = Flaky(fast={})
     with pytest.raises(ColibriError, match="not deterministic"):
@@ -99,12 +99,12 @@ def test_a_changed_reference_output_stops_the_tune() -> None:
 
 def test_the_budget_skips_what_would_pass_it_and_keeps_room_for_the_final_check() -> None:
     m = Scripted(fast={"threads": 1, "draft": 8})
-    # warm-up 1 s; a comparison is 2 x 2 runs, at most 4 s: the first fits with room for the final check (9 s),
-    # after it (4 s spent) the next would not
+    # warm-up and cost runs 2 s; a comparison is 2 x 2 runs, at most 4 s: the first fits with room for the final
+    # check (10 s), after it (5 s spent) the next would not
     result = tune(m, {"threads": 2, "draft": 4}, [Axis("threads", (1,)), Axis("draft", (8, 2))], repeats=2,
-                  budget_seconds=10.0, clock=m.clock)
+                  budget_seconds=11.0, clock=m.clock)
     assert [o.status for o in result.outcomes] == ["accepted", "skipped", "skipped"]
-    assert result.chosen == {"threads": 1, "draft": 4} and result.seconds <= 10.0
+    assert result.chosen == {"threads": 1, "draft": 4} and result.seconds <= 11.0
 
 
 def test_an_axis_applies_only_where_its_condition_holds() -> None:
