@@ -4,8 +4,9 @@ A `Measure` runs one fixed workload (a prompt and greedy decode steps) under a d
 generated token ids and the seconds it took. The search:
 
 1. Runs the starting settings once to warm up (kernels compile, files come into the page cache); its token ids
-   are the reference, and a second run tells what a run costs. Every later run, of a candidate or of the baseline, must give exactly these ids: a candidate
-   that does not is rejected and reported as an engine bug (a speed setting must never change the answer).
+   are the reference, and a second run tells what a run costs. Every later run, of a candidate or of the
+   baseline, must give exactly these ids: a candidate that does not is rejected and reported as an engine bug
+   (a speed setting must never change the answer).
 2. Tries one setting at a time (coordinate descent): each value of an axis against the current settings, in
    REPEATS rounds that alternate the order (base, cand; cand, base; ...) so that a drift of the machine's load
    hits both alike.
