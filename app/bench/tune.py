@@ -91,6 +91,7 @@ class TuneResult:
     final: Verdict | None           # chosen against start (None when nothing was accepted)
     seconds: float                  # the whole search
     fixed: tuple[str, ...] = field(default=())
+    run_seconds: float = 0.0        # the slowest run after the warm-up, load included
 
     @property
     def changed(self) -> dict[str, Any]:
@@ -236,7 +237,7 @@ def tune(measure: Measure, start: Settings, axes: Sequence[Axis], *, repeats: in
         if not final.accepted:
             current = dict(start)
     return TuneResult(dict(start), current, runner.reference or (), tuple(outcomes), final, clock() - t0,
-                      tuple(fixed))
+                      tuple(fixed), runner.worst)
 
 
 def _describe(settings: Settings, start: Settings) -> str:

@@ -150,8 +150,12 @@ def _report(args, result, values, target, written: bool, fp, prompt_tokens: int)
     elif result.final is not None:
         print(f"nothing kept: the chosen settings did not beat the starting ones in the final check "
               f"({result.final.reason})")
-    else:
+    elif any(o.status in ("accepted", "not faster") for o in result.outcomes):
         print("nothing beat the current settings beyond the noise")
+    else:
+        print(f"no comparison fitted in --budget-seconds {args.budget_seconds:g} (a run takes up to "
+              f"{result.run_seconds:.1f} s, a comparison {2 * args.repeats} runs, and one is kept for the final "
+              "check): give more time")
     if written:
         print(f"wrote [tuned] {', '.join(f'{k} = {v}' for k, v in values.items())} to {target}")
     elif args.dry_run and values:
