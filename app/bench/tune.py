@@ -117,6 +117,9 @@ def judge(base: Sequence[float], cand: Sequence[float], k: float = K_SPREAD, min
     mb, mc = statistics.median(base), statistics.median(cand)
     pooled = ((spread(base) ** 2 + spread(cand) ** 2) / 2) ** 0.5
     gain = (mb - mc) / mb if mb > 0 else 0.0
+    if mc - mb > k * pooled:
+        return Verdict(False, mb, mc, pooled, gain, f"slower by {-gain * 100:.1f}%, beyond {k:g} spreads "
+                       f"({(mc - mb) * 1e3:.1f} ms against {k * pooled * 1e3:.1f} ms)")
     if mb - mc <= k * pooled:
         return Verdict(False, mb, mc, pooled, gain, f"gain {gain * 100:+.1f}% within {k:g} spreads "
                        f"({(mb - mc) * 1e3:.1f} ms against {k * pooled * 1e3:.1f} ms)")

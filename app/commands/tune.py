@@ -138,7 +138,7 @@ def _report(args, result, values, target, written: bool, fp, prompt_tokens: int)
     for o in result.outcomes:
         v = o.verdict
         figures = f"{v.base_median:.3f} s -> {v.cand_median:.3f} s, {v.reason}" if v else o.detail
-        print(f"  {o.key} = {o.value!s:8} {o.status:14} {figures}")
+        print(f"  {f'{o.key} = {o.value}':24} {o.status:14} {figures}")
     for o in result.rejected:
         print(f"ENGINE BUG: {o.key} = {o.value} changed the greedy output ({o.detail}); it was rejected. Please "
               "report it: a speed setting must never change the answer.")

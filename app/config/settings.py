@@ -445,8 +445,9 @@ def tuned_layer(path: Path, model: Path, parser: argparse.ArgumentParser, layers
     current = tuned.fingerprint(model, parse_size(budget, "max_memory") if budget else None)
     changed = tuned.differences(table.fingerprint, current)
     if changed:
+        again = f"colibri tune {model}" + (f" --max-memory {budget}" if budget else "")
         return {}, (f"{path}: tuned settings ignored, measured for another {', '.join(changed)}; "
-                    f"run `colibri tune {model}` to measure them again")
+                    f"run `{again}` to measure them again")
     opts = options(parser)
     where = f"{path} [{TUNED}]"
     return {k: Setting(k, convert(opts[k], v, where, k), where, flag_name(opts[k]))

@@ -42,7 +42,8 @@ def test_a_tiny_gain_beyond_a_tight_spread_is_still_refused() -> None:
 
 
 def test_slower_is_refused_and_the_rule_needs_two_runs_a_side() -> None:
-    assert not judge([1.0, 1.0, 1.0], [1.5, 1.5, 1.5]).accepted
+    slower = judge([1.0, 1.1, 0.9], [1.5, 1.6, 1.4])
+    assert not slower.accepted and "slower by 50.0%" in slower.reason
     with pytest.raises(ColibriError, match="two timed runs"):
         judge([1.0], [0.5])
 
