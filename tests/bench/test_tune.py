@@ -134,23 +134,42 @@ def no_user_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     numba.set_num_threads(before)
 
 
-def test_a_real_setting_that_changes_the_answer_is_rejected(container: Path, no_user_settings) -> None:
+class Reversed:
+    """A test hook on the real bench: the candidate `inject = True` answers the question with its tokens reversed,
+    a real run of the model whose output differs, as an engine bug's would."""
+
+    def __init__(self, bench: ModelBench) -> None:
+        self.bench = bench
+
+    def __call__(self, s) -> Trial:
+        if not s.get("inject"):
+            return self.bench(s)
+        saved = self.bench.prompt
+        self.bench.prompt = list(reversed(saved or []))
+        try:
+            return self.bench(s)
+        finally:
+            self.bench.prompt = saved
+
+
+def test_a_real_run_whose_answer_differs_is_rejected(container: Path, no_user_settings) -> None:
     import argparse
 
     args = argparse.Namespace(max_memory="2MB", ctx=64, kv_bits=None, config=None, profile=None)
     start = start_settings({k: s.value for k, s in run_settings(args, container).settings.items()})
-    bench = ModelBench(container, gen=12)
+    start["inject"] = False
+    bench = ModelBench(container, gen=6)
+    measure = Reversed(bench)
     try:
-        assert bench(start).tokens != bench({**start, "kv_bits": 8}).tokens    # int8 KV rows: another answer
-        # kv_bits is never tuned; offered as if it were a speed setting, it must be refused
-        result = tune(bench, start, [Axis("kv_bits", (8,)), Axis("prefetch_depth", (0,))], repeats=2,
+        assert measure(start).tokens != measure({**start, "inject": True}).tokens     # the hook changes the answer
+        result = tune(measure, start, [Axis("inject", (True,)), Axis("prefetch_depth", (0,))], repeats=2,
                       budget_seconds=1e6)
     finally:
         bench.close()
     statuses = {o.key: o.status for o in result.outcomes}
-    assert statuses["kv_bits"] == "output differs"
+    assert statuses["inject"] == "output differs"
     assert statuses["prefetch_depth"] in ("accepted", "not faster")       # same answer: judged on speed only
-    assert result.chosen["kv_bits"] == 32
+    assert result.chosen["inject"] is False
 
 
 @pytest.mark.slow
