@@ -77,7 +77,7 @@ def test_tuned_values_apply_under_the_model_files_own_keys(tmp_path: Path) -> No
     assert run.settings["threads"].value == 1                        # the user's own key in the same file wins
     assert resolved(["run", str(gguf), "--prompt", "x", "--kv-block-size", "16"]).settings["kv_block_size"].value == 16
     chat = resolved(["chat", str(gguf)])
-    assert chat.settings["kv_block_size"].value == 64 and "draft" not in chat.settings   # keys chat lacks: skipped
+    assert chat.settings["kv_block_size"].value == 64 and chat.settings["draft"].value == 8
 
 
 def test_another_fingerprint_is_ignored_with_one_notice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
