@@ -147,8 +147,9 @@ def speculative_mode(text: str) -> bool | str:
 speculative_mode.description = "mtp, or true or false"    # type: ignore[attr-defined]  # settings' error text
 
 
-def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
-    """--speculative [mtp] and --draft K for the commands that answer through the scheduler (chat, serve, gui)."""
+def add_speculative_argument(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--speculative [mtp] and --draft K (chat, serve, gui through the scheduler; run adds --draft-model to the
+    group it returns)."""
     g = parser.add_argument_group("speculative decoding (the same output, faster when text repeats)")
     g.add_argument("--speculative", nargs="?", const=True, default=False, type=speculative_mode, metavar="mtp",
                    help="draft tokens from n-grams of the conversation and verify them in one pass, per answer; "
@@ -156,3 +157,4 @@ def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
                         "with the checkpoint's multi-token-prediction layer instead (DeepSeek-V3, GLM-4.5, GLM-5)")
     g.add_argument("--draft", type=int, default=None, metavar="K",
                    help="tokens drafted per step (default 4; 1 with mtp, whose later guesses feed on its own)")
+    return g

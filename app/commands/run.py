@@ -14,10 +14,10 @@ import numpy as np
 from app.commands._common import (
     add_model_argument,
     add_sampling_arguments,
+    add_speculative_argument,
     context_length,
     load,
     sampling_from_args,
-    speculative_mode,
 )
 from app.commands._memory import add_memory_arguments, load_options
 from app.service.loading import KVOptions, kv_cache
@@ -43,13 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     parser.add_argument("--logits-out", type=Path, metavar="FILE.npy", help="save the prompt's logits, float32 [prompt_len, vocab]")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.0)
-    g = parser.add_argument_group("speculative decoding (the same output, faster when text repeats)")
-    g.add_argument("--speculative", nargs="?", const=True, default=False, type=speculative_mode, metavar="mtp",
-                   help="draft tokens from n-grams of the context and verify them in one pass; switches itself "
-                        "off when it does not pay. `--speculative mtp` drafts with the checkpoint's "
-                        "multi-token-prediction layer instead (DeepSeek-V3, GLM-4.5, GLM-5)")
-    g.add_argument("--draft", type=int, default=None, metavar="K",
-                   help="tokens drafted per step (default 4; 1 with mtp, whose later guesses feed on its own)")
+    g = add_speculative_argument(parser)
     g.add_argument("--draft-model", metavar="MODEL",
                    help="also draft with a small model sharing the tokenizer (e.g. smollm2-135m for smollm2-moe)")
     add_memory_arguments(parser)

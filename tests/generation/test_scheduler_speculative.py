@@ -20,7 +20,7 @@ from engine.generation.scheduler import Scheduler
 from engine.generation.speculative import SpeculativeSettings
 from engine.kv import KVCache, KVPool
 from engine.loader import load_model
-from support.drafters import Oracle
+from support.drafters import Oracle, StepClock
 from support.reference import build_checkpoint
 from support.tiny_chat import tiny_moe
 
@@ -51,18 +51,6 @@ def _plain(loaded, request: GenerationRequest, tokenizer=None, stop_ids=frozense
     seq = sched.submit(GenerationRequest(**{**request.__dict__, "speculative": None}), cache=cache, keep=True)
     sched.run()
     return list(seq.drain()), cache
-
-
-class StepClock:
-    """A clock read twice per step that makes every step take half a second, however many rows it verifies
-    (so the controllers' verdicts do not depend on the machine's load)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 0.25
-        return self.now
 
 
 def _scheduler(loaded, **kw) -> Scheduler:

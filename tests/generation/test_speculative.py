@@ -24,7 +24,7 @@ from engine.generation.speculative import (
 )
 from engine.kv import KVCache
 from engine.loader import load_model
-from support.drafters import Oracle
+from support.drafters import Oracle, StepClock
 from support.reference import build_checkpoint
 
 REPEATING = [5, 17, 99, 3, 42, 7, 150, 64, 11, 23] * 3        # prompt lookup finds n-grams to copy
@@ -54,22 +54,10 @@ def small(tmp_path_factory):
     return load_model(src)
 
 
-class StepClock:
-    """A clock read twice per step that makes every step take half a second, however many rows it verifies
-    (so the controller's verdicts do not depend on the machine's load)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 0.5
-        return self.now
-
-
 def _generate(loaded, prompt, speculative=None, ctx=CTX, **kw):
     """(events, cache, controller) of one stream_generate run; the controller times steps with a StepClock."""
     cache = KVCache(loaded.spec, ctx)
-    controller = SpeculationController(speculative, clock=StepClock()) if speculative is not None else None
+    controller = SpeculationController(speculative, clock=StepClock(0.5)) if speculative is not None else None
     request = GenerationRequest(prompt=tuple(prompt), speculative=speculative, **kw)
     events = list(stream_generate(loaded.model, None, request, cache=cache, speculation=controller))
     return events, cache, controller

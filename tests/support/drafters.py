@@ -1,4 +1,5 @@
-"""Drafters whose guesses a test decides: right every time, or wrong every time."""
+"""Drafters whose guesses a test decides (right every time, or wrong every time), and a steady clock for the
+controllers that judge them."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ class Oracle:
         self.calls += 1
         draft = self.sequence[n : n + k]
         return [(t + 1) % self.vocab for t in draft] if self.wrong else draft
+
+
+class StepClock:
+    """A clock read twice per step that makes every step take 2 * `tick` seconds, however many rows it verifies
+    (so the controllers' verdicts do not depend on the machine's load)."""
+
+    def __init__(self, tick: float = 0.25):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
