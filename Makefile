@@ -9,11 +9,10 @@ VENV := .venv
 VENV_PY := $(VENV)/bin/python
 CACHE := $(CURDIR)/.cache
 PYTEST_ARGS ?=
-# pytest-xdist workers; a test module stays in one worker (its fixtures are made once), and so do the modules of
-# one xdist_group (those that compile the same heavy kernels: tests/conftest.py). Two fill this project's two-core
-# CI machine; TEST_JOBS=0 runs in one process.
+# pytest-xdist workers; a test module stays in one worker (its fixtures are made once). Two fill this
+# project's two-core CI machine; TEST_JOBS=0 runs in one process.
 TEST_JOBS ?= 2
-XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadgroup)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope)
 
 # Debian packages the tests need; installed by `system-deps` when missing (with sudo unless root).
 # The desktop app (Qt's xcb platform, OpenGL through Mesa) and the GUI tests' virtual display (Xvfb):

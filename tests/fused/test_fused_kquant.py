@@ -19,8 +19,6 @@ from engine.quant.kquant import KINDS
 from support.gguf_writer import write_gguf
 from support.reference import build_checkpoint
 
-pytestmark = pytest.mark.xdist_group("kquant")   # one worker compiles the K-quant kernels (tests/conftest.py)
-
 Q = gguf.GGMLQuantizationType
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9]
 STEPS = 10
