@@ -50,7 +50,10 @@ class DecodeContext:
         # on a slow one; the step times decide, as for the thread count
         self.ahead = FasterChoice()
         self.apart = FasterChoice()    # several sequences' single tokens: together, or a fused step each
-        self.batched: BatchedDecode | None = None               # their fused step together (None: declined)
+        # their fused step together (engine/fused/batch.py): off until its bits against the single step have been
+        # checked on this machine (tests/fused/test_fused_batch.py turns it on)
+        self.batch_fused = False
+        self.batched: BatchedDecode | None = None               # (None: declined or not built yet)
         self._batched_built = False
         self._guess_specs: dict[tuple[int, int], MoESpec] = {}   # (layer, experts guessed) -> the routing spec
 
@@ -151,7 +154,7 @@ class DecodeContext:
 
     def batched_step(self, caches: list[KVCache]) -> BatchedDecode | None:
         """The fused step of one token of each of these sequences together, when the model and caches allow it."""
-        if not self.fused_decode or self.fused_step(1, caches[0], None) is None:
+        if not (self.batch_fused and self.fused_decode) or self.fused_step(1, caches[0], None) is None:
             return None
         if not self._batched_built:
             assert isinstance(self.fused, FusedDecode)

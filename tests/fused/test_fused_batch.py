@@ -76,6 +76,7 @@ def threads():
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_a_batch_fused_together_equals_each_sequence_alone(tmp_path_factory, monkeypatch, threads, name, n):
     model = _model(tmp_path_factory, name)
+    model.context.batch_fused = True
     pool = KVPool(model.spec, 8 * 20, block_size=4)                  # several blocks per sequence
     prompts = PROMPTS[:n]
     for t in (1, 2):
@@ -92,6 +93,7 @@ def test_experts_decode_a_batch_in_one_pass_with_the_same_bits(tmp_path_factory,
     """A MoE model's batch is not the fused batch's: its tokens run one pass of the blocks for all (the union of
     the experts), or a fused step each, each with the bits of the sequence alone."""
     model = _model(tmp_path_factory, "mixtral")
+    model.context.batch_fused = True
     assert model.context.batched_step([KVCache(model.spec, 64)]) is None
     pool = KVPool(model.spec, 8 * 20, block_size=4)
     alone = _alone(model, pool, PROMPTS[:n])
