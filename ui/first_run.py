@@ -55,6 +55,13 @@ def prepared_default(models_dir: Path | None = None) -> Path | None:
         return None
 
 
+def prepared_at_start(name: str) -> bool:
+    """True when NAME, given at start, is one of the catalogue's small models (the demo, its source): the window
+    prepares it behind the first-run dialog's progress, pulling or making it if it is not here yet and compiling
+    its kernels if an update left Numba's cache cold (seconds when nothing is missing), then opens it."""
+    return name in pulls.DERIVED or name in pulls.ALIASES
+
+
 def _quiet(message: str) -> None:
     pass
 

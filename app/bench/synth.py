@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from app.bench.synth_config import BOS_ID, EOS_ID, INIT_STD, UNK_ID, Shape, common_config
+from app.bench.synth_families import FAMILY_SHAPES
 from engine.errors import ColibriError, DiskFullError, is_disk_full
 from engine.spec import ModelSpec, MoESpec
 
@@ -33,7 +35,6 @@ from engine.spec import ModelSpec, MoESpec
 TRANSFORMERS_FORMAT = "5.0.0"
 SHARD_BYTES = 2_000_000_000        # largest shard ("2GB" as transformers counts it)
 CHUNK = 1 << 22                    # elements generated per job: fixes the random stream per seed
-INIT_STD = 0.02                    # transformers' initializer_range
 
 # --dtype -> (safetensors dtype, bytes per element, config.json "dtype")
 DTYPES: dict[str, tuple[str, int, str]] = {
@@ -42,8 +43,6 @@ DTYPES: dict[str, tuple[str, int, str]] = {
     "f32": ("F32", 4, "float32"),
 }
 
-# SentencePiece's conventional special ids, which llama.cpp also assumes for "llama" vocabularies
-UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 # progress(bytes written, bytes in all, what is being written)
 Progress = Callable[[int, int, str], None]
@@ -52,28 +51,16 @@ Progress = Callable[[int, int, str], None]
 # ---- shapes ---------------------------------------------------------------------------------
 
 
-def _common(arch: str, model_type: str, *, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
-            vocab: int, rope_theta: float, max_pos: int, eps: float) -> dict[str, Any]:
-    return {
-        "architectures": [arch], "attention_dropout": 0.0, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
-        "hidden_act": "silu", "hidden_size": hidden, "initializer_range": INIT_STD, "intermediate_size": ffn,
-        "max_position_embeddings": max_pos, "model_type": model_type, "num_attention_heads": heads,
-        "num_hidden_layers": layers, "num_key_value_heads": kv_heads, "pad_token_id": None, "rms_norm_eps": eps,
-        "rope_parameters": {"rope_theta": float(rope_theta), "rope_type": "default"},
-        "tie_word_embeddings": False, "use_cache": True, "vocab_size": vocab,
-    }
-
-
 def llama_config(*, head_dim: int, **kw: Any) -> dict[str, Any]:
     """A LlamaForCausalLM config.json (without dtype and version)."""
-    return _common("LlamaForCausalLM", "llama", **kw) | {
+    return common_config("LlamaForCausalLM", "llama", **kw) | {
         "attention_bias": False, "head_dim": head_dim, "mlp_bias": False, "pretraining_tp": 1,
     }
 
 
 def mixtral_config(*, head_dim: int, experts: int, top_k: int, **kw: Any) -> dict[str, Any]:
     """A MixtralForCausalLM config.json (without dtype and version)."""
-    return _common("MixtralForCausalLM", "mixtral", **kw) | {
+    return common_config("MixtralForCausalLM", "mixtral", **kw) | {
         "head_dim": head_dim, "num_experts_per_tok": top_k, "num_local_experts": experts,
         "output_router_logits": False, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
         "sliding_window": None,
@@ -82,7 +69,7 @@ def mixtral_config(*, head_dim: int, experts: int, top_k: int, **kw: Any) -> dic
 
 def olmoe_config(*, experts: int, top_k: int, **kw: Any) -> dict[str, Any]:
     """An OlmoeForCausalLM config.json (without dtype and version)."""
-    return _common("OlmoeForCausalLM", "olmoe", **kw) | {
+    return common_config("OlmoeForCausalLM", "olmoe", **kw) | {
         "attention_bias": False, "clip_qkv": None, "norm_topk_prob": False, "num_experts": experts,
         "num_experts_per_tok": top_k, "output_router_logits": False, "router_aux_loss_coef": 0.01,
     }
@@ -90,7 +77,7 @@ def olmoe_config(*, experts: int, top_k: int, **kw: Any) -> dict[str, Any]:
 
 def qwen2_config(**kw: Any) -> dict[str, Any]:
     """A Qwen2ForCausalLM (Qwen2.5) config.json (without dtype and version): Llama's layout, q/k/v biases."""
-    return _common("Qwen2ForCausalLM", "qwen2", **kw) | {
+    return common_config("Qwen2ForCausalLM", "qwen2", **kw) | {
         "layer_types": ["full_attention"] * kw["layers"], "max_window_layers": kw["layers"], "sliding_window": None,
         "use_sliding_window": False,
     }
@@ -99,7 +86,7 @@ def qwen2_config(**kw: Any) -> dict[str, Any]:
 def qwen3_moe_config(*, head_dim: int, experts: int, top_k: int, moe_ffn: int, **kw: Any) -> dict[str, Any]:
     """A Qwen3MoeForCausalLM config.json (without dtype and version): q/k norms, softmax top-k routing; the
     expert count under transformers 5's name (`num_local_experts`; the release says `num_experts`)."""
-    return _common("Qwen3MoeForCausalLM", "qwen3_moe", **kw) | {
+    return common_config("Qwen3MoeForCausalLM", "qwen3_moe", **kw) | {
         "attention_bias": False, "decoder_sparse_step": 1, "head_dim": head_dim, "max_window_layers": kw["layers"],
         "mlp_only_layers": [], "moe_intermediate_size": moe_ffn, "norm_topk_prob": True, "num_local_experts": experts,
         "num_experts_per_tok": top_k, "output_router_logits": False, "router_aux_loss_coef": 0.001,
@@ -112,7 +99,7 @@ def glm4_moe_config(*, experts: int, top_k: int, moe_ffn: int, dense_layers: int
                     attention_bias: bool = False, **kw: Any) -> dict[str, Any]:
     """A Glm4MoeForCausalLM (GLM-4.5) config.json (without dtype and version): sigmoid routing with a
     score-correction bias, `dense_layers` dense layers first, partial RoPE."""
-    config = _common("Glm4MoeForCausalLM", "glm4_moe", **kw) | {
+    config = common_config("Glm4MoeForCausalLM", "glm4_moe", **kw) | {
         "attention_bias": attention_bias, "first_k_dense_replace": dense_layers, "moe_intermediate_size": moe_ffn,
         "n_group": 1, "n_routed_experts": experts, "n_shared_experts": shared_experts, "norm_topk_prob": True,
         "num_experts_per_tok": top_k, "num_nextn_predict_layers": 0, "output_router_logits": False,
@@ -130,7 +117,7 @@ def glm_moe_dsa_config(*, experts: int, top_k: int, moe_ffn: int, dense_layers: 
     """A GlmMoeDsaForCausalLM (GLM-5) config.json (without dtype and version): latent attention with a
     sparse-attention indexer per layer ("full", or "shared": reuses the previous full layer's pick)."""
     layers = kw["layers"]
-    config = _common("GlmMoeDsaForCausalLM", "glm_moe_dsa", kv_heads=kw["heads"], **kw) | {
+    config = common_config("GlmMoeDsaForCausalLM", "glm_moe_dsa", kv_heads=kw["heads"], **kw) | {
         "attention_bias": False, "first_k_dense_replace": dense_layers, "head_dim": rope_dim,
         "index_head_dim": index_dim, "index_n_heads": index_heads, "index_topk": index_topk,
         "indexer_types": indexer_types or ["full"] * layers, "kv_lora_rank": kv_lora,
@@ -147,7 +134,7 @@ def glm_moe_dsa_config(*, experts: int, top_k: int, moe_ffn: int, dense_layers: 
 def gpt_oss_config(*, head_dim: int, experts: int, top_k: int, sliding_window: int, **kw: Any) -> dict[str, Any]:
     """A GptOssForCausalLM config.json (without dtype and version): alternating sliding and full
     attention with sinks, biased experts with the clamped SwiGLU, YaRN RoPE."""
-    config = _common("GptOssForCausalLM", "gpt_oss", **kw) | {
+    config = common_config("GptOssForCausalLM", "gpt_oss", **kw) | {
         "attention_bias": True, "head_dim": head_dim,
         "layer_types": ["sliding_attention", "full_attention"] * (kw["layers"] // 2) + ["sliding_attention"] * (kw["layers"] % 2),
         "num_experts_per_tok": top_k, "num_local_experts": experts, "output_router_logits": False,
@@ -158,15 +145,6 @@ def gpt_oss_config(*, head_dim: int, experts: int, top_k: int, sliding_window: i
         "rope_theta": float(kw["rope_theta"]), "rope_type": "yarn", "truncate": False,
     }
     return config
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A named architecture shape: a config.json without dtype, and what it is for."""
-
-    name: str
-    summary: str
-    config: dict[str, Any]
 
 
 SHAPES: dict[str, Shape] = {s.name: s for s in (
@@ -209,6 +187,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
               hidden=6144, layers=78, heads=64, experts=256, top_k=8, moe_ffn=2048, ffn=12288, dense_layers=3,
               q_lora=2048, kv_lora=512, nope_dim=192, rope_dim=64, v_dim=256, index_heads=32, index_dim=128,
               index_topk=2048, vocab=154880, rope_theta=1e6, max_pos=202752, eps=1e-5)),
+    *FAMILY_SHAPES,
     Shape("mixtral-tiny", "a few-MB Mixtral for tests and quick runs", mixtral_config(
         hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8, top_k=2, ffn=128,
         vocab=1024, rope_theta=1e6, max_pos=512, eps=1e-5)),

@@ -127,3 +127,32 @@ def context_length(loaded, ctx: int | None) -> int:
     if ctx > limit:
         raise ColibriError(f"--ctx {ctx}: {loaded.name} knows positions up to {limit}; use --ctx {limit} or less")
     return ctx
+
+
+def speculative_mode(text: str) -> bool | str:
+    """--speculative's value: "mtp", or on/off words (a settings file's or variable's true/false)."""
+    word = text.strip().lower()
+    if word == "mtp":
+        return "mtp"
+    if word in ("true", "1", "yes", "on", "lookup"):
+        return True
+    if word in ("false", "0", "no", "off"):
+        return False
+    # a model named right after the bare flag is read as its value: say how to order them
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a speculation mode: give `--speculative` alone (prompt lookup) or `--speculative mtp`, "
+        "and name the model before the flag (`colibri run MODEL --speculative --prompt ...`)")
+
+
+speculative_mode.description = "mtp, or true or false"    # type: ignore[attr-defined]  # settings' error text
+
+
+def add_speculative_argument(parser: argparse.ArgumentParser) -> None:
+    """--speculative [mtp] and --draft K for the commands that answer through the scheduler (chat, serve, gui)."""
+    g = parser.add_argument_group("speculative decoding (the same output, faster when text repeats)")
+    g.add_argument("--speculative", nargs="?", const=True, default=False, type=speculative_mode, metavar="mtp",
+                   help="draft tokens from n-grams of the conversation and verify them in one pass, per answer; "
+                        "switches itself off when it does not pay (off by default). `--speculative mtp` drafts "
+                        "with the checkpoint's multi-token-prediction layer instead (DeepSeek-V3, GLM-4.5, GLM-5)")
+    g.add_argument("--draft", type=int, default=None, metavar="K",
+                   help="tokens drafted per step (default 4; 1 with mtp, whose later guesses feed on its own)")

@@ -80,4 +80,5 @@ def load_options(args: argparse.Namespace, max_batch: int | None = None, offload
         context_length=getattr(args, "ctx", None), prefetch_depth=args.prefetch_depth, io=args.io,
         io_threads=args.io_threads, cache_policy=args.cache_policy, resident_layers=args.resident_layers,
         history=not args.no_history, kv_bits=args.kv_bits, kv_block_size=args.kv_block_size, overflow=args.overflow,
+        speculative=getattr(args, "speculative", False) or False, draft=getattr(args, "draft", None),
         **({} if max_batch is None else {"max_batch": max_batch}))

@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="measure the KV cache instead: any of prefix,batch,blocks,int8,retention (comma-separated) "
                              "or all: TTFT with a cached 800-token system prompt, 1-8 chats batched, attention per "
                              "block size, int8 KV error, recall past the context with --overflow retain vs slide")
+    parser.add_argument("--speculative", action="store_true",
+                        help="measure speculative decoding instead: answers of a chat prompt that repeats itself and "
+                             "of an ordinary one, alone and 4 together, plain against drafting (--gen tokens, --runs)")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -80,6 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ColibriError("give MODEL (or --replay FILE)")
     if args.kv is not None:
         return _kv(args)
+    if args.speculative:
+        return _speculative(args)
     if args.max_memory is not None:
         return _stream(args)
     _check(args)
@@ -127,6 +132,27 @@ def _kv(args: argparse.Namespace) -> int:
         import dataclasses
 
         print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
+def _speculative(args: argparse.Namespace) -> int:
+    """The speculative decoding bench (app.bench.speculative)."""
+    from app.bench.decode import check_threads, thread_limits
+    from app.bench.speculative import run_speculative_bench
+
+    _check(args)
+    check_threads(args.threads)
+    loaded = load(args.model, quiet=args.json, options=load_options(args))
+    log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
+    try:
+        with thread_limits(args.threads):
+            cases = run_speculative_bench(loaded, gen=args.gen, runs=args.runs, log=log)
+    finally:
+        loaded.close()
+    if args.json:
+        print(json.dumps({name: {"plain_tok_s": c.plain, "drafting_tok_s": c.drafting, "ratio": round(c.ratio, 3),
+                                 "drafted": c.drafted, "accepted": c.accepted, "identical": c.identical}
+                          for name, c in cases.items()}))
     return 0
 
 

@@ -15,11 +15,22 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
+from app.commands._common import (
+    add_model_argument,
+    add_sampling_arguments,
+    add_speculative_argument,
+    context_length,
+    load,
+    sampling_from_args,
+)
 from app.commands._memory import add_memory_arguments, load_options
 from app.service.loading import KVOptions, kv_pool
 from engine.errors import ColibriError
+
+if TYPE_CHECKING:
+    from engine.generation.scheduler import DraftTotals
 
 HELP = "commands: /reset forgets the conversation, /exit leaves; Ctrl-C stops an answer"
 
@@ -39,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "saved after every turn (only what is new is appended); one chat at a time")
     add_sampling_arguments(parser, temperature=0.0, repetition_penalty=1.1)
     add_memory_arguments(parser)
+    add_speculative_argument(parser)
     parser.set_defaults(func=_run)
 
 
@@ -46,7 +58,7 @@ class ChatSession:
     """The conversation and one answer at a time; knows nothing of the terminal."""
 
     def __init__(self, loaded, sampling, max_tokens: int, ctx: int, system: str | None, stop: tuple[str, ...] = (),
-                 pool=None, overflow: str = "error"):
+                 pool=None, overflow: str = "error", speculative=None):
         if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
             raise ColibriError(f"{loaded.name} has no chat template; use `colibri run --prompt` instead")
         from engine.kv import KVCache, KVPool, blocks_for
@@ -56,6 +68,8 @@ class ChatSession:
         # full blocks of every turn stay indexed in the pool: the next turn computes only what is new
         self.pool = pool if pool is not None else KVPool(loaded.spec, blocks_for(ctx) + 1)
         self.overflow = overflow
+        self.speculative = speculative      # engine SpeculativeSettings: each answer drafts (None: plainly)
+        self.drafting: DraftTotals | None = None    # the drafting counters of every answer so far
         self.cache = KVCache(loaded.spec, ctx, pool=self.pool, overflow=overflow)   # the conversation so far
         self.reused = 0                     # prompt tokens of the last turn taken from the cache
         self.messages: list[dict] = []
@@ -102,10 +116,14 @@ class ChatSession:
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         fmt = tokenizer.reasoning_format
         request = GenerationRequest(prompt=tuple(ids), max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop,
-                                    reasoning=fmt.after(prompt) if fmt is not None else None)
+                                    reasoning=fmt.after(prompt) if fmt is not None else None,
+                                    speculative=self.speculative)
         sched = Scheduler(self.loaded.model, self.pool, max_len=self.ctx, tokenizer=self.loaded.tokenizer,
                           stop_ids=self.loaded.stop_ids)
+        if self.drafting is not None:
+            sched.drafting = self.drafting  # counted across the turns
         seq = sched.submit(request, cancel, self.cache, keep=True)
+        self.drafting = sched.drafting
         done = None
         try:
             while True:
@@ -193,8 +211,11 @@ def _chat(args: argparse.Namespace, loaded, sampling, kv: KVOptions) -> int:
     from engine.events import DoneEvent, ErrorEvent, TokenEvent
 
     ctx = context_length(loaded, args.ctx)
+    from app.service.loading import speculative_settings
+
     session = ChatSession(loaded, sampling, args.max_tokens, ctx, args.system, tuple(args.stop),
-                          pool=kv_pool(loaded.spec, kv, ctx), overflow=kv.overflow)
+                          pool=kv_pool(loaded.spec, kv, ctx), overflow=kv.overflow,
+                          speculative=speculative_settings(loaded, args.speculative, args.draft))
     sessions = session.session_file(args.session) if args.session is not None else None
     if sessions is not None and args.session.exists():
         turns = session.restore(sessions)

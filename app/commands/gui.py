@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.commands._common import add_model_argument
+from app.commands._common import add_model_argument, add_speculative_argument
 from app.commands._memory import add_memory_arguments, load_options
 from app.config.runtime import display_problem
 from engine.errors import ColibriError
@@ -40,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--api-key", metavar="KEY", default=None,
                         help="with --remote: the key the server was started with (`colibri serve --api-key KEY`)")
     add_memory_arguments(parser)
+    add_speculative_argument(parser)
     parser.set_defaults(func=_run)
 
 

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
-from app.commands._common import add_model_argument, add_sampling_arguments, context_length, load, sampling_from_args
+from app.commands._common import (
+    add_model_argument,
+    add_sampling_arguments,
+    context_length,
+    load,
+    sampling_from_args,
+    speculative_mode,
+)
 from app.commands._memory import add_memory_arguments, load_options
 from app.service.loading import KVOptions, kv_cache
 from engine.errors import ColibriError
@@ -47,24 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also draft with a small model sharing the tokenizer (e.g. smollm2-135m for smollm2-moe)")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
-
-
-def speculative_mode(text: str) -> bool | str:
-    """--speculative's value: "mtp", or on/off words (a settings file's or variable's true/false)."""
-    word = text.strip().lower()
-    if word == "mtp":
-        return "mtp"
-    if word in ("true", "1", "yes", "on", "lookup"):
-        return True
-    if word in ("false", "0", "no", "off"):
-        return False
-    # a model named right after the bare flag is read as its value: say how to order them
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a speculation mode: give `--speculative` alone (prompt lookup) or `--speculative mtp`, "
-        "and name the model before the flag (`colibri run MODEL --speculative --prompt ...`)")
-
-
-speculative_mode.description = "mtp, or true or false"    # type: ignore[attr-defined]  # settings' error text
 
 
 def parse_token_ids(text: str) -> list[int]:

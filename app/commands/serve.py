@@ -6,7 +6,7 @@ import argparse
 import ipaddress
 import sys
 
-from app.commands._common import add_model_argument
+from app.commands._common import add_model_argument, add_speculative_argument
 from app.commands._memory import add_memory_arguments, load_options
 from engine.errors import ColibriError
 
@@ -41,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
                         help="context per request in tokens (default 4096 or the model's, if less)")
     add_memory_arguments(parser)
+    add_speculative_argument(parser)
     parser.set_defaults(func=_run)
 
 

@@ -101,7 +101,8 @@ class Served:
 
     def submit(self, prompt: list[int], *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...],
                loop: asyncio.AbstractEventLoop, reasoning: ReasoningFormat | None = None,
-               logprobs: int | None = None, grammar: Grammar | None = None) -> Ticket:
+               logprobs: int | None = None, grammar: Grammar | None = None,
+               speculative: bool | None = None) -> Ticket:
         """Start a generation (its text split into reasoning and answer by `reasoning`, when given; its tokens'
         log-probabilities with `logprobs` alternatives each, when given; decoded to match `grammar`, when given);
         raises QueueFull when too many wait for room in the batch."""
@@ -119,7 +120,7 @@ class Served:
         try:
             ticket.request = self.service.generate(prompt, sampling=sampling, max_tokens=max_tokens, stop=stop,
                                                    listener=listen, reasoning=reasoning, logprobs=logprobs,
-                                                   grammar=grammar)
+                                                   grammar=grammar, speculative=speculative)
         except QueueFull:
             self.counters.rejected += 1
             raise

@@ -49,14 +49,15 @@ def budget(asked: int | None, n_prompt: int, ctx: int, param: str) -> Budget:
 
 def start(engine: Served, prompt: Sequence[int], request: Request, *, max_tokens: int, sampling: SamplingParams,
           stops: tuple[str, ...] = (), reasoning: ReasoningFormat | None = None, grammar: Grammar | None = None,
-          logprobs: int | None = None) -> Ticket:
+          logprobs: int | None = None, speculative: bool | None = None) -> Ticket:
     """Submit a generation (`logprobs`: that many alternatives' log-probabilities on each token event, None for
     none): 429 with Retry-After when the queue is full, 503 when the server is closing; the ticket is cancelled as
-    soon as the client disconnects, whether it still waits or runs."""
+    soon as the client disconnects, whether it still waits or runs. `speculative` turns drafting on or off for this
+    answer (None: as the server was started)."""
     try:
         ticket = engine.submit(list(prompt), max_tokens=max_tokens, sampling=sampling, stop=stops,
                                loop=asyncio.get_running_loop(), reasoning=reasoning, logprobs=logprobs,
-                               grammar=grammar)
+                               grammar=grammar, speculative=speculative)
     except QueueFull as exc:
         raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
                        headers={"Retry-After": str(RETRY_AFTER)}) from None

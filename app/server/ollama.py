@@ -70,6 +70,7 @@ class Options(BaseModel):
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     num_predict: StrictInt = Field(-1, ge=-2)           # -1 or -2: until the context is full
     stop: Union[StrictStr, list[StrictStr], None] = None
+    speculative: StrictBool | None = None               # Colibri's: draft or not (None: as the server was started)
 
     def sampling(self) -> SamplingParams:
         """These options as Colibri's sampling settings; 400 naming one out of range."""
@@ -304,7 +305,7 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
         limit = budget(options.limit(), len(prompt), engine.ctx, "messages" if chat else "prompt")
         grammar = await asyncio.to_thread(body.grammar)
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=options.sampling(),
-                       stops=options.stops(), reasoning=reasoning, grammar=grammar)
+                       stops=options.stops(), reasoning=reasoning, grammar=grammar, speculative=options.speculative)
         if body.stream:
             return StreamingResponse(_stream(ticket, body.model, prompt, chat, AnswerSplitter(tools)),
                                      media_type="application/x-ndjson")

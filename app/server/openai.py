@@ -117,6 +117,7 @@ class _Body(BaseModel):
     repetition_penalty: StrictFloat = Field(1.0, ge=1e-3, le=10.0)     # extensions (as in vLLM): the desktop app's,
     top_k: StrictInt = Field(0, ge=0)                                  # 0 = off
     min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)                    # 0 = off
+    speculative: StrictBool | None = None     # extension: draft or not (None: as the server was started)
     n: StrictInt = Field(1, ge=1, le=1)
     stream: StrictBool = False
     stream_options: "StreamOptions | None" = None
@@ -325,7 +326,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)
         ticket = start(engine, prompt, request, max_tokens=limit, sampling=sampling, stops=stops,
-                       reasoning=reasoning, grammar=grammar, logprobs=n_logprobs)
+                       reasoning=reasoning, grammar=grammar, logprobs=n_logprobs, speculative=body.speculative)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         if body.stream:

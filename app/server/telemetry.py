@@ -114,6 +114,10 @@ def prometheus(engine: Served) -> str:
         metric("tokens_per_second", "gauge", "Decode speed over the recent tokens.", round(snap.tok_per_s, 3))
         metric("expert_hit_rate", "gauge", "Share of routed experts found in memory.", round(snap.hit_rate, 4))
         metric("bytes_read_total", "counter", "Bytes of streamed weights read from disk.", snap.bytes_read)
+        if "draft_tokens" in snap.gauges:
+            metric("draft_tokens_total", "counter", "Draft tokens verified (speculative decoding).",
+                   int(snap.gauges["draft_tokens"]))
+            metric("draft_accepted_total", "counter", "Draft tokens accepted.", int(snap.gauges["draft_accepted"]))
     memory = rss()
     if memory is not None:
         metric("rss_bytes", "gauge", "Resident memory of the server process.", memory)

@@ -307,11 +307,13 @@ class EngineThread:
             prompt, reasoning = (req.prompt, req.reasoning) if req.prompt is not None else \
                 self._chat_prompt(model.loaded, req.messages)
             sched = model.batcher()
+            speculative = model.speculation(req.speculative)
         except ColibriError as exc:
             self._answer(req.id, ErrorEvent(_message(exc)))
             return
         request = GenerationRequest(prompt=prompt, max_tokens=req.max_tokens, sampling=req.sampling, stop=req.stop,
-                                    reasoning=reasoning, logprobs=req.logprobs, grammar=req.grammar)
+                                    reasoning=reasoning, logprobs=req.logprobs, grammar=req.grammar,
+                                    speculative=speculative)
         if not self._live:
             model.telemetry.begin()
         seq = sched.submit(request, cancel)
@@ -334,6 +336,10 @@ class EngineThread:
         if self._pending is not None:
             self._apply_pending()
         model.gauge_kv()
+        d = sched.drafting      # the drafting counters of the answers that have ended
+        if d.sequences:
+            tel.set_gauge("draft_tokens", d.drafted)
+            tel.set_gauge("draft_accepted", d.accepted)
         tel.set_gauge("queue_depth", self._waiting())
         tel.set_gauge("running", self._batch)
         model.gauge_rss()

@@ -26,6 +26,28 @@ if TYPE_CHECKING:
 DEFAULT_CONTEXT = 4096      # context length when the options name none (capped by the model's own limit)
 
 
+def speculative_settings(loaded, mode: bool | str, draft: int | None = None):
+    """The engine's SpeculativeSettings for `--speculative` (True: prompt lookup, "mtp": the checkpoint's MTP head,
+    opened here) and `--draft` K; None when mode is off. Raises ColibriError naming what is wrong."""
+    if not mode:
+        return None
+    from engine.generation.speculative import SpeculativeSettings
+
+    mtp = None
+    if mode == "mtp":
+        from engine.loader import load_mtp
+
+        mtp = load_mtp(loaded.path, loaded.spec)
+    # one MTP layer is trained for the next token but one: further guesses feed on its own state
+    k = draft if draft is not None else (1 if mtp is not None else 4)
+    settings = SpeculativeSettings(max_draft=k, mtp=mtp)
+    try:
+        settings.validate()
+    except ColibriError as exc:
+        raise ColibriError(f"--draft {k}: {exc}") from None
+    return settings
+
+
 @dataclass(frozen=True)
 class KVOptions:
     """How the KV cache stores positions: block size, bits per value, and what happens past the context."""

@@ -123,14 +123,15 @@ class EngineService(EngineThread):
                  sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = (),
                  listener: Callable[[ServiceEvent], None] | None = None,
                  reasoning: ReasoningFormat | None = None, logprobs: int | None = None,
-                 grammar: Grammar | None = None) -> int:
+                 grammar: Grammar | None = None, speculative: bool | None = None) -> int:
         """Generate from token ids or chat messages; the events come back as `Generation` with this id (to
         `listener` too, on the engine thread, from before this returns). Raises QueueFull when `max_queue`
         generations already wait for room in the batch. A chat's answer comes with its reasoning apart when the
         model's template has a reasoning format; for token ids, `reasoning` (`ReasoningFormat.after` the prompt's
         text) asks for that split. A message's `reasoning_content` goes back to the template. With `logprobs`, each
         TokenEvent carries its token's log-probability and that many alternatives. With `grammar`
-        (engine.generation.grammar), the answer is decoded to match it."""
+        (engine.generation.grammar), the answer is decoded to match it. `speculative` turns drafting on or off for
+        this generation (None: as the load's options say); the answer is the same either way."""
         if (prompt is None) == (messages is None):
             raise ValueError("generate: give either prompt token ids or chat messages")
         msgs = None if messages is None else tuple(chat_message(m) for m in messages)
@@ -143,7 +144,7 @@ class EngineService(EngineThread):
             self._generations += 1
         try:
             return self._put(lambda i: GenerateRequest(i, ids, msgs, sampling, int(max_tokens), tuple(stop), reasoning,
-                                                       logprobs, grammar), listener)
+                                                       logprobs, grammar, speculative), listener)
         except BaseException:
             with self._lock:
                 self._generations -= 1

@@ -38,6 +38,8 @@ class LoadOptions:
     kv_bits: int = 32                   # 32: exact keys and values; 16: fp16 rows, half the memory; 8: int8, a quarter
     kv_block_size: int | None = None    # tokens per KV block (None: engine.kv.BLOCK_SIZE)
     overflow: str = "error"             # past the context: "error", "slide" or "retain" (see engine.kv)
+    speculative: bool | str = False     # answers draft and verify: True by prompt lookup, "mtp" by the MTP head
+    draft: int | None = None            # tokens drafted per step (None: 4, or 1 with mtp)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class GenerateRequest:
     reasoning: ReasoningFormat | None = None    # split the answer of token ids so; messages find their own
     logprobs: int | None = None                 # each token's log-probability and this many alternatives
     grammar: Grammar | None = None              # the answer must match it (structured output)
+    speculative: bool | None = None             # draft (True) or not (False); None: as the load's options say
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,20 @@ class Engaged:
     pool: Any = None                    # engine.kv.KVPool for the context length in force (made on first use)
     scheduler: Any = None               # engine.generation.scheduler.Scheduler on that pool
     dense_bytes: int | None = None      # weights held in memory whatever the budget (None: not known)
+    drafting: Any = None                # engine SpeculativeSettings of the options (made on first use)
+
+    def speculation(self, asked: bool | None = None):
+        """The SpeculativeSettings a generation runs with: the load's `speculative` option, unless the request asks
+        (True: drafting on, by the load's mode or else prompt lookup; False: off). None decodes plainly."""
+        from app.service.loading import speculative_settings
+
+        o = self.options
+        on = o.speculative if asked is None else asked
+        if not on:
+            return None
+        if self.drafting is None:
+            self.drafting = speculative_settings(self.loaded, o.speculative or True, o.draft)
+        return self.drafting
 
     def batcher(self):
         """The scheduler that runs this model's generations together, on a KV pool of `max_batch` contexts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.errors import ModelFormatError
-from engine.kernels.rows import layer_norm_rows, rms_norm_rows
+from engine.kernels.rows import gelu_erf_rows, layer_norm_rows, rms_norm_rows
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -35,7 +35,12 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
 
 
-ACTIVATIONS = {"silu": silu, "swish": silu, "gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh}
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU with the exact error function (transformers' "gelu"), in float32."""
+    return gelu_erf_rows(x)
+
+
+ACTIVATIONS = {"silu": silu, "swish": silu, "gelu_pytorch_tanh": gelu_tanh, "gelu_new": gelu_tanh, "gelu": gelu}
 
 
 def activation(name: str):

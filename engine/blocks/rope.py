@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.errors import GenerationError
 from engine.kernels.rows import rope_rows
 from engine.spec import RopeSpec
 
@@ -29,6 +30,12 @@ class Rotary:
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin for the given positions: [T, dim/2] each."""
+        limit = self.spec.max_position
+        if limit is not None and int(positions.max()) >= limit:
+            raise GenerationError(
+                f"position {int(positions.max())} is past this model's {limit}: its LongRoPE switches to other "
+                f"factors for longer sequences, which Colibri does not implement; keep prompt and answer within "
+                f"{limit} tokens (--ctx {limit})")
         self._ensure(int(positions.max()) + 1)
         return self._cos[positions], self._sin[positions]
 

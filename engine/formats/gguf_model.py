@@ -1,7 +1,8 @@
 """GGUF files as models: metadata -> a config.json-style dict, tensors -> Hugging Face names.
 
 Architectures as llama.cpp names them: llama (with or without experts; Mistral too), qwen2, qwen3, qwen2moe,
-qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3. What
+qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, and those of
+engine/formats/gguf_families.py (granitemoe, minimax-m2). What
 llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
 DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
 
@@ -26,6 +27,7 @@ import gguf
 import numpy as np
 
 from engine.errors import ModelFormatError, UnsupportedArchitectureError
+from engine.formats import gguf_families
 from engine.formats.gguf_meta import gguf_metadata, open_gguf, release_tensor_pages
 from engine.formats.page_release import np_map, release_range
 from engine.kernels.layout import BLOCK
@@ -50,6 +52,7 @@ _ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", None),
     "gemma2": ("Gemma2ForCausalLM", None),
     "gemma3": ("Gemma3ForCausalLM", None),
+    **gguf_families.ARCHITECTURES,
 }
 
 _GLOBAL_NAMES = {
@@ -78,6 +81,8 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# llama.cpp's converter permutes Q and K of these for its interleaved RoPE (undone in GGUFModel.load)
+_PERMUTED_QK = ("llama", *gguf_families.PERMUTED_QK)
 # Gemma's RMSNorms scale by (1 + w); llama.cpp's converter stores w + 1 (see GGUFModel.load)
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 # llama.cpp's Phi-3 long-context RoPE: per-frequency factors as tensors
@@ -127,6 +132,7 @@ _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
         "attn_sinks.weight": "self_attn.sinks",
         "ffn_gate_inp.bias": "mlp.gate.bias",
     },
+    **gguf_families.LAYER_NAMES,
 }
 _EXPERT_STACKS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
 # gpt-oss's experts carry biases, stacked [E, out] as their weights are
@@ -366,7 +372,8 @@ def _gemma_config(cfg: dict[str, Any], get, tensors: frozenset[str], gemma3: boo
 _ARCH_CONFIG = {"olmoe": _olmoe_config, "deepseek2": _deepseek2_config, "glm4moe": _glm4moe_config,
                 "gpt-oss": _gpt_oss_config, "olmo2": _olmo2_config, "phi3": _phi3_config,
                 "gemma2": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=False),
-                "gemma3": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=True)}
+                "gemma3": lambda cfg, get, tensors: _gemma_config(cfg, get, tensors, gemma3=True),
+                **gguf_families.ARCH_CONFIG}
 
 
 def _extra_layers(arch: str, cfg: dict[str, Any], layer: int) -> bool:
@@ -466,7 +473,11 @@ class GGUFModel:
                 self.config["rope_parameters"][key] = [float(f) for f in factors]
         self._arch = self.meta["general.architecture"]
         moe_prefix = "block_sparse_moe" if self.config["architectures"][0] == "MixtralForCausalLM" else "mlp"
-        proj = ("w1", "w3", "w2") if moe_prefix == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
+        proj: tuple[str, ...] = ("w1", "w3", "w2") if moe_prefix == "block_sparse_moe" else \
+            ("gate_proj", "up_proj", "down_proj")
+        if self._arch in gguf_families.MOE_NAMES:
+            moe_prefix, *names = gguf_families.MOE_NAMES[self._arch]
+            proj = tuple(names)
         # HF name -> (GGUF tensor name, expert index or None)
         self._names: dict[str, tuple[str, int | None]] = {}
         # HF name -> the GGUF tensors it is rebuilt from (DeepSeek's kv_b_proj from k_b and v_b)
@@ -583,14 +594,14 @@ class GGUFModel:
             if expert is not None:
                 rows = self.shape(name)[0]
                 return _rows(q, slice(expert * rows, (expert + 1) * rows))
-            if self._arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            if self._arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
                 heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
                 q = _rows(q, unpermute_qk(np.arange(q.shape[0]), heads))
             return q
         data = self._dequantized(gname, keep=expert is not None)
         if expert is not None:
             return data[expert]
-        if self._arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if self._arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
             data = unpermute_qk(data, heads)
         if name.endswith("shared_expert_gate.weight"):

@@ -41,19 +41,21 @@ BO_QKV, BO_ATT, BO_O, BO_GU, BO_HB, BO_Y, BO_LAYER, N_BO = range(8)
 
 
 @njit(boundscheck=False)
-def _product(desc, r0, r1, x, rows, out, ldo, col0, scratch):
+def _product(desc, kquant, r0, r1, x, rows, out, ldo, col0, scratch):
     """Rows r0 .. r1 - 1 of the matrix `desc` describes times the B rows of x (flat [B, cols]) ->
-    out[b * ldo + col0 + r - r0]: each weight tile read once for all rows, by the kernels the single step runs."""
-    if desc[0] == KQUANT_FLAG:
-        kq_desc_rows(desc, r0, r1 - r0, x, rows, rows, 0, rows.shape[0], out, ldo, col0)
-    else:
-        bits, asym, group, _, cols, a, b, sc, mn = planes(desc)
-        quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, rows, rows, 0, rows.shape[0], out, ldo, col0,
+    out[b * ldo + col0 + r - r0]: each weight tile read once for all rows, by the kernels the single step runs
+    (kquant None: no matrix is a K-quant, and their kernels are not compiled)."""
+    if kquant is not None:
+        if desc[0] == KQUANT_FLAG:
+            kq_desc_rows(desc, r0, r1 - r0, x, rows, rows, 0, rows.shape[0], out, ldo, col0)
+            return
+    bits, asym, group, _, cols, a, b, sc, mn = planes(desc)
+    quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, rows, rows, 0, rows.shape[0], out, ldo, col0,
                    scratch)
 
 
 @njit(boundscheck=False)
-def _chunk(kind, c, l, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows,
+def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows,
            logits):
     """Chunk c of step `kind` of layer l for the batch (lb: the layer's slab; h, scr, tile: the thread's own)."""
     hidden, n_rows = g[fk.G_HIDDEN], rows.shape[0]
@@ -62,15 +64,15 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, 
     att = lay[l, fk.L_H] * dv                                    # and attention heads
     if kind == fk.S_QKV:
         i = lay[l, fk.L_QKV0] + c
-        _product(descs[items[i, 0]], items[i, 1], items[i, 2], h, rows, lb[bo[BO_QKV]:], qs, items[i, 3] + items[i, 1],
+        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], h, rows, lb[bo[BO_QKV]:], qs, items[i, 3] + items[i, 1],
                  tile)
     elif kind == fk.S_O:
         i = lay[l, fk.L_O0] + c
-        _product(descs[items[i, 0]], items[i, 1], items[i, 2], lb[bo[BO_ATT]:], rows, lb[bo[BO_O]:], hidden,
+        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], lb[bo[BO_ATT]:], rows, lb[bo[BO_O]:], hidden,
                  items[i, 3] + items[i, 1], tile)
     elif kind == fk.S_HEAD:
         i = g[fk.G_HEAD0] + c
-        _product(descs[items[i, 0]], items[i, 1], items[i, 2], h, rows, logits, logits.shape[0] // n_rows,
+        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], h, rows, logits, logits.shape[0] // n_rows,
                  items[i, 3] + items[i, 1], tile)
     elif kind == fk.S_KV or kind == fk.S_HEADS:     # kv or query head c % heads of row c // heads
         heads = lay[l, fk.L_HKV] if kind == fk.S_KV else lay[l, fk.L_H]
@@ -84,7 +86,7 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, 
         m0 = lay[l, fk.L_GATE]
         gu = lb[bo[BO_GU]:]
         for m in range(2):
-            _product(descs[m0 + m], r0, r1, h, rows, gu, 2 * inter_ff, m * inter_ff + r0, tile)
+            _product(descs[m0 + m], kquant, r0, r1, h, rows, gu, 2 * inter_ff, m * inter_ff + r0, tile)
         for b in range(n_rows):
             silu_rows(gu, U64(2 * b * inter_ff + r0), gu, U64((2 * b + 1) * inter_ff + r0), lb[bo[BO_HB]:],
                       U64(b * inter_ff + r0), r1 - r0)
@@ -92,17 +94,17 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, 
         per_rows = lay[l, fk.L_ROWS_DOWN]
         r0 = c * per_rows
         r1 = min(hidden, r0 + per_rows)
-        _product(descs[lay[l, fk.L_DOWN]], r0, r1, lb[bo[BO_HB]:], rows, lb[bo[BO_Y]:], hidden, r0, tile)
+        _product(descs[lay[l, fk.L_DOWN]], kquant, r0, r1, lb[bo[BO_HB]:], rows, lb[bo[BO_Y]:], hidden, r0, tile)
 
 
 @njit(boundscheck=False)
-def _step(kind, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb,
+def _step(kind, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb,
           h, scr, tile, rows, logits):
     """Run step `kind` of layer l (n chunks, flags done[first:first + n]) with the other threads, as the single
     step's `_step` does: own chunks first, then wait for the others', computing one whose owner is off the core."""
     for c in range(n * tid // threads, n * (tid + 1) // threads):
         if atomic_load(done, U64(first + c)) == 0:
-            _chunk(kind, c, l, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows,
+            _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows,
                    logits)
             atomic_store(done, U64(first + c), 1)
     for c in range(n - 1, -1, -1):
@@ -112,13 +114,13 @@ def _step(kind, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, f
                 spin_pause()
                 spins += 1
             else:  # the same chunk again, the same bits
-                _chunk(kind, c, l, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile,
+                _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile,
                        rows, logits)
                 atomic_store(done, U64(first + c), 1)
 
 
 @njit(boundscheck=False)
-def _worker(tid, threads, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
+def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
             scr_size, logits, sync, done):
     hidden, n_rows = g[fk.G_HIDDEN], pos.shape[0]
     po = tid * per
@@ -138,19 +140,19 @@ def _worker(tid, threads, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, po
         for b in range(n_rows):
             norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_IN_NORM]:], eps, hidden, h, U64(b * hidden))
         n = lay[l, fk.L_QKV1] - lay[l, fk.L_QKV0]
-        _step(fk.S_QKV, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
+        _step(fk.S_QKV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
               eps, lb, h, scr, tile, rows, logits)
         first += n
         n = n_rows * lay[l, fk.L_HKV]
-        _step(fk.S_KV, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
+        _step(fk.S_KV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
               eps, lb, h, scr, tile, rows, logits)
         first += n
         n = n_rows * lay[l, fk.L_H]
-        _step(fk.S_HEADS, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
+        _step(fk.S_HEADS, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
               cs, eps, lb, h, scr, tile, rows, logits)
         first += n
         n = lay[l, fk.L_O1] - lay[l, fk.L_O0]
-        _step(fk.S_O, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
+        _step(fk.S_O, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
               eps, lb, h, scr, tile, rows, logits)
         first += n
         o = lb[bo[BO_O]:]
@@ -159,11 +161,11 @@ def _worker(tid, threads, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, po
         for b in range(n_rows):
             norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_POST_NORM]:], eps, hidden, h, U64(b * hidden))
         n = (lay[l, fk.L_I] + lay[l, fk.L_ROWS_IN] - 1) // lay[l, fk.L_ROWS_IN]
-        _step(fk.S_GATE_UP, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
+        _step(fk.S_GATE_UP, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
               cs, eps, lb, h, scr, tile, rows, logits)
         first += n
         n = (hidden + lay[l, fk.L_ROWS_DOWN] - 1) // lay[l, fk.L_ROWS_DOWN]
-        _step(fk.S_DOWN, n, first, l, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
+        _step(fk.S_DOWN, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
               eps, lb, h, scr, tile, rows, logits)
         first += n
         y = lb[bo[BO_Y]:]
@@ -172,18 +174,18 @@ def _worker(tid, threads, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, po
     for b in range(n_rows):
         norm_row(x, U64(b * hidden), fpar[g[fk.G_NORM]:], eps, hidden, h, U64(b * hidden))
     n = g[fk.G_HEAD1] - g[fk.G_HEAD0]
-    _step(fk.S_HEAD, n, first, 0, tid, threads, done, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps,
+    _step(fk.S_HEAD, n, first, 0, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps,
           shared[:0], h, scr, tile, rows, logits)
     atomic_store(sync, U64(end), 1)
 
 
 @njit(parallel=True, nogil=True, cache=True, boundscheck=False)
-def decode_batch(threads, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
+def decode_batch(threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
                  scr_size, logits, sync, done):  # pragma: no cover - compiled
     """One token of each of B rows (embeddings x0 flat [B, hidden], row b at pos[b] of the cache blocks tables[b])
     through the layers -> logits flat [B, V] (see the module docstring)."""
     for tid in prange(threads):
-        _worker(tid, threads, descs, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
+        _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
                 scr_size, logits, sync, done)
 
 
@@ -258,7 +260,7 @@ class BatchedDecode:
                          + -(-plan.hidden // lay[i, fk.L_ROWS_DOWN]) for i in range(lay.shape[0])))
         done = np.zeros(chunks + plan.g[fk.G_HEAD1] - plan.g[fk.G_HEAD0], np.int64)
         kv = plan._kv_table(caches[0].pool)
-        decode_batch(threads, plan.descs, plan.items, lay, plan.lf, g, bo, plan.fpar, kv, tables,
+        decode_batch(threads, plan.descs, plan.kquant, plan.items, lay, plan.lf, g, bo, plan.fpar, kv, tables,
                      np.ascontiguousarray(positions, np.int64), cs, plan.rms_eps,
                      np.ascontiguousarray(x0, np.float32).reshape(-1), shared, priv, per, scr, logits.reshape(-1),
                      sync, done)

@@ -72,22 +72,24 @@ S_QKV, S_KV, S_HEADS, S_O, S_ROUTER, S_GATE_UP, S_DOWN, S_HEAD = range(8)
 
 
 @njit(boundscheck=False)
-def _product(desc, r0, r1, x, xrows, orows, out, col0):
+def _product(desc, kquant, r0, r1, x, xrows, orows, out, col0):
     """Rows r0 .. r1 - 1 of the matrix `desc` describes times one token (x row xrows[0]) -> out[orows[0] + col0 ..]:
     Colibri's formats by engine/kernels/matmul.py, GGUF K-quants by engine/kernels/kquant.py (the kernels the
-    blocks run for either, so the same bits)."""
-    if desc[0] == KQUANT_FLAG:
-        kq_desc_rows(desc, r0, r1 - r0, x, xrows, orows, 0, 1, out, 0, col0)
-    else:
-        bits, asym, group, _, cols, a, b, sc, mn = planes(desc)
-        otf_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1 - r0, x, xrows, orows, 0, 1, out, 0, col0)
+    blocks run for either, so the same bits). kquant None: no matrix is a K-quant, and numba prunes (never types
+    nor compiles) their kernels, a large share of the step's compile."""
+    if kquant is not None:
+        if desc[0] == KQUANT_FLAG:
+            kq_desc_rows(desc, r0, r1 - r0, x, xrows, orows, 0, 1, out, 0, col0)
+            return
+    bits, asym, group, _, cols, a, b, sc, mn = planes(desc)
+    otf_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1 - r0, x, xrows, orows, 0, 1, out, 0, col0)
 
 
 @njit(boundscheck=False)
-def _item(descs, items, i, x, xrows, out):
+def _item(descs, kquant, items, i, x, xrows, out):
     """Item i of the table: rows r0 .. r1 - 1 of matrix `mat` times x -> out[base + r]."""
     mat, r0, r1, base = items[i, 0], items[i, 1], items[i, 2], items[i, 3]
-    _product(descs[mat], r0, r1, x, xrows[:1], xrows[1:], out, base + r0)
+    _product(descs[mat], kquant, r0, r1, x, xrows[:1], xrows[1:], out, base + r0)
 
 
 @njit
@@ -190,17 +192,17 @@ def attend_chunk(kind, c, l, lay, lf, fpar, kvaddr, table, pos, cs, eps, qkv, at
 
 
 @njit(boundscheck=False)
-def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io,
+def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io,
            logits):
     """Chunk c of step `kind` of layer l (lb: the layer's shared buffers; h, scr, ids: the thread's own)."""
     hidden = g[G_HIDDEN]
     xrows = iscr[io:io + 2]
     if kind == S_QKV:
-        _item(descs, items, lay[l, L_QKV0] + c, h, xrows, lb[g[G_QKV]:])
+        _item(descs, kquant, items, lay[l, L_QKV0] + c, h, xrows, lb[g[G_QKV]:])
     elif kind == S_O:
-        _item(descs, items, lay[l, L_O0] + c, lb[g[G_ATT]:], xrows, lb[g[G_O]:])
+        _item(descs, kquant, items, lay[l, L_O0] + c, lb[g[G_ATT]:], xrows, lb[g[G_O]:])
     elif kind == S_HEAD:
-        _item(descs, items, g[G_HEAD0] + c, h, xrows, logits)
+        _item(descs, kquant, items, g[G_HEAD0] + c, h, xrows, logits)
     elif kind == S_KV or kind == S_HEADS:
         attend_chunk(kind, c, l, lay, lf, fpar, kvaddr, table, pos, cs, eps, lb[g[G_QKV]:], lb[g[G_ATT]:], scr)
     elif kind == S_ROUTER:
@@ -220,7 +222,7 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         m0 = _expert(lay, l, k, ids, iscr[io + 5] != 0) if lay[l, L_MOE] != 0 else lay[l, L_GATE]
         gu = lb[g[G_GU]:]
         for m in range(2):
-            _product(descs[m0 + m], r0, r1, h, xrows[:1], xrows[1:], gu, (2 * k + m) * inter_ff + r0)
+            _product(descs[m0 + m], kquant, r0, r1, h, xrows[:1], xrows[1:], gu, (2 * k + m) * inter_ff + r0)
         silu_rows(gu, U64(2 * k * inter_ff + r0), gu, U64((2 * k + 1) * inter_ff + r0), lb[g[G_HB]:],
                   U64(k * inter_ff + r0), r1 - r0)
     else:  # S_DOWN: rows r0 .. r1 of slot k's down matrix times its SiLU product
@@ -232,12 +234,12 @@ def _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, e
         m = _expert(lay, l, k, ids, iscr[io + 5] != 0) + 2 if lay[l, L_MOE] != 0 else lay[l, L_DOWN]
         kr = iscr[io + 2:io + 3]                       # the SiLU product row this slot reads
         kr[0] = k
-        _product(descs[m], r0, r1, lb[g[G_HB]:], kr, xrows[1:], lb[g[G_Y]:], k * hidden + r0)
+        _product(descs[m], kquant, r0, r1, lb[g[G_HB]:], kr, xrows[1:], lb[g[G_Y]:], k * hidden + r0)
 
 
 @njit(boundscheck=False)
-def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr,
-          ids, iscr, io, logits):
+def _step(kind, n, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
+          h, scr, ids, iscr, io, logits):
     """Run step `kind` of layer l (n chunks, flags done[first:first + n]) with the other threads; return when all
     its chunks are done.
 
@@ -248,8 +250,8 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
     tid, threads = iscr[io + 3], iscr[io + 4]
     for c in range(n * tid // threads, n * (tid + 1) // threads):
         if atomic_load(done, U64(first + c)) == 0:      # not already taken over by a waiting thread
-            _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io,
-                   logits)
+            _chunk(kind, c, l, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids,
+                   iscr, io, logits)
             atomic_store(done, U64(first + c), 1)
     for c in range(n - 1, -1, -1):
         spins = 0
@@ -258,8 +260,8 @@ def _step(kind, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, k
                 spin_pause()
                 spins += 1
             else:  # its owner is off the core: the same chunk again, the same bits
-                _chunk(kind, c, l, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr,
-                       io, logits)
+                _chunk(kind, c, l, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids,
+                       iscr, io, logits)
                 atomic_store(done, U64(first + c), 1)
 
 
@@ -311,8 +313,8 @@ def _stop(l, x, h, state, hidden, cur, tid, run, sync, end):
 
 
 @njit(boundscheck=False)
-def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-            logits, sync, done, tcycles, run, state, flags, post, cur):
+def _worker(tid, threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr,
+            rids, rw, logits, sync, done, tcycles, run, state, flags, post, cur):
     hidden = g[G_HIDDEN]
     po = tid * g[G_PRIV]
     x = priv[po:po + hidden]                            # this thread's copy of the hidden state
@@ -357,18 +359,18 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
             n_heads, n_kv = lay[l, L_H], lay[l, L_HKV]
             norm_row(x, U64(0), fpar[lay[l, L_IN_NORM]:], eps, hidden, h, U64(0))
             n = lay[l, L_QKV1] - lay[l, L_QKV0]
-            _step(S_QKV, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
-                  h, scr, ids, iscr, io, logits)
-            step, first = step + 1, first + n
-            _step(S_KV, n_kv, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
-                  lb, h, scr, ids, iscr, io, logits)
-            step, first = step + 1, first + n_kv
-            _step(S_HEADS, n_heads, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+            _step(S_QKV, n, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
                   eps, lb, h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n
+            _step(S_KV, n_kv, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos,
+                  cs, eps, lb, h, scr, ids, iscr, io, logits)
+            step, first = step + 1, first + n_kv
+            _step(S_HEADS, n_heads, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table,
+                  pos, cs, eps, lb, h, scr, ids, iscr, io, logits)
             step, first = step + 1, first + n_heads
             n = lay[l, L_O1] - lay[l, L_O0]
-            _step(S_O, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb,
-                  h, scr, ids, iscr, io, logits)
+            _step(S_O, n, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+                  eps, lb, h, scr, ids, iscr, io, logits)
             step, first = step + 1, first + n
             o = lb[g[G_O]:]
             for i in range(hidden):
@@ -379,8 +381,8 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
             norm_row(x, U64(0), fpar[lay[l, L_POST_NORM]:], eps, hidden, h, U64(0))
             if lay[l, L_MOE] != 0:
                 n = (n_exp + 15) // 16
-                _step(S_ROUTER, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
-                      eps, lb, h, scr, ids, iscr, io, logits)
+                _step(S_ROUTER, n, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table,
+                      pos, cs, eps, lb, h, scr, ids, iscr, io, logits)
                 step, first = step + 1, first + n
                 bias = fpar[lay[l, L_BIAS]:lay[l, L_BIAS] + n_exp] if lay[l, L_BIAS] >= 0 else fpar[:0]
                 route_row(lb[g[G_RL]:], U64(0), n_exp, top_k, lay[l, L_SCORING], bias, lay[l, L_NORM_TOPK] != 0,
@@ -408,8 +410,8 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                         h2 = scr[2 * n_exp + top_k + k_j:]
                         norm_row(x, U64(0), fpar[lay[j, L_POST_NORM]:], eps, hidden, h2, U64(0))
                         n = (e_j + 15) // 16
-                        _step(S_ROUTER, n, step, first, j, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table,
-                              pos, cs, eps, lbg, h2, scr, ids, iscr, io, logits)
+                        _step(S_ROUTER, n, step, first, j, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr,
+                              table, pos, cs, eps, lbg, h2, scr, ids, iscr, io, logits)
                         step, first = step + 1, first + n
                         bias_j = fpar[lay[j, L_BIAS]:lay[j, L_BIAS] + e_j] if lay[j, L_BIAS] >= 0 else fpar[:0]
                         route_row(lb[g[G_GL]:], U64(0), e_j, k_j, lay[j, L_SCORING], bias_j, lay[j, L_NORM_TOPK] != 0,
@@ -493,12 +495,12 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
                         active[slots] = k
                         slots += 1
             n = slots * ((inter_ff + lay[l, L_ROWS_IN] - 1) // lay[l, L_ROWS_IN])
-            _step(S_GATE_UP, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
-                  eps, lb, h, scr, ids, iscr, io, logits)
+            _step(S_GATE_UP, n, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos,
+                  cs, eps, lb, h, scr, ids, iscr, io, logits)
             step, first = step + 1, first + n
             n = slots * ((hidden + lay[l, L_ROWS_DOWN] - 1) // lay[l, L_ROWS_DOWN])
-            _step(S_DOWN, n, step, first, l, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
-                  lb, h, scr, ids, iscr, io, logits)
+            _step(S_DOWN, n, step, first, l, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs,
+                  eps, lb, h, scr, ids, iscr, io, logits)
             step, first = step + 1, first + n
         if streamed and not direct and run[RUN_LAST] == 0:   # more of this layer's experts are still to come
             now = cycles()
@@ -525,7 +527,7 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
         mark = now
     norm_row(x, U64(0), fpar[g[G_NORM]:], eps, hidden, h, U64(0))
     n = g[G_HEAD1] - g[G_HEAD0]
-    _step(S_HEAD, n, step, first, 0, sync, done, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
+    _step(S_HEAD, n, step, first, 0, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
           shared[:0], h, scr, ids, iscr, io, logits)
     run[RUN_EXIT] = g[G_LAYERS]
     atomic_store(sync, U64(end), 1)
@@ -533,14 +535,15 @@ def _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs
 
 
 @njit(parallel=True, nogil=True, cache=True, boundscheck=False)
-def decode_step(threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids, rw,
-                logits, sync, done, tcycles, run, state, flags, post, cur):  # pragma: no cover - compiled
+def decode_step(threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr,
+                rids, rw, logits, sync, done, tcycles, run, state, flags, post, cur):  # pragma: no cover - compiled
     """One token through the layers (see the module docstring and `run`); logits [V] written once the last layer
     ran, routing in rids/rw [L, K]; x and h [2 * hidden] in `state` where a call stops for streamed experts.
     flags [L * G_FLAGW]: 1 where a streamed expert is in memory (its descriptors at L_RES0); a streamed layer whose
     experts all are runs on without stopping. Without G_POST, so must the experts guessed for the layer G_AHEAD on
     (the caller reads them ahead where the call stops); with it, the guesses go to `post` for a thread that reads
-    them while the call runs on, and flags may change meanwhile (`cur`, `set_flag`, `in_use`)."""
+    them while the call runs on, and flags may change meanwhile (`cur`, `set_flag`, `in_use`). kquant: True when
+    a matrix of descs is a GGUF K-quant or IQ4, else None (a variant compiled and cached without their kernels)."""
     for tid in prange(threads):
-        _worker(tid, threads, descs, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv, iscr, rids,
-                rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state, flags, post, cur)
+        _worker(tid, threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv,
+                iscr, rids, rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state, flags, post, cur)

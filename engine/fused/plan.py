@@ -43,6 +43,7 @@ from engine.fused import kernel as fk
 from engine.fused.driver import Driver
 from engine.fused.post import MAX_GUESS, PostLayout
 from engine.fused.sync import in_use, set_flag
+from engine.kernels.kquant import KQUANT_FLAG
 from engine.kernels.rows import SIGMOID, SOFTMAX
 from engine.kv import KVCache, KVPool
 from engine.quant.kquant import KQuantTensor
@@ -130,6 +131,8 @@ class FusedDecode:
         self.scratch = sizes["scr"]                                       # per thread, beside positions
         self.vocab = model.lm_head.shape[0]
         self.descs = np.array(self._descs, np.int64)
+        # None: no matrix is a GGUF K-quant or IQ4, and the step compiles (and caches) without their kernels
+        self.kquant = True if self.descs.size and (self.descs[:, 0] == KQUANT_FLAG).any() else None
         self.items = np.array(self._items, np.int64)
         self.fpar = np.concatenate(self._fpar) if self._fpar else np.zeros(0, np.float32)
         self.shared = np.zeros(offset * spec.n_layers, np.float32)
@@ -408,9 +411,9 @@ class FusedDecode:
             if driver is not None:
                 driver.begin(int(run[fk.RUN_START]))
             try:
-                fk.decode_step(threads, self.descs, self.items, self.lay, self.lf, self.g, self.fpar, kv, table, pos,
-                               cs, self.rms_eps, x0, self.shared, priv, iscr, rids, rw, logits.reshape(-1), sync, done,
-                               tcycles, run, state, self._flat, self.post, self.cur)
+                fk.decode_step(threads, self.descs, self.kquant, self.items, self.lay, self.lf, self.g, self.fpar, kv,
+                               table, pos, cs, self.rms_eps, x0, self.shared, priv, iscr, rids, rw, logits.reshape(-1),
+                               sync, done, tcycles, run, state, self._flat, self.post, self.cur)
             finally:
                 if driver is not None:
                     driver.end()

@@ -40,7 +40,7 @@ from engine.generation.speculative import (
     make_drafter,
     verify,
 )
-from engine.kv import KVCache, KVFullError
+from engine.kv import KEEP_STEP, KVCache, KVFullError
 from engine.models.transformer import Transformer
 from engine.tokenizer.detokenize import StreamDecoder
 from engine.tokenizer.reasoning import ReasoningFormat, open_parser
@@ -83,7 +83,7 @@ class Seen:
         return self.ids[: self.n]
 
 
-def _draft_room(cache: KVCache, k: int, made: int, limit: int | None) -> int:
+def draft_room(cache: KVCache, k: int, made: int, limit: int | None) -> int:
     """How many draft tokens this step may verify without changing what plain decoding would do.
 
     The verify pass must not overflow the cache (eviction and retention would then differ) and
@@ -93,6 +93,8 @@ def _draft_room(cache: KVCache, k: int, made: int, limit: int | None) -> int:
     if cache.overflow != "error" or cache.tracking:
         return 0
     room = min(k, cache.max_len - cache.length - 2)
+    if cache.states:        # a recurrent layer rolls back only within a step of at most KEEP_STEP tokens
+        room = min(room, KEEP_STEP - 1)
     if limit is not None:
         room = min(room, limit - made - 1)
     return max(room, 0)
@@ -145,7 +147,7 @@ def generate_step(
         logits = first_logits
         if hidden is not None:
             if first_hidden is None:
-                _close_drafters(drafter)
+                close_drafters(drafter)
                 raise GenerationError("MTP drafting needs the prompt's hidden states: pass first_hidden with "
                                       "first_logits (or let generate_step run the prefill)")
             origin = cache.length - len(first_hidden)
@@ -180,7 +182,7 @@ def generate_step(
                 continue
             assert controller is not None and speculative is not None   # set with the drafter
             t0 = controller.clock()
-            k = _draft_room(cache, speculative.max_draft, made, limit) if controller.want_draft() else 0
+            k = draft_room(cache, speculative.max_draft, made, limit) if controller.want_draft() else 0
             draft = _in_vocab(drafter.propose(seen.view(), k)[:k], model.spec.vocab_size) if k else []
             base = cache.length
             # while drafting is off, plain steps keep the fused step (which hands out no hidden states): an MTP
@@ -213,7 +215,7 @@ def generate_step(
                     raise
     finally:
         if speculative is not None and speculative.drafter is None:   # drafters made here, not the caller's
-            _close_drafters(drafter)
+            close_drafters(drafter)
 
 
 def _in_vocab(draft: list[int], vocab: int) -> list[int]:
@@ -224,7 +226,7 @@ def _in_vocab(draft: list[int], vocab: int) -> list[int]:
     return list(draft)
 
 
-def _close_drafters(drafter) -> None:
+def close_drafters(drafter) -> None:
     """Release the draft models' and MTP drafter's caches (prompt lookup holds nothing)."""
     for d in getattr(drafter, "drafters", [drafter]):
         if isinstance(d, (DraftModel, HiddenStateDrafter)):

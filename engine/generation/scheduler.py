@@ -10,6 +10,14 @@ New requests join between steps (`submit`); a finished or cancelled sequence lea
 blocks back (full blocks stay cached in the pool's prefix index for the next request that shares them);
 a request cancelled while it still waits for room leaves the queue at the next step.
 A request starts from the longest prefix of its prompt already in the pool.
+
+A request with `speculative` settings drafts (engine.generation.speculative): each step its sequence feeds
+[pending token] + the draft its own drafter proposes, in the same pass as the others' rows, and its tokens are
+chosen row by row from those logits exactly as plain decoding would choose them (same processors and grammar,
+one sampler call per token, in order), up to the first that differs from the draft; the cache then drops the
+rejected rows. Its own `SpeculationController` switches drafting off when it loses and tries again later.
+A step that also prefills a prompt chunk runs the chunk in a pass of its own, so that the drafting rows' logits
+are computed without the chunk's [T, V].
 """
 
 from __future__ import annotations
@@ -18,13 +26,20 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from engine.errors import ColibriError, GenerationError
 from engine.events import DoneEvent, ErrorEvent, Event, GenerationStats, ProgressEvent, TokenEvent
-from engine.generation.generate import GenerationRequest, Seen, StopStrings, request_decoder
+from engine.generation.generate import (
+    GenerationRequest,
+    Seen,
+    StopStrings,
+    close_drafters,
+    draft_room,
+    request_decoder,
+)
 from engine.generation.grammar import make_constraint
 from engine.generation.prefill import PREFILL_CHUNK
 from engine.generation.sampling import (
@@ -34,9 +49,31 @@ from engine.generation.sampling import (
     make_sampler,
     token_logprobs,
 )
-from engine.kv import KVCache, KVPool
+from engine.generation.speculative import HiddenStateDrafter, SpeculationController, make_drafter
+from engine.kv import KVCache, KVFullError, KVPool
 from engine.models.transformer import Transformer
 from engine.tokenizer.reasoning import open_parser
+
+
+@dataclass
+class DraftTotals:
+    """Drafting counters of the sequences that have left the scheduler (what reports and tests read)."""
+
+    sequences: int = 0      # speculative sequences finished
+    draft_steps: int = 0    # steps that verified a draft
+    drafted: int = 0        # draft tokens proposed
+    accepted: int = 0       # draft tokens accepted
+    produced: int = 0       # tokens the speculative sequences' decode steps produced
+    switches: int = 0       # times a controller switched drafting off
+
+    def add(self, c: SpeculationController) -> None:
+        """Count one finished sequence's controller."""
+        self.sequences += 1
+        self.draft_steps += c.draft_steps
+        self.drafted += c.drafted
+        self.accepted += c.accepted
+        self.produced += c.produced
+        self.switches += c.switches
 
 
 @dataclass(eq=False)
@@ -62,6 +99,8 @@ class Sequence:
     t_prefill: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
+    drafter: object | None = None                     # a Drafter when the request is speculative
+    speculation: SpeculationController | None = None  # its drafting counters and on/off verdicts
 
     def drain(self) -> Iterator[Event]:
         """The events produced since the last call."""
@@ -75,14 +114,16 @@ class Scheduler:
 
     def __init__(self, model: Transformer, pool: KVPool, *, max_len: int, tokenizer=None,
                  stop_ids: frozenset[int] = frozenset(), max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK,
-                 overflow: str = "error"):
+                 overflow: str = "error", clock: Callable[[], float] = time.perf_counter):
         self.model, self.pool, self.max_len, self.tokenizer = model, pool, max_len, tokenizer
         self.stop_ids, self.max_batch, self.prefill_chunk, self.overflow = stop_ids, max_batch, prefill_chunk, overflow
+        self.clock = clock      # times the steps the drafting controllers judge (tests pass a steady one)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ids = 0
         self.steps = 0
         self.batch_rows = 0
+        self.drafting = DraftTotals()
 
     # --- requests ---
 
@@ -123,6 +164,13 @@ class Scheduler:
                 self._fail(seq, str(exc))
                 return seq
             seq.processors.append(seq.constraint)
+        if request.speculative is not None:
+            try:
+                seq.drafter = make_drafter(request.speculative, self.model.spec.vocab_size, cache.max_len)
+            except ColibriError as exc:
+                self._fail(seq, str(exc))
+                return seq
+            seq.speculation = SpeculationController(request.speculative)
         seq.seen = Seen(request.prompt)     # prompt then sampled ids: what the processors read
         seq.decoder = request_decoder(self.tokenizer, request)
         seq.matcher = StopStrings(request.stop)
@@ -149,21 +197,37 @@ class Scheduler:
             if seq.cancel is not None and seq.cancel.is_set():
                 self._finish(seq, "cancelled")
                 touched.append(seq)
+        t0 = self.clock()
         items: list[tuple[Sequence, list[int]]] = []
-        prefilling = False
+        drafts: dict[int, list[int]] = {}    # Sequence.id -> the draft its item verifies
+        chunk: tuple[Sequence, list[int]] | None = None
         for seq in self.running:
             if seq.pending is not None:
-                items.append((seq, [seq.pending]))
-            elif not prefilling:             # one prompt chunk per step: decoding never waits long
-                prefilling = True
+                draft = self._propose(seq)
+                if draft:
+                    drafts[seq.id] = draft
+                items.append((seq, [seq.pending, *draft]))
+            elif chunk is None:             # one prompt chunk per step: decoding never waits long
                 start = seq.prefilled
-                items.append((seq, list(seq.request.prompt[start : start + self.prefill_chunk])))
-        if not items:
+                chunk = (seq, list(seq.request.prompt[start : start + self.prefill_chunk]))
+        if chunk is not None and not any(seq.speculation is not None for seq, _ in items):
+            items.append(chunk)
+            chunk = None
+        if not items and chunk is None:
             return touched
-        results = self._forward(items)
+        # an MTP drafter reads every verified position's hidden states while its drafting is on
+        mtp = any(isinstance(s.drafter, HiddenStateDrafter) and s.speculation is not None and s.speculation.on
+                  for s, _ in items)
+        watch: list[np.ndarray] | None = [] if mtp else None
+        results = self._forward(items, bool(drafts), watch) if items else []
+        seconds = self.clock() - t0      # what the controllers time: the decode rows' step
+        if chunk is not None:   # apart from the speculative rows: its logits are not all computed, nor timed with them
+            items.append(chunk)
+            results += self._forward([chunk], False, None)
         self.steps += 1
         self.batch_rows += sum(len(ids) for _, ids in items)
-        for (seq, ids), logits in zip(items, results):
+        offsets = np.cumsum([0] + [len(ids) for _, ids in items])
+        for (seq, ids), logits, at in zip(items, results, offsets):
             touched.append(seq)
             if isinstance(logits, str):
                 self._fail(seq, logits)
@@ -175,8 +239,56 @@ class Scheduler:
                 if seq.prefilled < total:
                     continue
                 seq.t_prefill = time.perf_counter()
-            self._sample(seq, logits[-1])
+                self._sample(seq, logits[-1])
+            elif seq.speculation is None:
+                self._sample(seq, logits[-1])
+            else:
+                hidden = watch[0][at : at + len(ids)] if watch else None    # [1 + k, hidden]
+                self._verify(seq, logits, drafts.get(seq.id, []), hidden, seconds)
         return touched
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """The draft a speculative sequence verifies this step ([] for a plain step)."""
+        c = seq.speculation
+        if c is None or seq.drafter is None or not c.want_draft():
+            return []
+        spec = seq.request.speculative
+        assert spec is not None         # a controller is made from it
+        k = draft_room(seq.cache, spec.max_draft, len(seq.tokens), seq.request.max_tokens)
+        if k < 1:
+            return []
+        vocab = self.model.spec.vocab_size
+        draft = list(seq.drafter.propose(seq.seen.view(), k))[:k]    # type: ignore[attr-defined]
+        for i, t in enumerate(draft):    # a draft model's vocabulary may be larger: its guess ends there
+            if not 0 <= t < vocab:
+                return draft[:i]
+        return draft
+
+    def _verify(self, seq: Sequence, rows: np.ndarray, draft: list[int], hidden: np.ndarray | None,
+                seconds: float) -> None:
+        """Choose a speculative sequence's tokens from its rows [1 + k, V] as plain decoding would, up to the first
+        that leaves the draft or ends the sequence; the cache keeps the rows of the tokens consumed."""
+        c = seq.speculation
+        assert c is not None
+        if len(rows) != 1 + len(draft):
+            draft = []                  # the pool had no room for the draft: the step ran the pending token alone
+        base = seq.cache.length - 1 - len(draft)      # where the pending token sits
+        seq.speculation = None          # held back while the tokens go out: a sequence they end is counted below
+        used = 0
+        for j in range(len(draft) + 1):
+            token = self._sample(seq, rows[j], held=base + 1 + j)
+            used = j + 1
+            if seq.done or j == len(draft) or token != draft[j]:
+                break
+        if draft and not (seq.done and not seq.keep):
+            seq.cache.truncate(base + used)     # plain decoding holds the pending token and the accepted drafts
+        if hidden is not None and not seq.done and isinstance(seq.drafter, HiddenStateDrafter):
+            seq.drafter.observe(base, hidden[:used])     # the verified positions' hidden states [used, hidden]
+        c.record(len(draft), max(used - 1, 0), used, seconds)
+        if seq.done:
+            self.drafting.add(c)
+        else:
+            seq.speculation = c
 
     def run(self) -> None:
         """Step until every submitted request has finished."""
@@ -190,22 +302,38 @@ class Scheduler:
             seq.reused = seq.prefilled = seq.cache.adopt(prompt)
             self.running.append(seq)
 
-    def _forward(self, items) -> list:
-        """Logits per item, or an error message for the items that failed (the others still run)."""
+    def _forward(self, items, all_logits: bool = False, hidden: list[np.ndarray] | None = None) -> list:
+        """Logits per item, or an error message for the items that failed (the others still run). With
+        `all_logits`, every row's logits (the drafts'); `hidden` receives the last layer's output of all rows."""
         try:
-            return self.model.forward_batch([(ids, seq.cache) for seq, ids in items])
+            return self.model.forward_batch([(ids, seq.cache) for seq, ids in items], all_logits=all_logits,
+                                            hidden=hidden)
         except ColibriError as exc:
-            if len(items) == 1:
+            if len(items) == 1 and not (isinstance(exc, KVFullError) and len(items[0][1]) > 1):
                 return [str(exc)]
-        out = []
-        for item in items:                    # find the one that failed; the rest go on
+        if hidden is not None:
+            hidden.clear()      # the rows below run one item at a time: no batch-wide hidden states
+        out: list[np.ndarray | str] = []
+        for seq, ids in items:                # find the one that failed; the rest go on
+            base = seq.cache.length
             try:
-                out.append(self.model.forward_batch([(item[1], item[0].cache)])[0])
+                out.append(self.model.forward_batch([(ids, seq.cache)], all_logits=all_logits)[0])
+            except KVFullError as exc:
+                if seq.pending is None or len(ids) == 1:
+                    out.append(str(exc))
+                    continue
+                seq.cache.truncate(base)     # a pool short of blocks for the draft: this step decodes plainly
+                try:
+                    out.append(self.model.forward_batch([(ids[:1], seq.cache)])[0])
+                except ColibriError as exc2:
+                    out.append(str(exc2))
             except ColibriError as exc:
                 out.append(str(exc))
         return out
 
-    def _sample(self, seq: Sequence, logits: np.ndarray) -> None:
+    def _sample(self, seq: Sequence, logits: np.ndarray, held: int | None = None) -> int | None:
+        """Choose the sequence's next token from `logits` [V] and emit it; `held` is the cache length plain decoding
+        would have here (the cache's own when None). Returns the token, or None when choosing failed."""
         req = seq.request
         raw = logits                          # [V] the model's own: what log-probabilities describe
         if seq.processors:
@@ -217,7 +345,7 @@ class Scheduler:
             scored = token_logprobs(raw, token, req.logprobs) if req.logprobs is not None else None
         except ColibriError as exc:
             self._fail(seq, str(exc))
-            return
+            return None
         seq.seen.append(token)
         now = time.perf_counter()
         if seq.sampled == 0:
@@ -226,7 +354,7 @@ class Scheduler:
         seq.sampled += 1
         if token in seq.stop_ids:
             self._finish(seq, "stop")
-            return
+            return token
         seq.tokens.append(token)
         delta, hit = seq.matcher.feed(seq.decoder.push(token) if seq.decoder else "")
         part = seq.splitter.feed(delta)
@@ -236,10 +364,13 @@ class Scheduler:
         seq.events.append(TokenEvent(len(seq.tokens) - 1, token, part.content, part.reasoning, lp, alts))
         if hit:
             self._finish(seq, "stop", hit=True)
-        elif len(seq.tokens) >= req.max_tokens or (seq.cache.overflow == "error" and seq.cache.length + 1 >= seq.cache.max_len):
+        elif len(seq.tokens) >= req.max_tokens or (seq.cache.overflow == "error"
+                                                   and (held if held is not None else seq.cache.length) + 1
+                                                   >= seq.cache.max_len):
             self._finish(seq, "length")
         else:
             seq.pending = token
+        return token
 
     def _finish(self, seq: Sequence, reason: str, hit: bool = False) -> None:
         tail = ""
@@ -272,6 +403,12 @@ class Scheduler:
     def _leave(self, seq: Sequence) -> None:
         seq.done = True
         seq.pending = None
+        if seq.speculation is not None:
+            self.drafting.add(seq.speculation)
+        spec = seq.request.speculative
+        if seq.drafter is not None and spec is not None and spec.drafter is None:   # made here, not the caller's
+            close_drafters(seq.drafter)
+        seq.drafter = None
         if not seq.keep:
             seq.cache.release()
         if seq in self.running:

@@ -17,7 +17,9 @@
   instance when verifying k + 1 rows widens the set of experts a streamed MoE reads from disk;
   it tries again later. Its counters are what reports show.
 
-The decode loop that uses these pieces is `engine.generation.generate.generate_step`.
+The decode loops that use these pieces are `engine.generation.generate.generate_step` (`colibri run`) and the
+scheduler (`engine.generation.scheduler`: chat, the GUI and the server), where each speculative sequence of a batch
+drafts with its own drafter and controller and verifies in the batch's pass.
 """
 
 from __future__ import annotations

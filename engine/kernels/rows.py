@@ -1,4 +1,4 @@
-"""Per-row numba kernels of the small steps between the matrix products: RMSNorm, RoPE, routing, SiLU.
+"""Per-row numba kernels of the small steps between the matrix products: RMSNorm, RoPE, routing, SiLU, GELU.
 
 (The SiLU product itself, `silu_rows`, lives with the fused experts in engine/kernels/experts.py.)
 
@@ -105,6 +105,24 @@ def layer_norm_rows(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: fl
     if x.size:
         _layer_norm_rows(x.reshape(-1), w, np.ascontiguousarray(bias, np.float32).reshape(-1), F32(eps), w.size,
                          out.reshape(-1))
+    return out
+
+
+# -- GELU (exact) --------------------------------------------------------------------------------
+
+@njit(cache=True, boundscheck=False)
+def _gelu_erf(x, out):
+    for i in range(x.shape[0]):
+        v = float(x[i])                                # in float64, rounded once: any batch, the same bits
+        out[i] = F32(0.5 * v * (1.0 + math.erf(v * 0.7071067811865476)))
+
+
+def gelu_erf_rows(x: np.ndarray) -> np.ndarray:
+    """x * Phi(x) with the exact error function (transformers' "gelu") in float32 -> a new array of x's shape."""
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty_like(x)
+    if x.size:
+        _gelu_erf(x.reshape(-1), out.reshape(-1))
     return out
 
 

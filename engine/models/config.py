@@ -29,7 +29,7 @@ AT_LEAST = {
     "n_group": 1, "topk_group": 1, "n_shared_experts": 0, "shared_expert_intermediate_size": 0,
     "decoder_sparse_step": 1, "max_window_layers": 0, "first_k_dense_replace": 0,
     "kv_lora_rank": 1, "q_lora_rank": 1, "qk_rope_head_dim": 2, "qk_nope_head_dim": 0, "v_head_dim": 1,
-    "bos_token_id": 0, "num_nextn_predict_layers": 0,
+    "bos_token_id": 0, "num_nextn_predict_layers": 0, "original_max_position_embeddings": 1,
 }
 
 
@@ -148,6 +148,48 @@ def rope_from_config(cfg: Config, dim: int, *, interleaved: bool = False) -> Rop
         interleaved=interleaved,
         freq_factors=tuple(float(f) for f in factors) if factors else None,
     )
+
+
+def rope_params(cfg: Config) -> dict[str, Any]:
+    """The RoPE settings of a config: `rope_scaling` updated by `rope_parameters` (both must be objects)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        cfg.require(isinstance(cfg.data.get(key) or {}, dict), key, cfg.data.get(key), "an object")
+    params = dict(cfg.data.get("rope_scaling") or {})
+    params.update(cfg.data.get("rope_parameters") or {})
+    return params
+
+
+def longrope_from_config(cfg: Config, head_dim: int, default_theta: float) -> tuple[RopeSpec, tuple[float, ...]]:
+    """LongRoPE (Phi-3, PhiMoE) at its short factors, and its long factors. `factor` defaults to
+    max_position_embeddings / original_max_position_embeddings and sets the cos/sin scale unless
+    `attention_factor` is given, as the reference computes them."""
+    params = rope_params(cfg)
+    rope = Config(params, cfg.source)
+    theta = rope.opt("rope_theta", cfg.opt("rope_theta", default_theta, float), float)
+    rope.require(theta > 0, "rope_theta", theta, "a positive number")
+    partial = rope.opt("partial_rotary_factor", cfg.opt("partial_rotary_factor", 1.0, float), float)
+    dim = int(head_dim * partial)
+    rope.require(0 < dim <= head_dim and dim % 2 == 0, "partial_rotary_factor", partial,
+                 f"a factor giving an even number of rotated features within the head's {head_dim}")
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = params.get(key)
+        rope.require(isinstance(value, list) and len(value) == dim // 2
+                     and all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in value),
+                     key, value, f"{dim // 2} positive numbers (one per rotated pair)")
+        factors[key] = tuple(float(f) for f in value or ())
+    # hub configs (Phi-3-mini-128k) keep it beside rope_scaling, transformers 5 writes it inside rope_parameters
+    original = rope.opt("original_max_position_embeddings", cfg.opt("original_max_position_embeddings", None, int), int)
+    if original is None:
+        raise ModelFormatError(f"{cfg.source}: LongRoPE needs 'original_max_position_embeddings'; the config is "
+                               "incomplete")
+    factor = rope.opt("factor", cfg.opt("max_position_embeddings", 2048, int) / original, float)
+    rope.require(factor > 0, "factor", factor, "a positive rope scaling factor")
+    attention = rope.opt("attention_factor", None, float)
+    rope.require(attention is None or attention > 0, "attention_factor", attention, "a positive number")
+    spec = RopeSpec(dim=dim, theta=theta, kind="longrope", factor=factor, original_max_position=original,
+                    attention_factor=attention, freq_factors=factors["short_factor"])
+    return spec, factors["long_factor"]
 
 
 def sliding_windows(cfg: Config, n_layers: int) -> list[int | None]:

@@ -1,8 +1,9 @@
 """Phi-3.5-MoE (PhimoeForCausalLM): LayerNorms with biases (input, post-attention, final), attention with
 optional biases and an optional sliding window on every layer, an output head with an optional bias, and in
-every layer a MoE of w1/w3/w2 experts (`block_sparse_moe`) routed by the sparse mixer: always two experts, each
-weighted by a softmax over the experts near it (`router_jitter_noise` sets how near; at inference it is that
-threshold, not noise), see engine.blocks.ffn.sparsemixer.
+every layer a MoE of w1/w3/w2 experts (`block_sparse_moe`) routed by the sparse mixer: always two experts
+(whatever `num_experts_per_tok` says, as in the reference), each weighted by a softmax over the experts near it
+(`router_jitter_noise` sets how near; at inference it is that threshold, not noise), see
+engine.blocks.ffn.sparsemixer.
 
 RoPE is the default one or LongRoPE. As the reference computes it, LongRoPE takes the short factors at every
 length and scales cos and sin by `short_mscale` up to `original_max_position_embeddings` tokens and by
@@ -19,9 +20,10 @@ from engine.models.config import (
     ROPE_BUFFERS,
     Config,
     gqa_attention,
+    longrope_from_config,
     model_fields,
-    moe_counts,
     rope_from_config,
+    rope_params,
     with_defaults,
 )
 from engine.spec import LayerSpec, ModelSpec, MoESpec, RopeSpec
@@ -39,10 +41,7 @@ DEFAULTS = {
 
 def _rope(cfg: Config, head_dim: int) -> RopeSpec:
     """The default RoPE over the whole head, or LongRoPE at its short factors and scale."""
-    for key in ("rope_scaling", "rope_parameters"):
-        cfg.require(isinstance(cfg.data.get(key) or {}, dict), key, cfg.data.get(key), "an object")
-    params = dict(cfg.data.get("rope_scaling") or {})
-    params.update(cfg.data.get("rope_parameters") or {})
+    params = rope_params(cfg)
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind == "default":
         rope = rope_from_config(cfg, head_dim)
@@ -52,38 +51,22 @@ def _rope(cfg: Config, head_dim: int) -> RopeSpec:
     if kind != "longrope":
         raise ModelFormatError(f"{cfg.source}: rope type {kind!r} is not supported for PhiMoE (supported: default, "
                                "longrope)")
-    rope = Config(params, cfg.source)
-    theta = rope.opt("rope_theta", cfg.opt("rope_theta", 1000000.0, float), float)
-    rope.require(theta > 0, "rope_theta", theta, "a positive number")
-    partial = rope.opt("partial_rotary_factor", cfg.opt("partial_rotary_factor", 1.0, float), float)
-    dim = int(head_dim * partial)
-    rope.require(0 < dim <= head_dim and dim % 2 == 0, "partial_rotary_factor", partial,
-                 f"a factor giving an even number of rotated features within the head's {head_dim}")
-    half = dim // 2
-    factors = {}
-    for key in ("short_factor", "long_factor"):
-        value = params.get(key)
-        rope.require(isinstance(value, list) and len(value) == half
-                     and all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in value),
-                     key, value, f"{half} positive numbers (one per rotated pair)")
-        factors[key] = tuple(float(f) for f in value)
-    original = rope.req("original_max_position_embeddings")
-    rope.require(original > 0, "original_max_position_embeddings", original, "a positive integer")
-    short, long = rope.req("short_mscale", float), rope.req("long_mscale", float)
-    rope.require(short == long, "long_mscale", long,
-                 f"short_mscale's {short}: the reference rescales every position when a sequence passes "
-                 f"{original} tokens, which a cache of keys cannot follow")
-    return RopeSpec(dim=dim, theta=theta, kind="longrope", original_max_position=original,
-                    attention_factor=short, freq_factors=factors["short_factor"])
+    rope, _ = longrope_from_config(cfg, head_dim, 1000000.0)     # the short factors serve every length here
+    scales = Config(params, cfg.source)
+    short, long = scales.req("short_mscale", float), scales.req("long_mscale", float)
+    scales.require(short == long, "long_mscale", long,
+                   f"short_mscale's {short}: the reference rescales every position when a sequence passes "
+                   f"{rope.original_max_position} tokens, which a cache of keys cannot follow")
+    return dataclasses.replace(rope, attention_factor=short)
 
 
 def spec_from_config(cfg: Config, architecture: str) -> ModelSpec:
     """The spec of a Phi-3.5-MoE config.json."""
     cfg = with_defaults(cfg, DEFAULTS)     # a null num_key_value_heads stays null: multi-head, as the reference
-    n_experts, top_k = cfg.first(("num_local_experts", "num_experts")), cfg.req("num_experts_per_tok")
-    moe_counts(cfg, n_experts, top_k, "num_local_experts")
-    cfg.require(top_k == 2, "num_experts_per_tok", top_k,
-                "2: PhiMoE's sparse mixer routes every token to exactly two experts")
+    n_experts = cfg.first(("num_local_experts", "num_experts"))
+    # the reference's sparse mixer picks two experts whatever num_experts_per_tok says (it reads the value and
+    # does not use it): checked as a count, then routed as the reference routes
+    cfg.req("num_experts_per_tok")
     cfg.require(n_experts >= 2, "num_local_experts", n_experts, "at least the two experts the sparse mixer picks")
     jitter = cfg.opt("router_jitter_noise", 0.01, float)
     cfg.require(jitter >= 0, "router_jitter_noise", jitter, "a threshold >= 0")

@@ -22,7 +22,9 @@ PROMPT = [1, 5, 300, 17, 900, 42, 7, 1000, 3]
 
 # Published parameter counts (model cards), in billions
 PUBLISHED = {"qwen3-30b-a3b": 30.5, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8, "glm-4.5-air": 106.0,
-             "qwen2.5-32b": 32.8, "glm-5": 744.0}
+             "qwen2.5-32b": 32.8, "glm-5": 744.0, "minimax-m2": 230.0, "granite-3.0-3b-a800m": 3.3,
+             "phi-3.5-moe": 41.9, "deepseek-v2-lite": 15.7, "deepseek-v2": 236.0, "qwen3-next-80b-a3b": 80.0,
+             "qwen3.5-35b-a3b": 35.0}
 
 
 @pytest.fixture(scope="module")

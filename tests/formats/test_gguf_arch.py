@@ -234,24 +234,58 @@ def test_phi3_fused_qkv_and_window(tmp_path):
     assert loaded.spec.layers[0].attn.sliding_window == 6
 
 
-def test_phi3_longrope_is_refused_by_name(tmp_path):
-    """A Phi-3 128k file carries its LongRoPE factors as tensors: read into the config, where the family refuses
-    LongRoPE by name (not as tensors nobody reads)."""
-    from safetensors.numpy import load_file
-
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i for i in range(8)],
-            "short_factor": [1.0] * 8, "original_max_position_embeddings": 64}
-    folder = build_checkpoint(tmp_path / "hf", "phi3", pad_token_id=0, rope_scaling=rope,
-                              original_max_position_embeddings=64)
-    cfg = json.loads((folder / "config.json").read_text())
-    convert_like_llama_cpp(tmp_path / "model.gguf", cfg, load_file(folder / "model.safetensors"))
-    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= _gguf_names(tmp_path / "model.gguf")
+def test_phi3_longrope_runs_its_short_factors_within_the_original_length(tmp_path):
+    """A Phi-3 128k file carries its LongRoPE factors as tensors: read into the config, where the family runs
+    the short factors and makes original_max_position_embeddings the model's context (prompt and answer: 30 of
+    64 positions, where the reference takes the short factors too)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [3.0 + i for i in range(8)],
+            "short_factor": [1.0 + 0.3 * i for i in range(8)], "original_max_position_embeddings": 64}
+    path, ref, _ = _convert(tmp_path, "phi3", pad_token_id=0, rope_scaling=rope, original_max_position_embeddings=64)
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= _gguf_names(path)
     from engine.formats.gguf_model import GGUFModel
 
-    params = GGUFModel(tmp_path / "model.gguf").config["rope_parameters"]
-    assert params["long_factor"] == rope["long_factor"] and params["short_factor"] == rope["short_factor"]
-    with pytest.raises(ModelFormatError, match="rope type 'longrope' is not supported for Phi-3"):
-        load_model(tmp_path / "model.gguf")
+    params = GGUFModel(path).config["rope_parameters"]
+    assert params["long_factor"] == rope["long_factor"] and params["short_factor"] == pytest.approx(rope["short_factor"])
+    loaded = _check(path, ref, "Phi3ForCausalLM")
+    assert loaded.spec.max_position == 64 and loaded.spec.layers[0].attn.rope.kind == "longrope"
+
+
+def test_granitemoe_multipliers_permuted_qk_split_experts(tmp_path):
+    """Granite-MoE: its multipliers read from the *_scale keys, Q and K un-permuted, the fused experts read from
+    the gate and up stacks the converter splits them into, F16 matrices."""
+    path, ref, _ = _convert(tmp_path, "granitemoe", F16, num_local_experts=4, num_experts_per_tok=2,
+                            embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.2,
+                            logits_scaling=2.5)
+    assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_gate_inp.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "GraniteMoeForCausalLM")
+    assert (loaded.spec.embedding_multiplier, loaded.spec.logits_scaling) == (3.0, 2.5)
+
+
+def test_minimax_m2_qk_norms_partial_rotary_routing_bias(tmp_path):
+    """MiniMax-M2: whole-projection q/k norms, half the head rotated, sigmoid routing with its correction bias,
+    w1/w3/w2 expert stacks."""
+    path, ref, _ = _convert(tmp_path, "minimax_m2", F16, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                            rotary_dim=8)
+    assert {"blk.0.attn_q_norm.weight", "blk.0.exp_probs_b.bias", "blk.0.ffn_down_exps.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "MiniMaxM2ForCausalLM")
+    assert loaded.spec.layers[0].attn.rope.dim == 8 and loaded.spec.layers[0].ffn.correction_bias
+
+
+def test_granitemoe_shared_experts_are_refused(tmp_path):
+    """GraniteMoeShared files use the same GGUF name with shared-expert tensors: refused, not run without them."""
+    path = tmp_path / "shared.gguf"
+    w = gguf.GGUFWriter(str(path), "granitemoe")
+    for key, value in (("block_count", 1), ("embedding_length", 8), ("feed_forward_length", 4),
+                       ("attention.head_count", 2), ("expert_count", 2), ("expert_used_count", 1),
+                       ("expert_shared_feed_forward_length", 4)):
+        w.add_uint32(f"granitemoe.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match="shared experts"):
+        load_model(path)
 
 
 def test_gemma2_norms_plus_one_softcaps_window(tmp_path):

@@ -7,11 +7,14 @@ import json
 
 import gguf
 import numpy as np
+import pytest
 
 from engine.formats.gguf_model import GGUFModel
 from engine.quant import KQuantTensor
 from support.gguf_writer import write_gguf
 from support.reference import build_checkpoint
+
+pytestmark = pytest.mark.xdist_group("kquant")   # one worker compiles the K-quant kernels (tests/conftest.py)
 
 Q = gguf.GGMLQuantizationType
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)

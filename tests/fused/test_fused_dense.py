@@ -64,6 +64,7 @@ def test_mistral_fused_steps_equal_the_blocks(tmp_path_factory, threads, name):
         threads(n)
         got = _greedy(model, fused=True)
         assert model.context.fused not in (None, False)
+        assert model.context.fused.kquant is None                 # the step variant without the K-quant kernels
         assert np.array_equal(got, want), n
 
 

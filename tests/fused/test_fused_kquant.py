@@ -19,6 +19,8 @@ from engine.quant.kquant import KINDS
 from support.gguf_writer import write_gguf
 from support.reference import build_checkpoint
 
+pytestmark = pytest.mark.xdist_group("kquant")   # one worker compiles the K-quant kernels (tests/conftest.py)
+
 Q = gguf.GGMLQuantizationType
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9]
 STEPS = 10
@@ -79,7 +81,7 @@ def test_k_quant_fused_steps_equal_the_blocks(tmp_path, threads, name):
         got, tokens = _greedy(model, fused=True, pool=KVPool(model.spec, 32, block_size=4))
         plan = model.context.fused
         assert isinstance(plan, FusedDecode)                      # the fused step ran them, in their own types
-        assert (plan.descs[:, 0] == KQUANT_FLAG).sum() == len(native)
+        assert (plan.descs[:, 0] == KQUANT_FLAG).sum() == len(native) and plan.kquant is True
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
         assert tokens == want_tokens, n
     loaded.close()

@@ -24,6 +24,7 @@ from engine.generation.speculative import (
 )
 from engine.kv import KVCache
 from engine.loader import load_model
+from support.drafters import Oracle
 from support.reference import build_checkpoint
 
 REPEATING = [5, 17, 99, 3, 42, 7, 150, 64, 11, 23] * 3        # prompt lookup finds n-grams to copy
@@ -51,19 +52,6 @@ def small(tmp_path_factory):
     """A different tiny model with the same vocabulary: a draft model that is sometimes right."""
     src = build_checkpoint(tmp_path_factory.mktemp("draft"), "llama", seed=1, num_hidden_layers=2)
     return load_model(src)
-
-
-class Oracle:
-    """Drafts the continuation a plain run produced (always right), or one token off it (never right)."""
-
-    def __init__(self, sequence: list[int], vocab: int, wrong: bool = False):
-        self.sequence, self.vocab, self.wrong = list(sequence), vocab, wrong
-
-    def propose(self, context: np.ndarray, k: int) -> list[int]:
-        n = len(context)
-        assert list(context) == self.sequence[:n], "speculative decoding strayed from plain decoding"
-        draft = self.sequence[n : n + k]
-        return [(t + 1) % self.vocab for t in draft] if self.wrong else draft
 
 
 class StepClock:

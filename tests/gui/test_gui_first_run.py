@@ -67,6 +67,30 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
     assert not dlg.job.running
 
 
+def test_a_catalogue_name_given_at_start_is_prepared_in_the_window_then_opens(qtbot, make_window, models, tmp_path,
+                                                                                monkeypatch):
+    from ui.app import open_at_start
+    from ui.first_run import prepared_at_start
+
+    monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
+    calls = []
+
+    def fake_pull(name, models_dir=None, progress=None):
+        calls.append(name)
+        progress(Progress("upcycle", 0.5, 1.0, "routers: layer 3/30", model=name))
+        return models[0]
+
+    monkeypatch.setattr(pulls, "pull", fake_pull)
+    assert prepared_at_start(pulls.DEFAULT_MODEL) and not prepared_at_start(str(models[0]))
+    window = make_window()
+    # `make run` is `colibri gui smollm2-moe`: on a fresh machine the window shows the preparation, then the model
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+        open_at_start(window, pulls.DEFAULT_MODEL)
+        assert window.first_run is not None and window.first_run.progress_dialog is not None
+    assert calls == [pulls.DEFAULT_MODEL]
+    assert window.info.name == models[0].name and not window.first_run.isVisible()
+
+
 def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_window, tmp_path, monkeypatch):
     started = threading.Event()
 

@@ -9,6 +9,8 @@ import pytest
 from engine.quant import KQuantTensor
 from support.kquant_blocks import IQ_TYPES, quantize_k, random_k_blocks
 
+pytestmark = pytest.mark.xdist_group("kquant")   # one worker compiles the K-quant kernels (tests/conftest.py)
+
 Q = gguf.GGMLQuantizationType
 
 

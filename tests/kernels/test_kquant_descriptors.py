@@ -12,6 +12,8 @@ from engine.kernels.kquant import KQUANT_FLAG, kq_desc_rows
 from engine.quant import KQuantTensor
 from support.kquant_blocks import IQ_TYPES, TYPES, random_k_blocks
 
+pytestmark = pytest.mark.xdist_group("kquant")   # one worker compiles the K-quant kernels (tests/conftest.py)
+
 
 @pytest.mark.parametrize("qtype", TYPES + IQ_TYPES)
 def test_descriptor_rows_match_numpy_and_the_tensor(qtype):

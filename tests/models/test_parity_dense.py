@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from support.reference import (
+    BASE,
     assert_matches_reference,
     build_checkpoint,
 )
@@ -48,6 +49,9 @@ CASES = {
     "gemma3-yarn-global": ("gemma3_text", dict(GEMMA, sliding_window=8, sliding_window_pattern=3,
                                                rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                              "original_max_position_embeddings": 128})),
+    # exact-erf GELU (transformers' "gelu") where Gemma 3 and Mistral read their activation
+    "gemma3-erf-gelu": ("gemma3_text", dict(GEMMA, sliding_window=5, hidden_activation="gelu")),
+    "mistral-erf-gelu": ("mistral", dict(sliding_window=None, hidden_act="gelu")),
     "olmo2": ("olmo2", dict()),
     "olmo2-mqa-bias-tied-rope": ("olmo2", dict(num_key_value_heads=1, attention_bias=True, tie_word_embeddings=True,
                                                rope_scaling=LINEAR)),
@@ -59,3 +63,25 @@ def test_dense_family_matches_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
     folder = build_checkpoint(tmp_path / case, model_type, **overrides)
     assert_matches_reference(folder, PROMPT, N_GREEDY)
+
+
+# Gemma 3's vision-language checkpoints: the text model's sizes in text_config, a (tiny) vision tower left unread
+VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=2, image_size=28, patch_size=14)
+TEXT = {k: v for k, v in BASE.items() if k != "initializer_range"}
+VL_CASES = {
+    "tied-pattern": dict(text_config=dict(TEXT, **GEMMA, sliding_window=6, sliding_window_pattern=2)),
+    # an untied head, GELU with erf, and a final cap in the text config, which this reference does not apply
+    "untied-erf-gelu-cap-ignored": dict(tie_word_embeddings=False, text_config=dict(
+        TEXT, **GEMMA, sliding_window=4, hidden_activation="gelu", final_logit_softcapping=2.0,
+        rope_scaling=LINEAR)),
+}
+
+
+@pytest.mark.parametrize("case", list(VL_CASES))
+def test_gemma3_vision_language_checkpoint_runs_its_text_model(case, tmp_path, caplog):
+    folder = build_checkpoint(tmp_path / case, "gemma3", base={}, vision_config=VISION, mm_tokens_per_image=4,
+                              initializer_range=0.1, **VL_CASES[case])
+    with caplog.at_level("INFO", logger="engine.models.gemma"):
+        assert_matches_reference(folder, PROMPT, N_GREEDY, architecture="Gemma3ForConditionalGeneration")
+    assert "vision tower and projector are left unread" in caplog.text

@@ -61,6 +61,9 @@ CASES = {
                                                        rope_parameters=LONGROPE)),
     "phimoe-mqa-no-threshold": ("phimoe", dict(num_local_experts=6, num_experts_per_tok=2, num_key_value_heads=1,
                                                head_dim=24, router_jitter_noise=0.0)),
+    # the reference's sparse mixer routes two experts whatever num_experts_per_tok says
+    "phimoe-top4-routes-two": ("phimoe", dict(num_local_experts=6, num_experts_per_tok=4)),
+    "phimoe-top1-routes-two": ("phimoe", dict(num_local_experts=4, num_experts_per_tok=1, router_jitter_noise=0.2)),
 }
 
 
@@ -157,7 +160,7 @@ def test_left_out_keys_take_the_references_defaults():
     ({**ERNIE, "partial_rotary_factor": 0.5}, "partial_rotary_factor", "rotates every feature"),
     ({**ERNIE, "use_rmsnorm": False}, "use_rmsnorm", "RMSNorm"),
     ({**ERNIE, "moe_k": 65}, "num_experts_per_tok", "at most the 64 experts"),
-    ({**PHI35_MOE, "num_experts_per_tok": 4}, "num_experts_per_tok", "exactly two experts"),
+    ({**PHI35_MOE, "num_local_experts": 1}, "num_local_experts", "at least the two"),
     ({**PHI35_MOE, "rope_scaling": {**PHI35_MOE["rope_scaling"], "long_mscale": 1.5}}, "long_mscale",
      "a cache of keys cannot follow"),
     ({**PHI35_MOE, "rope_scaling": {**PHI35_MOE["rope_scaling"], "short_factor": [1.0] * 63}}, "short_factor",

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from engine.errors import ModelFormatError
+from engine.errors import GenerationError, ModelFormatError
 from engine.kv import KVCache
 from engine.loader import load_model
 from engine.models import fused_tensors, spec_from_config
@@ -37,6 +38,16 @@ CASES = {
     "mqa-partial-rotary-window3-gelu": dict(num_key_value_heads=1, sliding_window=3, hidden_act="gelu_pytorch_tanh",
                                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                              "partial_rotary_factor": 0.5}),
+    # LongRoPE within original_max_position_embeddings (prompt and answer: 52 of 64): its short factors, the
+    # cos/sin scale derived from max_position_embeddings / original (512 / 64). Phi3Config takes the top-level key.
+    "longrope-short-factors": dict(original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.37 * i for i in range(8)], "long_factor": [3.0 + i for i in range(8)]}),
+    # the same with a given attention factor, half the head rotated, a window
+    "longrope-partial-attention-factor": dict(sliding_window=5, original_max_position_embeddings=60, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 500.0, "original_max_position_embeddings": 60,
+        "attention_factor": 1.3, "partial_rotary_factor": 0.5,
+        "short_factor": [1.5, 0.8, 2.0, 1.1], "long_factor": [4.0, 5.0, 6.0, 7.0]}),
 }
 
 
@@ -69,17 +80,42 @@ def test_reference_defaults_fill_a_sparse_config():
     assert all(layer.attn.sliding_window == 2047 for layer in spec.layers)
 
 
-@pytest.mark.parametrize("scaling", [
-    {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-    {"rope_scaling": {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
-    {"rope_scaling": {"type": "yarn", "factor": 4.0}},
-    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+@pytest.mark.parametrize("kind", ["longrope", "su", "yarn"])
+def test_hub_longrope_configs_run_at_their_short_factors_within_the_original_length(kind):
+    # Phi-3-mini-128k's layout: original_max_position_embeddings beside rope_scaling, not inside it
+    spec = spec_from_config(_config(max_position_embeddings=131072, original_max_position_embeddings=4096,
+                                    rope_scaling={"type": kind, "short_factor": [1.0] * 8,
+                                                  "long_factor": [2.0] * 8}))
+    rope = spec.layers[0].attn.rope
+    assert (rope.kind, rope.freq_factors, rope.max_position, spec.max_position) == ("longrope", (1.0,) * 8, 4096, 4096)
+    assert rope.cos_sin_scale == pytest.approx((1 + np.log(32) / np.log(4096)) ** 0.5)
+
+
+@pytest.mark.parametrize(("scaling", "problem"), [
+    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "short_factor"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 7, "long_factor": [2.0] * 8}}, "short_factor"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "original_max_position_embeddings"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope type"),
 ])
-def test_rope_other_than_default_is_refused(scaling, tmp_path):
+def test_rope_phi3_does_not_define_is_refused(scaling, problem, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_config(**scaling)))
-    with pytest.raises(ModelFormatError, match="rope type"):
+    with pytest.raises(ModelFormatError, match=problem):
         spec_from_config(json.loads(path.read_text()), str(path))
+
+
+def test_longrope_positions_past_the_original_length_are_refused(tmp_path):
+    """Past original_max_position_embeddings the reference re-rotates the whole sequence with its long factors;
+    Colibri refuses the position rather than answer with keys rotated the short way."""
+    folder = build_checkpoint(tmp_path / "lr", "phi3", pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              **CASES["longrope-short-factors"])
+    model = load_model(folder).model
+    assert model.spec.max_position == 64
+    cache = KVCache(model.spec, 128)
+    model.forward(list(range(1, 65)), cache)        # positions 0..63: the short factors' range
+    with pytest.raises(GenerationError, match="LongRoPE"):
+        model.forward([5], cache)
 
 
 def test_a_zero_window_is_refused():
@@ -90,7 +126,6 @@ def test_a_zero_window_is_refused():
 def test_bf16_checkpoint_converts_to_a_container_of_cut_tensors(tmp_path):
     """The fused rows are cut from a bfloat16 file, and `colibri convert` stores the cut tensors, which load and
     run like the float32 model they stand for."""
-    import numpy as np
     import torch
 
     from app.hub.convert import ConvertSettings, convert

@@ -14,7 +14,7 @@ from engine.quant import KQuantTensor, QuantizedTensor
 from support.gguf_writer import write_gguf
 from support.reference import build_checkpoint, load_reference, reference_logits, relative_error
 
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.xdist_group("kquant")]   # one worker compiles the K-quant kernels
 
 Q = gguf.GGMLQuantizationType
 PROMPT = [5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9, 140]

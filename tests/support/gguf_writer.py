@@ -161,15 +161,18 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
     return back
 
 
-# --- llama.cpp's converter for olmoe, deepseek2, glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3 -------------------
+# --- llama.cpp's converter for olmoe, deepseek2, glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, granitemoe,
+# minimax-m2 ---------------------------------------------------------------------------------------------------
 # (convert_hf_to_gguf.py's TextModel.set_gguf_parameters plus each model class, as of llama-cpp-python 0.3.36)
 
 CONVERTED = {"olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
              "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS, "olmo2": gguf.MODEL_ARCH.OLMO2,
-             "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+             "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
+             "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2}
 HF_TO_GGUF = {"OlmoeForCausalLM": "olmoe", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
               "Glm4MoeForCausalLM": "glm4moe", "GptOssForCausalLM": "gpt-oss", "Olmo2ForCausalLM": "olmo2",
-              "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+              "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+              "GraniteMoeForCausalLM": "granitemoe", "MiniMaxM2ForCausalLM": "minimax-m2"}
 F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
 
 
@@ -293,6 +296,14 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> No
         types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                                            for i in range(cfg["num_hidden_layers"])]
         w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    elif w.arch == "minimax-m2":
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_dimension_count(cfg["rotary_dim"])
+    elif w.arch == "granitemoe":      # GraniteModel: the multipliers as *_scale keys
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     elif w.arch == "gemma3":
         if cfg.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
@@ -321,6 +332,15 @@ def _hf_pieces(cfg: dict, arch: str, name: str, value: np.ndarray, split_kv_b: b
             return [(name.replace("down_proj_bias", "down_proj.bias"), value)]
     if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
         return [(name, value + np.float32(1.0))]          # Gemma's (1 + w) norms, stored as w + 1
+    if arch == "granitemoe":          # LlamaModel's Q/K permutation; the fused experts split (gguf names)
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
+            return [(name, permute(value, heads))]
+        if name.endswith("block_sparse_moe.input_linear.weight"):
+            i = cfg["intermediate_size"]
+            return [(f"blk.{layer[1]}.ffn_gate_exps.weight", value[:, :i]),
+                    (f"blk.{layer[1]}.ffn_up_exps.weight", value[:, i:])]
     if arch == "gpt-oss" and name.endswith(".sinks"):
         return [(name + ".weight", value)]
     if name.endswith("e_score_correction_bias"):
@@ -343,14 +363,15 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
                            outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True,
                            expert_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
     """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss /
-    olmo2 / phi3 / gemma2 / gemma3 model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
+    olmo2 / phi3 / gemma2 / gemma3 / granitemoe / minimax-m2 model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
     them (after F16 rounding; Gemma's norms as the checkpoint's w, which the reader must restore).
 
     Names come from gguf's own tensor map (the converter's map_tensor_name); per-expert matrices are stacked
     [E, out, in]; DeepSeek's kv_b_proj is split into k_b (transposed) and v_b unless `split_kv_b` is false
     (files from before llama.cpp's MLA rework: kv_b whole, key/value_length the per-head sizes, no *_mla
     keys); gpt-oss's fused gate_up is de-interleaved and its [in, out] stacks transposed;
-    Gemma's norms are stored as w + 1; Phi-3's LongRoPE factors become rope_factors_long/short tensors.
+    Gemma's norms are stored as w + 1; Phi-3's LongRoPE factors become rope_factors_long/short tensors; Granite's
+    Q and K are permuted as Llama's and its fused experts split into gate and up stacks.
     `expert_type` stores the routed experts' weight stacks in that type (gguf's quantizer), as the converter
     stores gpt-oss's published MXFP4 experts (repacked bit for bit, the same block layout).
     """
@@ -375,13 +396,13 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
             w.add_tensor(name_map.get_name(name, try_suffixes=(".weight",)), stored.astype(np.float32))
             back[name] = value.astype(np.float32)         # the model undoes the shift: the reference keeps w
             continue
-        e = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", name)
+        e = re.fullmatch(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight", name)
         if e:   # per-expert matrices: stacked once a layer's are all seen (the converter's _experts)
             stacks.setdefault(f"{e.group(1)}.{e.group(3)}.weight", {})[int(e.group(2))] = name
             continue
         qtypes, restored = set(), []
         for hf, data in _hf_pieces(cfg, arch, name, value, split_kv_b):
-            gname = name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
+            gname = hf if hf.startswith("blk.") else name_map.get_name(hf, try_suffixes=(".weight", ".bias"))
             assert gname is not None, f"gguf's tensor map has no name for {hf}"
             if expert_type is not None and re.search(r"ffn_(gate|up|down)_exps\.weight$", gname):
                 raw = gguf.quants.quantize(np.ascontiguousarray(data, np.float32), expert_type)

@@ -21,14 +21,15 @@ class Live(LiveServer):
         super().__init__(app, log_level="critical")
 
 
-def serve(container, *, ctx: int, max_batch: int, max_queue: int, **app_kw) -> Live:
+def serve(container, *, ctx: int, max_batch: int, max_queue: int, speculative: bool = False, **app_kw) -> Live:
     """A live server of `container` on its own engine service; `live.service` and `live.served` reach inside."""
     from app.server.app import create_app
     from app.service.local import EngineService, LoadOptions
 
     service = EngineService(max_queue=max_queue)
     try:
-        service.load_and_wait(container, LoadOptions(context_length=ctx, max_batch=max_batch))
+        service.load_and_wait(container, LoadOptions(context_length=ctx, max_batch=max_batch,
+                                                          speculative=speculative))
         app = create_app(service, **app_kw)
         live = Live(app)
     except BaseException:

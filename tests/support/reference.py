@@ -18,13 +18,14 @@ BASE = dict(
 
 
 def build_checkpoint(folder: Path, model_type: str, seed: int = 0, dtype: str = "float32",
-                     shard_size: str | None = None, **overrides) -> Path:
-    """Save a random model of `model_type` (BASE updated with overrides) into `folder`."""
+                     shard_size: str | None = None, base: dict | None = None, **overrides) -> Path:
+    """Save a random model of `model_type` (BASE, or `base` for a config whose sizes sit elsewhere such as a
+    vision-language one's `text_config`, updated with overrides) into `folder`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(model_type, **{**BASE, **overrides})
+    cfg = AutoConfig.for_model(model_type, **{**(BASE if base is None else base), **overrides})
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -69,7 +69,7 @@ def scripted(monkeypatch, tokenizer, script: Script) -> None:
     real = Scheduler._sample
     eos = tokenizer.eos_token_id
 
-    def sample(self, seq, logits):
+    def sample(self, seq, logits, **kw):
         text = tokenizer.decode(seq.request.prompt)
         if not seq.tokens:
             script.prompts.append(text)
@@ -80,6 +80,6 @@ def scripted(monkeypatch, tokenizer, script: Script) -> None:
             row[want[len(written)]] = 100.0     # far above the rest under any sampler or penalty
         else:       # something (a grammar) made the answer stray
             assert not script.strict, f"the answer strayed from the script: {tokenizer.decode(written)!r}"
-        return real(self, seq, row)
+        return real(self, seq, row, **kw)
 
     monkeypatch.setattr(Scheduler, "_sample", sample)

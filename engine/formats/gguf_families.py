@@ -1,0 +1,72 @@
+"""GGUF architectures beyond the first ones (engine/formats/gguf_model.py): what each adds to the config.json-style
+dict and how its tensors are named, as llama.cpp's converter writes them.
+
+granitemoe (Granite-MoE): a Llama model (Q and K permuted) with Granite's four multipliers as `attention.scale`,
+`embedding_scale`, `residual_scale` and `logit_scale`, and its fused experts split into gate and up stacks.
+Granite's shared-expert variant (GraniteMoeShared, the same GGUF name with `ffn_*_shexp` tensors) is refused:
+Colibri does not run it.
+
+minimax-m2 (MiniMax-M2): q/k norms over the whole projection, `rope.dimension_count` rotated features, sigmoid
+routing with the correction bias as `exp_probs_b`, per-expert w1/w2/w3 stacked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.errors import UnsupportedArchitectureError
+
+# GGUF architecture -> (Hugging Face architecture, its MoE variant)
+ARCHITECTURES = {
+    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeForCausalLM"),
+    "minimax-m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2ForCausalLM"),
+}
+# architectures whose Q and K projections llama.cpp's converter permutes (its LlamaModel's undo_permute)
+PERMUTED_QK = ("granitemoe",)
+# where each architecture's routed experts sit in Colibri's names: (prefix, gate, up, down)
+MOE_NAMES = {
+    "granitemoe": ("block_sparse_moe", "gate_proj", "up_proj", "down_proj"),
+    "minimax-m2": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+# per-architecture tensor names beyond gguf_model's shared table
+LAYER_NAMES: dict[str, dict[str, str]] = {
+    "minimax-m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},
+}
+
+
+def _granitemoe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    if get("expert_shared_feed_forward_length", 0) or any("_shexp." in t for t in tensors):
+        raise UnsupportedArchitectureError(
+            f"{get.path}: this granitemoe GGUF has shared experts (a GraniteMoeShared model), which Colibri does "
+            "not run; use a Granite-MoE model without them (e.g. granite-3.0-3b-a800m)")
+    cfg |= {
+        "num_local_experts": int(get("expert_count")),
+        # the converter writes Granite's (per-expert) intermediate_size as the feed-forward length
+        "intermediate_size": int(get("expert_feed_forward_length", cfg["intermediate_size"])),
+        "attention_multiplier": float(get("attention.scale", 1.0)),
+        "embedding_multiplier": float(get("embedding_scale", 1.0)),
+        "residual_multiplier": float(get("residual_scale", 1.0)),
+        "logits_scaling": float(get("logit_scale", 1.0)),
+    }
+    cfg.pop("head_dim", None)        # the converter drops Granite's head_dim: heads split the hidden size
+    for key in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob"):
+        cfg.pop(key, None)
+
+
+def _minimax_m2_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    if int(get("expert_gating_func", 2)) != 2:
+        raise UnsupportedArchitectureError(f"{get.path}: this minimax-m2 GGUF does not score experts by sigmoid, "
+                                           "as MiniMax-M2 does; convert the model again")
+    cfg |= {
+        "num_local_experts": int(get("expert_count")),
+        "intermediate_size": int(get("expert_feed_forward_length", cfg["intermediate_size"])),
+        "rotary_dim": int(get("rope.dimension_count", cfg["head_dim"])),
+        "use_routing_bias": any(t.endswith(".exp_probs_b.bias") for t in tensors),
+        "use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+    }
+    for key in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob"):
+        cfg.pop(key, None)
+
+
+# architecture -> what it adds to the config (metadata getter, tensor names)
+ARCH_CONFIG = {"granitemoe": _granitemoe_config, "minimax-m2": _minimax_m2_config}
