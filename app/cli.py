@@ -26,6 +26,7 @@ COMMANDS: list[str] = [
     "eval",
     "synth",
     "bench",
+    "tune",
     "moefy",
     "atlas",
     "gui",

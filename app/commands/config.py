@@ -72,6 +72,8 @@ def _show(args: argparse.Namespace) -> int:
     command_args = parse_loosely(parser, rest)
     given = settings.explicit_dests(parser, rest, parser)
     resolved = settings.resolve(command, parsers, command_args, given)
+    for notice in resolved.notices:                          # tuned values ignored, and why
+        print(f"colibri: {notice}", file=sys.stderr)
     if args.json:
         print(json.dumps(as_dict(resolved), default=str, indent=2))
     else:

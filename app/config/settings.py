@@ -7,6 +7,9 @@ Precedence, lowest to highest:
     argparse default < --profile NAME < user colibri.toml < MODEL's colibri.toml < --config FILE
     < COLIBRI_<KEY> environment variables < flags given on the command line
 
+A model file's [tuned] table (written by `colibri tune`, see app.config.tuned) sits just under the model file's
+own keys, and only while its fingerprint matches this machine, the model and the memory budget.
+
 The user file is `<user config dir>/colibri/colibri.toml` (~/.config/colibri on Linux); the model's
 is `colibri.toml` in the model folder, or beside a .gguf file. An explicit --config wins over the
 model's file, which wins over the user's: the more deliberate the choice, the higher it sits.
@@ -35,6 +38,7 @@ SETTINGS_COMMANDS = ("run", "chat", "serve", "gui")
 FILE_NAME = "colibri.toml"
 ENV_PREFIX = "COLIBRI_"
 ORDER = "default < profile < user file < model file < --config < COLIBRI_* < flag"
+TUNED = "tuned"                     # the model file's table of `colibri tune` (app.config.tuned)
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Resolved:
     settings: Mapping[str, Setting]
     profile: Profile | None
     files: tuple[Path, ...] = field(default=())
+    notices: tuple[str, ...] = field(default=())     # one line each, for stderr (tuned values ignored, ...)
 
 
 # ---- threads ----------------------------------------------------------------------------------
@@ -284,17 +289,22 @@ def user_file() -> Path:
     return Path(platformdirs.user_config_dir("colibri", appauthor=False)) / FILE_NAME
 
 
-def model_file(model: str | None) -> Path | None:
-    """MODEL's colibri.toml (in its folder, or beside a .gguf) when MODEL is given and found."""
+def model_path(model: str | None) -> Path | None:
+    """MODEL's file or folder when MODEL is given and found (a path, or a pulled name; never downloads)."""
     if model is None:
         return None
     from app.config.catalog import find_model
 
     try:
-        path = find_model(model)          # a path, or a pulled name; never downloads
+        return find_model(model)
     except ColibriError:
         return None                          # the command itself says what is wrong with MODEL
-    return (path if path.is_dir() else path.parent) / FILE_NAME
+
+
+def model_file(model: str | None) -> Path | None:
+    """MODEL's colibri.toml (in its folder, or beside a .gguf) when MODEL is given and found."""
+    path = model_path(model)
+    return None if path is None else (path if path.is_dir() else path.parent) / FILE_NAME
 
 
 def _suggest(key: str, known: list[str]) -> str:
@@ -313,7 +323,7 @@ def read_file(path: Path, parsers: Mapping[str, argparse.ArgumentParser]) -> dic
     by_command = {name: options(p) for name, p in parsers.items()}
     known = sorted({dest for opts in by_command.values() for dest in opts} - {"config"})
     top = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    tables = {k: v for k, v in data.items() if isinstance(v, dict)}
+    tables = {k: v for k, v in data.items() if isinstance(v, dict) and k != TUNED}   # [tuned]: tuned_layer
     _check_keys(path, str(path), top, known, " or ".join(f"`{c}`" for c in by_command))
     for name, table in tables.items():
         if name not in SETTINGS_COMMANDS:
@@ -387,8 +397,9 @@ def resolve(command: str, parsers: Mapping[str, argparse.ArgumentParser], args: 
     user = user_file() if user is None else user
     explicit = (flags.get("config") or env_values.get("config"))
     # MODEL's own file; a command whose MODEL defaults to the default model reads that model's when MODEL is left out
-    model_path = model_file(getattr(args, "model", None) or getattr(args, "default_model", None))
-    for path in (user, model_path):
+    model = model_path(getattr(args, "model", None) or getattr(args, "default_model", None))
+    model_toml = model_file(str(model)) if model is not None else None
+    for path in (user, model_toml):
         if path is not None and path.is_file():
             files.append((path, read_file(path, parsers)[command]))
     if explicit is not None:
@@ -399,6 +410,13 @@ def resolve(command: str, parsers: Mapping[str, argparse.ArgumentParser], args: 
         files.append((path, read_file(path, parsers)[command]))
 
     layers = [layer for _, layer in files] + [env_values, flags]
+    notices: list[str] = []
+    if model is not None and model_toml is not None and model_toml.is_file():
+        tuned, notice = tuned_layer(model_toml, model, parser, layers)
+        if notice:
+            notices.append(notice)
+        if tuned:                                   # just under the model file's own keys
+            layers.insert([path for path, _ in files].index(model_toml), tuned)
     chosen = next((layer["profile"] for layer in reversed(layers) if "profile" in layer), None)
     profile = PROFILES[chosen.value] if chosen is not None and chosen.value is not None else None
     if profile is not None:
@@ -408,7 +426,32 @@ def resolve(command: str, parsers: Mapping[str, argparse.ArgumentParser], args: 
         for key, setting in layer.items():
             merged[key], rank[key] = setting, i
     _settle_exclusive(parser, merged, rank, defaults)
-    return Resolved(command, MappingProxyType(merged), profile, tuple(path for path, _ in files))
+    return Resolved(command, MappingProxyType(merged), profile, tuple(path for path, _ in files), tuple(notices))
+
+
+def tuned_layer(path: Path, model: Path, parser: argparse.ArgumentParser, layers: list[Layer]) -> tuple[Layer, str]:
+    """The [tuned] values of the model's colibri.toml for this command, and a notice; no values when the file
+    has none or when its fingerprint differs from this machine's, model's and budget's (the notice says so)."""
+    from app.config import tuned
+    from app.config.sizes import parse_size
+
+    try:
+        table = tuned.from_data(path, tomllib.loads(path.read_text(encoding="utf-8")))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return {}, ""                               # read_file has said what is wrong with the file
+    if table is None:
+        return {}, ""
+    budget = next((layer["max_memory"].value for layer in reversed(layers) if "max_memory" in layer), None)
+    current = tuned.fingerprint(model, parse_size(budget, "max_memory") if budget else None)
+    changed = tuned.differences(table.fingerprint, current)
+    if changed:
+        again = f"colibri tune {model}" + (f" --max-memory {budget}" if budget else "")
+        return {}, (f"{path}: tuned settings ignored, measured for another {', '.join(changed)}; "
+                    f"run `{again}` to measure them again")
+    opts = options(parser)
+    where = f"{path} [{TUNED}]"
+    return {k: Setting(k, convert(opts[k], v, where, k), where, flag_name(opts[k]))
+            for k, v in table.values.items() if k in opts}, ""
 
 
 def _settle_exclusive(parser: argparse.ArgumentParser, merged: dict[str, Setting], rank: dict[str, int],
@@ -433,6 +476,8 @@ def configure(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: l
     argv = sys.argv[1:] if argv is None else list(argv)
     parsers = command_parsers(parser)
     resolved = resolve(command, parsers, args, explicit_dests(parser, argv, parsers[command]))
+    for notice in resolved.notices:
+        print(f"colibri: {notice}", file=sys.stderr)
     for setting in resolved.settings.values():
         setattr(args, setting.key, setting.value)
     threads = resolved.settings.get("threads")

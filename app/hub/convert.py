@@ -41,6 +41,7 @@ from engine.plan.calibration import ActivationStats, collect_stats
 from engine.plan.planner import (
     FLOAT_BITS,
     GROUP_OPTIONS,
+    SAMPLE_ROWS,
     Format,
     Plan,
     TensorPlan,
@@ -51,7 +52,7 @@ from engine.plan.planner import (
     measure_options,
     scaled,
 )
-from engine.plan.sensitivity import PROBE_BITS, Resident, Sensitivity, measure_sensitivity
+from engine.plan.sensitivity import PROBE_BITS, Resident, Sensitivity, measure_sensitivity, time_left
 from engine.quant.published import PUBLISHED_BITS
 from engine.spec import ModelSpec, MoESpec
 
@@ -165,8 +166,6 @@ def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats
     With calibration `sequences` (and settings.sensitivity not False) the errors are first
     scaled into output KL by the sensitivity pass.
     """
-    from engine.quant import quantize, weighted_error
-
     other = sum(int(np.prod(s)) * 4 for s in mats.float32.values())
     forced = {n: b for n in mats.planned if (b := forced_bits(n, list(settings.keep))) is not None}
     vocab = ckpt.spec.vocab_size
@@ -185,17 +184,21 @@ def make_plan(ckpt: Checkpoint, mats: Matrices, settings: ConvertSettings, stats
     source = Resident(ckpt.source) if _wants_sensitivity(mats, settings, sequences, stats, log) else ckpt.source
     groups = tuple(g for g in GROUP_OPTIONS if g >= settings.group)
     options, t0 = {}, time.perf_counter()
+    # time left, in weights measured (a sample of each matrix's rows)
+    done, weights = 0, sum(min(s[0], SAMPLE_ROWS) * s[1] for s in mats.planned.values())
     for k, (name, shape) in enumerate(mats.planned.items()):
         usage, importance = usage_and_importance(name)
         b = forced.get(name)
         formats = [] if b == FLOAT_BITS else _formats(shape[1], (b,) if b else None, groups, settings.group)
         w = np.asarray(source.load(name), np.float32)
-        options[name] = [o for o in measure_options(w, importance, usage, formats, quantize, weighted_error)
+        options[name] = [o for o in measure_options(w, importance, usage, formats)
                          if b is None or o.bits == b]
         if source is ckpt.source:       # read once here, again only when written
             _used_up(ckpt, (name,))
+        done += min(shape[0], SAMPLE_ROWS) * shape[1]
         if (k + 1) % 50 == 0 or k + 1 == len(mats.planned):
-            log(f"measured {k + 1}/{len(mats.planned)} matrices ({time.perf_counter() - t0:.0f} s)")
+            elapsed = time.perf_counter() - t0
+            log(f"measured {k + 1}/{len(mats.planned)} matrices ({elapsed:.0f} s{time_left(elapsed, done, weights)})")
     sens = None
     if isinstance(source, Resident):
         sens = _sensitivity(ckpt, mats, source, sequences, usage_and_importance, log)

@@ -4,7 +4,8 @@ A matrix quantized to b bits perturbs its output by E||(W - Q_b(W)) x||^2 per to
 it; with the calibration's input energy E[x_c^2] this is sum_c E[x_c^2] * sum_r dW[r, c]^2 (the
 importance-weighted error), and times the share of tokens that use the matrix (routed experts
 used more often weigh more). Errors are measured, not guessed from names: each matrix is
-quantized at every candidate width (on a sample of its rows for speed), and widths are handed
+quantized at every candidate width (on a sample of its rows, the error summed as the codes are
+found, without storing them), and widths are handed
 out by marginal error reduction per byte until the budget is spent.
 
 Each matrix is offered every storage format: width, group size (scales per 32, 64 or 128
@@ -17,9 +18,10 @@ matrix that turns its error into output KL, and `scaled` applies it before the a
 from __future__ import annotations
 
 import fnmatch
+import functools
 import heapq
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -169,24 +171,28 @@ def formats_for(in_features: int, bits_options: Iterable[int] = BIT_OPTIONS,
     return out
 
 
-def measure_options(
-    w: np.ndarray,
-    importance: np.ndarray | None,
-    usage: float,
-    formats: Iterable[Format],
-    quantize: Callable,
-    weighted_error: Callable,
-) -> list[Option]:
+def measure_options(w: np.ndarray, importance: np.ndarray | None, usage: float,
+                    formats: Iterable[Format]) -> list[Option]:
     """Bytes and usage-weighted output error of each format (and float32), measured on a sample of rows."""
+    from engine.quant.tensor import quantized_error
+
     sample = sample_rows(w)
     scale = w.shape[0] / sample.shape[0]
     options = []
     for f in formats:
-        q = quantize(sample, f.bits, f.group, importance=importance, asymmetric=f.asymmetric)
-        err = weighted_error(sample, q, importance) * scale * usage
-        options.append(Option(f.bits, int(round(q.nbytes * scale)), float(err), f.group, f.asymmetric))
+        err = quantized_error(sample, f.bits, f.group, importance=importance, asymmetric=f.asymmetric) * scale * usage
+        options.append(Option(f.bits, row_bytes(w.shape[1], f) * w.shape[0], float(err), f.group, f.asymmetric))
     options.append(Option(FLOAT_BITS, w.shape[0] * w.shape[1] * 4, 0.0))
     return options
+
+
+@functools.lru_cache(maxsize=256)
+def row_bytes(in_features: int, f: Format) -> int:
+    """Bytes of one row of `in_features` weights stored in format f, scales and zero points included (layouts are
+    per row; cached: a model has a handful of row widths)."""
+    from engine.quant import quantize
+
+    return quantize(np.zeros((1, in_features), np.float32), f.bits, f.group, asymmetric=f.asymmetric).nbytes
 
 
 def scaled(options: list[Option], factor: float) -> list[Option]:

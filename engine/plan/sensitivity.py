@@ -70,6 +70,14 @@ class Sensitivity:
                 "kl": {g.label: round(g.kl, 7) for g in self.groups}}
 
 
+def time_left(elapsed: float, done: float, total: float) -> str:
+    """", about N s left" for a job DONE of TOTAL units into it after ELAPSED seconds ("" at its end or start)."""
+    if done <= 0 or done >= total:
+        return ""
+    left = elapsed * (total - done) / done
+    return f", about {left / 60:.0f} min left" if left >= 120 else f", about {left:.0f} s left"
+
+
 def layer_and_kind(name: str) -> tuple[int | None, str]:
     """(decoder layer, kind) of a tensor name: 'model.layers.3.mlp.experts.7.w1.weight' -> (3, 'mlp.experts.*.w1')."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+?)(?:\.weight)?", name)
@@ -234,6 +242,13 @@ def measure_sensitivity(spec: ModelSpec, source: TensorSource, names: Sequence[s
     plan = probe_groups(names)
     log(f"sensitivity: {len(plan)} matrices quantized to {PROBE_BITS} bits one at a time, KL on {tokens} tokens ...")
     measured, scales = [], {}
+    # a measurement runs the layers from its own on and the head: its share of the pass's time
+    layer_weights = [0] * (spec.n_layers + 1)
+    for n in names:
+        layer_weights[min(first_layer(n, spec), spec.n_layers)] += int(np.prod(source.shape(n)))
+    after = np.cumsum(layer_weights[::-1])[::-1]           # [n_layers + 1]: weights run from layer i on
+    work = [int(after[min(first_layer(n, spec) for n in members)]) for members in plan.values()]
+    done = 0
     for k, (label, members) in enumerate(plan.items()):
         replaced, error = {}, 0.0
         for n in members:
@@ -243,6 +258,8 @@ def measure_sensitivity(spec: ModelSpec, source: TensorSource, names: Sequence[s
         g = GroupKL(label, members, reference.kl(Transformer(spec, Overlay(source, replaced)), start), error)
         measured.append(g)
         scales.update(dict.fromkeys(members, g.scale))
+        done += work[k]
         if (k + 1) % 25 == 0 or k + 1 == len(plan):
-            log(f"sensitivity: measured {k + 1}/{len(plan)} ({time.perf_counter() - t0:.0f} s)")
+            elapsed = time.perf_counter() - t0
+            log(f"sensitivity: measured {k + 1}/{len(plan)} ({elapsed:.0f} s{time_left(elapsed, done, sum(work))})")
     return Sensitivity(scales, tuple(measured), tokens)

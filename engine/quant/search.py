@@ -181,3 +181,26 @@ def encode(w, bits, group, asym, d, m, codes):
             for k in range(g * group, (g + 1) * group):
                 u = np.rint((np.float64(w[r, k]) - mg) * inv)
                 codes[r, k] = np.uint8(min(max(u, 0.0), top))
+
+
+@njit(parallel=True, cache=True)
+def encoded_error(w, c, bits, group, asym, d, m, err):
+    """err[r] = sum_k c[k] * (w - w_q)[r, k]^2 for the codes `encode` gives with d and m [R, K / group]: the
+    weighted error of a format measured without building its codes (the planner's candidates)."""
+    R, K = w.shape
+    top = float((1 << bits) - 1)
+    half = float(1 << (bits - 1))
+    for r in prange(R):
+        acc = 0.0
+        for g in range(K // group):
+            dg = np.float64(d[r, g])
+            inv = 1.0 / dg if dg != 0.0 else 0.0
+            mg = np.float64(m[r, g]) if asym else -half * dg
+            d32 = np.float32(dg)
+            m32 = np.float32(mg)
+            for k in range(g * group, (g + 1) * group):
+                v = np.float64(w[r, k])
+                u = min(max(np.rint((v - mg) * inv), 0.0), top)
+                diff = v - np.float64(np.float32(u) * d32 + m32)   # dequantized as QuantizedTensor does, in float32
+                acc += c[k] * diff * diff
+        err[r] = acc

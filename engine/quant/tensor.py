@@ -340,6 +340,29 @@ def quantize(w: np.ndarray, bits: int, group: int, *, importance: np.ndarray | N
     return q.with_layout(layout)
 
 
+def quantized_error(w: np.ndarray, bits: int, group: int, *, importance: np.ndarray | None = None,
+                    asymmetric: bool | None = None) -> float:
+    """`weighted_error(w, quantize(w, ...), importance)` without building the codes: the same search and fp16
+    scales, the error summed as they are encoded (the planner measures every format of every matrix)."""
+    _check_format(bits, group)
+    w = _check_weights(w, group)
+    c = _check_importance(importance, w.shape[1])
+    imp = np.ones(w.shape[1]) if importance is None else np.asarray(importance, np.float64)
+    asym = FORMATS[bits].asymmetric if asymmetric is None else bool(asymmetric)
+    ratios = search.clip_ratios(bits, True)
+    d = np.empty((w.shape[0], w.shape[1] // group), np.float32)
+    m = np.zeros_like(d)
+    if asym:
+        search.search_asymmetric(w, c, bits, group, ratios, d, m)
+    else:
+        search.search_symmetric(w, c, bits, group, ratios, d)
+    if np.abs(d).max() > F16_MAX or np.abs(m).max() > F16_MAX:
+        raise ValueError("weights too large for fp16 scales (|scale| > 65504): this tensor cannot be quantized")
+    err = np.empty(w.shape[0], np.float64)
+    search.encoded_error(w, imp, bits, group, asym, f16_values(f16_bits(d)), f16_values(f16_bits(m)), err)
+    return float(err.sum())
+
+
 def weighted_error(w: np.ndarray, q: QuantizedTensor, importance: np.ndarray | None = None) -> float:
     """sum_c importance[c] * sum_r (w - q.dequantize())[r, c]^2 (uniform importance when None)."""
     w = np.asarray(w)

@@ -116,7 +116,6 @@ def test_budget_plan_fits_and_beats_uniform_on_measured_error(tok_src, tmp_path)
     planned: Plan = make_plan(ckpt, mats, ConvertSettings(budget=budget, group=32), stats, lambda m: None)
     uniform = make_plan(ckpt, mats, ConvertSettings(bits=4, group=64), stats, lambda m: None)
     from engine.plan.planner import Format, measure_options
-    from engine.quant import quantize, weighted_error
 
     def error_of(p):
         total = 0.0
@@ -128,7 +127,7 @@ def test_budget_plan_fits_and_beats_uniform_on_measured_error(tok_src, tmp_path)
             if name == "model.embed_tokens.weight":  # untied: a token reads one row (as make_plan weighs it)
                 imp, usage = None, 1 / ckpt.spec.vocab_size
             fmt = Format(t.bits, t.group, bool(t.asymmetric) if t.asymmetric is not None else t.bits == 2)
-            opt = measure_options(w, imp, usage, [fmt], quantize, weighted_error)[0]
+            opt = measure_options(w, imp, usage, [fmt])[0]
             total += opt.error
         return total
 

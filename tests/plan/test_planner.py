@@ -102,10 +102,9 @@ def test_formats_offer_groups_and_zero_points_priced_with_their_scales():
     assert {f.group for f in fmts} == {32, 64}
     assert {(f.bits, f.asymmetric) for f in fmts} == {(2, True), (3, False), (3, True), (4, False), (4, True),
                                                       (5, False), (6, False), (8, False)}
-    from engine.quant import quantize, weighted_error
 
     w = np.random.default_rng(0).standard_normal((64, 576)).astype(np.float32)
-    opts = {(o.bits, o.group, o.asymmetric): o for o in measure_options(w, None, 1.0, fmts, quantize, weighted_error)}
+    opts = {(o.bits, o.group, o.asymmetric): o for o in measure_options(w, None, 1.0, fmts)}
     weights = w.size
     assert opts[(4, 64, False)].nbytes * 8 / weights == pytest.approx(4.25)   # 4 bits + an fp16 scale per 64
     assert opts[(4, 64, True)].nbytes * 8 / weights == pytest.approx(4.5)     # + an fp16 zero point per 64

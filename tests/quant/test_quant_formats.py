@@ -150,3 +150,15 @@ def test_bad_quantize_arguments_are_named():
         quantize(w * 1e9, 4, 32)
     with pytest.raises(ValueError, match="shape"):
         weighted_error(w[:2], quantize(w, 4, 32))
+
+
+@pytest.mark.parametrize("bits,asymmetric", [(2, True), (3, False), (4, True), (4, False), (8, False)])
+def test_quantized_error_is_the_weighted_error_of_the_quantized_tensor(bits, asymmetric):
+    """The planner's error without codes: the same search, fp16 scales and rounding as quantize()."""
+    from engine.quant.tensor import quantized_error
+
+    w, imp = _gauss(48, 256, seed=bits), _importance(256)
+    for importance in (None, imp):
+        expected = weighted_error(w, quantize(w, bits, 64, importance=importance, asymmetric=asymmetric), importance)
+        got = quantized_error(w, bits, 64, importance=importance, asymmetric=asymmetric)
+        assert got == pytest.approx(expected, rel=1e-9)
