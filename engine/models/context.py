@@ -50,9 +50,9 @@ class DecodeContext:
         # on a slow one; the step times decide, as for the thread count
         self.ahead = FasterChoice()
         self.apart = FasterChoice()    # several sequences' single tokens: together, or a fused step each
-        # their fused step together (engine/fused/batch.py): off until its bits against the single step have been
-        # checked on this machine (tests/fused/test_fused_batch.py turns it on)
-        self.batch_fused = False
+        # their fused step together (engine/fused/batch.py) where the model allows it, against a fused step each
+        # (`apart` measures which is faster); False: the one pass of the blocks instead
+        self.batch_fused = True
         self.batched: BatchedDecode | None = None               # (None: declined or not built yet)
         self._batched_built = False
         self._guess_specs: dict[tuple[int, int], MoESpec] = {}   # (layer, experts guessed) -> the routing spec

@@ -25,10 +25,11 @@ CASES = {
 }
 
 
-def _model(tmp_path_factory, name: str):
+def _model(tmp_path_factory, name: str, bits: int = 4):
+    """The case's tiny model converted at `bits` (4: the rows16 integer kernels; 3 and 2: the float planes')."""
     model_type, overrides = CASES[name]
     src = build_checkpoint(tmp_path_factory.mktemp(name), model_type, **overrides)
-    return load_model(convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4),
+    return load_model(convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=bits),
                               log=lambda m: None)).model
 
 
@@ -72,11 +73,11 @@ def threads():
     numba.set_num_threads(before)
 
 
-@pytest.mark.parametrize("name", ["llama-tied-mqa", "qwen2-qkv-bias-window"])
+@pytest.mark.parametrize("name,bits", [("llama-tied-mqa", 4), ("qwen2-qkv-bias-window", 4), ("llama-tied-mqa", 2)])
 @pytest.mark.parametrize("n", [2, 3, 8])
-def test_a_batch_fused_together_equals_each_sequence_alone(tmp_path_factory, monkeypatch, threads, name, n):
-    model = _model(tmp_path_factory, name)
-    model.context.batch_fused = True
+def test_a_batch_fused_together_equals_each_sequence_alone(tmp_path_factory, monkeypatch, threads, name, bits, n):
+    model = _model(tmp_path_factory, name, bits)
+    assert model.context.batch_fused, "on by default"
     pool = KVPool(model.spec, 8 * 20, block_size=4)                  # several blocks per sequence
     prompts = PROMPTS[:n]
     for t in (1, 2):
