@@ -8,6 +8,12 @@ Colibri does not run it.
 
 minimax-m2 (MiniMax-M2): q/k norms over the whole projection, `rope.dimension_count` rotated features, sigmoid
 routing with the correction bias as `exp_probs_b`, per-expert w1/w2/w3 stacked.
+
+phimoe (Phi-3.5-MoE): written by llama.cpp's Phi-3 class (window, rotated features, LongRoPE factors as tensors)
+plus the expert counts; LayerNorms with biases (`*_norm.bias`), an optional head bias (`output.bias`), w1/w3/w2
+experts stacked. The sparse mixer's `router_jitter_noise` has no GGUF key: PhiMoE's default (0.01, the released
+model's) is used. LongRoPE's cos/sin scale is the file's `rope.scaling.attn_factor`, which the converter computes
+as sqrt(1 + ln(s) / ln(original length)) rather than copying the checkpoint's short/long mscale.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from engine.errors import UnsupportedArchitectureError
 ARCHITECTURES = {
     "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeForCausalLM"),
     "minimax-m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2ForCausalLM"),
+    "phimoe": ("PhimoeForCausalLM", "PhimoeForCausalLM"),
 }
 # architectures whose Q and K projections llama.cpp's converter permutes (its LlamaModel's undo_permute)
 PERMUTED_QK = ("granitemoe",)
@@ -27,11 +34,19 @@ PERMUTED_QK = ("granitemoe",)
 MOE_NAMES = {
     "granitemoe": ("block_sparse_moe", "gate_proj", "up_proj", "down_proj"),
     "minimax-m2": ("block_sparse_moe", "w1", "w3", "w2"),
+    "phimoe": ("block_sparse_moe", "w1", "w3", "w2"),
 }
 # per-architecture tensor names beyond gguf_model's shared table
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "minimax-m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},
+    "phimoe": {"attn_norm.bias": "input_layernorm.bias", "ffn_norm.bias": "post_attention_layernorm.bias"},
 }
+# per-architecture names of tensors outside the blocks, beyond gguf_model's shared table
+GLOBAL_NAMES: dict[str, dict[str, str]] = {
+    "phimoe": {"output_norm.bias": "model.norm.bias", "output.bias": "lm_head.bias"},
+}
+# architectures whose LongRoPE factors are tensors (rope_factors_long/short), read into the config
+ROPE_FACTOR_TENSORS = ("phimoe",)
 
 
 def _granitemoe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
@@ -68,5 +83,26 @@ def _minimax_m2_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> Non
         cfg.pop(key, None)
 
 
+def _phimoe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    window = int(get("attention.sliding_window", 0))     # the Phi-3 class writes 0 for none
+    orig = int(get("rope.scaling.original_context_length", cfg["max_position_embeddings"]))
+    rope = cfg["rope_parameters"]
+    rope["partial_rotary_factor"] = int(get("rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"]
+    if "rope_factors_long.weight" in tensors:    # the factors themselves are read with the tensors (GGUFModel)
+        scale = float(get("rope.scaling.attn_factor", 1.0))
+        rope |= {"rope_type": "longrope", "original_max_position_embeddings": orig,
+                 "short_mscale": scale, "long_mscale": scale}
+    cfg |= {
+        "num_local_experts": int(get("expert_count")),
+        "sliding_window": window or None,
+        "original_max_position_embeddings": orig,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "lm_head_bias": "output.bias" in tensors,
+        "router_jitter_noise": 0.01,
+    }
+    for key in ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob"):
+        cfg.pop(key, None)
+
+
 # architecture -> what it adds to the config (metadata getter, tensor names)
-ARCH_CONFIG = {"granitemoe": _granitemoe_config, "minimax-m2": _minimax_m2_config}
+ARCH_CONFIG = {"granitemoe": _granitemoe_config, "minimax-m2": _minimax_m2_config, "phimoe": _phimoe_config}

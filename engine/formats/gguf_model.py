@@ -2,7 +2,7 @@
 
 Architectures as llama.cpp names them: llama (with or without experts; Mistral too), qwen2, qwen3, qwen2moe,
 qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, and those of
-engine/formats/gguf_families.py (granitemoe, minimax-m2). What
+engine/formats/gguf_families.py (granitemoe, minimax-m2, phimoe). What
 llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
 DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
 
@@ -87,6 +87,7 @@ _PERMUTED_QK = ("llama", *gguf_families.PERMUTED_QK)
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 # llama.cpp's Phi-3 long-context RoPE: per-frequency factors as tensors
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_ROPE_FACTOR_ARCHS = ("phi3", *gguf_families.ROPE_FACTOR_TENSORS)
 # per-architecture names where llama.cpp's tensor map differs from (or adds to) the table above
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "deepseek2": {
@@ -484,13 +485,14 @@ class GGUFModel:
         self._derived: dict[str, tuple[str, str]] = {}
         self.unmapped: list[str] = []    # GGUF tensors with no Hugging Face name: no model reads them
         layer_names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(self._arch, {})
+        global_names = _GLOBAL_NAMES | gguf_families.GLOBAL_NAMES.get(self._arch, {})
         for name, t in self._tensors.items():
-            if name in _GLOBAL_NAMES:
-                self._names[_GLOBAL_NAMES[name]] = (name, None)
+            if name in global_names:
+                self._names[global_names[name]] = (name, None)
                 continue
             m = _BLOCK.fullmatch(name)
             if not m:
-                read_above = name == "rope_freqs.weight" or (name in _ROPE_FACTORS and self._arch == "phi3")
+                read_above = name == "rope_freqs.weight" or (name in _ROPE_FACTORS and self._arch in _ROPE_FACTOR_ARCHS)
                 if not read_above:              # (the RoPE factors went into the config above)
                     self.unmapped.append(name)
                 continue

@@ -357,3 +357,27 @@ def test_deepseek2_gguf_converts_as_its_checkpoint(tmp_path):
         model = load_model(convert(src, tmp_path / out, ConvertSettings(bits=8), log=lambda m: None))
         logits.append(model.model.forward(PROMPT, KVCache(model.spec, 64), all_logits=True))
     assert np.array_equal(logits[0], logits[1])
+
+
+def test_phimoe_layernorm_biases_window_sparse_mixer(tmp_path):
+    """Phi-3.5-MoE: LayerNorms with biases (blocks and output), q/k/v/o and head biases, a window shorter than
+    the prompt, w1/w3/w2 expert stacks routed by the sparse mixer at PhiMoE's default threshold, F16 matrices."""
+    path, ref, _ = _convert(tmp_path, "phimoe", F16, num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                            lm_head_bias=True, sliding_window=6, original_max_position_embeddings=512)
+    assert {"blk.0.attn_norm.bias", "output_norm.bias", "output.bias", "blk.0.ffn_up_exps.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "PhimoeForCausalLM")
+    assert loaded.spec.layers[0].attn.sliding_window == 6 and loaded.spec.lm_head_bias
+
+
+def test_phimoe_longrope_scale_is_the_files_attn_factor(tmp_path):
+    """A Phi-3.5-MoE file's LongRoPE: factors as tensors, its cos/sin scale the converter's attn_factor
+    (sqrt(1 + ln 32 / ln 16) = 1.5 here; the checkpoint's mscale is set to the same so the reference agrees)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.3 * i for i in range(8)], "long_factor": [3.0 + i for i in range(8)],
+            "short_mscale": 1.5, "long_mscale": 1.5}
+    path, ref, _ = _convert(tmp_path, "phimoe", num_local_experts=4, num_experts_per_tok=2,
+                            rope_parameters=rope, original_max_position_embeddings=16)
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "PhimoeForCausalLM", greedy=4)
+    assert loaded.spec.layers[0].attn.rope.kind == "longrope"
+    assert loaded.spec.layers[0].attn.rope.attention_factor == pytest.approx(1.5)
