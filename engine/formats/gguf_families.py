@@ -14,6 +14,12 @@ plus the expert counts; LayerNorms with biases (`*_norm.bias`), an optional head
 experts stacked. The sparse mixer's `router_jitter_noise` has no GGUF key: PhiMoE's default (0.01, the released
 model's) is used. LongRoPE's cos/sin scale is the file's `rope.scaling.attn_factor`, which the converter computes
 as sqrt(1 + ln(s) / ln(original length)) rather than copying the checkpoint's short/long mscale.
+
+ernie4_5-moe (ERNIE-4.5 MoE): `leading_dense_block_count` and `interleave_moe_layer_step` are the checkpoint's
+moe_layer_start_index and moe_layer_interval; its moe_layer_end_index has no key, so it is the last block holding a
+router, and the MoE layers the keys describe must be those holding routers. Biases (`use_bias`) and the correction
+bias (`exp_probs_b`, [1, E] in the checkpoint) are read from the tensors present; moe_norm_min has no key: ERNIE's
+default (1e-12, a floor that never acts) is used.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ ARCHITECTURES = {
     "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeForCausalLM"),
     "minimax-m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2ForCausalLM"),
     "phimoe": ("PhimoeForCausalLM", "PhimoeForCausalLM"),
+    "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeForCausalLM"),
 }
 # architectures whose Q and K projections llama.cpp's converter permutes (its LlamaModel's undo_permute)
 PERMUTED_QK = ("granitemoe",)
@@ -40,11 +47,20 @@ MOE_NAMES = {
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "minimax-m2": {"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},
     "phimoe": {"attn_norm.bias": "input_layernorm.bias", "ffn_norm.bias": "post_attention_layernorm.bias"},
+    "ernie4_5-moe": {
+        **{f"ffn_{p}.bias": f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")},
+        **{f"ffn_{p}_shexp.{kind}": f"mlp.shared_experts.{p}_proj.{kind}"
+           for p in ("gate", "up", "down") for kind in ("weight", "bias")},
+        "exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias",
+    },
 }
 # per-architecture names of tensors outside the blocks, beyond gguf_model's shared table
 GLOBAL_NAMES: dict[str, dict[str, str]] = {
     "phimoe": {"output_norm.bias": "model.norm.bias", "output.bias": "lm_head.bias"},
+    "ernie4_5-moe": {"output.bias": "lm_head.bias"},
 }
+# tensors whose checkpoint shape is [1, n] where a GGUF file may hold [n]
+ROW_VECTORS = {"ernie4_5-moe": ("moe_statics.e_score_correction_bias",)}
 # architectures whose LongRoPE factors are tensors (rope_factors_long/short), read into the config
 ROPE_FACTOR_TENSORS = ("phimoe",)
 
@@ -104,5 +120,31 @@ def _phimoe_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
         cfg.pop(key, None)
 
 
+def _ernie_config(cfg: dict[str, Any], get, tensors: frozenset[str]) -> None:
+    n = cfg["num_hidden_layers"]
+    start, interval = int(get("leading_dense_block_count", 0)), int(get("interleave_moe_layer_step", 1))
+    routed = sorted(i for i in range(n) if f"blk.{i}.ffn_gate_inp.weight" in tensors)
+    end = routed[-1] if routed else n - 1
+    described = [i for i in range(n) if interval >= 1 and (i + 1) % interval == 0 and start <= i <= end]
+    if routed != described:
+        raise UnsupportedArchitectureError(
+            f"{get.path}: this ernie4_5-moe GGUF has routers in blocks {routed}, but its leading_dense_block_count "
+            f"({start}) and interleave_moe_layer_step ({interval}) describe MoE blocks {described}; Colibri reads "
+            "only that layout: convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    cfg |= {
+        "moe_num_experts": int(get("expert_count")),
+        "moe_k": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "moe_num_shared_experts": int(get("expert_shared_count", 0)),
+        "moe_layer_start_index": start, "moe_layer_interval": interval, "moe_layer_end_index": end,
+        "use_bias": "blk.0.attn_q.bias" in tensors,
+        "moe_use_aux_free": any(t.endswith(".exp_probs_b.bias") for t in tensors),
+        "moe_norm_min": 1e-12,
+    }
+    for key in ("num_experts", "num_local_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
+                "norm_topk_prob"):
+        cfg.pop(key, None)
+
+
 # architecture -> what it adds to the config (metadata getter, tensor names)
-ARCH_CONFIG = {"granitemoe": _granitemoe_config, "minimax-m2": _minimax_m2_config, "phimoe": _phimoe_config}
+ARCH_CONFIG = {"ernie4_5-moe": _ernie_config, "granitemoe": _granitemoe_config, "minimax-m2": _minimax_m2_config, "phimoe": _phimoe_config}

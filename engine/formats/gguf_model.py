@@ -2,7 +2,8 @@
 
 Architectures as llama.cpp names them: llama (with or without experts; Mistral too), qwen2, qwen3, qwen2moe,
 qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, and those of
-engine/formats/gguf_families.py (granitemoe, minimax-m2, phimoe). What
+engine/formats/gguf_families.py (granitemoe, minimax-m2, phimoe,
+ernie4_5-moe). What
 llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
 DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
 
@@ -528,9 +529,13 @@ class GGUFModel:
             return (int(k_b[2]) * (int(k_b[0]) + int(v_b[1])), int(k_b[1]))
         gname, expert = self._names[name]
         shape = tuple(int(d) for d in reversed(self._tensors[gname].shape))
-        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+        if self._row_vector(name) and len(shape) == 1:
             shape = (1, shape[0])
         return shape[1:] if expert is not None else shape
+
+    def _row_vector(self, name: str) -> bool:
+        """Whether the checkpoint holds this vector as [1, n] (the file may hold [n])."""
+        return name.endswith(("shared_expert_gate.weight", *gguf_families.ROW_VECTORS.get(self._arch, ())))
 
     def location(self, name: str) -> str:
         """The file (and GGUF tensor) holding a tensor."""
@@ -606,7 +611,7 @@ class GGUFModel:
         if self._arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
             data = unpermute_qk(data, heads)
-        if name.endswith("shared_expert_gate.weight"):
+        if self._row_vector(name):
             data = data.reshape(1, -1)
         if self._arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
             data = data - np.float32(1.0)          # back to the checkpoint's w (the model applies 1 + w)

@@ -381,3 +381,32 @@ def test_phimoe_longrope_scale_is_the_files_attn_factor(tmp_path):
     loaded = _check(path, ref, "PhimoeForCausalLM", greedy=4)
     assert loaded.spec.layers[0].attn.rope.kind == "longrope"
     assert loaded.spec.layers[0].attn.rope.attention_factor == pytest.approx(1.5)
+
+
+def test_ernie_moe_interval_shared_experts_correction_bias_biases(tmp_path):
+    """ERNIE-4.5 MoE: a dense first layer then MoE every second layer (leading_dense_block_count,
+    interleave_moe_layer_step; the end index read from where the routers are), two shared experts as one MLP,
+    the [1, E] correction bias, biases on every projection and the tied head, F16 matrices."""
+    path, ref, _ = _convert(tmp_path, "ernie4_5_moe", F16, num_hidden_layers=4, moe_num_experts=4, moe_k=2,
+                            moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=1,
+                            moe_layer_interval=2, moe_layer_end_index=3, use_bias=True)
+    names = _gguf_names(path)
+    assert {"blk.1.exp_probs_b.bias", "blk.3.ffn_up_shexp.bias", "blk.0.ffn_gate.bias", "output.bias"} <= names
+    assert "blk.2.ffn_gate_inp.weight" not in names
+    loaded = _check(path, ref, "Ernie4_5_MoeForCausalLM")
+    assert [type(layer.ffn).__name__ for layer in loaded.spec.layers] == ["MLPSpec", "MoESpec", "MLPSpec", "MoESpec"]
+
+
+def test_ernie_moe_routers_off_the_described_layers_are_refused(tmp_path):
+    """Routers where the interval keys say none are: refused, not run as another layout."""
+    path, _, _ = _convert(tmp_path, "ernie4_5_moe", num_hidden_layers=2, moe_num_experts=4, moe_k=2,
+                          moe_intermediate_size=32, moe_num_shared_experts=0, moe_layer_start_index=0,
+                          moe_layer_interval=1, moe_layer_end_index=1)
+    from engine.formats.gguf_meta import gguf_metadata
+    from engine.formats.gguf_model import gguf_config
+
+    reader = gguf.GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    meta["ernie4_5-moe.interleave_moe_layer_step"] = 2          # would put a router in block 1 only
+    with pytest.raises(UnsupportedArchitectureError, match="describe MoE blocks"):
+        gguf_config(meta, True, str(path), [t.name for t in reader.tensors])
