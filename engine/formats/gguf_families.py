@@ -35,6 +35,12 @@ ARCHITECTURES = {
     "phimoe": ("PhimoeForCausalLM", "PhimoeForCausalLM"),
     "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeForCausalLM"),
 }
+# llama.cpp architectures of models Colibri runs from their Hugging Face folders but does not yet read from GGUF
+# (their converters reorder or transform tensors this reader does not undo yet): GGUF name -> model name
+FOLDER_ONLY = {
+    "qwen3next": "Qwen3-Next", "qwen35moe": "Qwen3.5-MoE", "glm-dsa": "GLM-5 (GlmMoeDsa)",
+    "kimi-linear": "Kimi Linear",
+}
 # architectures whose Q and K projections llama.cpp's converter permutes (its LlamaModel's undo_permute)
 PERMUTED_QK = ("granitemoe",)
 # where each architecture's routed experts sit in Colibri's names: (prefix, gate, up, down)

@@ -163,6 +163,10 @@ def gguf_config(meta: dict[str, Any], n_output: bool, path: str, tensors: Iterab
 
 def _gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, Any]:
     arch = meta.get("general.architecture")
+    if arch in gguf_families.FOLDER_ONLY:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} ({gguf_families.FOLDER_ONLY[arch]}) is not read from GGUF files yet; "
+            "run the model from its Hugging Face folder (config.json and safetensors) instead")
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHITECTURES))}"

@@ -207,6 +207,19 @@ def test_unknown_architecture_lists_the_new_ones(tmp_path):
         load_model(tmp_path / "x.gguf")
 
 
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "glm-dsa", "kimi-linear"])
+def test_folder_only_architectures_name_the_folder_as_the_fix(tmp_path, arch):
+    """Families Colibri runs from Hugging Face folders but not yet from GGUF: refused with that way out."""
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match=f"'{arch}'.*not read from GGUF.*Hugging Face folder"):
+        load_model(tmp_path / "x.gguf")
+
+
 def test_mistral_is_written_as_llama(tmp_path):
     """llama.cpp converts Mistral as "llama" (Q/K permuted, no window kept): it runs as Llama, which matches
     Mistral within its window (4096 here, the prompt far shorter)."""
