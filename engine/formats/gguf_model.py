@@ -2,7 +2,8 @@
 
 Architectures as llama.cpp names them: llama (with or without experts; Mistral too), qwen2, qwen3, qwen2moe,
 qwen3moe, olmoe, deepseek2 (DeepSeek-V2/V3, Kimi K2), glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, and those of
-engine/formats/gguf_families.py (granitemoe, minimax-m2). What
+engine/formats/gguf_families.py (granitemoe, minimax-m2, phimoe,
+ernie4_5-moe). What
 llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
 DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
 
@@ -87,6 +88,7 @@ _PERMUTED_QK = ("llama", *gguf_families.PERMUTED_QK)
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 # llama.cpp's Phi-3 long-context RoPE: per-frequency factors as tensors
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+_ROPE_FACTOR_ARCHS = ("phi3", *gguf_families.ROPE_FACTOR_TENSORS)
 # per-architecture names where llama.cpp's tensor map differs from (or adds to) the table above
 _ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
     "deepseek2": {
@@ -161,6 +163,10 @@ def gguf_config(meta: dict[str, Any], n_output: bool, path: str, tensors: Iterab
 
 def _gguf_config(meta: dict[str, Any], n_output: bool, path: str) -> dict[str, Any]:
     arch = meta.get("general.architecture")
+    if arch in gguf_families.FOLDER_ONLY:
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF architecture {arch!r} ({gguf_families.FOLDER_ONLY[arch]}) is not read from GGUF files yet; "
+            "run the model from its Hugging Face folder (config.json and safetensors) instead")
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_ARCHITECTURES))}"
@@ -484,13 +490,14 @@ class GGUFModel:
         self._derived: dict[str, tuple[str, str]] = {}
         self.unmapped: list[str] = []    # GGUF tensors with no Hugging Face name: no model reads them
         layer_names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(self._arch, {})
+        global_names = _GLOBAL_NAMES | gguf_families.GLOBAL_NAMES.get(self._arch, {})
         for name, t in self._tensors.items():
-            if name in _GLOBAL_NAMES:
-                self._names[_GLOBAL_NAMES[name]] = (name, None)
+            if name in global_names:
+                self._names[global_names[name]] = (name, None)
                 continue
             m = _BLOCK.fullmatch(name)
             if not m:
-                read_above = name == "rope_freqs.weight" or (name in _ROPE_FACTORS and self._arch == "phi3")
+                read_above = name == "rope_freqs.weight" or (name in _ROPE_FACTORS and self._arch in _ROPE_FACTOR_ARCHS)
                 if not read_above:              # (the RoPE factors went into the config above)
                     self.unmapped.append(name)
                 continue
@@ -526,9 +533,13 @@ class GGUFModel:
             return (int(k_b[2]) * (int(k_b[0]) + int(v_b[1])), int(k_b[1]))
         gname, expert = self._names[name]
         shape = tuple(int(d) for d in reversed(self._tensors[gname].shape))
-        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+        if self._row_vector(name) and len(shape) == 1:
             shape = (1, shape[0])
         return shape[1:] if expert is not None else shape
+
+    def _row_vector(self, name: str) -> bool:
+        """Whether the checkpoint holds this vector as [1, n] (the file may hold [n])."""
+        return name.endswith(("shared_expert_gate.weight", *gguf_families.ROW_VECTORS.get(self._arch, ())))
 
     def location(self, name: str) -> str:
         """The file (and GGUF tensor) holding a tensor."""
@@ -604,7 +615,7 @@ class GGUFModel:
         if self._arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
             data = unpermute_qk(data, heads)
-        if name.endswith("shared_expert_gate.weight"):
+        if self._row_vector(name):
             data = data.reshape(1, -1)
         if self._arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
             data = data - np.float32(1.0)          # back to the checkpoint's w (the model applies 1 + w)

@@ -207,6 +207,19 @@ def test_unknown_architecture_lists_the_new_ones(tmp_path):
         load_model(tmp_path / "x.gguf")
 
 
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "glm-dsa", "kimi-linear"])
+def test_folder_only_architectures_name_the_folder_as_the_fix(tmp_path, arch):
+    """Families Colibri runs from Hugging Face folders but not yet from GGUF: refused with that way out."""
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match=f"'{arch}'.*not read from GGUF.*Hugging Face folder"):
+        load_model(tmp_path / "x.gguf")
+
+
 def test_mistral_is_written_as_llama(tmp_path):
     """llama.cpp converts Mistral as "llama" (Q/K permuted, no window kept): it runs as Llama, which matches
     Mistral within its window (4096 here, the prompt far shorter)."""
@@ -357,3 +370,56 @@ def test_deepseek2_gguf_converts_as_its_checkpoint(tmp_path):
         model = load_model(convert(src, tmp_path / out, ConvertSettings(bits=8), log=lambda m: None))
         logits.append(model.model.forward(PROMPT, KVCache(model.spec, 64), all_logits=True))
     assert np.array_equal(logits[0], logits[1])
+
+
+def test_phimoe_layernorm_biases_window_sparse_mixer(tmp_path):
+    """Phi-3.5-MoE: LayerNorms with biases (blocks and output), q/k/v/o and head biases, a window shorter than
+    the prompt, w1/w3/w2 expert stacks routed by the sparse mixer at PhiMoE's default threshold, F16 matrices."""
+    path, ref, _ = _convert(tmp_path, "phimoe", F16, num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                            lm_head_bias=True, sliding_window=6, original_max_position_embeddings=512)
+    assert {"blk.0.attn_norm.bias", "output_norm.bias", "output.bias", "blk.0.ffn_up_exps.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "PhimoeForCausalLM")
+    assert loaded.spec.layers[0].attn.sliding_window == 6 and loaded.spec.lm_head_bias
+
+
+def test_phimoe_longrope_scale_is_the_files_attn_factor(tmp_path):
+    """A Phi-3.5-MoE file's LongRoPE: factors as tensors, its cos/sin scale the converter's attn_factor
+    (sqrt(1 + ln 32 / ln 16) = 1.5 here; the checkpoint's mscale is set to the same so the reference agrees)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0 + 0.3 * i for i in range(8)], "long_factor": [3.0 + i for i in range(8)],
+            "short_mscale": 1.5, "long_mscale": 1.5}
+    path, ref, _ = _convert(tmp_path, "phimoe", num_local_experts=4, num_experts_per_tok=2,
+                            rope_parameters=rope, original_max_position_embeddings=16)
+    assert {"rope_factors_long.weight", "rope_factors_short.weight"} <= _gguf_names(path)
+    loaded = _check(path, ref, "PhimoeForCausalLM", greedy=4)
+    assert loaded.spec.layers[0].attn.rope.kind == "longrope"
+    assert loaded.spec.layers[0].attn.rope.attention_factor == pytest.approx(1.5)
+
+
+def test_ernie_moe_interval_shared_experts_correction_bias_biases(tmp_path):
+    """ERNIE-4.5 MoE: a dense first layer then MoE every second layer (leading_dense_block_count,
+    interleave_moe_layer_step; the end index read from where the routers are), two shared experts as one MLP,
+    the [1, E] correction bias, biases on every projection and the tied head, F16 matrices."""
+    path, ref, _ = _convert(tmp_path, "ernie4_5_moe", F16, num_hidden_layers=4, moe_num_experts=4, moe_k=2,
+                            moe_intermediate_size=32, moe_num_shared_experts=2, moe_layer_start_index=1,
+                            moe_layer_interval=2, moe_layer_end_index=3, use_bias=True)
+    names = _gguf_names(path)
+    assert {"blk.1.exp_probs_b.bias", "blk.3.ffn_up_shexp.bias", "blk.0.ffn_gate.bias", "output.bias"} <= names
+    assert "blk.2.ffn_gate_inp.weight" not in names
+    loaded = _check(path, ref, "Ernie4_5_MoeForCausalLM")
+    assert [type(layer.ffn).__name__ for layer in loaded.spec.layers] == ["MLPSpec", "MoESpec", "MLPSpec", "MoESpec"]
+
+
+def test_ernie_moe_routers_off_the_described_layers_are_refused(tmp_path):
+    """Routers where the interval keys say none are: refused, not run as another layout."""
+    path, _, _ = _convert(tmp_path, "ernie4_5_moe", num_hidden_layers=2, moe_num_experts=4, moe_k=2,
+                          moe_intermediate_size=32, moe_num_shared_experts=0, moe_layer_start_index=0,
+                          moe_layer_interval=1, moe_layer_end_index=1)
+    from engine.formats.gguf_meta import gguf_metadata
+    from engine.formats.gguf_model import gguf_config
+
+    reader = gguf.GGUFReader(str(path))
+    meta = gguf_metadata(reader)
+    meta["ernie4_5-moe.interleave_moe_layer_step"] = 2          # would put a router in block 1 only
+    with pytest.raises(UnsupportedArchitectureError, match="describe MoE blocks"):
+        gguf_config(meta, True, str(path), [t.name for t in reader.tensors])

@@ -162,17 +162,19 @@ def write_gguf(path: Path, arch: str, cfg: dict, tensors: dict[str, np.ndarray],
 
 
 # --- llama.cpp's converter for olmoe, deepseek2, glm4moe, gpt-oss, olmo2, phi3, gemma2, gemma3, granitemoe,
-# minimax-m2 ---------------------------------------------------------------------------------------------------
+# minimax-m2, phimoe, ernie4_5-moe -------------------------------------------------------------------------------
 # (convert_hf_to_gguf.py's TextModel.set_gguf_parameters plus each model class, as of llama-cpp-python 0.3.36)
 
 CONVERTED = {"olmoe": gguf.MODEL_ARCH.OLMOE, "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
              "glm4moe": gguf.MODEL_ARCH.GLM4_MOE, "gpt-oss": gguf.MODEL_ARCH.GPT_OSS, "olmo2": gguf.MODEL_ARCH.OLMO2,
              "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3,
-             "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2}
+             "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE, "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2,
+             "phimoe": gguf.MODEL_ARCH.PHIMOE, "ernie4_5-moe": gguf.MODEL_ARCH.ERNIE4_5_MOE}
 HF_TO_GGUF = {"OlmoeForCausalLM": "olmoe", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
               "Glm4MoeForCausalLM": "glm4moe", "GptOssForCausalLM": "gpt-oss", "Olmo2ForCausalLM": "olmo2",
               "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-              "GraniteMoeForCausalLM": "granitemoe", "MiniMaxM2ForCausalLM": "minimax-m2"}
+              "GraniteMoeForCausalLM": "granitemoe", "MiniMaxM2ForCausalLM": "minimax-m2",
+              "PhimoeForCausalLM": "phimoe", "Ernie4_5_MoeForCausalLM": "ernie4_5-moe"}
 F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
 
 
@@ -185,10 +187,10 @@ def _float_type(gname: str, ndim: int, outtype: gguf.GGMLQuantizationType) -> gg
 
 def _common_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
     """TextModel.set_gguf_parameters: the keys every architecture gets from config.json (Phi-3's and
-    Gemma 2's classes write their own instead: see _arch_metadata)."""
-    if w.arch in ("phi3", "gemma2"):
+    Gemma 2's classes write their own instead: see _arch_metadata; PhiMoE's is Phi-3's)."""
+    if w.arch in ("phi3", "gemma2", "phimoe"):
         return
-    w.add_block_count(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0) * (w.arch == "glm4moe"))
+    w.add_block_count(cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers") or 0) * (w.arch == "glm4moe"))
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -263,7 +265,10 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> No
     elif w.arch == "gpt-oss":
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
-    elif w.arch == "phi3":
+    elif w.arch in ("phi3", "phimoe"):      # PhiMoeModel: Phi3MiniModel's keys plus the expert counts
+        if w.arch == "phimoe":
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_count(cfg["num_local_experts"])
         rope = cfg["rope_parameters"]
         heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
         w.add_context_length(cfg["max_position_embeddings"])
@@ -304,6 +309,15 @@ def _arch_metadata(w: gguf.GGUFWriter, cfg: dict, split_kv_b: bool = True) -> No
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
+    elif w.arch == "ernie4_5-moe":    # Ernie4_5MoeModel (its shared length as the converter computes it)
+        w.add_expert_count(cfg["moe_num_experts"])
+        w.add_expert_used_count(cfg["moe_k"])
+        w.add_interleave_moe_layer_step(cfg["moe_layer_interval"])
+        w.add_leading_dense_block_count(cfg["moe_layer_start_index"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_count(cfg["moe_num_shared_experts"])
+        if cfg["moe_num_shared_experts"] > 0:
+            w.add_expert_shared_feed_forward_length(cfg["intermediate_size"] // cfg["num_key_value_heads"])
     elif w.arch == "gemma3":
         if cfg.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
@@ -363,8 +377,9 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
                            outtype: gguf.GGMLQuantizationType = F32, split_kv_b: bool = True,
                            expert_type: gguf.GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
     """Write a HF checkpoint's tensors as convert_hf_to_gguf.py writes an olmoe / deepseek2 / glm4moe / gpt-oss /
-    olmo2 / phi3 / gemma2 / gemma3 / granitemoe / minimax-m2 model (`--outtype f32` or `f16`); returns the HF tensors as the file holds
-    them (after F16 rounding; Gemma's norms as the checkpoint's w, which the reader must restore).
+    olmo2 / phi3 / gemma2 / gemma3 / granitemoe / minimax-m2 / phimoe / ernie4_5-moe model (`--outtype f32` or
+    `f16`); returns the HF tensors as the file holds them (after F16 rounding; Gemma's norms as the checkpoint's w,
+    which the reader must restore).
 
     Names come from gguf's own tensor map (the converter's map_tensor_name); per-expert matrices are stacked
     [E, out, in]; DeepSeek's kv_b_proj is split into k_b (transposed) and v_b unless `split_kv_b` is false
@@ -376,7 +391,7 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
     stores gpt-oss's published MXFP4 experts (repacked bit for bit, the same block layout).
     """
     arch = HF_TO_GGUF[cfg["architectures"][0]]
-    n_blocks = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
+    n_blocks = cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers") or 0)   # ERNIE writes null
     name_map = gguf.get_tensor_name_map(CONVERTED[arch], n_blocks)
     w = gguf.GGUFWriter(str(path), arch)
     _common_metadata(w, cfg)
@@ -418,7 +433,7 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
         (qtype,) = qtypes
         back[name] = _join_pieces(name, restored) if restored else rounded(value, qtype)
     rope = cfg["rope_parameters"]
-    if arch == "phi3" and rope.get("long_factor"):        # Phi3MiniModel.generate_extra_tensors
+    if arch in ("phi3", "phimoe") and rope.get("long_factor"):    # Phi3MiniModel.generate_extra_tensors
         orig = rope["original_max_position_embeddings"]
         scale = cfg["max_position_embeddings"] / orig
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
