@@ -34,7 +34,6 @@ from engine.kernels.matmul import run_items
 from engine.kernels.simd import U64, fma32, vload_part, vsilu, vstore_part
 
 if TYPE_CHECKING:
-    from engine.quant.kquant import KQuantTensor
     from engine.quant.tensor import QuantizedTensor
 
 ROWS_PER_ITEM = 64  # rows of one matrix per work item (a multiple of the 4-row tile)
@@ -42,11 +41,12 @@ F32 = np.float32
 
 
 class ExpertLike(Protocol):
-    """What the fused call needs of an expert (engine.blocks.ffn.ExpertWeights fits)."""
+    """What the fused call needs of an expert (engine.blocks.ffn.ExpertWeights fits); a GGUF KQuantTensor may
+    stand for any of the three (its descriptor has the same fields)."""
 
-    gate: QuantizedTensor | KQuantTensor  # [I, hidden]
-    up: QuantizedTensor | KQuantTensor    # [I, hidden]
-    down: QuantizedTensor | KQuantTensor  # [hidden, I]
+    gate: QuantizedTensor  # [I, hidden]
+    up: QuantizedTensor    # [I, hidden]
+    down: QuantizedTensor  # [hidden, I]
 
 
 @njit(cache=True)
