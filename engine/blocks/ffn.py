@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Mapping, Protocol, Sequence, runtime_chec
 
 import numpy as np
 
-from engine.blocks.linear import Probe, is_group_quantized, linear, linear_many
+from engine.blocks.linear import Probe, is_block_quantized, linear, linear_many
 from engine.blocks.norm import activation, silu
 from engine.kernels.experts import expert_outputs, weighted_sum
 from engine.kernels.fp32 import matmul_f32
@@ -368,7 +368,8 @@ class MoE:
         """y[s] for the given slots whose experts are in `experts`: one fused call, or one expert at a time."""
         first = next(iter(experts.values()))
         plain = self.expert_biases is None and self.spec.swiglu_limit is None
-        if probe is None and plain and self.spec.act == "silu" and is_group_quantized(first.gate):
+        quantized = all(is_block_quantized(w) for w in (first.gate, first.up, first.down))
+        if probe is None and plain and self.spec.act == "silu" and quantized:
             expert_outputs(x, ids, experts, slots, y)
             return
         flat, k = ids.reshape(-1), ids.shape[1]

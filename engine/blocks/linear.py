@@ -24,17 +24,18 @@ def linear(x: np.ndarray, w) -> np.ndarray:
 
 def linear_many(x: np.ndarray, ws: Sequence) -> list[np.ndarray]:
     """x [T, in] times several weights sharing that input (q, k, v; gate, up): one parallel call
-    when all are Colibri QuantizedTensors, else one product each."""
-    if all(is_group_quantized(w) for w in ws):
+    when all are Colibri QuantizedTensors or all GGUF KQuantTensors, else one product each."""
+    if all(is_block_quantized(w) for w in ws):
         from engine.quant import matmul_many
 
         return matmul_many(x, ws)
     return [linear(x, w) for w in ws]
 
 
-def is_group_quantized(w) -> bool:
-    """Whether a weight is a Colibri QuantizedTensor, the kind the batched and fused expert kernels take
-    (an FP8 or MXFP4 weight brings only its own matmul)."""
+def is_block_quantized(w) -> bool:
+    """Whether a weight is a Colibri QuantizedTensor or a GGUF KQuantTensor (K-quant, IQ4), the kinds the batched
+    and fused expert kernels take (an FP8 or MXFP4 weight brings only its own matmul)."""
+    from engine.quant.kquant import KQuantTensor
     from engine.quant.tensor import QuantizedTensor
 
-    return isinstance(w, QuantizedTensor)
+    return isinstance(w, (QuantizedTensor, KQuantTensor))

@@ -11,9 +11,9 @@ Weights are dequantized to float32 with the `gguf` package (every type it can de
 when the model runs them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become
 `QuantizedTensor`s holding the same values: those block formats are Colibri's 4-, 5- and 8-bit
 group-32 formats with the bytes rearranged (no rounding), so decode reads 4.5-8.5 bits per weight
-instead of 32. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices (outside expert stacks) become
-`KQuantTensor`s over the file's own bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each
-tensor in its own type.
+instead of 32. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices become `KQuantTensor`s over the file's
+own bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; an expert
+stack's experts are row ranges of the stack (views of the memory map), so a K-quant MoE takes about its file's size.
 llama.cpp stores the Q and K projections of Llama-architecture models permuted for its interleaved RoPE;
 that permutation is undone here so the shared blocks see Hugging Face layout.
 """
@@ -453,7 +453,7 @@ class GGUFModel:
 
     With `quantized`, matrices stored in a block format Colibri runs as is (Q4_0, Q4_1, Q5_0, Q5_1,
     Q8_0) load as QuantizedTensors of the same values, and K-quant (Q2_K .. Q6_K) and IQ4 (IQ4_NL, IQ4_XS) ones
-    (not expert stacks) as KQuantTensors over the file's bytes; routers and vectors stay float32.
+    (each expert of a stack too) as KQuantTensors over the file's bytes; routers and vectors stay float32.
     """
 
     def __init__(self, path: str | Path, quantized: bool = False):
@@ -567,9 +567,9 @@ class GGUFModel:
 
     def _native(self, name: str, gname: str) -> bool:
         """Whether `name` loads as a QuantizedTensor or KQuantTensor: a matrix a model multiplies by, in a block format
-        the kernels run. K-quant expert stacks stay float32: the fused expert kernels run Colibri's layout only."""
+        the kernels run (an expert of a stack as well: the expert kernels run both)."""
         t = self._tensors[gname]
-        native = t.tensor_type in _NATIVE or (t.tensor_type in _KQUANTS and self._names[name][1] is None)
+        native = t.tensor_type in _NATIVE or t.tensor_type in _KQUANTS
         return (self.quantized and native and len(t.shape) >= 2
                 and not name.endswith((".gate.weight", "shared_expert_gate.weight")))   # routers stay float32
 

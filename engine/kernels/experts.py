@@ -11,10 +11,13 @@ regions, each K experts x row chunks over both threads, instead of 3K kernel lau
 single-matrix kernel computes it (engine/kernels/matmul.py), so the result is bitwise independent
 of the batch, of which other tokens chose the same expert, and of the thread count.
 
-Experts arrive as separate QuantizedTensors (they will come from separate cache buffers). The
-kernel receives a table of their storage addresses and sizes (`QuantizedTensor.descriptor`)
+Experts arrive as separate QuantizedTensors or, from a GGUF file, KQuantTensors (K-quants and IQ4 in the file's
+blocks; a Q4_K_M's gate and up may be Q4_K and its down Q6_K or Q8_0). The kernel receives a table of their
+storage addresses and sizes (`QuantizedTensor.descriptor`, `KQuantTensor.descriptor`: same shape)
 rather than a numba list or tuple of arrays: one compiled signature for any number of experts,
 and no per-call list building (a typed list of a hundred arrays costs as much to build as a small call).
+Items over K-quant matrices run through kquant.kq_run_items (the kernel a K-quant model's dense matrices compile
+anyway), the others through matmul.run_items: a model without K-quants never compiles their kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 import numpy as np
 from numba import njit
 
-from engine.kernels.kquant import KQUANT_FLAG
+from engine.kernels.kquant import KQUANT_FLAG, kq_run_items
 from engine.kernels.layout import DESCRIPTOR_FIELDS as DESCRIPTOR
 from engine.kernels.layout import check_activations
 from engine.kernels.matmul import run_items
@@ -38,7 +41,8 @@ F32 = np.float32
 
 
 class ExpertLike(Protocol):
-    """What the fused call needs of an expert (engine.blocks.ffn.ExpertWeights fits)."""
+    """What the fused call needs of an expert (engine.blocks.ffn.ExpertWeights fits); a GGUF KQuantTensor may
+    stand for any of the three (its descriptor has the same fields)."""
 
     gate: QuantizedTensor  # [I, hidden]
     up: QuantizedTensor    # [I, hidden]
@@ -125,8 +129,9 @@ def moe_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray,
                 experts: Mapping[int, ExpertLike] | Sequence[ExpertLike]) -> np.ndarray:
     """x [T, hidden], ids [T, K] expert ids, weights [T, K] -> [T, hidden] = sum_k weights * down(silu(gate x) * up x).
 
-    `experts` maps an expert id to its gate, up, down QuantizedTensors (a dict from ExpertSource.experts, or a list
-    indexed by id). Bitwise independent of T, of the other tokens in the batch and of the thread count.
+    `experts` maps an expert id to its gate, up, down QuantizedTensors or KQuantTensors (a dict from
+    ExpertSource.experts, or a list indexed by id). Bitwise independent of T, of the other tokens in the batch and
+    of the thread count.
     """
     x, ids, weights = check_routing(x, ids, weights)
     t, k = ids.shape
@@ -189,33 +194,42 @@ def expert_outputs(x: np.ndarray, ids: np.ndarray, experts: Mapping[int, ExpertL
     order, _, gate_up_items, down_items = plan_slots(flat, np.array(needed, np.int64), inter, hidden, k)
     tok = slots[order] // k                                                  # the token of each ordered slot
     gate_up = np.empty(2 * n_slots * inter, np.float32)                     # [gate | up][slot, I]
-    run_items(table[:, :2].reshape(-1, DESCRIPTOR), gate_up_items, np.arange(len(gate_up_items) + 1), x.reshape(-1),
-              tok, order, gate_up)
+    _run(table[:, :2].reshape(-1, DESCRIPTOR), gate_up_items, x.reshape(-1), tok, order, gate_up)
     h = silu_product(gate_up, n_slots, inter)                                # [slot, I]
     if n_slots == t * k and slots[0] == 0 and slots[-1] == n_slots - 1:     # every slot, in order: y in place
-        run_items(np.ascontiguousarray(table[:, 2]), down_items, np.arange(len(down_items) + 1), h, order, order,
-                  y.reshape(-1))
+        _run(table[:, 2], down_items, h, order, order, y.reshape(-1))
         return
     part = np.empty(n_slots * hidden, np.float32)                            # [slot of the part, hidden]
-    run_items(np.ascontiguousarray(table[:, 2]), down_items, np.arange(len(down_items) + 1), h, order, order, part)
+    _run(table[:, 2], down_items, h, order, order, part)
     y[slots] = part.reshape(n_slots, hidden)
 
 
+def _run(table: np.ndarray, items: np.ndarray, x: np.ndarray, xrows: np.ndarray, orows: np.ndarray,
+         out: np.ndarray) -> None:
+    """Work items (one a piece) over a table of descriptors [M, 13]: those of GGUF K-quant (or IQ4) matrices by their
+    kernels, the others by Colibri's; each item writes its own part of `out`, so splitting them changes no bit."""
+    kq = table[:, 0] == KQUANT_FLAG                                          # [M]
+    if not kq.any():
+        run_items(np.ascontiguousarray(table), items, np.arange(len(items) + 1), x, xrows, orows, out)
+        return
+    mine = kq[items[:, 0]]                                                   # [items]
+    # kq_run_items' table rows: kind, rows, cols, address, bytes (KQuantTensor.descriptor's fields 1, 3 .. 6)
+    k_items = np.ascontiguousarray(items[mine])
+    kquant_table = np.ascontiguousarray(table[:, [1, 3, 4, 5, 6]])
+    kq_run_items(kquant_table, k_items, np.arange(len(k_items) + 1), x, xrows, orows, out)
+    if not mine.all():                                                       # a mix: a Q4_K gate beside a Q8_0 down
+        rest = np.ascontiguousarray(items[~mine])
+        run_items(np.ascontiguousarray(table), rest, np.arange(len(rest) + 1), x, xrows, orows, out)
+
+
 def _descriptors(experts, i: int) -> tuple[int, ...]:
-    """gate, up, down descriptors of expert i, concatenated; ValueError when missing, not quantized, or in a GGUF
-    K-quant type (a KQuantTensor's descriptor has the same shape, but these kernels read Colibri's layout only)."""
+    """gate, up, down descriptors of expert i, concatenated (QuantizedTensor or KQuantTensor: the same 13 fields);
+    ValueError when missing or not quantized."""
     try:
         e = experts[i]
-        mats = (e.gate, e.up, e.down)
-        row = mats[0].descriptor + mats[1].descriptor + mats[2].descriptor
+        return e.gate.descriptor + e.up.descriptor + e.down.descriptor
     except (KeyError, IndexError):
         raise ValueError(f"routing chose expert {i} but no weights were given for it") from None
     except AttributeError:
-        raise ValueError(f"expert {i}: the fused kernel runs quantized experts only (QuantizedTensor gate, up, down); "
-                         "run float32 experts with gated_mlp") from None
-    for m, name in enumerate(("gate", "up", "down")):
-        if row[m * DESCRIPTOR] == KQUANT_FLAG:
-            raise ValueError(f"expert {i}: its {name} matrix is a GGUF K-quant ({mats[m]!r}), which the fused expert "
-                             "kernels do not run: load K-quant expert stacks dequantized (GGUFModel does) or convert "
-                             "the model into a Colibri container (`colibri convert`)")
-    return row
+        raise ValueError(f"expert {i}: the fused kernel runs quantized experts only (QuantizedTensor or KQuantTensor "
+                         "gate, up, down); run float32 experts with gated_mlp") from None

@@ -1,5 +1,6 @@
 """The fused decode step on GGUF K-quant and IQ4 matrices: each tensor runs in its own type (Q2_K .. Q6_K, IQ4_XS,
-and mixes with IQ4_NL, Q5_0 and Q8_0), with the same bits as the blocks, and greedy decoding picks the same tokens."""
+and mixes with IQ4_NL, Q5_0 and Q8_0), routed experts too, with the same bits as the blocks, and greedy decoding picks
+the same tokens."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ CASES["IQ4_XS"] = {"": Q.IQ4_XS}
 CASES["IQ4_NL-mix"] = {"attn_output": Q.IQ4_NL, "ffn_down": Q.Q6_K, "attn_k": Q.Q8_0, "": Q.IQ4_XS}
 
 
-def _gguf(tmp_path, types: dict) -> str:
+def _gguf(tmp_path, types: dict, family: str = "llama", **extra) -> str:
     from safetensors.numpy import load_file
 
-    folder = build_checkpoint(tmp_path / "hf", "llama", **SHAPE)
+    folder = build_checkpoint(tmp_path / "hf", family, **SHAPE, **extra)
     cfg = json.loads((folder / "config.json").read_text())
     write_gguf(tmp_path / "model.gguf", "llama", cfg, load_file(folder / "model.safetensors"), types)
     return str(tmp_path / "model.gguf")
@@ -80,6 +81,25 @@ def test_k_quant_fused_steps_equal_the_blocks(tmp_path, threads, name):
         plan = model.context.fused
         assert isinstance(plan, FusedDecode)                      # the fused step ran them, in their own types
         assert (plan.descs[:, 0] == KQUANT_FLAG).sum() == len(native) and plan.kquant is True
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
+        assert tokens == want_tokens, n
+    loaded.close()
+
+
+def test_k_quant_experts_in_the_fused_step_equal_the_blocks(tmp_path, threads):
+    """A Q4_K_M MoE (Q4_K gate and up stacks, Q6_K down): the fused step runs each expert in its file's blocks."""
+    types = {"ffn_down_exps": Q.Q6_K, "output.weight": Q.Q6_K, "": Q.Q4_K}
+    loaded = load_model(_gguf(tmp_path, types, "mixtral", num_local_experts=4, num_experts_per_tok=2))
+    model = loaded.model
+    experts = [m for layer in model.experts.per_layer.values() for e in layer for m in (e.gate, e.up, e.down)]
+    assert all(isinstance(m, KQuantTensor) for m in experts) and experts[2].qtype == Q.Q6_K
+    want, want_tokens = _greedy(model, fused=False)
+    for n in (1, 2):
+        threads(n)
+        got, tokens = _greedy(model, fused=True)
+        plan = model.context.fused
+        assert isinstance(plan, FusedDecode) and plan.moe and plan.kquant is True
+        assert (plan.descs[:, 0] == KQUANT_FLAG).sum() >= len(experts)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), n
         assert tokens == want_tokens, n
     loaded.close()

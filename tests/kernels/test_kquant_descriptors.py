@@ -1,5 +1,5 @@
 """GGUF K-quant and IQ4 matrices through their 13-int descriptors (the fused step's table): rows against gguf's dequantization
-and numpy products, bitwise equal to the tensor's own matmul; kernels of Colibri's layout refuse them."""
+and numpy products, bitwise equal to the tensor's own matmul; the fused expert call runs them beside Colibri's formats."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import gguf
 import numpy as np
 import pytest
 
+from engine.blocks.ffn import ExpertWeights, gated_mlp
+from engine.blocks.norm import silu
 from engine.kernels.experts import moe_experts
 from engine.kernels.kquant import KQUANT_FLAG, kq_desc_rows
-from engine.quant import KQuantTensor
+from engine.quant import KQuantTensor, quantize
+from support.kernels import fma32
 from support.kquant_blocks import IQ_TYPES, TYPES, random_k_blocks
 
 
@@ -34,14 +37,47 @@ def test_descriptor_rows_match_numpy_and_the_tensor(qtype):
     assert np.isnan(out[:40]).all() and np.isnan(out[40:45]).all()   # nothing written outside its rows
 
 
-def test_fused_expert_kernels_refuse_k_quant_experts_clearly():
-    rng = np.random.default_rng(0)
+HIDDEN, INTER = 256, 512
 
-    class Expert:
-        gate = KQuantTensor((8, 256), gguf.GGMLQuantizationType.Q4_K, random_k_blocks(gguf.GGMLQuantizationType.Q4_K, 8, 256, rng))
-        up = gate
-        down = KQuantTensor((256, 256), gguf.GGMLQuantizationType.Q4_K, random_k_blocks(gguf.GGMLQuantizationType.Q4_K, 256, 256, rng))
 
-    x = rng.standard_normal((1, 256)).astype(np.float32)
-    with pytest.raises(ValueError, match="expert 0: its gate matrix is a GGUF K-quant .* do not run"):
-        moe_experts(x, np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32), [Expert()])
+def _k_experts(rng) -> list[ExpertWeights]:
+    """Four experts as a GGUF holds them: Q4_K gate and up with a Q6_K down (a Q4_K_M), Q5_K and Q2_K; IQ4_XS and
+    IQ4_NL with a Colibri 8-bit down (llama.cpp's Q8_0 fallback, repacked), in one table."""
+    def k(qtype, rows, cols):
+        return KQuantTensor((rows, cols), qtype, random_k_blocks(qtype, rows, cols, rng))
+
+    def q8(rows, cols):
+        return quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), 8, 32)
+
+    Q = gguf.GGMLQuantizationType
+    return [ExpertWeights(k(Q.Q4_K, INTER, HIDDEN), k(Q.Q4_K, INTER, HIDDEN), k(Q.Q6_K, HIDDEN, INTER)),
+            ExpertWeights(k(Q.Q5_K, INTER, HIDDEN), k(Q.Q2_K, INTER, HIDDEN), k(Q.Q3_K, HIDDEN, INTER)),
+            ExpertWeights(k(Q.IQ4_XS, INTER, HIDDEN), k(Q.IQ4_NL, INTER, HIDDEN), q8(HIDDEN, INTER)),
+            ExpertWeights(k(Q.Q4_K, INTER, HIDDEN), k(Q.Q4_K, INTER, HIDDEN), k(Q.Q6_K, HIDDEN, INTER))]
+
+
+@pytest.mark.parametrize("t", [1, 5])              # decode (on the fly) and prefill (dequantized tiles)
+def test_fused_experts_run_k_quant_experts(t, threads):
+    rng = np.random.default_rng(t)
+    experts = _k_experts(rng)
+    x = (rng.standard_normal((t, HIDDEN)) * 0.1).astype(np.float32)        # gate outputs in exp's range
+    ids = np.stack([rng.choice(len(experts), 2, replace=False) for _ in range(t)]).astype(np.int64)
+    weights = rng.random((t, 2)).astype(np.float32)
+    got = moe_experts(x, ids, weights, experts)
+    # the numbers each expert's own K-quant (or Colibri) kernels give, slots summed in order with one fma each
+    want = np.zeros((t, HIDDEN), np.float32)
+    for i in range(t):
+        for k in range(2):
+            want[i] = fma32(weights[i, k], gated_mlp(x[i:i + 1], experts[ids[i, k]], silu)[0], want[i])
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    threads(1)
+    assert np.array_equal(moe_experts(x, ids, weights, experts).view(np.uint32), want.view(np.uint32))
+    # and against plain numpy on gguf's dequantization (float64 products): float32 rounding of long sums only
+    ref = np.zeros((t, HIDDEN))
+    for i in range(t):
+        for k in range(2):
+            e = experts[ids[i, k]]
+            w = [m.dequantize().astype(np.float64) for m in (e.gate, e.up, e.down)]
+            g, u = w[0] @ x[i], w[1] @ x[i]
+            ref[i] += weights[i, k] * (w[2] @ (g / (1 + np.exp(-g)) * u))
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()

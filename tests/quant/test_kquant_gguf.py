@@ -76,17 +76,76 @@ def test_q4_k_m_mix_runs_natively_and_matches_the_reference(tmp_path):
     assert tokens == seq[len(PROMPT):]      # greedy decoding equals the float32 model of the same file
 
 
-def test_k_quant_expert_stacks_stay_float32(tmp_path):
-    """The fused expert kernels run Colibri's layout only: K-quant expert stacks load dequantized (for now)."""
+# a Q4_K_M MoE: Q4_K experts with the down stack in Q6_K, the head in Q6_K and one Q8_0 matrix beside them
+MOE_TYPES = {"ffn_down_exps": Q.Q6_K, "attn_output": Q.Q8_0, "output.weight": Q.Q6_K, "": Q.Q4_K}
+MOE = dict(num_local_experts=4, num_experts_per_tok=2, **SHAPE)
+
+
+def _moe_gguf(tmp_path, seed: int = 0, **shape):
+    """A tiny Mixtral-architecture GGUF of MOE_TYPES: its path and the values its tensors hold (HF names)."""
     from safetensors.numpy import load_file
 
-    from engine.formats.gguf_model import GGUFModel
-
-    folder = build_checkpoint(tmp_path / "hf", "mixtral", num_local_experts=4, num_experts_per_tok=2, **SHAPE)
+    folder = build_checkpoint(tmp_path / "hf", "mixtral", seed=seed, **(MOE | shape))
     cfg = json.loads((folder / "config.json").read_text())
-    back = write_gguf(tmp_path / "moe.gguf", "llama", cfg, load_file(folder / "model.safetensors"), {"": Q.Q4_K})
-    g = GGUFModel(tmp_path / "moe.gguf", quantized=True)
-    expert = g.load("model.layers.0.block_sparse_moe.experts.2.w1.weight")
-    assert isinstance(expert, np.ndarray)
-    assert np.array_equal(expert, back["model.layers.0.block_sparse_moe.experts.2.w1.weight"])
-    assert isinstance(g.load("model.layers.0.self_attn.o_proj.weight"), KQuantTensor)
+    back = write_gguf(tmp_path / "moe.gguf", "llama", cfg, load_file(folder / "model.safetensors"), MOE_TYPES)
+    return tmp_path / "moe.gguf", back
+
+
+def _greedy(model, spec, n: int) -> tuple[np.ndarray, list[int]]:
+    """The prompt's logits [P, V] and n greedy tokens after it (the blocks, one token a step)."""
+    cache = KVCache(spec, 64)
+    logits = model.forward(PROMPT, cache, all_logits=True)
+    tokens, last = [], logits[-1]
+    for _ in range(n):
+        tokens.append(int(last.argmax()))
+        last = model.forward([tokens[-1]], cache)[-1]
+    return logits, tokens
+
+
+def test_k_quant_expert_stacks_run_as_the_files_blocks(tmp_path):
+    """Each expert of a K-quant stack is a view of the file's blocks, and decoding equals the float32 path."""
+    from engine.formats.gguf_model import GGUFModel
+    from engine.loader import open_checkpoint
+    from engine.models.transformer import Transformer
+
+    path, back = _moe_gguf(tmp_path)
+    g = GGUFModel(path, quantized=True)
+    for name, qtype in (("w1", Q.Q4_K), ("w3", Q.Q4_K), ("w2", Q.Q6_K)):
+        full = f"model.layers.1.block_sparse_moe.experts.2.{name}.weight"
+        expert = g.load(full)
+        assert isinstance(expert, KQuantTensor) and expert.qtype == qtype, name
+        assert isinstance(_root(expert.raw), np.memmap)                       # mapped, not copied
+        assert np.array_equal(expert.rows(np.arange(expert.shape[0])), back[full]), name
+    loaded = load_model(path)
+    experts = loaded.model.experts.per_layer[0]
+    assert all(isinstance(m, KQuantTensor) for e in experts for m in (e.gate, e.up, e.down))
+    ours, tokens = _greedy(loaded.model, loaded.spec, 12)
+    ckpt = open_checkpoint(path, quantized=False)                            # every tensor widened to float32
+    plain = Transformer(ckpt.spec, ckpt.source)
+    assert isinstance(plain.experts.per_layer[0][0].gate, np.ndarray)
+    want, want_tokens = _greedy(plain, ckpt.spec, 12)
+    assert relative_error(ours, want) < 1e-4
+    assert tokens == want_tokens
+    loaded.close()
+
+
+def test_k_quant_moe_holds_about_its_file_not_float32(tmp_path):
+    """Loading a K-quant MoE allocates a small share of its file (the experts stay in the mapped file), where
+    widening the experts to float32 would take about 7 times it."""
+    import os
+    import tracemalloc
+
+    path, _ = _moe_gguf(tmp_path, num_local_experts=16, num_hidden_layers=2)
+    size = os.path.getsize(path)
+    tracemalloc.start()
+    try:
+        loaded = load_model(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    spec = loaded.spec
+    moe = spec.layers[0].ffn
+    float32_experts = spec.n_layers * moe.n_experts * 3 * moe.expert_ffn * spec.hidden_size * 4
+    assert float32_experts > 5 * size                                         # what the float32 path would hold
+    assert peak < size / 2, (peak, size)
+    loaded.close()
