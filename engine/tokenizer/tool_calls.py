@@ -141,6 +141,8 @@ class ToolCallParser:
                 self._buf = self._buf[at:]
                 self._inside = True
             at = self._buf.find(closing, len(opening))
+            while at >= 0 and self.fmt == "hermes" and _in_string(self._buf[len(opening):at]):
+                at = self._buf.find(closing, at + 1)      # the marker is written inside an argument's string
             if at < 0 and not final:
                 return [p for p in out if p != ""]
             end = len(self._buf) if at < 0 else at + len(closing)
@@ -234,6 +236,19 @@ def _properties(schema: object) -> dict[str, object]:
     if not isinstance(props, Mapping):
         return {}
     return {k: v.get("type") if isinstance(v, Mapping) else None for k, v in props.items()}
+
+
+def _in_string(text: str) -> bool:
+    """Whether JSON text ends inside a string."""
+    quoted, escaped = False, False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\" and quoted:
+            escaped = True
+        elif c == '"':
+            quoted = not quoted
+    return quoted
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:
