@@ -23,14 +23,8 @@ from engine.generation.call_grammar import call_grammar
 from engine.generation.grammar import Grammar
 from engine.tokenizer.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, ReasoningFormat
 from engine.tokenizer.tool_calls import (
-    ARG_KEY,
-    ARG_KEY_END,
-    ARG_VALUE,
-    ARG_VALUE_END,
     MARKERS,
     PYTHON_TAG,
-    TOOL_CLOSE,
-    TOOL_OPEN,
     Piece,
     ToolCall,
     ToolCallParser,
@@ -38,8 +32,7 @@ from engine.tokenizer.tool_calls import (
 )
 
 # the markers a call grammar writes, which some vocabularies hold as special tokens
-_GRAMMAR_MARKERS = (TOOL_OPEN, TOOL_CLOSE, ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END, PYTHON_TAG, START, CHANNEL,
-                    MESSAGE, CONSTRAIN, END)
+_GRAMMAR_MARKERS = (*{m for ms in MARKERS.values() for m in ms}, PYTHON_TAG, START, CHANNEL, MESSAGE, CONSTRAIN, END)
 
 
 @dataclass(frozen=True)
@@ -199,10 +192,12 @@ def arguments(value: Any, param: str) -> dict:
 def keep_markers(reasoning: ReasoningFormat | None, tokenizer: Any, tools: Tools | None) -> ReasoningFormat | None:
     """The reasoning format with the tool format's markers kept in the decoded text (a model whose markers are
     special tokens, as GLM's are, would otherwise write its calls invisibly)."""
-    if tools is None or reasoning is None or tokenizer is None:
+    if tools is None or tokenizer is None:
         return reasoning
-    ids = {tokenizer.token_to_id(m) for m in MARKERS[tools.fmt]} - {None}
-    return replace(reasoning, marker_ids=reasoning.marker_ids | frozenset(i for i in ids if i is not None))
+    ids = frozenset(i for i in (tokenizer.token_to_id(m) for m in MARKERS[tools.fmt]) if i is not None)
+    if reasoning is None:       # a model that does not reason: its answer is plain text, with the markers shown
+        return ReasoningFormat("plain", ids) if ids else None
+    return replace(reasoning, marker_ids=reasoning.marker_ids | ids)
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: Tools | None, prefill: str = "") -> tuple[list[int], str]:

@@ -26,6 +26,18 @@ from engine.tokenizer.tool_calls import (
     ARG_KEY_END,
     ARG_VALUE,
     ARG_VALUE_END,
+    DS_CALL,
+    DS_CALL_END,
+    DS_CALLS,
+    DS_CALLS_END,
+    DS_SEP,
+    KIMI_ARGS,
+    KIMI_CALL,
+    KIMI_CALL_END,
+    KIMI_CALLS,
+    KIMI_CALLS_END,
+    MM_CALLS,
+    MM_CALLS_END,
     PYTHON_TAG,
     TOOL_CLOSE,
     TOOL_OPEN,
@@ -76,6 +88,13 @@ def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Any], names: Sequence[st
             lark = (f"start: analysis? {lit(CHANNEL)} \"commentary {TO_FUNCTION}\" calls\n{analysis}{calls}")
             return lark_grammar(lark, what)
         return _lazy(f"start: calls\n{calls}", what, (Trigger(TO_FUNCTION),), reopen=False)
+    if fmt in ("deepseek", "kimi", "minimax"):
+        body = _minimax_body(schemas, names, lit, not forced) if fmt == "minimax" else \
+            _sections(fmt, schemas, names, lit, not forced)
+        opener = {"deepseek": DS_CALLS, "kimi": KIMI_CALLS, "minimax": MM_CALLS}[fmt]
+        if forced:
+            return lark_grammar(f"start: {lit(opener)} body\n{body}", what)
+        return _lazy(f"start: body\n{body}", what, (Trigger(opener),), reopen=True)
     raise GenerationError(f"no call grammar for the {fmt!r} tool-call format")
 
 
@@ -122,45 +141,83 @@ def _glm_body(schemas: Mapping[str, Any], names: Sequence[str], lit: Callable[[s
     """The rule `body`: after `<tool_call>`, a tool's name, its arguments as `<arg_key>K</arg_key><arg_value>V
     </arg_value>` in the schema's order (required ones present), then `</tool_call>`."""
     rules = [f"body: ({' | '.join(f'call{i}' for i in range(len(names)))}) \"\\n\"? {lit(TOOL_CLOSE)}"]
-    if lit(ARG_VALUE_END).startswith("<["):     # a special token: no text can run into it
-        rules.append(f"str_value: TEXT {lit(ARG_VALUE_END)}\nTEXT: /(.|\\n)*/")
-    else:                                        # text: the value ends at the first closing marker
-        rules.append(f"str_value[lazy]: /(.|\\n)*/ {lit(ARG_VALUE_END)}")
+    rules += _bare_calls(schemas, names, json.dumps,
+                         lambda k: f"\"\\n\"? {lit(ARG_KEY)} {k} {lit(ARG_KEY_END)} \"\\n\"? {lit(ARG_VALUE)}",
+                         lit(ARG_VALUE_END))
+    return "\n".join(rules) + "\n"
+
+
+def _minimax_body(schemas: Mapping[str, Any], names: Sequence[str], lit: Callable[[str], str], many: bool) -> str:
+    """The rule `body`: after `<minimax:tool_call>`, one or more `<invoke name="N"><parameter name="K">V
+    </parameter>...</invoke>`, then `</minimax:tool_call>`."""
+    calls = " | ".join(f"call{i}" for i in range(len(names)))
+    rules = [f"body: (\"\\n\"? ({calls}) \"\\n\"? \"</invoke>\"){'+' if many else ''} \"\\n\"? {lit(MM_CALLS_END)}"]
+    rules += _bare_calls(schemas, names, lambda n: json.dumps(f'<invoke name="{n}">'),
+                         lambda k: f"\"\\n\"? \"<parameter name=\\\"\" {k} \"\\\">\"", json.dumps("</parameter>"))
+    return "\n".join(rules) + "\n"
+
+
+def _bare_calls(schemas: Mapping[str, Any], names: Sequence[str], head: Callable[[str], str],
+                key: Callable[[str], str], end: str) -> list[str]:
+    """Rules `call{i}` of calls whose arguments are written bare (GLM's, MiniMax's): `head(name)`, then each
+    argument as `key(K)` (K a grammar expression of the name) and its value closed by `end`, in the schema's
+    order with the required ones present."""
+    if end.startswith("<["):        # a special token: no text can run into it
+        rules = [f"str_value: TEXT {end}", "TEXT: /(.|\\n)*/"]
+    else:                           # text: the value ends at the first closing marker
+        rules = [f"str_value[lazy]: /(.|\\n)*/ {end}"]
     for i, n in enumerate(names):
         schema = _object_schema(schemas[n])
         props = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
         required = set(schema.get("required") or ()) if isinstance(schema.get("required"), list) else set()
         parts = []
-        for j, (key, prop) in enumerate(props.items()):
-            rule = f"arg{i}_{j}"
-            rules.append(f"{rule}: \"\\n\"? {lit(ARG_KEY)} {json.dumps(key)} {lit(ARG_KEY_END)} \"\\n\"? "
-                         f"{lit(ARG_VALUE)} {_glm_value(prop, lit)}")
-            parts.append(rule if key in required else f"{rule}?")
+        for j, (k, prop) in enumerate(props.items()):
+            rules.append(f"arg{i}_{j}: {key(json.dumps(k))} {_bare_value(prop, end)}")
+            parts.append(f"arg{i}_{j}" if k in required else f"arg{i}_{j}?")
         if not props:       # any object: keys and JSON values as the model likes
-            rules.append(f"any{i}: \"\\n\"? {lit(ARG_KEY)} /[A-Za-z0-9_.-]+/ {lit(ARG_KEY_END)} \"\\n\"? "
-                         f"{lit(ARG_VALUE)} %json {{}} {lit(ARG_VALUE_END)}")
+            rules.append(f"any{i}: {key('/[A-Za-z0-9_.-]+/')} %json {{}} {end}")
             parts.append(f"any{i}*")
-        rules.append(f"call{i}: {json.dumps(n)} {' '.join(parts)}")
-    return "\n".join(rules) + "\n"
+        rules.append(f"call{i}: {head(n)} {' '.join(parts)}")
+    return rules
 
 
-def _glm_value(prop: Any, lit: Callable[[str], str]) -> str:
-    """A GLM argument value and its closing marker: a string bare (its enum's or const's values where it has
-    them), anything else as JSON."""
+def _bare_value(prop: Any, end: str) -> str:
+    """An argument value written bare and its closing `end`: a string as it is (its enum's or const's values, its
+    pattern or length where it has them), anything else as JSON."""
     kind = prop.get("type") if isinstance(prop, Mapping) else None
     if kind == "string":
         choices = prop.get("enum") if isinstance(prop.get("enum"), list) else \
             [prop["const"]] if "const" in prop else None
         if choices and all(isinstance(c, str) for c in choices):
-            return f"({' | '.join(json.dumps(c) for c in choices)}) {lit(ARG_VALUE_END)}"
+            return f"({' | '.join(json.dumps(c) for c in choices)}) {end}"
         bounds = [prop.get(k) for k in ("minLength", "maxLength")]
         if isinstance(prop.get("pattern"), str):       # anchored, as llguidance reads a JSON schema's pattern
-            return f"/{_regex(prop['pattern'])}/ {lit(ARG_VALUE_END)}"
+            return f"/{_regex(prop['pattern'])}/ {end}"
         if any(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
             low, high = (b if isinstance(b, int) and not isinstance(b, bool) else None for b in bounds)
-            return f"/(.|\\n){{{low or 0},{'' if high is None else high}}}/ {lit(ARG_VALUE_END)}"
+            return f"/(.|\\n){{{low or 0},{'' if high is None else high}}}/ {end}"
         return "str_value"
-    return f"%json {_schema_json(prop if isinstance(prop, Mapping) else {})} {lit(ARG_VALUE_END)}"
+    return f"%json {_schema_json(prop if isinstance(prop, Mapping) else {})} {end}"
+
+
+def _sections(fmt: str, schemas: Mapping[str, Any], names: Sequence[str], lit: Callable[[str], str],
+              many: bool) -> str:
+    """The rule `body` of DeepSeek's and Kimi's call sections: after the section's opener, one call (`many`: one
+    or more), then the section's closer."""
+    rules = []
+    for i, n in enumerate(names):
+        args = f"%json {_schema_json({**_object_schema(schemas[n]), 'x-guidance': _COMPACT})}"
+        if fmt == "deepseek":   # V3.1 writes the name then the arguments; V3 and R1 the type, name, fenced JSON
+            rules.append(f"call{i}: {lit(DS_CALL)} ({json.dumps(n)} {lit(DS_SEP)} {args} | \"function\" "
+                         f"{lit(DS_SEP)} {json.dumps(n + chr(10) + '```json' + chr(10))} {args} "
+                         f"\"\\n```\") {lit(DS_CALL_END)}")
+        else:
+            rules.append(f"call{i}: {lit(KIMI_CALL)} {json.dumps('functions.' + n + ':')} /[0-9]+/ {lit(KIMI_ARGS)} "
+                         f"{args} {lit(KIMI_CALL_END)}")
+    end = lit(DS_CALLS_END if fmt == "deepseek" else KIMI_CALLS_END)
+    rules.append(f"body: (\"\\n\"? ({' | '.join(f'call{i}' for i in range(len(names)))})){'+' if many else ''} "
+                 f"\"\\n\"? {end}")
+    return "\n".join(rules) + "\n"
 
 
 def _regex(pattern: str) -> str:

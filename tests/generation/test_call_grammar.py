@@ -35,6 +35,10 @@ LAZY = [
     ("llama3", "", '{"name": "get_weather", "parameters": {"city": ["Paris"]'),
     ("harmony", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant",
      '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": 7'),
+    ("deepseek", "Looking.", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": 7'),
+    ("kimi", "Sure.", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+                      '<|tool_call_argument_begin|>{"city": 7'),
+    ("minimax", "Checking.\n", '<minimax:tool_call>\n<invoke name="get_weather"><parameter name="days">two'),
 ]
 STEPS = 400
 
@@ -42,7 +46,7 @@ STEPS = 400
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     out = {}
-    for fmt in ("hermes", "glm", "llama3", "harmony"):
+    for fmt in ("hermes", "glm", "llama3", "harmony", "deepseek", "kimi", "minimax"):
         folder = tmp_path_factory.mktemp(fmt)
         ends = marker_tokenizer(folder, fmt)
         out[fmt] = (Tokenizer.from_folder(folder), frozenset(ends))
@@ -105,7 +109,9 @@ def test_a_call_opened_freely_gets_arguments_that_validate(tokenizers, fmt, pros
 
 def _opener_end(fmt: str, call: str) -> int:
     """Where the trigger of `fmt` ends in `call` (the text up to there is free)."""
-    trigger = {"hermes": "<tool_call>", "glm": "<tool_call>", "llama3": "", "harmony": "to=functions."}[fmt]
+    trigger = {"hermes": "<tool_call>", "glm": "<tool_call>", "llama3": "", "harmony": "to=functions.",
+               "deepseek": "<｜tool▁calls▁begin｜>", "kimi": "<|tool_calls_section_begin|>",
+               "minimax": "<minimax:tool_call>"}[fmt]
     return call.index(trigger) + len(trigger) if trigger else 0
 
 
