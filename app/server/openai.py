@@ -318,7 +318,7 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
         shape = await asyncio.to_thread(body.grammar)                   # compiling takes a while
-        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "response_format")
+        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "response_format", reasoning)
         scores = None
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)

@@ -45,14 +45,16 @@ class Tools:
     forced: tuple[str, ...] = ()         # the tools one of which the answer must call (none: the model chooses)
     specials: tuple[tuple[str, int], ...] = ()   # the format's markers that are special tokens, and their ids
 
-    def grammar(self) -> Grammar:
-        """The grammar the answer is decoded under: one call of the forced tools, or (the model choosing) free text
-        in which a call, once opened, has arguments matching its tool's schema; 400 naming a schema that cannot
-        be compiled."""
+    def grammar(self, reasoning: ReasoningFormat | None = None) -> Grammar:
+        """The grammar the answer is decoded under: one call of the forced tools (after the reasoning, when the
+        prompt leaves the model reasoning), or (the model choosing) free text in which a call, once opened, has
+        arguments matching its tool's schema; 400 naming a schema that cannot be compiled."""
         names = self.forced or tuple(self.schemas)
         ids = dict(self.specials)
+        thinking = reasoning is not None and reasoning.kind == "think" and reasoning.start == "reasoning"
         try:
-            return call_grammar(self.fmt, self.schemas, names, ids.get, forced=bool(self.forced))
+            return call_grammar(self.fmt, self.schemas, names, ids.get, forced=bool(self.forced),
+                                after_reasoning=thinking)
         except (ColibriError, ValueError) as exc:
             raise ApiError(400, f"tools: a tool's parameters schema cannot constrain its call: {exc}", "tools") \
                 from None
@@ -160,15 +162,16 @@ def anthropic_tools(tools: Any, tool_choice: Any, tokenizer: Any) -> Tools | Non
     return _offer(functions, tokenizer, "tools", forced)
 
 
-def answer_grammar(shape: Grammar | None, tools: Tools | None, shape_param: str) -> Grammar | None:
+def answer_grammar(shape: Grammar | None, tools: Tools | None, shape_param: str,
+                   reasoning: ReasoningFormat | None = None) -> Grammar | None:
     """The grammar an answer is decoded under: a forced call's, else the structured output asked for (`shape`,
     from the request's `shape_param`), else the tools' lazy call grammar; 400 when both a forced call and a shape
-    are asked for. Compiles: call it off the event loop."""
+    are asked for. `reasoning`: where the answer starts (answer_reasoning). Compiles: call it off the event loop."""
     if tools is not None and tools.forced:
         if shape is not None:
             raise ApiError(400, f"{shape_param} and a forced tool call (tool_choice) cannot both shape the answer; "
                                 "drop one", "tool_choice")
-        return tools.grammar()
+        return tools.grammar(reasoning)
     if shape is not None or tools is None:
         return shape        # JSON asked for: a call would not be JSON of that shape anyway
     return tools.grammar()

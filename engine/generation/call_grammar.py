@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.errors import GenerationError
 from engine.generation.grammar import Grammar, Trigger, lark_grammar
-from engine.tokenizer.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, TO_FUNCTION
+from engine.tokenizer.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, THINK_CLOSE, TO_FUNCTION
 from engine.tokenizer.tool_calls import (
     ARG_KEY,
     ARG_KEY_END,
@@ -51,11 +51,12 @@ SpecialId = Callable[[str], "int | None"]
 
 
 def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Any], names: Sequence[str], special: SpecialId,
-                 forced: bool) -> Grammar:
+                 forced: bool, after_reasoning: bool = False) -> Grammar:
     """The grammar of a call of one of `names` (tool name -> parameters schema in `schemas`) in format `fmt`: the
     whole answer when `forced`, else lazy (free text until the call opens). `special(marker)` is the id of a marker
-    that is one special token of the vocabulary (None: the marker is text). GenerationError naming a schema that
-    cannot constrain a call."""
+    that is one special token of the vocabulary (None: the marker is text). `after_reasoning`: the prompt leaves
+    the model reasoning (an open `<think>`), so a forced call starts once the reasoning is closed (and the answer may
+    not end before it). GenerationError naming a schema that cannot constrain a call."""
     if not names:
         raise GenerationError("a call grammar needs at least one tool")
     lit = _literals(special)
@@ -64,20 +65,20 @@ def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Any], names: Sequence[st
         call = _json_call(schemas, names, "arguments")
         if forced:
             lark = f"start: {lit(TOOL_OPEN)} \"\\n\" call \"\\n\" {lit(TOOL_CLOSE)}\n{call}"
-            return lark_grammar(lark, what)
+            return _forced(lark, what, after_reasoning)
         lark = f"start: \"\\n\"? call \"\\n\"? {lit(TOOL_CLOSE)}\n{call}"
         return _lazy(lark, what, (Trigger(TOOL_OPEN),), reopen=True)
     if fmt == "llama3":
         call = _json_call(schemas, names, "parameters")
         if forced:
-            return lark_grammar(f"start: call\n{call}", what)
+            return _forced(f"start: call\n{call}", what, after_reasoning)
         # a call is the whole answer: its JSON first, or after <|python_tag|>
         return _lazy(f"start: \" \"? call\n{call}", what,
                      (Trigger("{", at_start=True, kept=True), Trigger(PYTHON_TAG)), reopen=False)
     if fmt == "glm":
         body = _glm_body(schemas, names, lit)
         if forced:
-            return lark_grammar(f"start: {lit(TOOL_OPEN)} body\n{body}", what)
+            return _forced(f"start: {lit(TOOL_OPEN)} body\n{body}", what, after_reasoning)
         return _lazy(f"start: body\n{body}", what, (Trigger(TOOL_OPEN),), reopen=True)
     if fmt == "harmony":
         calls = _harmony_calls(schemas, names, lit)
@@ -86,16 +87,25 @@ def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Any], names: Sequence[st
             analysis = (f"analysis: {lit(CHANNEL)} \"analysis\" {lit(MESSAGE)} TEXT {lit(END)} {lit(START)} "
                         "\"assistant\"\nTEXT: /(.|\\n)*/\n")
             lark = (f"start: analysis? {lit(CHANNEL)} \"commentary {TO_FUNCTION}\" calls\n{analysis}{calls}")
-            return lark_grammar(lark, what)
+            return _forced(lark, what, after_reasoning)
         return _lazy(f"start: calls\n{calls}", what, (Trigger(TO_FUNCTION),), reopen=False)
     if fmt in ("deepseek", "kimi", "minimax"):
         body = _minimax_body(schemas, names, lit, not forced) if fmt == "minimax" else \
             _sections(fmt, schemas, names, lit, not forced)
         opener = {"deepseek": DS_CALLS, "kimi": KIMI_CALLS, "minimax": MM_CALLS}[fmt]
         if forced:
-            return lark_grammar(f"start: {lit(opener)} body\n{body}", what)
+            return _forced(f"start: {lit(opener)} body\n{body}", what, after_reasoning)
         return _lazy(f"start: body\n{body}", what, (Trigger(opener),), reopen=True)
     raise GenerationError(f"no call grammar for the {fmt!r} tool-call format")
+
+
+def _forced(lark: str, what: str, after_reasoning: bool) -> Grammar:
+    """A forced call's grammar: the whole answer, or (`after_reasoning`) all that follows `</think>`, newlines
+    allowed first, with the answer required to get there."""
+    if not after_reasoning:
+        return lark_grammar(lark, what)
+    g = lark_grammar(lark.replace("start: ", 'start: "\\n"? "\\n"? ', 1), what)
+    return Grammar(g.source, g.what, triggers=(Trigger(THINK_CLOSE),), required=True)
 
 
 def _lazy(lark: str, what: str, triggers: tuple[Trigger, ...], reopen: bool) -> Grammar:
@@ -128,9 +138,8 @@ def _harmony_calls(schemas: Mapping[str, Any], names: Sequence[str], lit: Callab
     """The rule `calls`: after `to=functions.`, a tool's name, the rest of the header, `<|message|>`, its arguments
     (the end-of-call token is a stop id: the answer ends there)."""
     rules = [f"calls: {' | '.join(f'call{i}' for i in range(len(names)))}",
-             # ` <|constrain|>json`, `<|channel|>commentary json`: a name's end is a space or a marker
-             f"header: (HWORDS | {lit(CHANNEL)} WORDS | {lit(CONSTRAIN)} WORDS)*", "HWORDS: / [ a-z]*/",
-             "WORDS: /[ a-z]+/"]
+             # ` <|constrain|>json` or `<|channel|>commentary json`, as gpt-oss writes and its template renders
+             f"header: (\" \" | {lit(CHANNEL)} \"commentary \") {lit(CONSTRAIN)}? \"json\""]
     for i, n in enumerate(names):
         args = {**_object_schema(schemas[n]), "x-guidance": _COMPACT}
         rules.append(f"call{i}: {json.dumps(n)} header {lit(MESSAGE)} %json {_schema_json(args)}")
@@ -168,11 +177,17 @@ def _bare_calls(schemas: Mapping[str, Any], names: Sequence[str], head: Callable
         rules = [f"str_value[lazy]: /(.|\\n)*/ {end}"]
     for i, n in enumerate(names):
         schema = _object_schema(schemas[n])
-        props = schema.get("properties") if isinstance(schema.get("properties"), Mapping) else {}
+        found = schema.get("properties")
+        props: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
         required = set(schema.get("required") or ()) if isinstance(schema.get("required"), list) else set()
         parts = []
         for j, (k, prop) in enumerate(props.items()):
-            rules.append(f"arg{i}_{j}: {key(json.dumps(k))} {_bare_value(prop, end)}")
+            value = _bare_value(prop, end)
+            if value.startswith("/") and not end.startswith("<["):
+                # a text closer could be spelled inside the value: the value ends at its first closer
+                rules.append(f"value{i}_{j}[lazy]: {value}")
+                value = f"value{i}_{j}"
+            rules.append(f"arg{i}_{j}: {key(json.dumps(k))} {value}")
             parts.append(f"arg{i}_{j}" if k in required else f"arg{i}_{j}?")
         if not props:       # any object: keys and JSON values as the model likes
             rules.append(f"any{i}: {key('/[A-Za-z0-9_.-]+/')} %json {{}} {end}")

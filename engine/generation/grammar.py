@@ -60,14 +60,17 @@ class Trigger:
 class Grammar:
     """A checked llguidance grammar and what it asks for (for messages).
 
-    With `triggers` the grammar is lazy (a tool call under tool_choice "auto"): the output is free until a trigger
-    is written, then must match the grammar; once the grammar is done, the output is free again (`reopen`, a call
-    that closes with a marker) or may only end."""
+    With `triggers` the grammar is lazy (a tool call under tool_choice "auto", or a forced one after reasoning):
+    the output is free until a trigger is written, then must match the grammar; once the grammar is done, the
+    output is free again (`reopen`, a call that closes with a marker) or may only end."""
 
     source: str  # llguidance's grammar JSON (LLMatcher.grammar_from_*)
     what: str  # "a JSON object", "JSON matching the schema 'person'"
     triggers: tuple[Trigger, ...] = ()
     reopen: bool = False
+    required: bool = False      # lazy: the output may not end before the grammar was triggered and is done
+    response_format: str | None = None  # the OpenAI `response_format` (JSON) asking for it, where one does: what a
+                                        # client of a remote server sends instead of the grammar
 
 
 def json_schema_grammar(schema: Any, name: str | None = None) -> Grammar:
@@ -80,14 +83,16 @@ def json_schema_grammar(schema: Any, name: str | None = None) -> Grammar:
     except (TypeError, ValueError, RecursionError) as exc:
         raise GenerationError(f"the JSON schema cannot be read: {exc}") from None
     _check(source, "the JSON schema")
-    return Grammar(source, f"JSON matching the schema {name!r}" if name else "JSON matching the schema")
+    asked = {"type": "json_schema", "json_schema": {"name": name or "answer", "schema": schema}}
+    return Grammar(source, f"JSON matching the schema {name!r}" if name else "JSON matching the schema",
+                   response_format=json.dumps(asked, allow_nan=False))
 
 
 def json_object_grammar() -> Grammar:
     """The grammar of any JSON object (OpenAI's `json_object` response format)."""
     source = _lib().LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
     _check(source, "the JSON object grammar")
-    return Grammar(source, "a JSON object")
+    return Grammar(source, "a JSON object", response_format=json.dumps({"type": "json_object"}))
 
 
 def lark_grammar(lark: str, what: str) -> Grammar:
@@ -270,7 +275,12 @@ class LazyConstraint:
 
     def __call__(self, logits: np.ndarray, history: TokenIds) -> np.ndarray:
         """The logits, masked by the grammar while a triggered part is being written."""
-        return logits if self.active is None else self.active(logits, history)
+        if self.active is not None:
+            return self.active(logits, history)
+        if self.grammar.required and not self.calls and self.end_ids:
+            logits = logits.copy()
+            logits[list(self.end_ids)] = -np.inf        # the grammar must still be met: no end yet
+        return logits
 
     def advance(self, token: int) -> None:
         """Follow the chosen token: through the grammar while it constrains, else looking for a trigger."""
@@ -312,8 +322,10 @@ class LazyConstraint:
 
     @property
     def complete(self) -> bool:
-        """Whether the output may end here (not inside a triggered part)."""
-        return self.active is None or self.active.complete
+        """Whether the output may end here (not inside a triggered part, nor before a required one)."""
+        if self.active is None:
+            return bool(self.calls) or not self.grammar.required
+        return self.active.complete
 
 
 def make_constraint(grammar: Grammar, tokenizer: Any, vocab: int, end_ids: frozenset[int],

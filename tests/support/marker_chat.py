@@ -23,7 +23,7 @@ LLAMA3_TEMPLATE = (
 
 @dataclass(frozen=True)
 class Family:
-    """A family's template, its special tokens (the first is the end of a turn), text markers and extra stops."""
+    """A family's template, its special tokens (the first ends a turn), markers that are text, and more stops."""
 
     template: str
     special: tuple[str, ...]
@@ -62,13 +62,12 @@ FAMILIES = {
 def marker_chat_model(folder: Path, fmt: str) -> Path:
     """A tiny random chat model writing `fmt` tool calls (FAMILIES), one token per character otherwise."""
     family = FAMILIES[fmt]
-    size = len(family.special) + len(family.added) + len(CHARS)
-    build_checkpoint(folder, "mixtral", num_local_experts=4, num_experts_per_tok=2, vocab_size=size,
-                     max_position_embeddings=4096, tie_word_embeddings=False)
     ends = marker_tokenizer(folder, fmt)
-    config = json.loads((folder / "config.json").read_text())
-    config["eos_token_id"] = ends
-    (folder / "config.json").write_text(json.dumps(config))
+    size = len(family.special) + len(family.added) + len(CHARS)
+    # the ends in generation_config.json too (its defaults would name characters)
+    build_checkpoint(folder, "mixtral", num_local_experts=4, num_experts_per_tok=2, vocab_size=size,
+                     max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=ends, bos_token_id=None,
+                     pad_token_id=None)
     return folder
 
 
@@ -77,7 +76,8 @@ def marker_tokenizer(folder: Path, fmt: str) -> list[int]:
     from tokenizers import Tokenizer, decoders, models
 
     family = FAMILIES[fmt]
-    pieces = list(family.special) + list(family.added) + CHARS
+    # characters first: a scripted stand-in that has strayed takes the lowest id the grammar allows, a plain one
+    pieces = CHARS + list(family.special) + list(family.added)
     vocab = {p: i for i, p in enumerate(pieces)}
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
