@@ -8,8 +8,10 @@ Two uses:
   ends (formats whose call is the end of the answer: Llama 3's JSON, harmony's message to a function).
 
 Markers that are special tokens of the model's vocabulary are written `<[id]>` in the grammar (llguidance matches a
-special token only by its id); the others as text. Argument values of GLM's XML-like calls follow the property's
-schema where it is JSON, and are free text up to the closing marker where the property is a string.
+special token only by its id); the others as text. Argument values written bare (GLM's, MiniMax's) follow the
+property's schema where it is JSON, and are text up to the closing marker where the property is a string (its
+enum, pattern or length kept). Tools' schemas are compiled leniently: a keyword llguidance does not implement
+(uniqueItems, say) is left unchecked rather than refusing the request.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ from engine.tokenizer.tool_calls import (
     ToolFormat,
 )
 
-# compact JSON, as templates write past calls: no run of whitespace for a weak model to wander into
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# compact JSON, as templates write past calls: no run of whitespace for a weak model to wander into; lenient: a
+# keyword llguidance does not implement (uniqueItems, not ...) is left unchecked rather than failing the request
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 
 SpecialId = Callable[[str], "int | None"]
 
@@ -212,7 +215,8 @@ def _bare_value(prop: Any, end: str) -> str:
             low, high = (b if isinstance(b, int) and not isinstance(b, bool) else None for b in bounds)
             return f"/(.|\\n){{{low or 0},{'' if high is None else high}}}/ {end}"
         return "str_value"
-    return f"%json {_schema_json(prop if isinstance(prop, Mapping) else {})} {end}"
+    value = {**(prop if isinstance(prop, Mapping) else {}), "x-guidance": {"lenient": True}}
+    return f"%json {_schema_json(value)} {end}"
 
 
 def _sections(fmt: str, schemas: Mapping[str, Any], names: Sequence[str], lit: Callable[[str], str],

@@ -157,3 +157,13 @@ def test_a_forced_call_is_one_call_that_validates(tokenizers, fmt, prose, call, 
     assert len(calls) == 1 and not rest.strip(), text
     assert calls[0].name in names
     jsonschema.validate(calls[0].arguments, SCHEMAS[calls[0].name])
+
+
+def test_a_keyword_llguidance_lacks_leaves_that_keyword_unchecked():
+    """Tool schemas come from clients as they are: a keyword the grammar library does not implement (uniqueItems)
+    must not fail the request; the rest of the schema still constrains the call."""
+    odd = {"f": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"},
+                                                           "uniqueItems": True}}, "required": ["tags"]}}
+    for fmt in ("hermes", "glm", "llama3", "harmony", "deepseek", "kimi", "minimax"):
+        for forced in (True, False):
+            assert call_grammar(fmt, odd, ["f"], lambda m: None, forced).source
