@@ -1,5 +1,5 @@
 """Tool calls of the families beyond Qwen's `<tool_call>` through the official `openai` client: DeepSeek's call
-sections, MiniMax-M2's XML invokes, GLM's argument pairs, gpt-oss's harmony messages.
+sections, MiniMax-M2's XML invokes, GLM's argument pairs, gpt-oss's harmony messages, Llama 3's JSON answers.
 
 Each served model is tiny and random with the family's published template and markers (support.marker_chat); the
 logits are scripted (support.scripted) to write what the family writes. A call written as the family writes it
@@ -37,12 +37,13 @@ CALLS = {
     "glm": "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
     "harmony": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+    "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
 }
 # what each writes before its final answer (MiniMax-M2's prompt opens <think>; gpt-oss answers on a channel)
 BEFORE_FINAL = {"minimax": "Got it.</think>\n\n", "harmony": "<|channel|>final<|message|>"}
 
 
-@pytest.fixture(scope="module", params=["deepseek", "minimax", "glm", "harmony"])
+@pytest.fixture(scope="module", params=["deepseek", "minimax", "glm", "harmony", "llama3"])
 def family(request, tmp_path_factory):
     fmt = request.param
     folder = marker_chat_model(tmp_path_factory.mktemp(fmt) / "tiny", fmt)
