@@ -193,7 +193,7 @@ def _bare_calls(schemas: Mapping[str, Any], names: Sequence[str], head: Callable
             rules.append(f"arg{i}_{j}: {key(json.dumps(k))} {value}")
             parts.append(f"arg{i}_{j}" if k in required else f"arg{i}_{j}?")
         if not props:       # any object: keys and JSON values as the model likes
-            rules.append(f"any{i}: {key('/[A-Za-z0-9_.-]+/')} %json {{}} {end}")
+            rules.append(f"any{i}: {key('/[A-Za-z0-9_.-]{1,64}/')} %json {{}} {end}")
             parts.append(f"any{i}*")
         rules.append(f"call{i}: {head(n)} {' '.join(parts)}")
     return rules
@@ -231,8 +231,9 @@ def _sections(fmt: str, schemas: Mapping[str, Any], names: Sequence[str], lit: C
                          f"{lit(DS_SEP)} {json.dumps(n + chr(10) + '```json' + chr(10))} {args} "
                          f"\"\\n```\") {lit(DS_CALL_END)}")
         else:
-            rules.append(f"call{i}: {lit(KIMI_CALL)} {json.dumps('functions.' + n + ':')} /[0-9]+/ {lit(KIMI_ARGS)} "
-                         f"{args} {lit(KIMI_CALL_END)}")
+            # the call's id, functions.NAME:INDEX (an index of a few digits: no endless run to wander into)
+            rules.append(f"call{i}: {lit(KIMI_CALL)} {json.dumps('functions.' + n + ':')} /[0-9]{{1,3}}/ "
+                         f"{lit(KIMI_ARGS)} {args} {lit(KIMI_CALL_END)}")
     end = lit(DS_CALLS_END if fmt == "deepseek" else KIMI_CALLS_END)
     rules.append(f"body: (\"\\n\"? ({' | '.join(f'call{i}' for i in range(len(names)))})){'+' if many else ''} "
                  f"\"\\n\"? {end}")

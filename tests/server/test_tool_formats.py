@@ -38,12 +38,14 @@ CALLS = {
     "harmony": "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
     "llama3": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "kimi": "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>',
 }
 # what each writes before its final answer (MiniMax-M2's prompt opens <think>; gpt-oss answers on a channel)
 BEFORE_FINAL = {"minimax": "Got it.</think>\n\n", "harmony": "<|channel|>final<|message|>"}
 
 
-@pytest.fixture(scope="module", params=["deepseek", "minimax", "glm", "harmony", "llama3"])
+@pytest.fixture(scope="module", params=["deepseek", "minimax", "glm", "harmony", "llama3", "kimi"])
 def family(request, tmp_path_factory):
     fmt = request.param
     folder = marker_chat_model(tmp_path_factory.mktemp(fmt) / "tiny", fmt)
@@ -86,6 +88,10 @@ def test_a_call_in_the_familys_format_round_trips(family, monkeypatch):
     call = choice.message.tool_calls[0]
     follow = [*asked, {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    if fmt == "kimi":   # its template (llama.cpp's copy) appends to a list, which sandboxed Jinja refuses (so does
+        with pytest.raises(openai.BadRequestError, match="append"):     # transformers'): a 400 saying so
+            client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=200)
+        return
     r = client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS, max_tokens=200)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == FINAL
 
