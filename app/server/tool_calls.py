@@ -19,9 +19,18 @@ from typing import Any
 
 from app.server.errors import ApiError
 from engine.errors import ColibriError
-from engine.generation.call_grammar import call_grammar
+from engine.generation.call_grammar import Thinking, call_grammar
 from engine.generation.grammar import Grammar
-from engine.tokenizer.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, ReasoningFormat
+from engine.tokenizer.reasoning import (
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    MESSAGE,
+    START,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningFormat,
+)
 from engine.tokenizer.tool_calls import (
     MARKERS,
     PYTHON_TAG,
@@ -32,7 +41,8 @@ from engine.tokenizer.tool_calls import (
 )
 
 # the markers a call grammar writes, which some vocabularies hold as special tokens
-_GRAMMAR_MARKERS = (*{m for ms in MARKERS.values() for m in ms}, PYTHON_TAG, START, CHANNEL, MESSAGE, CONSTRAIN, END)
+_GRAMMAR_MARKERS = (*{m for ms in MARKERS.values() for m in ms}, PYTHON_TAG, START, CHANNEL, MESSAGE, CONSTRAIN, END,
+                    THINK_OPEN, THINK_CLOSE)
 
 
 @dataclass(frozen=True)
@@ -46,15 +56,16 @@ class Tools:
     specials: tuple[tuple[str, int], ...] = ()   # the format's markers that are special tokens, and their ids
 
     def grammar(self, reasoning: ReasoningFormat | None = None) -> Grammar:
-        """The grammar the answer is decoded under: one call of the forced tools (after the reasoning, when the
-        prompt leaves the model reasoning), or (the model choosing) free text in which a call, once opened, has
+        """The grammar the answer is decoded under: one call of the forced tools (after the model's reasoning, for
+        a model that reasons in `<think>`), or (the model choosing) free text in which a call, once opened, has
         arguments matching its tool's schema; 400 naming a schema that cannot be compiled."""
         names = self.forced or tuple(self.schemas)
         ids = dict(self.specials)
-        thinking = reasoning is not None and reasoning.kind == "think" and reasoning.start == "reasoning"
+        thinking: Thinking = None
+        if reasoning is not None and reasoning.kind == "think":
+            thinking = "open" if reasoning.start == "reasoning" else "may"
         try:
-            return call_grammar(self.fmt, self.schemas, names, ids.get, forced=bool(self.forced),
-                                after_reasoning=thinking)
+            return call_grammar(self.fmt, self.schemas, names, ids.get, forced=bool(self.forced), thinking=thinking)
         except (ColibriError, ValueError) as exc:
             raise ApiError(400, f"tools: a tool's parameters schema cannot constrain its call: {exc}", "tools") \
                 from None

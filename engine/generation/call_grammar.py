@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from engine.errors import GenerationError
 from engine.generation.grammar import Grammar, Trigger, lark_grammar
-from engine.tokenizer.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, THINK_CLOSE, TO_FUNCTION
+from engine.tokenizer.reasoning import CHANNEL, CONSTRAIN, END, MESSAGE, START, THINK_CLOSE, THINK_OPEN, TO_FUNCTION
 from engine.tokenizer.tool_calls import (
     ARG_KEY,
     ARG_KEY_END,
@@ -51,15 +51,17 @@ from engine.tokenizer.tool_calls import (
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 
 SpecialId = Callable[[str], "int | None"]
+Thinking = Literal["open", "may"] | None
 
 
 def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Any], names: Sequence[str], special: SpecialId,
-                 forced: bool, after_reasoning: bool = False) -> Grammar:
+                 forced: bool, thinking: Thinking = None) -> Grammar:
     """The grammar of a call of one of `names` (tool name -> parameters schema in `schemas`) in format `fmt`: the
     whole answer when `forced`, else lazy (free text until the call opens). `special(marker)` is the id of a marker
-    that is one special token of the vocabulary (None: the marker is text). `after_reasoning`: the prompt leaves
-    the model reasoning (an open `<think>`), so a forced call starts once the reasoning is closed (and the answer may
-    not end before it). GenerationError naming a schema that cannot constrain a call."""
+    that is one special token of the vocabulary (None: the marker is text). `thinking`, for a model that reasons
+    in `<think>`: "open" when the prompt leaves it reasoning, so that a forced call starts once the reasoning is
+    closed (and the answer may not end before it); "may" when it may open reasoning first, so that a forced answer
+    may begin with `<think>...</think>`. GenerationError naming a schema that cannot constrain a call."""
     if not names:
         raise GenerationError("a call grammar needs at least one tool")
     lit = _literals(special)
@@ -68,20 +70,20 @@ def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Any], names: Sequence[st
         call = _json_call(schemas, names, "arguments")
         if forced:
             lark = f"start: {lit(TOOL_OPEN)} \"\\n\" call \"\\n\" {lit(TOOL_CLOSE)}\n{call}"
-            return _forced(lark, what, after_reasoning)
+            return _forced(lark, what, thinking, lit)
         lark = f"start: \"\\n\"? call \"\\n\"? {lit(TOOL_CLOSE)}\n{call}"
         return _lazy(lark, what, (Trigger(TOOL_OPEN),), reopen=True)
     if fmt == "llama3":
         call = _json_call(schemas, names, "parameters")
         if forced:
-            return _forced(f"start: call\n{call}", what, after_reasoning)
+            return _forced(f"start: call\n{call}", what, thinking, lit)
         # a call is the whole answer: its JSON first, or after <|python_tag|>
         return _lazy(f"start: \" \"? call\n{call}", what,
                      (Trigger("{", at_start=True, kept=True), Trigger(PYTHON_TAG)), reopen=False)
     if fmt == "glm":
         body = _glm_body(schemas, names, lit)
         if forced:
-            return _forced(f"start: {lit(TOOL_OPEN)} body\n{body}", what, after_reasoning)
+            return _forced(f"start: {lit(TOOL_OPEN)} body\n{body}", what, thinking, lit)
         return _lazy(f"start: body\n{body}", what, (Trigger(TOOL_OPEN),), reopen=True)
     if fmt == "harmony":
         calls = _harmony_calls(schemas, names, lit)
@@ -90,25 +92,31 @@ def call_grammar(fmt: ToolFormat, schemas: Mapping[str, Any], names: Sequence[st
             analysis = (f"analysis: {lit(CHANNEL)} \"analysis\" {lit(MESSAGE)} TEXT {lit(END)} {lit(START)} "
                         "\"assistant\"\nTEXT: /(.|\\n)*/\n")
             lark = (f"start: analysis? {lit(CHANNEL)} \"commentary {TO_FUNCTION}\" calls\n{analysis}{calls}")
-            return _forced(lark, what, after_reasoning)
+            return _forced(lark, what, thinking, lit)
         return _lazy(f"start: calls\n{calls}", what, (Trigger(TO_FUNCTION),), reopen=False)
     if fmt in ("deepseek", "kimi", "minimax"):
         body = _minimax_body(schemas, names, lit, not forced) if fmt == "minimax" else \
             _sections(fmt, schemas, names, lit, not forced)
         opener = {"deepseek": DS_CALLS, "kimi": KIMI_CALLS, "minimax": MM_CALLS}[fmt]
         if forced:
-            return _forced(f"start: {lit(opener)} body\n{body}", what, after_reasoning)
+            return _forced(f"start: {lit(opener)} body\n{body}", what, thinking, lit)
         return _lazy(f"start: body\n{body}", what, (Trigger(opener),), reopen=True)
     raise GenerationError(f"no call grammar for the {fmt!r} tool-call format")
 
 
-def _forced(lark: str, what: str, after_reasoning: bool) -> Grammar:
-    """A forced call's grammar: the whole answer, or (`after_reasoning`) all that follows `</think>`, newlines
-    allowed first, with the answer required to get there."""
-    if not after_reasoning:
-        return lark_grammar(lark, what)
-    g = lark_grammar(lark.replace("start: ", 'start: "\\n"? "\\n"? ', 1), what)
-    return Grammar(g.source, g.what, triggers=(Trigger(THINK_CLOSE),), required=True)
+def _forced(lark: str, what: str, thinking: Thinking, lit: Callable[[str], str]) -> Grammar:
+    """A forced call's grammar: the whole answer (after an optional `<think>...</think>` when `thinking` is "may"),
+    or ("open") all that follows `</think>`, with the answer required to get there; newlines may follow reasoning."""
+    if thinking == "open":
+        g = lark_grammar(lark.replace("start: ", 'start: "\\n"? "\\n"? ', 1), what)
+        return Grammar(g.source, g.what, triggers=(Trigger(THINK_CLOSE),), required=True)
+    if thinking == "may":
+        if lit(THINK_CLOSE).startswith("<["):       # special markers: no text runs into the closing one
+            think = f"think: {lit(THINK_OPEN)} THINK_TEXT {lit(THINK_CLOSE)}\nTHINK_TEXT: /(.|\\n)*/\n"
+        else:                                       # text markers: the reasoning ends at the first closing one
+            think = f"think[lazy]: {lit(THINK_OPEN)} /(.|\\n)*/ {lit(THINK_CLOSE)}\n"
+        lark = lark.replace("start: ", 'start: (think "\\n"? "\\n"?)? ', 1) + think
+    return lark_grammar(lark, what)
 
 
 def _lazy(lark: str, what: str, triggers: tuple[Trigger, ...], reopen: bool) -> Grammar:

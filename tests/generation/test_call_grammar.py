@@ -9,6 +9,8 @@ with a marker) after the call again. Forced grammars (a required call) make the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jsonschema
 import numpy as np
 import pytest
@@ -156,6 +158,29 @@ def test_a_forced_call_is_one_call_that_validates(tokenizers, fmt, prose, call, 
     text, (rest, calls) = _calls(fmt, tokenizer, ends, ids)
     assert len(calls) == 1 and not rest.strip(), text
     assert calls[0].name in names
+    jsonschema.validate(calls[0].arguments, SCHEMAS[calls[0].name])
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "glm", "minimax"])
+@pytest.mark.parametrize("thinking", ["may", "open"])
+def test_a_forced_call_follows_the_models_reasoning(tokenizers, fmt, thinking):
+    """A model that reasons in <think> reasons first, as it wrote it; then (its arguments off the schema) it makes
+    one call that validates. "open": the prompt opened the reasoning; "may": the model opens it."""
+    tokenizer, ends = tokenizers[fmt]
+    special = _special(tokenizer)
+    grammar = call_grammar(fmt, SCHEMAS, list(SCHEMAS), special, forced=True, thinking=thinking)
+    constraint = make_constraint(grammar, tokenizer, tokenizer.vocab_size, ends, budget=STEPS)
+    thought = ("" if thinking == "open" else "<think>") + "I should call it.</think>\n\n"
+    call = dict((f, c) for f, _, c in LAZY)[fmt]
+    ids, _ = _run(tokenizer, ends, constraint, thought + call, seed=2)
+    assert ids[:len(tokenizer.encode(thought, add_special_tokens=False))] == \
+        tokenizer.encode(thought, add_special_tokens=False)            # the reasoning passes as written
+    split = open_parser(replace(tokenizer.reasoning_format, start="reasoning" if thinking == "open" else "content"))
+    text = tokenizer.decode(ids[:-1] if ids[-1] in ends else ids)
+    parts = split.feed(text) + split.flush()
+    assert parts.reasoning == "I should call it." and ids[-1] in ends
+    rest, calls = parse_tool_calls(fmt, parts.content, SCHEMAS)
+    assert len(calls) == 1 and not rest.strip(), parts.content
     jsonschema.validate(calls[0].arguments, SCHEMAS[calls[0].name])
 
 

@@ -96,8 +96,11 @@ def test_a_call_in_the_familys_format_round_trips(family, monkeypatch):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == FINAL
 
 
-# what a model that would rather not call writes (MiniMax-M2's prompt opens its reasoning: the call follows it)
+# what a model that would rather not call writes: reasoning first where the family reasons in <think> (MiniMax-M2's
+# prompt opens it; DeepSeek and GLM open it themselves), which the forced call follows
 REFUSALS = {"minimax": "Let me think.</think>\n\nI would rather not.",
+            "deepseek": "<think>Let me think.</think>\n\nI would rather not.",
+            "glm": "<think>Let me think.</think>\nI would rather not.",
             "harmony": "<|channel|>analysis<|message|>No call.<|end|><|start|>assistant<|channel|>final<|message|>No."}
 
 
@@ -109,5 +112,7 @@ def test_a_forced_call_validates_in_every_format(family, monkeypatch):
                                        tool_choice="required", max_tokens=240, temperature=0)
     calls = r.choices[0].message.tool_calls
     assert calls is not None and len(calls) == 1, r.choices[0]
+    if fmt in ("minimax", "deepseek", "glm", "harmony"):
+        assert r.choices[0].message.model_extra["reasoning_content"] in ("Let me think.", "No call.")
     assert calls[0].function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
