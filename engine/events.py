@@ -67,6 +67,8 @@ class TokenEvent:
     reasoning: str = ""
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    pieces: tuple[str, ...] = ()    # where ids are unknown (a remote server's answer): the token's text, then each
+                                    # alternative's, in `top_logprobs` order
 
 
 @dataclass(frozen=True)

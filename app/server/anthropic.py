@@ -30,7 +30,15 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.generation import Budget, budget, events, start, stop_sequence
-from app.server.tool_calls import AnswerSplitter, Tools, answer_reasoning, anthropic_tools, call_id, render_chat
+from app.server.tool_calls import (
+    AnswerSplitter,
+    Tools,
+    answer_grammar,
+    answer_reasoning,
+    anthropic_tools,
+    call_id,
+    render_chat,
+)
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.grammar import Grammar, json_schema_grammar
@@ -302,12 +310,8 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
         limit = budget(body.max_tokens, len(prompt), engine.ctx, "messages")
         stops = tuple(body.stop_sequences or ())
         reasoning = answer_reasoning(tokenizer, text, tools)
-        grammar = await asyncio.to_thread(body.grammar)                                     # compiling takes a while
-        if tools is not None and tools.forced:
-            if grammar is not None:
-                raise ApiError(400, "output_config.format and a forced tool call (tool_choice) cannot both shape the "
-                                    "answer; drop one", "tool_choice")
-            grammar = await asyncio.to_thread(tools.grammar)
+        shape = await asyncio.to_thread(body.grammar)                   # compiling takes a while
+        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "output_config.format", reasoning)
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=body.sampling(), stops=stops,
                        reasoning=reasoning, grammar=grammar)
         rid = "msg_" + uuid.uuid4().hex[:24]

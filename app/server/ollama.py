@@ -33,7 +33,15 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.generation import budget, events, start
-from app.server.tool_calls import AnswerSplitter, Tools, answer_reasoning, arguments, openai_tools, render_chat
+from app.server.tool_calls import (
+    AnswerSplitter,
+    Tools,
+    answer_grammar,
+    answer_reasoning,
+    arguments,
+    openai_tools,
+    render_chat,
+)
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.grammar import Grammar, json_object_grammar, json_schema_grammar
@@ -303,7 +311,8 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
                         tools: Tools | None = None):
         options = body.options or Options()
         limit = budget(options.limit(), len(prompt), engine.ctx, "messages" if chat else "prompt")
-        grammar = await asyncio.to_thread(body.grammar)
+        shape = await asyncio.to_thread(body.grammar)                   # compiling takes a while
+        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "format", reasoning)
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=options.sampling(),
                        stops=options.stops(), reasoning=reasoning, grammar=grammar, speculative=options.speculative)
         if body.stream:

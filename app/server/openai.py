@@ -51,6 +51,7 @@ from app.server.generation import budget, start
 from app.server.tool_calls import (
     AnswerSplitter,
     Tools,
+    answer_grammar,
     answer_reasoning,
     arguments,
     call_id,
@@ -316,12 +317,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
-        grammar = await asyncio.to_thread(body.grammar)
-        if tools is not None and tools.forced:
-            if grammar is not None:
-                raise ApiError(400, "response_format and a forced tool call (tool_choice) cannot both shape the "
-                                    "answer; drop one", "tool_choice")
-            grammar = await asyncio.to_thread(tools.grammar)
+        shape = await asyncio.to_thread(body.grammar)                   # compiling takes a while
+        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "response_format", reasoning)
         scores = None
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)

@@ -3,10 +3,10 @@ function form chat templates read (OpenAI's and Ollama's `tools` already are; An
 choice of whether the model may call (`tool_choice`), and the answer's text split into prose and calls as it
 streams (`AnswerSplitter`, over engine.tokenizer.tool_calls), so that a route only shapes what comes out.
 
-`tool_choice` "auto" and "none" are honoured. A choice that forces a call ("required", Anthropic's "any", one
-named tool) constrains the whole answer to one call of the formats that open it with a marker in text (hermes):
-`<tool_call>`, a JSON object naming an allowed tool with arguments matching its schema, `</tool_call>`
-(engine.generation.grammar, through llguidance). For the other formats it is refused (400).
+`tool_choice` "auto", "none" and forced calls are honoured, in every format (engine.generation.call_grammar,
+through llguidance): a forced choice ("required", Anthropic's "any", one named tool) constrains the whole answer to
+one call of the allowed tools, its arguments matching the tool's schema; under "auto" the answer is free until the
+model opens a call, whose arguments are then constrained the same way (`answer_grammar`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,30 @@ from typing import Any
 
 from app.server.errors import ApiError
 from engine.errors import ColibriError
-from engine.generation.grammar import Grammar, lark_grammar
-from engine.tokenizer.reasoning import ReasoningFormat
-from engine.tokenizer.tool_calls import MARKERS, TOOL_CLOSE, TOOL_OPEN, Piece, ToolCall, ToolCallParser, ToolFormat
+from engine.generation.call_grammar import Thinking, call_grammar
+from engine.generation.grammar import Grammar
+from engine.tokenizer.reasoning import (
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    MESSAGE,
+    START,
+    THINK_CLOSE,
+    THINK_OPEN,
+    ReasoningFormat,
+)
+from engine.tokenizer.tool_calls import (
+    MARKERS,
+    PYTHON_TAG,
+    Piece,
+    ToolCall,
+    ToolCallParser,
+    ToolFormat,
+)
 
-FORCED = ("forcing a tool call (tool_choice {choice}) is done for models writing <tool_call> JSON calls only, "
-          "and this model writes {fmt} calls (Colibri does not implement it for them); use tool_choice auto and "
-          "ask for the call in the prompt")
+# the markers a call grammar writes, which some vocabularies hold as special tokens
+_GRAMMAR_MARKERS = (*{m for ms in MARKERS.values() for m in ms}, PYTHON_TAG, START, CHANNEL, MESSAGE, CONSTRAIN, END,
+                    THINK_OPEN, THINK_CLOSE)
 
 
 @dataclass(frozen=True)
@@ -36,20 +53,19 @@ class Tools:
     functions: tuple[dict, ...]          # {"type": "function", "function": {name, description, parameters}}
     schemas: dict[str, dict]             # tool name -> JSON schema of its parameters
     forced: tuple[str, ...] = ()         # the tools one of which the answer must call (none: the model chooses)
+    specials: tuple[tuple[str, int], ...] = ()   # the format's markers that are special tokens, and their ids
 
-    def grammar(self) -> Grammar | None:
-        """The grammar a forced call is decoded under (None when the model chooses); 400 naming a schema that
-        cannot be compiled."""
-        if not self.forced:
-            return None
-        one = [{"type": "object", "properties": {"name": {"const": name}, "arguments": self.schemas[name]},
-                "required": ["name", "arguments"], "additionalProperties": False} for name in self.forced]
-        # compact JSON, as the template writes past calls: no run of whitespace for a weak model to wander into
-        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        lark = (f'start: {json.dumps(TOOL_OPEN + chr(10))} call {json.dumps(chr(10) + TOOL_CLOSE)}\n'
-                f"call: %json {json.dumps({'anyOf': one, 'x-guidance': compact}, allow_nan=False)}\n")
+    def grammar(self, reasoning: ReasoningFormat | None = None) -> Grammar:
+        """The grammar the answer is decoded under: one call of the forced tools (after the model's reasoning, for
+        a model that reasons in `<think>`), or (the model choosing) free text in which a call, once opened, has
+        arguments matching its tool's schema; 400 naming a schema that cannot be compiled."""
+        names = self.forced or tuple(self.schemas)
+        ids = dict(self.specials)
+        thinking: Thinking = None
+        if reasoning is not None and reasoning.kind == "think":
+            thinking = "open" if reasoning.start == "reasoning" else "may"
         try:
-            return lark_grammar(lark, f"a call of {' or '.join(self.forced)}")
+            return call_grammar(self.fmt, self.schemas, names, ids.get, forced=bool(self.forced), thinking=thinking)
         except (ColibriError, ValueError) as exc:
             raise ApiError(400, f"tools: a tool's parameters schema cannot constrain its call: {exc}", "tools") \
                 from None
@@ -81,8 +97,7 @@ def _function(entry: Any, param: str, i: int) -> dict:
     return {"type": "function", "function": out}
 
 
-def _offer(functions: list[dict], tokenizer: Any, param: str, forced: tuple[str, ...] = (),
-           choice: Any = None) -> Tools | None:
+def _offer(functions: list[dict], tokenizer: Any, param: str, forced: tuple[str, ...] = ()) -> Tools | None:
     if not functions:
         return None
     names = [f["function"]["name"] for f in functions]
@@ -93,14 +108,14 @@ def _offer(functions: list[dict], tokenizer: Any, param: str, forced: tuple[str,
         raise ApiError(400, "the served model's chat template writes no tool-call format Colibri reads (hermes "
                             "<tool_call>, GLM, Llama 3 JSON, harmony), so its calls could not be read back (Colibri "
                             f"does not implement it for this model); leave out {param}", param)
-    if forced and fmt != "hermes":
-        raise ApiError(400, FORCED.format(choice=json.dumps(choice), fmt=fmt), "tool_choice")
     unknown = [n for n in forced if n not in names]
     if unknown:
         raise ApiError(400, f"tool_choice names {unknown[0]!r}, which is not among the tools ({', '.join(names)})",
                        "tool_choice")
+    specials = tuple((m, i) for m in _GRAMMAR_MARKERS
+                     if (i := tokenizer.token_to_id(m)) is not None and i in tokenizer.special_ids)
     return Tools(fmt, tuple(functions), {f["function"]["name"]: f["function"]["parameters"] for f in functions},
-                 forced)
+                 forced, specials)
 
 
 def openai_tools(tools: Any, tool_choice: Any, tokenizer: Any, param: str = "tools") -> Tools | None:
@@ -123,7 +138,7 @@ def openai_tools(tools: Any, tool_choice: Any, tokenizer: Any, param: str = "too
         return None
     forced = tuple(f["function"]["name"] for f in functions) if tool_choice == "required" else \
         (named["name"],) if isinstance(named, Mapping) else ()
-    return _offer(functions, tokenizer, param, forced, tool_choice)
+    return _offer(functions, tokenizer, param, forced)
 
 
 def anthropic_tools(tools: Any, tool_choice: Any, tokenizer: Any) -> Tools | None:
@@ -155,7 +170,22 @@ def anthropic_tools(tools: Any, tool_choice: Any, tokenizer: Any) -> Tools | Non
         return None
     forced = tuple(f["function"]["name"] for f in functions) if kind == "any" else \
         (tool_choice["name"],) if kind == "tool" else ()
-    return _offer(functions, tokenizer, "tools", forced, tool_choice)
+    return _offer(functions, tokenizer, "tools", forced)
+
+
+def answer_grammar(shape: Grammar | None, tools: Tools | None, shape_param: str,
+                   reasoning: ReasoningFormat | None = None) -> Grammar | None:
+    """The grammar an answer is decoded under: a forced call's, else the structured output asked for (`shape`,
+    from the request's `shape_param`), else the tools' lazy call grammar; 400 when both a forced call and a shape
+    are asked for. `reasoning`: where the answer starts (answer_reasoning). Compiles: call it off the event loop."""
+    if tools is not None and tools.forced:
+        if shape is not None:
+            raise ApiError(400, f"{shape_param} and a forced tool call (tool_choice) cannot both shape the answer; "
+                                "drop one", "tool_choice")
+        return tools.grammar(reasoning)
+    if shape is not None or tools is None:
+        return shape        # JSON asked for: a call would not be JSON of that shape anyway
+    return tools.grammar()
 
 
 def arguments(value: Any, param: str) -> dict:
@@ -176,10 +206,12 @@ def arguments(value: Any, param: str) -> dict:
 def keep_markers(reasoning: ReasoningFormat | None, tokenizer: Any, tools: Tools | None) -> ReasoningFormat | None:
     """The reasoning format with the tool format's markers kept in the decoded text (a model whose markers are
     special tokens, as GLM's are, would otherwise write its calls invisibly)."""
-    if tools is None or reasoning is None or tokenizer is None:
+    if tools is None or tokenizer is None:
         return reasoning
-    ids = {tokenizer.token_to_id(m) for m in MARKERS[tools.fmt]} - {None}
-    return replace(reasoning, marker_ids=reasoning.marker_ids | frozenset(i for i in ids if i is not None))
+    ids = frozenset(i for i in (tokenizer.token_to_id(m) for m in MARKERS[tools.fmt]) if i is not None)
+    if reasoning is None:       # a model that does not reason: its answer is plain text, with the markers shown
+        return ReasoningFormat("plain", ids) if ids else None
+    return replace(reasoning, marker_ids=reasoning.marker_ids | ids)
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: Tools | None, prefill: str = "") -> tuple[list[int], str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from app.service.messages import ChatMessage, LoadOptions, ModelInfo, SettingsChange
+from engine.generation.grammar import Grammar
 from engine.generation.sampling import SamplingParams
 from engine.telemetry import Snapshot, Subscription
 
@@ -24,8 +25,10 @@ class Service(Protocol):
         """Close the loaded model."""
 
     def generate(self, prompt: Sequence[int] | None = None, *, messages: Sequence[ChatMessage | Mapping] | None = None,
-                 sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = ()) -> int:
-        """Generate from token ids or chat messages; events come back as `Generation` with this id."""
+                 sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = (),
+                 logprobs: int | None = None, grammar: Grammar | None = None) -> int:
+        """Generate from token ids or chat messages; events come back as `Generation` with this id (with
+        `logprobs`, scored tokens; with `grammar`, an answer matching it)."""
 
     def compute_atlas(self) -> int:
         """Compute the loaded model's atlas (answered by AtlasReady or AtlasFailed)."""

@@ -68,9 +68,11 @@ from app.service.wire import (
     model_info,
     read_lines,
     refusal,
+    token_scores,
     unreachable,
 )
 from engine.events import DoneEvent, ErrorEvent, GenerationStats, TokenEvent
+from engine.generation.grammar import Grammar
 from engine.generation.sampling import SamplingParams
 from engine.telemetry import Snapshot, Subscription
 
@@ -144,13 +146,18 @@ class RemoteService:
         return self._put(UnloadRequest)
 
     def generate(self, prompt: Sequence[int] | None = None, *, messages: Sequence[ChatMessage | Mapping] | None = None,
-                 sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = ()) -> int:
-        """A streamed completion from token ids or chat messages; events come back as `Generation` with this id."""
+                 sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = (),
+                 logprobs: int | None = None, grammar: Grammar | None = None) -> int:
+        """A streamed completion from token ids or chat messages; events come back as `Generation` with this id.
+        With `logprobs`, each TokenEvent carries its token's log-probability and that many alternatives' (their
+        text in `pieces`: the server sends no ids). A `grammar` made from a JSON schema or a JSON object goes to
+        the server as its `response_format`; another is refused (an ErrorEvent)."""
         if (prompt is None) == (messages is None):
             raise ValueError("generate: give either prompt token ids or chat messages")
         msgs = None if messages is None else tuple(chat_message(m) for m in messages)
         ids = None if prompt is None else tuple(int(t) for t in prompt)
-        return self._put(lambda i: GenerateRequest(i, ids, msgs, sampling, int(max_tokens), tuple(stop)))
+        return self._put(lambda i: GenerateRequest(i, ids, msgs, sampling, int(max_tokens), tuple(stop),
+                                                   logprobs=logprobs, grammar=grammar))
 
     def compute_atlas(self) -> int:
         """Refused: the atlas of a served model is computed where it runs (answered at once)."""
@@ -374,7 +381,11 @@ class RemoteService:
             self._emit(Generation(req.id, DoneEvent("cancelled", (), "", GenerationStats(0, 0, 0.0, 0.0, 0.0))))
             return
         chat = req.messages is not None
-        body = completion_body(req, self._info.name if self._info is not None else "default")
+        try:
+            body = completion_body(req, self._info.name if self._info is not None else "default")
+        except RemoteError as exc:
+            self._emit(Generation(req.id, ErrorEvent(str(exc))))
+            return
         pieces: list[str] = []
         thoughts: list[str] = []     # the reasoning the server sends apart (`reasoning_content`)
         first = last = None
@@ -407,12 +418,21 @@ class RemoteService:
                     delta = (choice.get("delta") or {}) if chat else {}
                     text = delta.get("content") if chat else choice.get("text")
                     thought = delta.get("reasoning_content") or ""
-                    if text or thought:
+                    scores = token_scores(choice, chat)
+                    if text or thought or scores:
                         last = time.perf_counter()
                         first = first or last
-                        self._emit(Generation(req.id, TokenEvent(len(pieces), UNKNOWN_TOKEN, text or "", thought)))
-                        pieces.append(text or "")
-                        thoughts.append(thought)
+                    # one event per token scored (the chunk's text on the first), else one for the chunk's text
+                    tokens = [TokenEvent(0, UNKNOWN_TOKEN, "", "", logprob, tuple((UNKNOWN_TOKEN, p) for _, p in top),
+                                         (token, *(t for t, _ in top))) for token, logprob, top in scores]
+                    if text or thought:
+                        tokens[:1] = [replace(tokens[0] if tokens else TokenEvent(0, UNKNOWN_TOKEN, ""),
+                                              text=text or "", reasoning=thought)]
+                    for token in tokens:
+                        token = replace(token, index=len(pieces))
+                        self._emit(Generation(req.id, token))
+                        pieces.append(token.text)
+                        thoughts.append(token.reasoning)
                     finish = choice.get("finish_reason") or finish
             else:
                 if not cancel.is_set():

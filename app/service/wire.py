@@ -243,4 +243,30 @@ def completion_body(req: GenerateRequest, model: str) -> dict:
         body["frequency_penalty"] = s.frequency_penalty
     if s.repetition_penalty != 1.0:
         body["repetition_penalty"] = s.repetition_penalty   # not OpenAI's (vLLM's name): a server may ignore it
+    if req.logprobs is not None:
+        if req.messages is not None:
+            body["logprobs"] = True
+            body["top_logprobs"] = req.logprobs
+        else:
+            body["logprobs"] = req.logprobs
+    if req.grammar is not None:
+        if req.grammar.response_format is None:
+            raise RemoteError(f"{req.grammar.what} cannot be asked of a server: only a JSON schema or a JSON object "
+                              "(response_format) travels over its API; ask for one of those")
+        body["response_format"] = json.loads(req.grammar.response_format)
     return body
+
+
+def token_scores(choice: dict, chat: bool) -> list[tuple[str, float | None, tuple[tuple[str, float], ...]]]:
+    """The (token, log-probability, alternatives) a streamed chunk's choice reports (chat's `logprobs.content` or the
+    completions API's parallel lists), in order; [] when it reports none."""
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return []
+    if chat:
+        return [(str(e.get("token", "")), e.get("logprob"),
+                 tuple((str(t.get("token", "")), float(t["logprob"])) for t in e.get("top_logprobs") or ()))
+                for e in lp.get("content") or () if isinstance(e, dict)]
+    tops = lp.get("top_logprobs") or [None] * len(lp.get("tokens") or ())
+    return [(str(t), p, tuple((str(k), float(v)) for k, v in (top or {}).items()))
+            for t, p, top in zip(lp.get("tokens") or (), lp.get("token_logprobs") or (), tops)]

@@ -22,7 +22,7 @@ from engine.events import (
     PromptLogitsEvent,
     TokenEvent,
 )
-from engine.generation.grammar import Constraint, Grammar, make_constraint
+from engine.generation.grammar import Constraint, Grammar, LazyConstraint, make_constraint
 from engine.generation.prefill import prefill, prefill_chunks
 from engine.generation.sampling import (
     History,
@@ -112,7 +112,7 @@ def generate_step(
     controller: SpeculationController | None = None,
     limit: int | None = None,
     scored: Callable[[np.ndarray, int], None] | None = None,
-    constraint: Constraint | None = None,
+    constraint: Constraint | LazyConstraint | None = None,
 ) -> Generator[int, None, None]:
     """Yield sampled token ids forever; the consumer stops iterating when it has enough.
 

@@ -47,11 +47,30 @@ def _lib() -> Any:
 
 
 @dataclass(frozen=True)
+class Trigger:
+    """Where a lazy grammar starts: once the output has written `text` (anywhere, or with `at_start` only as its
+    first text past blanks), the grammar constrains what follows it (`kept`: what follows `text` and `text` too)."""
+
+    text: str
+    at_start: bool = False
+    kept: bool = False
+
+
+@dataclass(frozen=True)
 class Grammar:
-    """A checked llguidance grammar and what it asks for (for messages)."""
+    """A checked llguidance grammar and what it asks for (for messages).
+
+    With `triggers` the grammar is lazy (a tool call under tool_choice "auto", or a forced one after reasoning):
+    the output is free until a trigger is written, then must match the grammar; once the grammar is done, the
+    output is free again (`reopen`, a call that closes with a marker) or may only end."""
 
     source: str  # llguidance's grammar JSON (LLMatcher.grammar_from_*)
     what: str  # "a JSON object", "JSON matching the schema 'person'"
+    triggers: tuple[Trigger, ...] = ()
+    reopen: bool = False
+    required: bool = False      # lazy: the output may not end before the grammar was triggered and is done
+    response_format: str | None = None  # the OpenAI `response_format` (JSON) asking for it, where one does: what a
+                                        # client of a remote server sends instead of the grammar
 
 
 def json_schema_grammar(schema: Any, name: str | None = None) -> Grammar:
@@ -64,14 +83,16 @@ def json_schema_grammar(schema: Any, name: str | None = None) -> Grammar:
     except (TypeError, ValueError, RecursionError) as exc:
         raise GenerationError(f"the JSON schema cannot be read: {exc}") from None
     _check(source, "the JSON schema")
-    return Grammar(source, f"JSON matching the schema {name!r}" if name else "JSON matching the schema")
+    asked = {"type": "json_schema", "json_schema": {"name": name or "answer", "schema": schema}}
+    return Grammar(source, f"JSON matching the schema {name!r}" if name else "JSON matching the schema",
+                   response_format=json.dumps(asked, allow_nan=False))
 
 
 def json_object_grammar() -> Grammar:
     """The grammar of any JSON object (OpenAI's `json_object` response format)."""
     source = _lib().LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}))
     _check(source, "the JSON object grammar")
-    return Grammar(source, "a JSON object")
+    return Grammar(source, "a JSON object", response_format=json.dumps({"type": "json_object"}))
 
 
 def lark_grammar(lark: str, what: str) -> Grammar:
@@ -234,13 +255,90 @@ class Constraint:
         return bool(self.matcher.is_accepting())
 
 
+class LazyConstraint:
+    """A lazy grammar's state for one sequence: no mask while the output is free; once a trigger is written, a
+    `Constraint` on the rest (fed what the triggering token wrote past the trigger) until its grammar is done."""
+
+    wants: ClassVar[HistoryKind] = "generated"
+
+    def __init__(self, grammar: Grammar, bridge: Any, budget: int | None = None,
+                 end_ids: frozenset[int] = frozenset()) -> None:
+        self.grammar = grammar
+        self.bridge = bridge
+        self.left = budget
+        self.end_ids = end_ids
+        self.active: Constraint | None = None   # the grammar's state while it constrains
+        self.calls = 0                          # how many times the grammar was triggered
+        self._tail = b""                        # the free output's last bytes, where a trigger may be half written
+        self._blank = True                      # nothing but blanks written yet (for `at_start` triggers)
+        self._keep = max(len(t.text.encode()) for t in grammar.triggers) - 1
+
+    def __call__(self, logits: np.ndarray, history: TokenIds) -> np.ndarray:
+        """The logits, masked by the grammar while a triggered part is being written."""
+        if self.active is not None:
+            return self.active(logits, history)
+        if self.grammar.required and not self.calls and self.end_ids:
+            logits = logits.copy()
+            logits[list(self.end_ids)] = -np.inf        # the grammar must still be met: no end yet
+        return logits
+
+    def advance(self, token: int) -> None:
+        """Follow the chosen token: through the grammar while it constrains, else looking for a trigger."""
+        if self.left is not None:
+            self.left -= 1
+        if self.active is not None:
+            self.active.advance(token)
+            if self.grammar.reopen and self.active.matcher.is_stopped():
+                self.active = None
+            return
+        data = bytes(self.bridge.decode_bytes([int(token)]))
+        tail = self._tail + data
+        for trigger in self.grammar.triggers:
+            text = trigger.text.encode()
+            if trigger.at_start:
+                lead = tail.lstrip()
+                at = len(tail) - len(lead) if self._blank and lead.startswith(text) else -1
+            else:
+                at = tail.find(text)
+            if at >= 0:
+                self._start(tail[at if trigger.kept else at + len(text):])
+                self._tail, self._blank = b"", False
+                return
+        self._blank = self._blank and not tail.strip()
+        self._tail = tail[len(tail) - self._keep:] if self._keep else b""
+
+    def _start(self, rest: bytes) -> None:
+        """Constrain from here on, `rest` (written past the trigger by the same token) already in."""
+        ids = list(self.bridge.tokenize_bytes(rest)) if rest else []
+        budget = None if self.left is None else self.left + len(ids)
+        constraint = Constraint(self.grammar, self.bridge, budget, self.end_ids)
+        try:
+            for i in ids:
+                constraint.advance(i)
+        except GenerationError:         # the model began the call its own way: it stays free, and prose
+            return
+        self.calls += 1
+        self.active = None if self.grammar.reopen and constraint.matcher.is_stopped() else constraint
+
+    @property
+    def complete(self) -> bool:
+        """Whether the output may end here (not inside a triggered part, nor before a required one)."""
+        if self.active is None:
+            return bool(self.calls) or not self.grammar.required
+        return self.active.complete
+
+
 def make_constraint(grammar: Grammar, tokenizer: Any, vocab: int, end_ids: frozenset[int],
-                    budget: int | None = None) -> Constraint:
+                    budget: int | None = None) -> Constraint | LazyConstraint:
     """A fresh constraint for one sequence of a model with `vocab` logits, ending on any of `end_ids`; with a
-    `budget` (max_tokens), it steers the JSON to close before the budget ends."""
+    `budget` (max_tokens), it steers the JSON to close before the budget ends. A lazy grammar (with triggers)
+    gives a `LazyConstraint`."""
     if tokenizer is None:
         raise GenerationError("structured output needs the model's tokenizer, and this model has none")
-    return Constraint(grammar, grammar_tokenizer(tokenizer, vocab, end_ids), budget, end_ids)
+    bridge = grammar_tokenizer(tokenizer, vocab, end_ids)
+    if grammar.triggers:
+        return LazyConstraint(grammar, bridge, budget, end_ids)
+    return Constraint(grammar, bridge, budget, end_ids)
 
 
 # Closing starts when the tokens left are at most the closing text's bytes plus this: one token may open more

@@ -47,7 +47,7 @@ class Split:
 class ReasoningFormat:
     """How a model marks its reasoning, and where its output starts (`start`, set by `after`)."""
 
-    kind: Literal["think", "harmony"]
+    kind: Literal["think", "harmony", "plain"]      # plain: no reasoning, only markers kept visible (tool calls')
     marker_ids: frozenset[int] = frozenset()   # the markers' token ids, decoded even when skipping special tokens
     start: State = "content"
 
@@ -59,6 +59,8 @@ class ReasoningFormat:
 
     def parser(self) -> ReasoningParser:
         """A fresh incremental parser starting at `start`."""
+        if self.kind == "plain":
+            return PlainParser()
         return ThinkParser(self.start) if self.kind == "think" else HarmonyParser(self.start)
 
 

@@ -1,7 +1,7 @@
 """Tool calls in a model's answer: which format a chat template asks for, and the answer's text split into prose
 and structured calls, as it streams.
 
-Four formats cover the families Colibri runs, each read from what the chat template writes (never the model's
+Seven formats cover the families Colibri runs, each read from what the chat template writes (never the model's
 name, `detect_tool_format`):
 - "hermes" (Qwen, Hermes, MiniMax's `<tool_call>` kin): `<tool_call>{"name": N, "arguments": {...}}</tool_call>`;
 - "glm" (GLM-4.5 to 4.7): `<tool_call>N<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`, a value
@@ -10,7 +10,16 @@ name, `detect_tool_format`):
   `<|python_tag|>`, several calls joined by `;`;
 - "harmony" (gpt-oss): a message `<|start|>assistant<|channel|>commentary to=functions.N <|constrain|>json
   <|message|>{...}<|call|>`. The reasoning parser (engine.tokenizer.reasoning) passes such a message on to the
-  answer verbatim, so this parser reads it from the answer like the others.
+  answer verbatim, so this parser reads it from the answer like the others;
+- "deepseek" (DeepSeek V3, R1, V3.1): `<｜tool▁calls▁begin｜>` then calls, `<｜tool▁calls▁end｜>`; a call is
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n```json\n{...}\n```<｜tool▁call▁end｜>` (V3, R1) or
+  `<｜tool▁call▁begin｜>N<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (V3.1);
+- "kimi" (Kimi K2): `<|tool_calls_section_begin|>` then calls `<|tool_call_begin|>functions.N:I
+  <|tool_call_argument_begin|>{...}<|tool_call_end|>`, `<|tool_calls_section_end|>`;
+- "minimax" (MiniMax-M2): `<minimax:tool_call>` then `<invoke name="N"><parameter name="K">V</parameter>...
+  </invoke>` calls, `</minimax:tool_call>`, a value being JSON unless the tool's schema says string (as GLM's).
+
+The last three write several calls in one section, which is read whole when it closes.
 
 The parser works on the answer (reasoning already split off): a call written while reasoning is a thought, not a
 call. Text that looks like a call but does not parse stays prose: nothing the model wrote is lost.
@@ -26,11 +35,16 @@ from typing import Any, Literal
 
 from engine.tokenizer.reasoning import CALL, CHANNEL, MESSAGE, START
 
-ToolFormat = Literal["hermes", "glm", "llama3", "harmony"]
+ToolFormat = Literal["hermes", "glm", "llama3", "harmony", "deepseek", "kimi", "minimax"]
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 PYTHON_TAG = "<|python_tag|>"
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+KIMI_CALLS, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL, KIMI_ARGS, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+MM_CALLS, MM_CALLS_END = "<minimax:tool_call>", "</minimax:tool_call>"
 
 # The strings of each format a decoder must show even when they are special tokens
 MARKERS: dict[ToolFormat, tuple[str, ...]] = {
@@ -38,7 +52,14 @@ MARKERS: dict[ToolFormat, tuple[str, ...]] = {
     "glm": (TOOL_OPEN, TOOL_CLOSE, ARG_KEY, ARG_KEY_END, ARG_VALUE, ARG_VALUE_END),
     "llama3": (),            # <|python_tag|> may stay hidden: the JSON alone is the call
     "harmony": (),           # the reasoning format keeps harmony's markers already
+    "deepseek": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP),
+    "kimi": (KIMI_CALLS, KIMI_CALLS_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END),
+    "minimax": (MM_CALLS, MM_CALLS_END),
 }
+# the markers around a call (or, for the formats writing calls in a section, around the section)
+_BOUNDS: dict[str, tuple[str, str]] = {"hermes": (TOOL_OPEN, TOOL_CLOSE), "glm": (TOOL_OPEN, TOOL_CLOSE),
+                                       "harmony": (START, CALL), "deepseek": (DS_CALLS, DS_CALLS_END),
+                                       "kimi": (KIMI_CALLS, KIMI_CALLS_END), "minimax": (MM_CALLS, MM_CALLS_END)}
 
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
@@ -63,6 +84,12 @@ def detect_tool_format(template: str | Mapping[str, str] | None) -> ToolFormat |
     if template is None:
         return None
     text = template if isinstance(template, str) else "\n".join(template.values())
+    if DS_CALLS in text and DS_SEP in text:
+        return "deepseek"
+    if KIMI_CALLS in text and KIMI_ARGS in text:
+        return "kimi"
+    if MM_CALLS in text and "<invoke name=" in text:
+        return "minimax"
     if TOOL_OPEN in text and ARG_KEY in text:
         return "glm"
     if CHANNEL in text and MESSAGE in text and "to=" in text and "functions." in text:
@@ -127,7 +154,7 @@ class ToolCallParser:
     def _scan(self, final: bool) -> list[Piece]:
         if self.fmt == "llama3":
             return self._scan_json(final)
-        opening, closing = (START, CALL) if self.fmt == "harmony" else (TOOL_OPEN, TOOL_CLOSE)
+        opening, closing = _BOUNDS[self.fmt]
         out: list[Piece] = []
         while True:
             if not self._inside:
@@ -141,17 +168,81 @@ class ToolCallParser:
                 self._buf = self._buf[at:]
                 self._inside = True
             at = self._buf.find(closing, len(opening))
+            while at >= 0 and self.fmt == "hermes" and _in_string(self._buf[len(opening):at]):
+                at = self._buf.find(closing, at + 1)      # the marker is written inside an argument's string
             if at < 0 and not final:
                 return [p for p in out if p != ""]
             end = len(self._buf) if at < 0 else at + len(closing)
             raw, self._buf = self._buf[:end], self._buf[end:]
             self._inside = False
             body = raw[len(opening): at if at >= 0 else len(raw)]
-            call = self._harmony(body) if self.fmt == "harmony" else \
-                self._glm(body) if self.fmt == "glm" else self._hermes(body)
-            out.append(call if call is not None else raw)
+            calls = self._body(body)
+            if calls is None:
+                out.append(raw)
+            else:
+                out.extend(calls)
             if at < 0:
                 return [p for p in out if p != ""]
+
+    def _body(self, body: str) -> list[ToolCall] | None:
+        """The calls between a call's (or a section's) markers, or None when they do not parse."""
+        if self.fmt in ("deepseek", "kimi", "minimax"):
+            return self._section(body)
+        call = self._harmony(body) if self.fmt == "harmony" else \
+            self._glm(body) if self.fmt == "glm" else self._hermes(body)
+        return None if call is None else [call]
+
+    def _section(self, body: str) -> list[ToolCall] | None:
+        """The calls of a section (none parses: None); text between calls other than blanks fails it."""
+        if self.fmt == "minimax":
+            pattern = _MM_INVOKE
+        else:
+            begin, end = (DS_CALL, DS_CALL_END) if self.fmt == "deepseek" else (KIMI_CALL, KIMI_CALL_END)
+            pattern = re.compile(re.escape(begin) + r"(.*?)(?:" + re.escape(end) + r"|$)", re.S)
+        calls, pos = [], 0
+        for m in pattern.finditer(body):
+            if body[pos:m.start()].strip() or not m.group(0):
+                return None
+            call = self._minimax(m.group(1), m.group(2)) if self.fmt == "minimax" else \
+                self._deepseek(m.group(1)) if self.fmt == "deepseek" else self._kimi(m.group(1))
+            if call is None:
+                return None
+            calls.append(call)
+            pos = m.end()
+            if pos == len(body):
+                break
+        if body[pos:].strip() or not calls:
+            return None
+        return calls
+
+    def _deepseek(self, body: str) -> ToolCall | None:
+        head, sep, rest = body.partition(DS_SEP)
+        if not sep:
+            return None
+        fenced = re.fullmatch(r"([^\n`]+)\n```(?:json)?\n(.*)\n```\s*", rest, re.S)
+        if fenced:                                   # V3 and R1: type, name, then the arguments fenced
+            name, args = fenced.group(1).strip(), _json_object(fenced.group(2))
+        else:                                        # V3.1: the name, then the arguments
+            name, args = head.strip(), _json_object(rest.strip())
+        return ToolCall(name, args) if name and args is not None else None
+
+    def _kimi(self, body: str) -> ToolCall | None:
+        head, sep, rest = body.partition(KIMI_ARGS)
+        # the call's id is functions.NAME:INDEX
+        name = re.fullmatch(r"\s*(?:functions\.)?([^\s:<>]+)(?::\d+)?\s*", head)
+        args = _json_object(rest.strip()) if sep else None
+        return ToolCall(name.group(1), args) if name and args is not None else None
+
+    def _minimax(self, name: str, body: str) -> ToolCall | None:
+        props = _properties(self.schemas.get(name))
+        args: dict[str, Any] = {}
+        pos = 0
+        for m in _MM_PARAM.finditer(body):
+            if body[pos:m.start()].strip():
+                return None
+            args[m.group(1)] = _typed(m.group(2), props.get(m.group(1)))
+            pos = m.end()
+        return ToolCall(name, args) if not body[pos:].strip() else None
 
     def _hermes(self, body: str) -> ToolCall | None:
         value = _json_object(body.strip())
@@ -176,14 +267,8 @@ class ToolCallParser:
         for m in pattern.finditer(rest):
             if rest[pos:m.start()].strip():
                 return None
-            key, value = m.group(1).strip(), m.group(2)
-            if props.get(key) == "string":
-                args[key] = value
-            else:
-                try:
-                    args[key] = json.loads(value)
-                except ValueError:      # the template writes strings bare: a value that is no JSON is one
-                    args[key] = value
+            key = m.group(1).strip()
+            args[key] = _typed(m.group(2), props.get(key))
             pos = m.end()
         if rest[pos:].strip():
             return None
@@ -228,12 +313,39 @@ class ToolCallParser:
         return calls or [raw]
 
 
+_MM_INVOKE = re.compile(r'<invoke name="([^"]*)">(.*?)</invoke>', re.S)
+_MM_PARAM = re.compile(r'<parameter name="([^"]*)">(.*?)</parameter>', re.S)
+
+
+def _typed(value: str, kind: object) -> Any:
+    """An argument value written bare (GLM's, MiniMax's): a string where the schema says so, else JSON if it is."""
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:      # the templates write strings bare: a value that is no JSON is one
+        return value
+
+
 def _properties(schema: object) -> dict[str, object]:
     """A JSON schema's property names -> their `type` (what a client sent may be any JSON)."""
     props = schema.get("properties") if isinstance(schema, Mapping) else None
     if not isinstance(props, Mapping):
         return {}
     return {k: v.get("type") if isinstance(v, Mapping) else None for k, v in props.items()}
+
+
+def _in_string(text: str) -> bool:
+    """Whether JSON text ends inside a string."""
+    quoted, escaped = False, False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\" and quoted:
+            escaped = True
+        elif c == '"':
+            quoted = not quoted
+    return quoted
 
 
 def _split_top_level(text: str, sep: str) -> list[str]:

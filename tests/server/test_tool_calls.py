@@ -161,6 +161,21 @@ def test_a_forced_call_is_decoded_under_the_tools_schema(oai, monkeypatch, folde
     jsonschema.validate(json.loads(calls[0].function.arguments), schema)
 
 
+def test_a_call_opened_under_auto_gets_arguments_that_validate(oai, monkeypatch, folder):
+    """The model opens a call freely (its prose first passes as written), then writes an argument off the schema
+    (a number for a string): the call grammar takes over at the opener, so the call still validates (the stand-in
+    has no preference once it strays: its string runs on until the budget's end closes it)."""
+    script = Script(lambda prompt: 'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"city": 7',
+                    strict=False)
+    scripted(monkeypatch, Tokenizer.from_folder(folder), script)
+    r = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],
+                                    tools=[*TOOLS, CLOCK], max_tokens=120, temperature=0)
+    message = r.choices[0].message
+    assert message.content.startswith("Let me look.")
+    assert len(message.tool_calls) == 1 and message.tool_calls[0].function.name == "get_time"
+    jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), CLOCK["function"]["parameters"])
+
+
 def test_a_forced_call_without_tools_is_refused(oai):
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],

@@ -38,6 +38,25 @@ CASES = [
                 '{"city": "Paris", "days": 2}<|call|>', "", [WEATHER]),
     ("harmony", '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
                 '{"city": "Paris", "days": 2}', "", [WEATHER]),     # <|call|> ends the answer: not in its text
+    # DeepSeek V3.1: the name, then the arguments; two calls in one section
+    ("deepseek", 'Looking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "days": 2}'
+                 '<｜tool▁call▁end｜><｜tool▁call▁begin｜>note<｜tool▁sep｜>{"text": "x"}<｜tool▁call▁end｜>'
+                 '<｜tool▁calls▁end｜>', "Looking.", [WEATHER, ToolCall("note", {"text": "x"})]),
+    # DeepSeek V3 and R1: the call's type, the name, the arguments fenced
+    ("deepseek", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                 '{"city": "Paris", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>note'
+                 '\n```json\n{"text": "x"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "", [WEATHER, ToolCall("note", {"text": "x"})]),
+    ("deepseek", "No call: <｜tool▁calls▁begin｜>junk<｜tool▁calls▁end｜> stays.",
+     "No call: <｜tool▁calls▁begin｜>junk<｜tool▁calls▁end｜> stays.", []),
+    ("kimi", 'Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+             '{"city": "Paris", "days": 2}<|tool_call_end|><|tool_call_begin|>functions.note:1'
+             '<|tool_call_argument_begin|>{"text": "x"}<|tool_call_end|><|tool_calls_section_end|>',
+     "Sure.", [WEATHER, ToolCall("note", {"text": "x"})]),
+    ("minimax", 'Checking.\n<minimax:tool_call>\n<invoke name="get_weather"><parameter name="city">Paris</parameter>\n'
+                '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="note"><parameter name="text">42'
+                '</parameter>\n</invoke>\n</minimax:tool_call>', "Checking.\n",
+     [WEATHER, ToolCall("note", {"text": "42"})]),        # a string in its schema stays a string
 ]
 
 
@@ -83,9 +102,8 @@ def test_an_unclosed_call_at_the_end_is_read():
 
 @pytest.mark.parametrize("name, fmt", [
     ("Qwen-Qwen3-0.6B", "hermes"), ("GLM-4.6", "glm"), ("GLM-4.7-Flash", "glm"), ("openai-gpt-oss-120b", "harmony"),
-    # formats Colibri does not read yet: no false match
-    ("deepseek-ai-DeepSeek-V3.1", None), ("Kimi-K2-Instruct", None), ("MiniMax-M2", None),
-    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", None),
+    ("deepseek-ai-DeepSeek-V3.1", "deepseek"), ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "deepseek"),
+    ("Kimi-K2-Instruct", "kimi"), ("Kimi-K2-Thinking", "kimi"), ("MiniMax-M2", "minimax"),
 ])
 def test_the_format_is_read_from_the_template(name, fmt):
     assert detect_tool_format((TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")) == fmt
@@ -104,7 +122,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": SCHEMAS["get_weather"]}}]
 
 
-@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B", "GLM-4.6", "GLM-4.7-Flash", "openai-gpt-oss-120b"])
+@pytest.mark.parametrize("name", ["Qwen-Qwen3-0.6B", "GLM-4.6", "GLM-4.7-Flash", "openai-gpt-oss-120b",
+                                  "deepseek-ai-DeepSeek-V3.1"])
 def test_what_a_template_writes_for_a_call_parses_back(name):
     """The assistant turn a published template renders for a past call, read as the model's answer (through the
     reasoning parser, from the state the generation prompt leaves), gives that call back."""
@@ -126,6 +145,22 @@ def test_what_a_template_writes_for_a_call_parses_back(name):
     split = open_parser(fmt.after(start) if fmt else None)
     content = split.feed(answer).content + split.flush().content
     _, calls = parse_tool_calls(detect_tool_format(template), content, SCHEMAS)
+    assert calls[:1] == [WEATHER]
+
+
+@pytest.mark.parametrize("name, opener", [("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "<｜tool▁calls▁begin｜>"),
+                                          ("MiniMax-M2", "<minimax:tool_call>")])
+def test_a_past_call_as_the_template_writes_it_parses_back(name, opener):
+    """Templates that write a past call's turn unlike the answer's start (R1 drops the reasoning, MiniMax-M2 opens
+    <think> in the prompt): the call's section as written reads back as the call."""
+    template = (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    history = [{"role": "user", "content": "Weather in Paris for two days?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": WEATHER.arguments}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    whole = render_chat(template, history, add_generation_prompt=False, special_tokens={"bos_token": "<s>",
+                        "eos_token": "</s>"}, source=name, tools=TOOLS)
+    _, calls = parse_tool_calls(detect_tool_format(template), whole[whole.index(opener):], SCHEMAS)
     assert calls[:1] == [WEATHER]
 
 
