@@ -415,7 +415,9 @@ class ChatPanel(QWidget):
         """New conversations start with defaults (the settings dialog); an empty conversation shown takes them now."""
         self.defaults = defaults
         defaults.save(self.settings)
+        self.stop_loops.blockSignals(True)      # its signal would keep the fields' sampling as the defaults
         self.stop_loops.setChecked(defaults.stop_loops)
+        self.stop_loops.blockSignals(False)
         if not self.conversation.turns:
             self.conversation = replace(self.conversation,
                                         sampling=defaults.sampling(self.conversation.sampling.max_tokens))
