@@ -16,8 +16,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QPainter, QPaintEvent
+from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
@@ -38,10 +38,12 @@ from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
 from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_at_start, prepared_default
+from ui.library import LibraryDialog
 from ui.models import ModelActions
 from ui.selftest import SelfTest, SelfTestRun
 from ui.settings_dialog import AppSettings, SettingsDialog, ShortcutsDialog, compute_threads, models_folder
 from ui.theme import THEMES, app_icon, apply_theme
+from ui.widgets import ElidedLabel, InspectorPlaceholder
 
 log = logging.getLogger(__name__)
 
@@ -60,52 +62,6 @@ LINKS = (("Qt for Python (PySide6), LGPL-3.0", "https://doc.qt.io/qtforpython-6/
          ("numba, BSD-2-Clause", "https://numba.pydata.org/"),
          ("The demo model: SmolLM2-135M-Instruct, Apache-2.0",
           "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct"))
-
-
-class ElidedLabel(QLabel):
-    """A one-line label that elides its text to the width it gets (the whole text in its tooltip), so a status
-    line never shows a cut word and never pushes its neighbours away."""
-
-    def setText(self, text: str) -> None:
-        super().setText(text)
-        self.setToolTip(text)
-
-    def minimumSizeHint(self) -> QSize:
-        return QSize(self.fontMetrics().horizontalAdvance("…") * 4, super().minimumSizeHint().height())
-
-    def elided(self) -> str:
-        """The text as drawn at the current width."""
-        return self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, self.contentsRect().width())
-
-    def paintEvent(self, event: QPaintEvent) -> None:
-        painter = QPainter(self)
-        try:
-            painter.setPen(self.palette().color(self.foregroundRole()))
-            painter.drawText(self.contentsRect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter),
-                             self.elided())
-        finally:
-            painter.end()
-
-
-class _InspectorPlaceholder(QLabel):
-    """Stands in for ui.inspector.Inspector when it cannot be imported."""
-
-    atlasRequested = Signal()
-    atlasCancelRequested = Signal()
-
-    def __init__(self, reason: str):
-        super().__init__(f"The inspector is not available ({reason}).")
-        self.setWordWrap(True)
-        self.setAlignment(Qt.AlignmentFlag.AlignCenter)
-
-    def set_snapshot(self, snapshot) -> None: ...
-    def set_generating(self, active: bool) -> None: ...
-    def set_model_info(self, n_layers: int, n_experts: int, budget_bytes: int | None) -> None: ...
-    def set_tiers(self, tiers) -> None: ...
-    def set_atlas(self, atlas) -> None: ...
-    def set_atlas_progress(self, fraction) -> None: ...
-    def close_views(self) -> None: ...
-    def forget_model(self) -> None: ...
 
 
 def configure(app: QApplication) -> None:
@@ -135,6 +91,7 @@ class MainWindow(QMainWindow):
         self.first_run: FirstRunDialog | None = None     # the "no model yet" choices, while shown
         self.settings_dialog: SettingsDialog | None = None
         self.shortcuts_dialog: ShortcutsDialog | None = None
+        self.library: LibraryDialog | None = None
         self._drafting_chosen = False                    # the load options' drafting mode was shown once
         self._load_request: int | None = None
         self._atlas_request: int | None = None
@@ -148,7 +105,7 @@ class MainWindow(QMainWindow):
                               remote=self.remote.url if self.remote is not None else None)
         self.conversations = ConversationList()
         self.controls = ControlsPanel(settings=self.settings)
-        self.inspector = Inspector() if Inspector is not None else _InspectorPlaceholder(_INSPECTOR_MISSING)
+        self.inspector = Inspector() if Inspector is not None else InspectorPlaceholder(_INSPECTOR_MISSING)
         self.models = ModelActions(self, self.settings)
         self.setCentralWidget(self.chat)
         self.setDockNestingEnabled(True)
@@ -181,6 +138,9 @@ class MainWindow(QMainWindow):
         file.addAction(self.models.open_folder)
         file.addAction(self.models.open_gguf)
         file.addMenu(self.models.recent_menu)
+        self.library_action = QAction(self.tr("Model library…"), self, shortcut=QKeySequence("Ctrl+L"))
+        self.library_action.triggered.connect(lambda: self.show_library())
+        file.addAction(self.library_action)
         self.get_model = get_model = QAction("Get a model…", self)
         get_model.triggered.connect(lambda: self.show_first_run())
         file.addAction(get_model)
@@ -284,6 +244,22 @@ class MainWindow(QMainWindow):
         if self.settings_dialog is dlg:
             self.settings_dialog = None
 
+    def show_library(self) -> LibraryDialog | None:
+        """File ▸ Model library (non-blocking): the models folder's models, to open, convert, reveal or delete.
+        None for a remote window: the server's machine holds its models."""
+        if self.remote is not None:
+            return None
+        if self.library is not None:
+            self.library.reject()
+        current = str(self.info.path) if self.info is not None else None
+        dlg = self.library = LibraryDialog(models_folder(self.settings), current, self)
+        dlg.openRequested.connect(self.open_model)
+        dlg.convertRequested.connect(lambda path: self.models.show_convert(path))
+        dlg.finished.connect(lambda _r: setattr(self, "library", None) if self.library is dlg else None)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dlg.open()
+        return dlg
+
     def show_shortcuts(self) -> ShortcutsDialog:
         """Help ▸ Keyboard shortcuts (non-blocking): the window's actions with their keys, and the input's."""
         if self.shortcuts_dialog is not None:
@@ -347,7 +323,7 @@ class MainWindow(QMainWindow):
         url = self.remote.url
         why = f"the model is served by {url}; open, pull or convert models on that machine"
         for action in (self.models.open_folder, self.models.open_gguf, self.models.convert, self.get_model,
-                       self.models.recent_menu.menuAction()):
+                       self.models.recent_menu.menuAction(), self.library_action):
             action.setEnabled(False)
             action.setToolTip(why)
             action.setStatusTip(why)
@@ -618,7 +594,7 @@ class MainWindow(QMainWindow):
         self.controls.close_views()
         self.inspector.close_views()
         self.models.shutdown()
-        for dlg in (self.settings_dialog, self.shortcuts_dialog):
+        for dlg in (self.settings_dialog, self.shortcuts_dialog, self.library):
             if dlg is not None:
                 dlg.reject()
         if self.first_run is not None:
