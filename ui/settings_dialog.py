@@ -113,11 +113,13 @@ class SettingsDialog(QDialog):
                                         "--threads); used from the next model opened"))
         d = current.defaults
         self.temperature = QDoubleSpinBox(minimum=0.05, maximum=2.0, singleStep=0.1, decimals=2, value=d.temperature)
-        self.greedy = QCheckBox(self.tr("Greedy (temperature 0)"), checked=d.greedy)
+        self.greedy = QCheckBox(self.tr("Greedy (temperature 0)"))
+        self.greedy.setChecked(d.greedy)
         self.top_p = QDoubleSpinBox(minimum=0.05, maximum=1.0, singleStep=0.05, decimals=2, value=d.top_p)
         self.penalty = QDoubleSpinBox(minimum=1.0, maximum=2.0, singleStep=0.05, decimals=2,
                                       value=d.repetition_penalty)
-        self.stop_loops = QCheckBox(self.tr("Stop answers that repeat themselves"), checked=d.stop_loops)
+        self.stop_loops = QCheckBox(self.tr("Stop answers that repeat themselves"))
+        self.stop_loops.setChecked(d.stop_loops)
         self.greedy.toggled.connect(lambda on: self.temperature.setEnabled(not on))
         self.temperature.setEnabled(not d.greedy)
         self.theme = QComboBox()
