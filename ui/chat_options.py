@@ -84,6 +84,9 @@ class DraftingChoice(QComboBox):
         self.addItem(self.tr("Off"), self.OFF)
         self.addItem(self.tr("Prompt lookup"), self.LOOKUP)
         self.addItem(self.tr("MTP head"), self.MTP)
+        # as narrow as a short word: the chat keeps its small minimum width beside the docks
+        self.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.setMinimumContentsLength(4)
         self.setToolTip(self.tr("speculative decoding: guess a few tokens ahead (from the conversation, or with the "
                                 "model's multi-token-prediction head) and verify them in one step; answers stay the "
                                 "same, only faster when guesses hold"))

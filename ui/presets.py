@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import QCoreApplication, QSettings, Qt, Signal
-from PySide6.QtWidgets import QComboBox, QHBoxLayout, QInputDialog, QPushButton, QWidget
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QInputDialog, QToolButton, QWidget
 
 from engine.atomic import atomic_file
 
@@ -157,9 +157,9 @@ class PresetPicker(QWidget):
         self.combo = QComboBox()
         self.combo.setToolTip(self.tr("a system prompt and sampling under a name: choosing one fills the fields "
                                       "below (built-in ones leave the system prompt as it is)"))
-        self.save_button = QPushButton(self.tr("Save…"))
+        self.save_button = QToolButton(text=self.tr("Save…"))
         self.save_button.setToolTip(self.tr("keep the system prompt and sampling below as a preset"))
-        self.delete_button = QPushButton(self.tr("Delete"))
+        self.delete_button = QToolButton(text=self.tr("Delete"))
         self.delete_button.setToolTip(self.tr("forget the preset chosen (built-in ones stay)"))
         row = QHBoxLayout(self)
         row.setContentsMargins(0, 0, 0, 0)
