@@ -61,6 +61,20 @@ def test_drafting_by_prompt_lookup_gives_the_same_greedy_answer(qtbot, window, m
     assert isinstance(drafted, DoneEvent) and chat.conversation.turns[-1].content == plain.text
 
 
+def test_colibri_gui_speculative_starts_with_prompt_lookup_chosen(qtbot, make_window, models):
+    from dataclasses import replace
+
+    window = make_window()
+    window.load_options = replace(window.load_options, speculative=True)   # `colibri gui MODEL --speculative`
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+        window.open_model(str(models[1]))
+    assert window.chat.drafting.mode() == "lookup"
+    window.chat.drafting.setCurrentIndex(0)                 # the user's choice holds for the next model
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+        window.open_model(str(models[1]))
+    assert window.chat.drafting.mode() is False
+
+
 def test_a_model_with_an_mtp_head_is_offered_mtp_drafting(tmp_path):
     import json
 
