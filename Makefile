@@ -9,10 +9,11 @@ VENV := .venv
 VENV_PY := $(VENV)/bin/python
 CACHE := $(CURDIR)/.cache
 PYTEST_ARGS ?=
-# pytest-xdist workers; a test module stays in one worker (its fixtures are made once). Two fill this
+# pytest-xdist workers; a test module stays in one worker (its fixtures are made once), handed out in the
+# order tests/conftest.py gives (heaviest compiles first). Two fill this
 # project's two-core CI machine; TEST_JOBS=0 runs in one process.
 TEST_JOBS ?= 2
-XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder)
 
 # Debian packages the tests need; installed by `system-deps` when missing (with sudo unless root).
 # The desktop app (Qt's xcb platform, OpenGL through Mesa) and the GUI tests' virtual display (Xvfb):

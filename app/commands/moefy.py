@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--answer-tokens", type=int, default=d.answer_tokens, metavar="N",
                         help=f"tokens per answer in those chats (default {d.answer_tokens})")
     parser.add_argument("--probes", type=Path, metavar="DIR", help="a probes folder of <topic>.json files (default: the shipped ones)")
+    parser.add_argument("--no-eval", dest="evaluate", action="store_false",
+                        help="skip the held-out chats and the perplexity and routing measurements (about half the time); "
+                        "the model is the same, its report says it was not measured")
     parser.set_defaults(func=_run)
 
 
@@ -68,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
 
     options = MoefyOptions(experts=args.experts, top_k=args.top_k, noise=args.noise, seed=args.seed, dtype=args.dtype,
                            calib=args.calib, calib_prompts=args.calib_prompts, heldout_prompts=args.heldout_prompts,
-                           answer_tokens=args.answer_tokens, probes=args.probes)
+                           answer_tokens=args.answer_tokens, probes=args.probes,
+                           evaluate=args.evaluate)
     src = resolve_model(args.src)
     result = moefy(src, args.out, options, progress_printer("moefy"))
     print(format_report(result))

@@ -62,6 +62,9 @@ class MoefyOptions:
     heldout_prompts: int = 3       # other probe prompts per topic, answered for the held-out report
     answer_tokens: int = 16        # tokens the model writes per answer
     probes: Path | None = None     # probe folder (default: the shipped probes)
+    # measure the result against the dense model (held-out chats, both models' perplexity and expert shares);
+    # False writes the same model without the report's measurements, in about half the time
+    evaluate: bool = True
 
     def check(self) -> None:
         """Refuse options that cannot work, saying which."""
@@ -127,19 +130,24 @@ def moefy(src: str | Path, out: str | Path, options: MoefyOptions = MoefyOptions
     topics = load_probes(options.probes)
     names = {f"{layer_prefix(i)}.mlp.gate_proj.weight": i for i in range(spec.n_layers)}
     capture = FeatureCapture(names)
-    calib_info = _calibrate(dense, topics, options, capture, lambda f, m: report(0.05 + 0.35 * f, m))
+    calib_end = 0.40 if options.evaluate else 0.62
+    calib_info = _calibrate(dense, topics, options, capture, lambda f, m: report(0.05 + (calib_end - 0.05) * f, m))
 
+    # where writing starts and ends in the progress (after it: the held-out measurements, when evaluating)
+    spans = (0.55, 0.75) if options.evaluate else (0.70, 1.0)
     heldout_chats: list[Passage] = []
-    for n, topic in enumerate(topics):
-        prompts = topic.prompts[1::2][: options.heldout_prompts]
-        heldout_chats.append(converse(dense.model, dense.tokenizer, prompts, options.answer_tokens, dense.stop_ids))
-        report(0.40 + 0.12 * (n + 1) / len(topics), f"held-out chats: {topic.topic}")
-    heldout_prose = text_passages(dense.tokenizer, heldout_text(options.probes))
+    heldout_prose: list[Passage] = []
+    if options.evaluate:
+        for n, topic in enumerate(topics):
+            prompts = topic.prompts[1::2][: options.heldout_prompts]
+            heldout_chats.append(converse(dense.model, dense.tokenizer, prompts, options.answer_tokens, dense.stop_ids))
+            report(0.40 + 0.12 * (n + 1) / len(topics), f"held-out chats: {topic.topic}")
+        heldout_prose = text_passages(dense.tokenizer, heldout_text(options.probes))
 
     routers = {}
     for i in range(spec.n_layers):
         routers[i] = fit_router(capture.matrix(i), options.experts, options.top_k, seed=_layer_seed(options.seed, i))
-        report(0.52 + 0.03 * (i + 1) / spec.n_layers, f"routers: layer {i + 1}/{spec.n_layers}")
+        report(spans[0] - 0.03 + 0.03 * (i + 1) / spec.n_layers, f"routers: layer {i + 1}/{spec.n_layers}")
     del capture
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,16 +155,20 @@ def moefy(src: str | Path, out: str | Path, options: MoefyOptions = MoefyOptions
     tmp.mkdir()  # not mkdtemp, whose 0700 would make the model private to its maker
     try:
         _write(tmp, src, spec, source, meta, dense, routers, options,
-               lambda i: report(0.55 + 0.2 * (i + 1) / spec.n_layers, f"writing experts: layer {i + 1}/{spec.n_layers}"))
-        passages = len(heldout_chats) + len(heldout_prose)
-        dense_tick = _counter(lambda n: report(0.75 + 0.07 * n / passages, "perplexity of the dense model"))
-        dense_chats, dense_prose = score(dense.model, heldout_chats, dense_tick), score(dense.model, heldout_prose, dense_tick)
-        del dense
-        moe = load_model(tmp, lambda f, m: report(0.82 + 0.03 * f, "loading the MoE"))
-        moe_tick = _counter(lambda n: report(0.85 + 0.15 * n / passages, "perplexity and routing of the MoE"))
-        moe_chats, moe_prose = score(moe.model, heldout_chats, moe_tick), score(moe.model, heldout_prose, moe_tick)
-        result = _report(src, out, options, calib_info, dense_chats, moe_chats, dense_prose, moe_prose,
-                         time.perf_counter() - t0)
+               lambda i: report(spans[0] + (spans[1] - spans[0]) * (i + 1) / spec.n_layers,
+                                f"writing experts: layer {i + 1}/{spec.n_layers}"))
+        measured = None
+        if options.evaluate:
+            passages = len(heldout_chats) + len(heldout_prose)
+            dense_tick = _counter(lambda n: report(0.75 + 0.07 * n / passages, "perplexity of the dense model"))
+            dense_chats, dense_prose = score(dense.model, heldout_chats, dense_tick), score(dense.model, heldout_prose,
+                                                                                            dense_tick)
+            del dense
+            moe = load_model(tmp, lambda f, m: report(0.82 + 0.03 * f, "loading the MoE"))
+            moe_tick = _counter(lambda n: report(0.85 + 0.15 * n / passages, "perplexity and routing of the MoE"))
+            measured = (dense_chats, score(moe.model, heldout_chats, moe_tick), dense_prose,
+                        score(moe.model, heldout_prose, moe_tick))
+        result = _report(src, out, options, calib_info, measured, time.perf_counter() - t0)
         write_json(tmp / "moefy_report.json", result)
         report(1.0, "done")
         os.replace(tmp, out)
@@ -213,8 +225,10 @@ def _write(tmp: Path, src: Path, spec: ModelSpec, source, meta, dense, routers: 
                                                 "eos_token_id": eos[0] if len(eos) == 1 else eos})
 
 
-def _report(src: Path, out: Path, options: MoefyOptions, calib: dict[str, Any], dense_chats, moe_chats,
-            dense_prose, moe_prose, seconds: float) -> dict[str, Any]:
+def _report(src: Path, out: Path, options: MoefyOptions, calib: dict[str, Any], measured, seconds: float
+            ) -> dict[str, Any]:
+    """The report: what was made and how; with `measured` (dense and MoE scores of the held-out chats, then of the
+    held-out text), perplexities and expert shares, else null where they would be."""
     e = options.experts
 
     def ppl(dense, moe) -> dict[str, Any]:
@@ -229,11 +243,16 @@ def _report(src: Path, out: Path, options: MoefyOptions, calib: dict[str, Any], 
                 "within_bounds": bool(scaled.min() >= SHARE_BOUNDS[0] and scaled.max() <= SHARE_BOUNDS[1])}
 
     options_out = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(options).items()}
+    perplexity, expert_shares = None, None
+    if measured is not None:
+        dense_chats, moe_chats, dense_prose, moe_prose = measured
+        perplexity = {"heldout_text": ppl(dense_prose, moe_prose), "heldout_chats": ppl(dense_chats, moe_chats)}
+        expert_shares = {"heldout_chats": shares(moe_chats), "heldout_text": shares(moe_prose)}
     return {
         "source": str(src), "model": str(out), "options": options_out, "calibration": calib,
-        "perplexity": {"heldout_text": ppl(dense_prose, moe_prose), "heldout_chats": ppl(dense_chats, moe_chats)},
+        "perplexity": perplexity,
         "perplexity_bound": PPL_BOUND,
-        "expert_shares": {"heldout_chats": shares(moe_chats), "heldout_text": shares(moe_prose)},
+        "expert_shares": expert_shares,
         "share_bounds_times_e": list(SHARE_BOUNDS),
         "seconds": round(seconds, 1),
     }
@@ -243,6 +262,11 @@ def format_report(result: dict[str, Any]) -> str:
     """The report as text: perplexities, then each layer's expert shares on the held-out chats."""
     e = result["options"]["experts"]
     lines = []
+    if result["perplexity"] is None:
+        lines.append("not measured against the dense model (made without evaluation); `colibri moefy` measures it")
+        lines.append(f"calibration: {result['calibration']['tokens']} tokens from {result['calibration']['source']}; "
+                     f"took {result['seconds']:.0f} s")
+        return "\n".join(lines)
     for name, label in (("heldout_text", "held-out text (heldout.txt beside the probes)"),
                         ("heldout_chats", "held-out chats (probe prompts not used for calibration)")):
         p = result["perplexity"][name]

@@ -13,7 +13,7 @@ import pytest
 
 import app.hub.pull as pull_mod
 from app.moefy.router import fit_router, route_top_k
-from app.moefy.upcycle import MoefyCancelled, MoefyOptions, moefy
+from app.moefy.upcycle import MoefyCancelled, MoefyOptions, format_report, moefy
 from app.moefy.write import f32_to_bf16, mixtral_config, write_weights
 from engine.errors import ColibriError
 from engine.formats.hf import SafetensorsFolder
@@ -174,6 +174,24 @@ def test_calibration_file(tmp_path, dense, probes):
     assert report["calibration"]["tokens"] == n - -(-n // 512)  # every char but position 0 of each 512-token passage
 
 
+def test_without_evaluation_the_same_model_is_written_and_its_report_says_so(tmp_path, dense, probes):
+    measured = moefy(dense, tmp_path / "measured", tiny_options(probes))
+    messages: list[str] = []
+    fractions: list[float] = []
+
+    def progress(fraction: float, message: str) -> None:
+        fractions.append(fraction)
+        messages.append(message)
+    report = moefy(dense, tmp_path / "quick", tiny_options(probes, evaluate=False), progress)
+    assert measured["perplexity"] is not None and report["perplexity"] is None and report["expert_shares"] is None
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (tmp_path / "quick" / name).read_bytes() == (tmp_path / "measured" / name).read_bytes(), name
+    assert not any(m.startswith(("held-out", "perplexity")) for m in messages), "nothing is measured"
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert "not measured" in format_report(report)
+    assert json.loads((tmp_path / "quick" / "moefy_report.json").read_text())["perplexity"] is None
+
+
 def test_the_upcycled_model_is_prepared_once(tmp_path, monkeypatch):
     """`smollm2-moe-bf16` is moefy of the pulled SmolLM2, made once (the default model, its 4-bit container, is
     made from it: tests/hub/test_pull.py)."""
@@ -184,7 +202,7 @@ def test_the_upcycled_model_is_prepared_once(tmp_path, monkeypatch):
     calls = []
 
     def fake_moefy(src, out, options, progress):
-        calls.append((Path(src), Path(out), options.experts))
+        calls.append((Path(src), Path(out), options.experts, options.evaluate))
         progress(0.5, "halfway")
         Path(out).mkdir()
         (Path(out) / "config.json").write_text("{}")
@@ -196,7 +214,7 @@ def test_the_upcycled_model_is_prepared_once(tmp_path, monkeypatch):
     lines: list[str] = []
     path = pull_mod.pull("smollm2-moe-bf16", models_dir=models, log=lines.append)
     assert path == models / "smollm2-135m-moe-e8"
-    assert calls == [(source, path, 8)]
+    assert calls == [(source, path, 8, False)], "a first run is not kept waiting by the report's measurements"
     assert any("50% halfway" in line for line in lines) and "is ready" in lines[-1]
     assert pull_mod.resolve_model("smollm2-moe-bf16", models_dir=models) == path
     assert pull_mod.pull("smollm2-moe-bf16", models_dir=models, log=lines.append) == path
