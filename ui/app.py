@@ -633,7 +633,7 @@ def startup_model(model: str | None, window: MainWindow) -> str | None:
     recent = next(iter(window.models.recent.paths()), None)
     if recent:
         return recent
-    demo = prepared_default()
+    demo = prepared_default(models_folder(window.settings))     # where the first-run dialog prepared it
     return str(demo) if demo is not None else None
 
 
