@@ -4,7 +4,9 @@ Regenerate, the system prompt and sampling settings, and a stats line under ever
 Conversations are saved (app.conversations) when a question is sent and when its answer ends. A new
 conversation starts with the app's sampling defaults (`ChatDefaults`: temperature 0.7, top-p 0.9, a mild
 repetition penalty, as suits small models), which the user's last choices replace, kept in QSettings; Greedy
-(temperature 0) is one click away. With "Stop loops" on, each token goes through a loop detector
+(temperature 0) is one click away, and presets (ui.presets) fill the system prompt and sampling at once. The
+drafting choice (ui.chat_options) asks the engine to draft each answer by prompt lookup or the model's MTP head,
+which changes its speed, never its tokens. With "Stop loops" on, each token goes through a loop detector
 (engine.generation.loops): an answer that starts repeating itself is stopped, cut to one copy of its loop, and
 the transcript says why. The default demo model (`smollm2-moe`, a 135 M model upcycled to show streaming)
 is named as such in the empty transcript, so users expect its quality.
@@ -12,7 +14,9 @@ is named as such in the empty transcript, so users expect its quality.
 A context meter (ui.context_meter) shows the tokens the conversation takes of the context in force, as the engine
 counted them (each answer keeps its count, `context_tokens`). A question's edit link puts it back in the input;
 sending it branches (`Conversation.branched`): the conversation goes on from the edited question and the old
-continuation is saved apart as "<title> (branch)". Conversations are renamed and exported here too.
+continuation is saved apart as "<title> (branch)". An answer's regenerate link branches the same way
+(`Conversation.regenerated`): the conversation goes on from that answer's question with a new answer. Conversations
+are renamed and exported here too.
 """
 
 from __future__ import annotations
@@ -179,7 +183,7 @@ class ChatPanel(QWidget):
         self.regen_button.clicked.connect(self.regenerate)
         self.input.textChanged.connect(self._update_buttons)
 
-        # two short rows rather than one long one: the chat keeps a narrow minimum width beside the docks
+        # short rows rather than one long one: the chat keeps a narrow minimum width beside the docks
         rows = (((self.tr("Preset"), self.preset_picker), (self.tr("Drafting"), self.drafting)),
                 (("Temperature", self.temperature), ("", self.greedy), ("Top-p", self.top_p)),
                 (("Repeat penalty", self.repeat_penalty), ("Max tokens", self.max_tokens), ("", self.stop_loops)))
