@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QMessageBox,
     QPushButton,
@@ -73,7 +74,7 @@ class LibraryDialog(QDialog):
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)   # names are long
         self.table.itemSelectionChanged.connect(self._update_buttons)
         self.table.itemDoubleClicked.connect(lambda _item: self.open_selected())
         self.status = QLabel()
@@ -119,7 +120,8 @@ class LibraryDialog(QDialog):
                 item.setData(_ENTRY, i)
                 item.setToolTip(e.problem or str(e.path))
                 self.table.setItem(i, j, item)
-        self.table.resizeColumnsToContents()
+        for column in range(1, self.table.columnCount()):
+            self.table.resizeColumnToContents(column)
         self._update_buttons()
 
     def selected(self) -> ModelEntry | None:
