@@ -105,6 +105,93 @@ def _expert(lay, l, k, ids, direct):
 
 
 @njit(boundscheck=False)
+def attend_chunk(kind, c, l, lay, lf, fpar, kvaddr, table, pos, cs, eps, qkv, att, scr):
+    """Chunk c of step S_KV (kv head c of the token at `pos` into the cache rows `table` maps) or S_HEADS (query head
+    c over them, into att[c * dv ..]) of layer l, from the token's q/k/v projections qkv."""
+    n_heads, n_kv, d, dv = lay[l, L_H], lay[l, L_HKV], lay[l, L_D], lay[l, L_DV]
+    q_out = n_heads * d
+    rope_d, inter = lay[l, L_ROPE_D], lay[l, L_INTERLEAVED] != 0
+    cos, sin = cs[lay[l, L_ROT], 0], cs[lay[l, L_ROT], 1]
+    bsize, nb = kvaddr[l, 4], kvaddr[l, 5]
+    half = kvaddr[l, 6] == 16                      # keys and values stored as fp16 bits,
+    q8 = kvaddr[l, 6] == 8                         # or as int8 with a scale per row, else float32
+    nk, nv = nb * n_kv * bsize * d, nb * n_kv * bsize * dv
+    kb = numba.carray(address_as_voidptr(kvaddr[l, 0]), (0 if half or q8 else nk,), np.float32)
+    vb = numba.carray(address_as_voidptr(kvaddr[l, 2]), (0 if half or q8 else nv,), np.float32)
+    kh = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nk if half else 0,), np.uint16)
+    vh = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nv if half else 0,), np.uint16)
+    kq = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nk if q8 else 0,), np.int8)
+    vq = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nv if q8 else 0,), np.int8)
+    ks = numba.carray(address_as_voidptr(kvaddr[l, 1]), (nb * n_kv * bsize,), np.float32)
+    vs = numba.carray(address_as_voidptr(kvaddr[l, 3]), (nb * n_kv * bsize,), np.float32)
+    bias = lay[l, L_QKV_BIAS]                      # fpar offset of the q, k, v biases laid end to end, or -1
+    qk_norm = lay[l, L_QK_NORM]                    # fpar offset of the per-head q then k norm weights, or -1
+    qk_full = lay[l, L_QK_FULL] > 0                # instead one norm over all heads' q, one over all k (no biases)
+    t1 = scr[d:2 * d]
+    t2 = scr[2 * d:3 * d]
+    o = q_out + c * d if kind == S_KV else c * d   # this head's q or k features
+    for j in range(d):
+        t1[j] = qkv[o + j] + fpar[bias + o + j] if bias >= 0 else qkv[o + j]
+    src = t1
+    if qk_full:
+        # this head's slice of the whole projection's norm: the factor over all of q (or k), its own weights
+        inv = norm_scale(qkv, U64(q_out if kind == S_KV else 0), eps, n_kv * d if kind == S_KV else q_out)
+        for j in range(d):
+            t2[j] = (t1[j] * inv) * fpar[qk_norm + o + j]
+        src = t2
+    elif qk_norm >= 0:
+        norm_row(t1, U64(0), fpar[qk_norm + (d if kind == S_KV else 0):], eps, d, t2, U64(0))
+        src = t2
+    if kind == S_KV:
+        # kv head c: its key biased, normed and rotated into the cache row of this position, its value beside it
+        row = (U64(table[pos // bsize]) * U64(n_kv) + U64(c)) * U64(bsize) + U64(pos % bsize)
+        vo = q_out + n_kv * d + c * dv
+        if half:                                   # rounded to fp16 as the cache's numpy writer rounds
+            kr = scr[:d]
+            rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kr, U64(0))
+            for j in range(d):
+                kh[row * U64(d) + U64(j)] = f32_to_f16(kr[j])
+            for j in range(dv):
+                vh[row * U64(dv) + U64(j)] = f32_to_f16(qkv[vo + j] + fpar[bias + vo + j] if bias >= 0
+                                                        else qkv[vo + j])
+        elif q8:                                   # each row scaled and rounded as the cache's numpy writer does
+            kr = scr[:d]
+            rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kr, U64(0))
+            ks[row] = encode_i8_row(kr, d, kq, row * U64(d))
+            vr = scr[d:d + dv]
+            for j in range(dv):
+                vr[j] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
+            vs[row] = encode_i8_row(vr, dv, vq, row * U64(dv))
+        else:
+            rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kb, row * U64(d))
+            for j in range(dv):
+                vb[row * U64(dv) + U64(j)] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
+        if not q8:
+            ks[row] = F32(1.0)
+            vs[row] = F32(1.0)
+    else:
+        # query head c over the cache (attend_row only stores its results: a chunk computed twice is harmless)
+        qr = scr[:d]
+        rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, qr, U64(0))
+        window = lay[l, L_WINDOW]
+        lo = pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
+        keep = kvaddr[l, 7] != 0                   # the cache keeps each head's weights (retention)
+        if q8:
+            attend_row(qr, U64(0), d, kq, ks, vq, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
+                       lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, att, U64(c * dv))
+        elif half:
+            attend_row(qr, U64(0), d, kh, ks, vh, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
+                       lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, att, U64(c * dv))
+        else:
+            attend_row(qr, U64(0), d, kb, ks, vb, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
+                       lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, att, U64(c * dv))
+        if keep:
+            kept = numba.carray(address_as_voidptr(kvaddr[l, 7]), (n_heads * (pos + 1),), np.float32)
+            for s in range(pos + 1):
+                kept[c * (pos + 1) + s] = scr[3 * d + s]
+
+
+@njit(boundscheck=False)
 def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, lb, h, scr, ids, iscr, io,
            logits):
     """Chunk c of step `kind` of layer l (lb: the layer's shared buffers; h, scr, ids: the thread's own)."""
@@ -117,88 +204,7 @@ def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, po
     elif kind == S_HEAD:
         _item(descs, kquant, items, g[G_HEAD0] + c, h, xrows, logits)
     elif kind == S_KV or kind == S_HEADS:
-        n_heads, n_kv, d, dv = lay[l, L_H], lay[l, L_HKV], lay[l, L_D], lay[l, L_DV]
-        q_out = n_heads * d
-        rope_d, inter = lay[l, L_ROPE_D], lay[l, L_INTERLEAVED] != 0
-        cos, sin = cs[lay[l, L_ROT], 0], cs[lay[l, L_ROT], 1]
-        bsize, nb = kvaddr[l, 4], kvaddr[l, 5]
-        half = kvaddr[l, 6] == 16                      # keys and values stored as fp16 bits,
-        q8 = kvaddr[l, 6] == 8                         # or as int8 with a scale per row, else float32
-        nk, nv = nb * n_kv * bsize * d, nb * n_kv * bsize * dv
-        kb = numba.carray(address_as_voidptr(kvaddr[l, 0]), (0 if half or q8 else nk,), np.float32)
-        vb = numba.carray(address_as_voidptr(kvaddr[l, 2]), (0 if half or q8 else nv,), np.float32)
-        kh = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nk if half else 0,), np.uint16)
-        vh = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nv if half else 0,), np.uint16)
-        kq = numba.carray(address_as_voidptr(kvaddr[l, 0]), (nk if q8 else 0,), np.int8)
-        vq = numba.carray(address_as_voidptr(kvaddr[l, 2]), (nv if q8 else 0,), np.int8)
-        ks = numba.carray(address_as_voidptr(kvaddr[l, 1]), (nb * n_kv * bsize,), np.float32)
-        vs = numba.carray(address_as_voidptr(kvaddr[l, 3]), (nb * n_kv * bsize,), np.float32)
-        qkv = lb[g[G_QKV]:]
-        bias = lay[l, L_QKV_BIAS]                      # fpar offset of the q, k, v biases laid end to end, or -1
-        qk_norm = lay[l, L_QK_NORM]                    # fpar offset of the per-head q then k norm weights, or -1
-        qk_full = lay[l, L_QK_FULL] > 0                # instead one norm over all heads' q, one over all k (no biases)
-        t1 = scr[d:2 * d]
-        t2 = scr[2 * d:3 * d]
-        o = q_out + c * d if kind == S_KV else c * d   # this head's q or k features
-        for j in range(d):
-            t1[j] = qkv[o + j] + fpar[bias + o + j] if bias >= 0 else qkv[o + j]
-        src = t1
-        if qk_full:
-            # this head's slice of the whole projection's norm: the factor over all of q (or k), its own weights
-            inv = norm_scale(qkv, U64(q_out if kind == S_KV else 0), eps, n_kv * d if kind == S_KV else q_out)
-            for j in range(d):
-                t2[j] = (t1[j] * inv) * fpar[qk_norm + o + j]
-            src = t2
-        elif qk_norm >= 0:
-            norm_row(t1, U64(0), fpar[qk_norm + (d if kind == S_KV else 0):], eps, d, t2, U64(0))
-            src = t2
-        if kind == S_KV:
-            # kv head c: its key biased, normed and rotated into the cache row of this position, its value beside it
-            row = (U64(table[pos // bsize]) * U64(n_kv) + U64(c)) * U64(bsize) + U64(pos % bsize)
-            vo = q_out + n_kv * d + c * dv
-            if half:                                   # rounded to fp16 as the cache's numpy writer rounds
-                kr = scr[:d]
-                rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kr, U64(0))
-                for j in range(d):
-                    kh[row * U64(d) + U64(j)] = f32_to_f16(kr[j])
-                for j in range(dv):
-                    vh[row * U64(dv) + U64(j)] = f32_to_f16(qkv[vo + j] + fpar[bias + vo + j] if bias >= 0
-                                                            else qkv[vo + j])
-            elif q8:                                   # each row scaled and rounded as the cache's numpy writer does
-                kr = scr[:d]
-                rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kr, U64(0))
-                ks[row] = encode_i8_row(kr, d, kq, row * U64(d))
-                vr = scr[d:d + dv]
-                for j in range(dv):
-                    vr[j] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
-                vs[row] = encode_i8_row(vr, dv, vq, row * U64(dv))
-            else:
-                rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, kb, row * U64(d))
-                for j in range(dv):
-                    vb[row * U64(dv) + U64(j)] = qkv[vo + j] + fpar[bias + vo + j] if bias >= 0 else qkv[vo + j]
-            if not q8:
-                ks[row] = F32(1.0)
-                vs[row] = F32(1.0)
-        else:
-            # query head c over the cache (attend_row only stores its results: a chunk computed twice is harmless)
-            qr = scr[:d]
-            rope_row(src, U64(0), cos, sin, U64(0), rope_d, d, inter, qr, U64(0))
-            window = lay[l, L_WINDOW]
-            lo = pos - window + 1 if window > 0 and pos - window + 1 > 0 else 0
-            keep = kvaddr[l, 7] != 0                   # the cache keeps each head's weights (retention)
-            if q8:
-                attend_row(qr, U64(0), d, kq, ks, vq, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
-                           lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, lb[g[G_ATT]:], U64(c * dv))
-            elif half:
-                attend_row(qr, U64(0), d, kh, ks, vh, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
-                           lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, lb[g[G_ATT]:], U64(c * dv))
-            else:
-                attend_row(qr, U64(0), d, kb, ks, vb, vs, n_kv, bsize, dv, c // (n_heads // n_kv), table, pos, lo,
-                           lf[l, 0], scr[3 * d:], U64(0), keep, pos + 1, lb[g[G_ATT]:], U64(c * dv))
-            if keep:
-                kept = numba.carray(address_as_voidptr(kvaddr[l, 7]), (n_heads * (pos + 1),), np.float32)
-                for s in range(pos + 1):
-                    kept[c * (pos + 1) + s] = scr[3 * d + s]
+        attend_chunk(kind, c, l, lay, lf, fpar, kvaddr, table, pos, cs, eps, lb[g[G_QKV]:], lb[g[G_ATT]:], scr)
     elif kind == S_ROUTER:
         n_exp = lay[l, L_E]
         r = c * 16

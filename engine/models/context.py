@@ -19,6 +19,7 @@ import numpy as np
 from engine.blocks.ffn import MoE, Routing, route
 from engine.blocks.linear import Probe
 from engine.errors import GenerationError
+from engine.fused.batch import BatchedDecode
 from engine.fused.plan import FusedDecode, record
 from engine.kv import KVCache
 from engine.spec import MoESpec
@@ -48,7 +49,12 @@ class DecodeContext:
         # (and, where a call runs without a driver, stops), so it pays on a disk fast against the compute and not
         # on a slow one; the step times decide, as for the thread count
         self.ahead = FasterChoice()
-        self.apart = FasterChoice()    # several sequences' single tokens: one pass, or a fused step each
+        self.apart = FasterChoice()    # several sequences' single tokens: together, or a fused step each
+        # their fused step together (engine/fused/batch.py): off until its bits against the single step have been
+        # checked on this machine (tests/fused/test_fused_batch.py turns it on)
+        self.batch_fused = False
+        self.batched: BatchedDecode | None = None               # (None: declined or not built yet)
+        self._batched_built = False
         self._guess_specs: dict[tuple[int, int], MoESpec] = {}   # (layer, experts guessed) -> the routing spec
 
     @property
@@ -75,14 +81,17 @@ class DecodeContext:
         if (len(items) > 1 and not self.model.streamed and routing is None and probe is None and hidden is None
                 and all(i.size == 1 for i in ids_list)
                 and all(self.fused_step(1, c, None) is not None for c in caches)):
-            # one token of each of several sequences: one pass for all, or a fused step for each, whichever
-            # measures faster per token (the same bits either way)
-            apart = self.apart.pick(1, 0)
+            # one token of each of several sequences: one step for all (fused where the layers allow), or a fused
+            # step for each, whichever measures faster per token (the same bits either way)
+            batched = self.batched_step(caches)
+            apart = self.apart.pick(0 if batched is not None else 1, 1 if batched is not None else 0)
             t0 = time.perf_counter()
             if apart:
                 for i, c in zip(ids_list, caches):     # room for every token first (preparing again is a no-op):
                     c.prepare(i)                       # one that cannot go on fails the step before any has run
                 out = [self._pass([i], [c], all_logits, None, None)[0] for i, c in zip(ids_list, caches)]
+            elif batched is not None:
+                out = self._batched_pass(batched, ids_list, caches)
             else:
                 out = self._pass(ids_list, caches, all_logits, None, None)
             self.apart.record(apart, (time.perf_counter() - t0) / len(items))
@@ -129,6 +138,30 @@ class DecodeContext:
         if all_logits:
             return [logits[r] for r in rows]
         return [logits[k : k + 1] for k in range(len(caches))]
+
+    def _batched_pass(self, batched: BatchedDecode, ids_list: list[np.ndarray],
+                      caches: list[KVCache]) -> list[np.ndarray]:
+        """One token of each sequence as one fused step for all: each sequence's logits [1, V]."""
+        model, tel = self.model, self.telemetry
+        positions = np.concatenate([cache.prepare(ids.tolist()) for ids, cache in zip(ids_list, caches)])  # [B]
+        with tel.phase("dense"):
+            x = model.embed_tokens(np.concatenate(ids_list))                  # [B, hidden]
+        logits = batched.run(x, caches, positions)                            # [B, V]
+        for cache in caches:
+            cache.commit(1)
+        tel.end_token(len(caches), prefill=False)
+        return [logits[b : b + 1] for b in range(len(caches))]
+
+    def batched_step(self, caches: list[KVCache]) -> BatchedDecode | None:
+        """The fused step of one token of each of these sequences together, when the model and caches allow it."""
+        if not (self.batch_fused and self.fused_decode) or self.fused_step(1, caches[0], None) is None:
+            return None
+        if not self._batched_built:
+            assert isinstance(self.fused, FusedDecode)
+            self.batched, self._batched_built = BatchedDecode.for_plan(self.fused), True
+        if self.batched is None or not self.batched.accepts(caches):
+            return None
+        return self.batched
 
     def _fused_pass(self, fused: FusedDecode, x: np.ndarray, cache: KVCache, pos: int, ahead: int,
                     routing: list[Routing] | None) -> np.ndarray:

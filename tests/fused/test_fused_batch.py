@@ -1,0 +1,104 @@
+"""The fused step of a batch: one token of each of several sequences through every layer in one parallel region
+(engine/fused/batch.py) gives each sequence the logits its own single fused step gives, bit for bit, for 2, 3
+and 8 sequences at different positions, with one thread or two; models it does not take (experts) decode their
+batches by the other ways with the same bits."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from app.hub.convert import ConvertSettings, convert
+from engine.fused.batch import BatchedDecode
+from engine.kv import KVCache, KVPool
+from engine.loader import load_model
+from support.reference import build_checkpoint
+
+PROMPTS = [[5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9], [7, 7, 1], [120, 3, 4, 5, 6, 9, 11], [12],
+           [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 6, 7], [77, 78], [1, 2, 3, 4, 5], [33, 34, 35, 36]]
+STEPS = 6
+CASES = {
+    "llama-tied-mqa": ("llama", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen2-qkv-bias-window": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+}
+
+
+def _model(tmp_path_factory, name: str):
+    model_type, overrides = CASES[name]
+    src = build_checkpoint(tmp_path_factory.mktemp(name), model_type, **overrides)
+    return load_model(convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4),
+                              log=lambda m: None)).model
+
+
+def _alone(model, pool: KVPool, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Each sequence's greedy steps by itself (a single fused step each): logits [STEPS, V] per sequence."""
+    out = []
+    for p in prompts:
+        cache = KVCache(model.spec, 64, pool=pool)
+        rows = [model.forward(p, cache)[-1]]
+        for _ in range(STEPS):
+            rows.append(model.forward([int(rows[-1].argmax())], cache)[-1])
+        cache.release()
+        out.append(np.stack(rows[1:]))
+    return out
+
+
+def _together(model, pool: KVPool, prompts: list[list[int]], monkeypatch, way: int) -> tuple[list[np.ndarray], int]:
+    """The same sequences' steps run together (`way` 0: one step for all, 1: a fused step each), and how many
+    steps ran as the batch's fused step."""
+    calls = []
+    real = BatchedDecode.run
+    monkeypatch.setattr(BatchedDecode, "run", lambda self, *a: (calls.append(1), real(self, *a))[1])
+    monkeypatch.setattr(model.context.apart, "pick", lambda preferred, other: way)
+    caches = [KVCache(model.spec, 64, pool=pool) for _ in prompts]
+    logits = [model.forward(p, c)[-1] for p, c in zip(prompts, caches)]
+    out: list[list[np.ndarray]] = [[] for _ in prompts]
+    for _ in range(STEPS):
+        res = model.forward_batch([([int(x.argmax())], c) for x, c in zip(logits, caches)])
+        logits = [r[-1] for r in res]
+        for k, x in enumerate(logits):
+            out[k].append(x)
+    for c in caches:
+        c.release()
+    return [np.stack(o) for o in out], len(calls)
+
+
+@pytest.fixture
+def threads():
+    before = numba.get_num_threads()
+    yield numba.set_num_threads
+    numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["llama-tied-mqa", "qwen2-qkv-bias-window"])
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_a_batch_fused_together_equals_each_sequence_alone(tmp_path_factory, monkeypatch, threads, name, n):
+    model = _model(tmp_path_factory, name)
+    model.context.batch_fused = True
+    pool = KVPool(model.spec, 8 * 20, block_size=4)                  # several blocks per sequence
+    prompts = PROMPTS[:n]
+    for t in (1, 2):
+        threads(t)
+        alone = _alone(model, pool, prompts)
+        together, calls = _together(model, pool, prompts, monkeypatch, 0)
+        assert calls == STEPS                                        # every step ran as the batch's fused step
+        for k in range(n):
+            assert np.array_equal(together[k], alone[k]), (t, k)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_experts_decode_a_batch_in_one_pass_with_the_same_bits(tmp_path_factory, monkeypatch, n):
+    """A MoE model's batch is not the fused batch's: its tokens run one pass of the blocks for all (the union of
+    the experts), or a fused step each, each with the bits of the sequence alone."""
+    model = _model(tmp_path_factory, "mixtral")
+    model.context.batch_fused = True
+    assert model.context.batched_step([KVCache(model.spec, 64)]) is None
+    pool = KVPool(model.spec, 8 * 20, block_size=4)
+    alone = _alone(model, pool, PROMPTS[:n])
+    for way in (0, 1):
+        together, calls = _together(model, pool, PROMPTS[:n], monkeypatch, way)
+        assert calls == 0
+        for k in range(n):
+            assert np.array_equal(together[k], alone[k]), (way, k)
