@@ -3,8 +3,8 @@
 A conversation is a frozen value (its turns, system prompt, sampling settings, and the stats
 of each answer); the store lists, saves and deletes them. A file that cannot be read is left
 where it is, reported once as a warning and skipped: never overwritten, never deleted.
-A conversation can be renamed, searched (`matches`), branched at an edited question (the old
-continuation becomes a conversation of its own) and exported to Markdown or JSON (`export`).
+A conversation can be renamed, searched (`matches`), branched at an edited question or a regenerated answer (the
+old continuation becomes a conversation of its own) and exported to Markdown or JSON (`export`).
 """
 
 from __future__ import annotations
@@ -129,6 +129,16 @@ class Conversation:
         if index == 0 and self.title == _title(self.turns[0].content):
             cut = replace(cut, title="New chat")
         return cut.with_turn(Turn("user", question)), old
+
+    def regenerated(self, index: int) -> tuple[Conversation, Conversation]:
+        """Write answer `index` again: (this conversation cut before that answer, to be answered anew, the whole old
+        conversation under a new id, titled "<title> (branch)", so that the old answer stays reachable)."""
+        if not 0 < index < len(self.turns) or self.turns[index].role != "assistant":
+            raise ValueError(f"turn {index} is not an answer of this conversation ({len(self.turns)} turns)")
+        if self.turns[index - 1].role != "user":
+            raise ValueError(f"answer {index} follows no question: there is nothing to answer again")
+        old = replace(self, id=uuid.uuid4().hex, title=f"{self.title} (branch)")
+        return replace(self, turns=self.turns[:index], updated=time.time()), old
 
     def context_tokens(self) -> int | None:
         """Tokens of the context the last answer used (its prompt and itself, as the engine counted them);

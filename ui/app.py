@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QPainter, QPaintEvent
+from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
@@ -37,9 +38,12 @@ from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
 from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_at_start, prepared_default
+from ui.library import LibraryDialog
 from ui.models import ModelActions
 from ui.selftest import SelfTest, SelfTestRun
+from ui.settings_dialog import AppSettings, SettingsDialog, ShortcutsDialog, compute_threads, models_folder
 from ui.theme import THEMES, app_icon, apply_theme
+from ui.widgets import ElidedLabel, InspectorPlaceholder
 
 log = logging.getLogger(__name__)
 
@@ -58,52 +62,6 @@ LINKS = (("Qt for Python (PySide6), LGPL-3.0", "https://doc.qt.io/qtforpython-6/
          ("numba, BSD-2-Clause", "https://numba.pydata.org/"),
          ("The demo model: SmolLM2-135M-Instruct, Apache-2.0",
           "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct"))
-
-
-class ElidedLabel(QLabel):
-    """A one-line label that elides its text to the width it gets (the whole text in its tooltip), so a status
-    line never shows a cut word and never pushes its neighbours away."""
-
-    def setText(self, text: str) -> None:
-        super().setText(text)
-        self.setToolTip(text)
-
-    def minimumSizeHint(self) -> QSize:
-        return QSize(self.fontMetrics().horizontalAdvance("…") * 4, super().minimumSizeHint().height())
-
-    def elided(self) -> str:
-        """The text as drawn at the current width."""
-        return self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, self.contentsRect().width())
-
-    def paintEvent(self, event: QPaintEvent) -> None:
-        painter = QPainter(self)
-        try:
-            painter.setPen(self.palette().color(self.foregroundRole()))
-            painter.drawText(self.contentsRect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter),
-                             self.elided())
-        finally:
-            painter.end()
-
-
-class _InspectorPlaceholder(QLabel):
-    """Stands in for ui.inspector.Inspector when it cannot be imported."""
-
-    atlasRequested = Signal()
-    atlasCancelRequested = Signal()
-
-    def __init__(self, reason: str):
-        super().__init__(f"The inspector is not available ({reason}).")
-        self.setWordWrap(True)
-        self.setAlignment(Qt.AlignmentFlag.AlignCenter)
-
-    def set_snapshot(self, snapshot) -> None: ...
-    def set_generating(self, active: bool) -> None: ...
-    def set_model_info(self, n_layers: int, n_experts: int, budget_bytes: int | None) -> None: ...
-    def set_tiers(self, tiers) -> None: ...
-    def set_atlas(self, atlas) -> None: ...
-    def set_atlas_progress(self, fraction) -> None: ...
-    def close_views(self) -> None: ...
-    def forget_model(self) -> None: ...
 
 
 def configure(app: QApplication) -> None:
@@ -131,6 +89,10 @@ class MainWindow(QMainWindow):
         self.info: ModelInfo | None = None
         self.error_dialog: QMessageBox | None = None    # the last error shown (tests look at it)
         self.first_run: FirstRunDialog | None = None     # the "no model yet" choices, while shown
+        self.settings_dialog: SettingsDialog | None = None
+        self.shortcuts_dialog: ShortcutsDialog | None = None
+        self.library: LibraryDialog | None = None
+        self._drafting_chosen = False                    # the load options' drafting mode was shown once
         self._load_request: int | None = None
         self._atlas_request: int | None = None
         self._connection_lost = False                    # a remote telemetry stream dropped since the last connect
@@ -139,10 +101,11 @@ class MainWindow(QMainWindow):
         self.bridge = Bridge(self, service)
         self.remote: RemoteService | None = self.bridge.remote   # a server on another machine, or None (local)
         self.chat = ChatPanel(self.bridge, self.store, settings=self.settings,     # sampling defaults live there
-                              overflow=None if self.remote is not None else load_options.overflow)
+                              overflow=None if self.remote is not None else load_options.overflow,
+                              remote=self.remote.url if self.remote is not None else None)
         self.conversations = ConversationList()
         self.controls = ControlsPanel(settings=self.settings)
-        self.inspector = Inspector() if Inspector is not None else _InspectorPlaceholder(_INSPECTOR_MISSING)
+        self.inspector = Inspector() if Inspector is not None else InspectorPlaceholder(_INSPECTOR_MISSING)
         self.models = ModelActions(self, self.settings)
         self.setCentralWidget(self.chat)
         self.setDockNestingEnabled(True)
@@ -175,6 +138,9 @@ class MainWindow(QMainWindow):
         file.addAction(self.models.open_folder)
         file.addAction(self.models.open_gguf)
         file.addMenu(self.models.recent_menu)
+        self.library_action = QAction(self.tr("Model library…"), self, shortcut=QKeySequence("Ctrl+L"))
+        self.library_action.triggered.connect(lambda: self.show_library())
+        file.addAction(self.library_action)
         self.get_model = get_model = QAction("Get a model…", self)
         get_model.triggered.connect(lambda: self.show_first_run())
         file.addAction(get_model)
@@ -185,6 +151,10 @@ class MainWindow(QMainWindow):
         self.export_action.triggered.connect(lambda: self.chat.export_conversation())
         file.addAction(self.export_action)
         file.addSeparator()
+        self.settings_action = QAction(self.tr("Settings…"), self, shortcut=QKeySequence("Ctrl+,"))
+        self.settings_action.triggered.connect(lambda: self.show_settings())
+        file.addAction(self.settings_action)
+        file.addSeparator()
         quit_action = QAction("Quit", self, shortcut=QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
         file.addAction(quit_action)
@@ -192,12 +162,25 @@ class MainWindow(QMainWindow):
         new = QAction("New chat", self, shortcut=QKeySequence.StandardKey.New)
         new.triggered.connect(self._new_conversation)
         chat.addAction(new)
+        self.chat_actions = {"new": new}
+        for key, text, keys, slot in (
+                ("send", self.tr("Send"), "Ctrl+Return", lambda: self.chat.send()),
+                ("stop", self.tr("Stop the answer"), "Ctrl+.", self.chat.stop),
+                ("regenerate", self.tr("Regenerate the last answer"), "Ctrl+R", lambda: self.chat.regenerate()),
+                ("search", self.tr("Search conversations"), "Ctrl+F", self.focus_search)):
+            action = QAction(text, self, shortcut=QKeySequence(keys))
+            action.triggered.connect(slot)
+            chat.addAction(action)
+            self.chat_actions[key] = action
         view = self.menuBar().addMenu("&View")
         for dock in self.findChildren(QDockWidget):
             view.addAction(dock.toggleViewAction())
         view.addSeparator()
         self._build_theme_menu(view.addMenu("Theme"))
         help_menu = self.menuBar().addMenu("&Help")
+        shortcuts = QAction(self.tr("Keyboard shortcuts"), self, shortcut=QKeySequence("F1"))
+        shortcuts.triggered.connect(lambda: self.show_shortcuts())
+        help_menu.addAction(shortcuts)
         about = QAction("About Colibri", self)
         about.triggered.connect(self._about)
         help_menu.addAction(about)
@@ -225,6 +208,69 @@ class MainWindow(QMainWindow):
             apply_theme(app, choice)
         self.theme_actions[choice].setChecked(True)
         self.settings.setValue(THEME_KEY, choice)
+
+    def focus_search(self) -> None:
+        """Show the conversations and put the cursor in their search box (Ctrl+F)."""
+        dock = self.findChild(QDockWidget, "dockConversations")
+        if dock is not None:
+            dock.show()
+            dock.raise_()
+        self.conversations.search.setFocus()
+        self.conversations.search.selectAll()
+
+    def show_settings(self) -> SettingsDialog:
+        """The settings dialog (non-blocking); OK applies and keeps what it holds."""
+        if self.settings_dialog is not None:
+            self.settings_dialog.reject()
+        dlg = self.settings_dialog = SettingsDialog(AppSettings.load(self.settings), self)
+        dlg.accepted_settings.connect(self.apply_settings)
+        dlg.finished.connect(lambda _r: self._settings_closed(dlg))
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dlg.open()
+        return dlg
+
+    def apply_settings(self, chosen: AppSettings) -> None:
+        """Keep the settings and apply them: the theme and new chats' sampling now; the models folder in the next
+        dialog; the compute threads from the next model opened."""
+        threads_before = compute_threads(self.settings)
+        chosen.save(self.settings)
+        self.set_theme(chosen.theme)
+        self.chat.set_defaults(chosen.defaults)
+        if self.info is not None and compute_threads(self.settings) != threads_before:
+            self.model_label.setText(self.tr("{label} · compute threads change when a model is next opened")
+                                     .format(label=self.model_label.text()))
+
+    def _settings_closed(self, dlg: SettingsDialog) -> None:
+        if self.settings_dialog is dlg:
+            self.settings_dialog = None
+
+    def show_library(self) -> LibraryDialog | None:
+        """File ▸ Model library (non-blocking): the models folder's models, to open, convert, reveal or delete.
+        None for a remote window: the server's machine holds its models."""
+        if self.remote is not None:
+            return None
+        if self.library is not None:
+            self.library.reject()
+        current = str(self.info.path) if self.info is not None else None
+        dlg = self.library = LibraryDialog(models_folder(self.settings), current, self)
+        dlg.openRequested.connect(self.open_model)
+        dlg.convertRequested.connect(lambda path: self.models.show_convert(path))
+        dlg.finished.connect(lambda _r: setattr(self, "library", None) if self.library is dlg else None)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dlg.open()
+        return dlg
+
+    def show_shortcuts(self) -> ShortcutsDialog:
+        """Help ▸ Keyboard shortcuts (non-blocking): the window's actions with their keys, and the input's."""
+        if self.shortcuts_dialog is not None:
+            self.shortcuts_dialog.reject()
+        actions = [a for menu in self.menuBar().findChildren(QMenu) for a in menu.actions()]
+        dlg = self.shortcuts_dialog = ShortcutsDialog(dict.fromkeys(actions), self)
+        dlg.finished.connect(lambda _r: setattr(self, "shortcuts_dialog", None) if self.shortcuts_dialog is dlg
+                             else None)
+        dlg.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        dlg.open()
+        return dlg
 
     def _build_status(self) -> None:
         self.model_label = ElidedLabel("No model")
@@ -277,7 +323,7 @@ class MainWindow(QMainWindow):
         url = self.remote.url
         why = f"the model is served by {url}; open, pull or convert models on that machine"
         for action in (self.models.open_folder, self.models.open_gguf, self.models.convert, self.get_model,
-                       self.models.recent_menu.menuAction()):
+                       self.models.recent_menu.menuAction(), self.library_action):
             action.setEnabled(False)
             action.setToolTip(why)
             action.setStatusTip(why)
@@ -320,7 +366,11 @@ class MainWindow(QMainWindow):
     def open_model(self, path: str, options: LoadOptions | None = None) -> int:
         """Load a model (folder, .gguf, container or pulled name) through the service (remote: connect)."""
         self.chat.stop()
-        self._load_request = self.bridge.service.load(path, options or self.load_options)
+        options = options or self.load_options
+        threads = compute_threads(self.settings)
+        if threads is not None and options.threads is None and self.remote is None:   # the settings dialog's
+            options = replace(options, threads=threads)
+        self._load_request = self.bridge.service.load(path, options)
         self.chat.set_model(None)
         self.controls.set_model(None)
         self.model_label.setText(f"Connecting to {self.remote.url}…" if self.remote is not None
@@ -338,6 +388,7 @@ class MainWindow(QMainWindow):
         if self.first_run is not None:
             self.first_run.reject()
             self.first_run.deleteLater()
+        models_dir = models_dir if models_dir is not None else models_folder(self.settings)
         dlg = self.first_run = FirstRunDialog(models_dir, bundle if bundle is not None else bundled_models_dir(),
                                               self, current=self.info.name if self.info is not None else None)
         dlg.openRequested.connect(self.open_model)
@@ -382,6 +433,9 @@ class MainWindow(QMainWindow):
         self._end_load()
         info = self.info = event.info
         self.chat.set_model(info)
+        if not self._drafting_chosen and self.remote is None:     # `colibri gui --speculative [mtp]` shows it chosen
+            self._drafting_chosen = True
+            self.chat.drafting.set_mode(self.load_options.speculative)
         self.controls.set_model(info)
         if self.remote is None:   # the sliders as the user left them, where this model allows, but what this load set
             self.controls.restore_remembered(self._given_settings())
@@ -540,6 +594,9 @@ class MainWindow(QMainWindow):
         self.controls.close_views()
         self.inspector.close_views()
         self.models.shutdown()
+        for dlg in (self.settings_dialog, self.shortcuts_dialog, self.library):
+            if dlg is not None:
+                dlg.reject()
         if self.first_run is not None:
             self.first_run.cancel_job()
         self.bridge.close()
@@ -576,7 +633,7 @@ def startup_model(model: str | None, window: MainWindow) -> str | None:
     recent = next(iter(window.models.recent.paths()), None)
     if recent:
         return recent
-    demo = prepared_default()
+    demo = prepared_default(models_folder(window.settings))     # where the first-run dialog prepared it
     return str(demo) if demo is not None else None
 
 

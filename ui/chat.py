@@ -4,7 +4,9 @@ Regenerate, the system prompt and sampling settings, and a stats line under ever
 Conversations are saved (app.conversations) when a question is sent and when its answer ends. A new
 conversation starts with the app's sampling defaults (`ChatDefaults`: temperature 0.7, top-p 0.9, a mild
 repetition penalty, as suits small models), which the user's last choices replace, kept in QSettings; Greedy
-(temperature 0) is one click away. With "Stop loops" on, each token goes through a loop detector
+(temperature 0) is one click away, and presets (ui.presets) fill the system prompt and sampling at once. The
+drafting choice (ui.chat_options) asks the engine to draft each answer by prompt lookup or the model's MTP head,
+which changes its speed, never its tokens. With "Stop loops" on, each token goes through a loop detector
 (engine.generation.loops): an answer that starts repeating itself is stopped, cut to one copy of its loop, and
 the transcript says why. The default demo model (`smollm2-moe`, a 135 M model upcycled to show streaming)
 is named as such in the empty transcript, so users expect its quality.
@@ -12,14 +14,15 @@ is named as such in the empty transcript, so users expect its quality.
 A context meter (ui.context_meter) shows the tokens the conversation takes of the context in force, as the engine
 counted them (each answer keeps its count, `context_tokens`). A question's edit link puts it back in the input;
 sending it branches (`Conversation.branched`): the conversation goes on from the edited question and the old
-continuation is saved apart as "<title> (branch)". Conversations are renamed and exported here too.
+continuation is saved apart as "<title> (branch)". An answer's regenerate link branches the same way
+(`Conversation.regenerated`): the conversation goes on from that answer's question with a new answer. Conversations
+are renamed and exported here too.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 from PySide6.QtCore import QEvent, QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QKeyEvent
@@ -38,76 +41,22 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.config.catalog import DEFAULT_MODEL, DERIVED
 from app.conversations import EXPORTS, Conversation, ConversationStore, Sampling, Turn, export
 from app.service.local import ModelInfo, SettingsApplied
-from app.service.remote import UNKNOWN_TOKEN
 from engine.events import DoneEvent, ErrorEvent, ProgressEvent, TokenEvent
 from engine.generation.loops import Loop, LoopDetector
 from engine.generation.sampling import SamplingParams
 from ui.bridge import Bridge
+from ui.chat_options import DEMO_NOTE, ChatDefaults, DraftingChoice, is_demo, loop_key
 from ui.context_meter import ContextMeter
 from ui.conversation_list import export_dialog
+from ui.presets import Preset, PresetPicker, PresetStore, presets_path
 from ui.transcript import LIVE, REDRAW_HZ, THINKING, Transcript, stats_line
 
 __all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "loop_key",
            "stats_line"]
 
 log = logging.getLogger(__name__)
-
-DEMO_NOTE = ("This is the demo model: SmolLM2-135M, a small model upcycled into experts to show them streaming "
-             "from disk. Expect simple answers, and open a bigger model for real work (File ▸ Open).")
-
-
-@dataclass(frozen=True)
-class ChatDefaults:
-    """The sampling a new conversation starts with, and whether loops stop answers (kept in QSettings)."""
-
-    temperature: float = 0.7        # the last non-greedy temperature
-    top_p: float = 0.9
-    repetition_penalty: float = 1.1
-    greedy: bool = False            # temperature 0: the likeliest token every time
-    stop_loops: bool = True
-
-    @classmethod
-    def load(cls, settings: QSettings | None) -> ChatDefaults:
-        """The defaults saved in settings (the app's own where none are)."""
-        if settings is None:
-            return cls()
-        d = cls()
-        return cls(float(settings.value("chat/temperature", d.temperature, type=float)),
-                   float(settings.value("chat/top_p", d.top_p, type=float)),
-                   float(settings.value("chat/repetition_penalty", d.repetition_penalty, type=float)),
-                   bool(settings.value("chat/greedy", d.greedy, type=bool)),
-                   bool(settings.value("chat/stop_loops", d.stop_loops, type=bool)))
-
-    def save(self, settings: QSettings | None) -> None:
-        """Keep these defaults for the next conversation and the next run."""
-        if settings is None:
-            return
-        for key in ("temperature", "top_p", "repetition_penalty", "greedy", "stop_loops"):
-            settings.setValue(f"chat/{key}", getattr(self, key))
-
-    def sampling(self, max_tokens: int = Sampling.max_tokens) -> Sampling:
-        """A new conversation's sampling."""
-        return Sampling(0.0 if self.greedy else self.temperature, self.top_p, max_tokens, self.repetition_penalty)
-
-
-def loop_key(event: TokenEvent) -> int:
-    """What the loop detector compares: the token id, or for a server's token seen only as text, the text."""
-    if event.token_id != UNKNOWN_TOKEN:
-        return event.token_id
-    return hash((event.text, event.reasoning)) & 0x7FFF_FFFF_FFFF_FFFF | 1 << 62   # never a real token id
-
-
-def is_demo(info: ModelInfo) -> bool:
-    """Whether info is the default demo model (or the bf16 model it is converted from)."""
-    folders, name = set(), DEFAULT_MODEL
-    while name in DERIVED:
-        folders.add(DERIVED[name].folder)
-        name = DERIVED[name].source
-    return Path(info.path).name in folders
-
 
 class _SendOnEnter(QObject):
     """Enter sends, Shift+Enter starts a new line, Escape stops the answer."""
@@ -138,10 +87,12 @@ class ChatPanel(QWidget):
     generatingChanged = Signal(bool)    # an answer started (True) or ended, stopped or failed (False)
 
     def __init__(self, bridge: Bridge, store: ConversationStore, parent: QWidget | None = None,
-                 settings: QSettings | None = None, overflow: str | None = "error"):
-        """overflow: the KV overflow policy the engine runs with ("error", "slide", "retain"; None: a server's)."""
+                 settings: QSettings | None = None, overflow: str | None = "error", remote: str | None = None):
+        """overflow: the KV overflow policy the engine runs with ("error", "slide", "retain"; None: a server's);
+        remote: the URL of the server that answers, if one does."""
         super().__init__(parent)
-        self.bridge, self.store, self.settings = bridge, store, settings
+        self.bridge, self.store, self.settings, self.remote = bridge, store, settings, remote
+        self.presets = PresetStore(presets_path(settings) if settings is not None else None)
         self.info: ModelInfo | None = None
         self.defaults = ChatDefaults.load(settings)
         self.conversation = Conversation.new(sampling=self.defaults.sampling())
@@ -157,6 +108,7 @@ class ChatPanel(QWidget):
         self._prompt_tokens = 0                 # the prompt of the answer in flight, as the engine counted it
         self.editing: int | None = None         # the question being edited (its turn index), if one is
         self.export_dialog: QFileDialog | None = None   # the export's save dialog, while open
+        self._applying = False                  # a preset is filling the fields
         self._build()
         self.context_meter.set_overflow(overflow)
         bridge.generation.connect(self._on_generation)
@@ -167,6 +119,7 @@ class ChatPanel(QWidget):
     def _build(self) -> None:
         self.transcript = Transcript()
         self.transcript.editRequested.connect(self.edit_message)
+        self.transcript.regenerateRequested.connect(self.regenerate_at)
         self.edit_note = QLabel()
         self.edit_note.setWordWrap(True)
         self.edit_cancel = QPushButton("Cancel edit")
@@ -210,6 +163,11 @@ class ChatPanel(QWidget):
         self.top_p.valueChanged.connect(lambda _v: self._keep_defaults())
         self.repeat_penalty.valueChanged.connect(self._penalty_changed)
         self.stop_loops.toggled.connect(lambda _on: self._keep_defaults())
+        self.preset_picker = PresetPicker(self.presets, self.current_preset)
+        self.preset_picker.chosen.connect(self.apply_preset)
+        self.preset_picker.problem.connect(self._set_status)
+        self.drafting = DraftingChoice()
+        self.system_edit.textChanged.connect(self._show_preset)
 
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Ask something (Enter sends, Shift+Enter for a new line)")
@@ -225,8 +183,9 @@ class ChatPanel(QWidget):
         self.regen_button.clicked.connect(self.regenerate)
         self.input.textChanged.connect(self._update_buttons)
 
-        # two short rows rather than one long one: the chat keeps a narrow minimum width beside the docks
-        rows = ((("Temperature", self.temperature), ("", self.greedy), ("Top-p", self.top_p)),
+        # short rows rather than one long one: the chat keeps a narrow minimum width beside the docks
+        rows = (((self.tr("Preset"), self.preset_picker), (self.tr("Drafting"), self.drafting)),
+                (("Temperature", self.temperature), ("", self.greedy), ("Top-p", self.top_p)),
                 (("Repeat penalty", self.repeat_penalty), ("Max tokens", self.max_tokens), ("", self.stop_loops)))
         settings = QVBoxLayout()
         settings.setSpacing(2)
@@ -263,6 +222,7 @@ class ChatPanel(QWidget):
         demo = info is not None and is_demo(info)
         self.transcript.setPlaceholderText(DEMO_NOTE if demo else "")
         self.context_meter.set_total(info.settings.context_length if info is not None else None)
+        self.drafting.set_model(info, self.remote)
         if info is None:
             self._set_status("Open a model to chat (File ▸ Open)")
         elif not info.chat:
@@ -411,8 +371,65 @@ class ChatPanel(QWidget):
         self._start()
         return True
 
+    def regenerate_at(self, index: int) -> bool:
+        """Write answer `index` again as a branch: the conversation goes on from its question with a new answer, and
+        the old conversation (that answer and what followed) is saved apart as "<title> (branch)"."""
+        if not self._can_generate():
+            if self.generating:
+                self._set_status(self.tr("Wait for the answer to end, or stop it, before regenerating another"))
+            return False
+        self.cancel_edit()
+        self._commit_settings()
+        try:
+            self.conversation, old = self.conversation.regenerated(index)
+        except ValueError as exc:
+            self._set_status(self.tr("Not regenerated: {why}").format(why=exc))
+            return False
+        self._save(old)
+        self._save(self.conversation)
+        self._show(self.conversation)
+        self._start()
+        return True
+
+    def current_preset(self, name: str) -> Preset:
+        """The system prompt and sampling in the fields, as a preset called name."""
+        return Preset(name, self.temperature.value(), self.top_p.value(), self.repeat_penalty.value(),
+                      self.system_edit.toPlainText())
+
+    def apply_preset(self, preset: Preset) -> None:
+        """Fill the fields from a preset (a built-in one leaves the system prompt); they become the defaults."""
+        self._applying = True      # the list keeps showing this preset while the fields change one by one
+        try:
+            if preset.system is not None:
+                self.system_edit.setPlainText(preset.system)
+                if preset.system and not self.system_toggle.isChecked():
+                    self.system_toggle.setChecked(True)
+            self.top_p.setValue(preset.top_p)
+            self.repeat_penalty.setValue(preset.repetition_penalty)
+            self.temperature.setValue(preset.temperature)
+        finally:
+            self._applying = False
+        self._commit_settings()
+        self._show_preset()
+        self._set_status(self.tr("Preset “{name}”: temperature {t:g}, top-p {p:g}, repeat penalty {r:g}").format(
+            name=self.preset_picker.combo.currentText(), t=preset.temperature, p=preset.top_p,
+            r=preset.repetition_penalty))
+
+    def set_defaults(self, defaults: ChatDefaults) -> None:
+        """New conversations start with defaults (the settings dialog); an empty conversation shown takes them now."""
+        self.defaults = defaults
+        defaults.save(self.settings)
+        self.stop_loops.blockSignals(True)      # its signal would keep the fields' sampling as the defaults
+        self.stop_loops.setChecked(defaults.stop_loops)
+        self.stop_loops.blockSignals(False)
+        if not self.conversation.turns:
+            self.conversation = replace(self.conversation,
+                                        sampling=defaults.sampling(self.conversation.sampling.max_tokens))
+            self._show(self.conversation)
+
     def close_views(self) -> None:
         """Stop the redraw timer and any answer in flight (the window is closing)."""
+        self.preset_picker.close_views()
         self.transcript.stop_answer()
         if self._request is not None:
             self.bridge.service.cancel(self._request)
@@ -432,8 +449,9 @@ class ChatPanel(QWidget):
         self._tokens, self._partial, self._partial_reasoning, self._prompt_tokens = 0, "", "", 0
         self._loops = LoopDetector() if self.stop_loops.isChecked() else None
         self.loop, self._pieces = None, []
+        drafting = {} if self.remote is not None else {"speculative": self.drafting.mode()}   # a server's: as started
         self._request = self.bridge.service.generate(messages=self.conversation.messages(), sampling=params,
-                                                     max_tokens=s.max_tokens)
+                                                     max_tokens=s.max_tokens, **drafting)
         self.transcript.begin_answer(len(self.conversation.turns))
         self._set_status("Reading the prompt…")
         self._update_buttons()
@@ -534,6 +552,14 @@ class ChatPanel(QWidget):
             w.blockSignals(False)
         if conv.system and not self.system_toggle.isChecked():
             self.system_toggle.setChecked(True)
+        self._show_preset()
+
+    def _show_preset(self) -> None:
+        """The preset list names the preset the fields hold, or Custom."""
+        if self._applying:
+            return
+        self.preset_picker.show_matching(self.temperature.value(), self.top_p.value(), self.repeat_penalty.value(),
+                                         self.system_edit.toPlainText())
 
     def _commit_settings(self) -> None:
         """Take the system prompt and sampling widgets into the conversation (saved if it was already)."""
@@ -571,6 +597,7 @@ class ChatPanel(QWidget):
         self.defaults = ChatDefaults(t if t > 0 else self.defaults.temperature, self.top_p.value(),
                                      self.repeat_penalty.value(), t == 0, self.stop_loops.isChecked())
         self.defaults.save(self.settings)
+        self._show_preset()
 
     def _save(self, conv: Conversation) -> None:
         try:

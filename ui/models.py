@@ -1,8 +1,8 @@
 """Models: open a folder or a GGUF file, the recent models, and converting one into a container.
 
-File dialogs start in the models folder (app.config.paths.models_dir). The conversion dialog proposes
-`NAME-q<bits>` from the source's name without its own quantization suffix, and refuses a Colibri
-container as a source: it is quantized already, and its source is what to convert again.
+File dialogs start in the models folder (the one chosen in the settings dialog, else app.config.paths.models_dir).
+The conversion dialog proposes `NAME-q<bits>` from the source's name without its own quantization suffix, and
+refuses a Colibri container as a source: it is quantized already, and its source is what to convert again.
 
 A conversion (app.hub.convert) runs on a worker thread behind a progress dialog, which shows the
 conversion's typed events (app.hub.progress); Cancel raises from the conversion's progress callback
@@ -46,11 +46,12 @@ MAX_RECENT = 8
 _QUANT_SUFFIX = re.compile(r"[-_.](q\d+(_[a-z0-9]+)*|i?q\d_[a-z0-9_]+|f16|bf16|fp16|f32|fp32|fp8|int4|int8)$", re.I)
 
 
-def start_folder() -> str:
-    """Where file dialogs start: the models folder when it exists, else the home folder."""
-    from app.config.paths import models_dir
+def start_folder(settings: QSettings | None = None) -> str:
+    """Where file dialogs start: the models folder (the settings' choice, else Colibri's) when it exists, else the
+    home folder."""
+    from ui.settings_dialog import models_folder
 
-    folder = models_dir()
+    folder = models_folder(settings)
     return str(folder if folder.is_dir() else Path.home())
 
 
@@ -204,7 +205,7 @@ class ConvertDialog(QDialog):
     def __init__(self, source: str | None, out_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
         self.setWindowTitle("Convert a model")
-        self.out_dir = out_dir
+        self.out_dir = out_dir      # the models folder: file dialogs start there too
         self.job: ConvertJob | None = None
         self.progress_dialog: QProgressDialog | None = None
         self.source = QLineEdit(source or "")
@@ -337,7 +338,7 @@ class ConvertDialog(QDialog):
         super().reject()
 
     def _browse(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Model folder to convert", start_folder())
+        folder = QFileDialog.getExistingDirectory(self, "Model folder to convert", str(self.out_dir))
         if folder:
             self.source.setText(folder)
 
@@ -361,6 +362,7 @@ class ModelActions(QObject):
         super().__init__(window)
         self.window = window
         self.recent = RecentModels(settings)
+        self.settings = settings
         self.current: str | None = None
         self.convert_dialog: ConvertDialog | None = None
         self.open_folder = QAction("Open model folder…", self, shortcut="Ctrl+O")
@@ -379,14 +381,14 @@ class ModelActions(QObject):
 
     def show_convert(self, source: str | None = None) -> ConvertDialog:
         """Open the conversion dialog (non-blocking) for source, or the current model."""
-        from app.config.paths import models_dir
+        from ui.settings_dialog import models_folder
 
         if self.convert_dialog is not None:
             self.convert_dialog.cancel_job()
             self.convert_dialog.deleteLater()
         if source is None and self.current is not None and requantize_error(Path(self.current)) is None:
             source = self.current        # a container loaded now is no source: it is quantized already
-        dlg = ConvertDialog(source, models_dir(), self.window)
+        dlg = ConvertDialog(source, models_folder(self.settings), self.window)
         dlg.converted.connect(self.converted)
         self.convert_dialog = dlg
         dlg.open()
@@ -409,11 +411,12 @@ class ModelActions(QObject):
 
     def _open_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self.window, "Open a model folder (Hugging Face or container)",
-                                                  start_folder())
+                                                  start_folder(self.settings))
         if folder:
             self.openRequested.emit(folder)
 
     def _open_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self.window, "Open a GGUF file", start_folder(), "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self.window, "Open a GGUF file", start_folder(self.settings),
+                                              "GGUF models (*.gguf)")
         if path:
             self.openRequested.emit(path)

@@ -11,8 +11,9 @@ A model's reasoning (sent apart from the answer: engine.tokenizer.reasoning) sho
 block that a click on its "Reasoning" line opens or closes: open while the answer is being written, closed in
 the answers of the past.
 
-Each message's header carries small links: "copy" puts the message's raw Markdown on the clipboard, and on a
-question "edit" asks the chat (`editRequested`) to put it back in the input, to send it again as a branch.
+Each message's header carries small links: "copy" puts the message's raw Markdown on the clipboard, on a
+question "edit" asks the chat (`editRequested`) to put it back in the input, to send it again as a branch, and
+on an answer "regenerate" asks it (`regenerateRequested`) to write that answer again as a branch.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ THINKING = "reasoning-"     # the reasoning blocks' link targets: "#reasoning-<t
 LIVE = -1
 MESSAGE_COPY = "message-copy-"  # a message's copy link target: "#message-copy-<turn index>"
 MESSAGE_EDIT = "message-edit-"  # a question's edit link target: "#message-edit-<turn index>"
-IN_PLACE = (THINKING, COPY, MESSAGE_COPY, MESSAGE_EDIT)    # links that act in the transcript, never navigate
+MESSAGE_REGENERATE = "message-regenerate-"  # an answer's regenerate link target: "#message-regenerate-<turn index>"
+IN_PLACE = (THINKING, COPY, MESSAGE_COPY, MESSAGE_EDIT, MESSAGE_REGENERATE)    # links that act in the transcript, never navigate
 FOLLOW_SLACK = 4    # pixels from the bottom that still count as "at the bottom" (the view follows new text)
 
 
@@ -63,6 +65,7 @@ class Transcript(QTextBrowser):
     """The conversation as a read-only rich-text document; the answer in progress is drawn on a timer."""
 
     editRequested = Signal(int)     # a question's turn index: its edit link was clicked
+    regenerateRequested = Signal(int)   # an answer's turn index: its regenerate link was clicked
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -252,6 +255,8 @@ class Transcript(QTextBrowser):
             self.copy_message(int(fragment[len(MESSAGE_COPY):]))
         elif _local_link(url, MESSAGE_EDIT):
             self.editRequested.emit(int(fragment[len(MESSAGE_EDIT):]))
+        elif _local_link(url, MESSAGE_REGENERATE):
+            self.regenerateRequested.emit(int(fragment[len(MESSAGE_REGENERATE):]))
 
     def doSetSource(self, name: QUrl, type: QTextDocument.ResourceType = QTextDocument.ResourceType.UnknownResource
                     ) -> None:
@@ -350,6 +355,9 @@ class Transcript(QTextBrowser):
         if role == "user":
             links.append(("edit", MESSAGE_EDIT, "edit this question and send it again as a branch "
                                                 "(the conversation after it is kept as a copy)"))
+        elif role == "assistant":
+            links.append((self.tr("regenerate"), MESSAGE_REGENERATE,
+                          self.tr("write this answer again as a branch (the conversation from here is kept as a copy)")))
         plain = QTextCharFormat()
         plain.setForeground(colors.muted)
         plain.setFontPointSize(max(7.0, self.font().pointSizeF() * 0.85))

@@ -224,6 +224,10 @@ class EngineThread:
             if cancel.is_set():
                 raise LoadCancelled("loading cancelled")
             progress(0.0, f"opening {Path(req.path).name}")
+            if req.options.threads is not None:     # numba's count is per thread: this one runs the model
+                from app.config.settings import apply_threads
+
+                apply_threads(req.options.threads, "the app's compute threads setting")
             plan = self._plan_load(req.path, req.options)
             telemetry = Telemetry(plan.spec.n_layers, n_experts(plan.spec))
             baseline = rss()     # the interpreter and libraries: outside the budget, reported apart

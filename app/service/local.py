@@ -123,7 +123,7 @@ class EngineService(EngineThread):
                  sampling: SamplingParams = SamplingParams(), max_tokens: int = 256, stop: Sequence[str] = (),
                  listener: Callable[[ServiceEvent], None] | None = None,
                  reasoning: ReasoningFormat | None = None, logprobs: int | None = None,
-                 grammar: Grammar | None = None, speculative: bool | None = None) -> int:
+                 grammar: Grammar | None = None, speculative: bool | str | None = None) -> int:
         """Generate from token ids or chat messages; the events come back as `Generation` with this id (to
         `listener` too, on the engine thread, from before this returns). Raises QueueFull when `max_queue`
         generations already wait for room in the batch. A chat's answer comes with its reasoning apart when the
@@ -131,7 +131,8 @@ class EngineService(EngineThread):
         text) asks for that split. A message's `reasoning_content` goes back to the template. With `logprobs`, each
         TokenEvent carries its token's log-probability and that many alternatives. With `grammar`
         (engine.generation.grammar), the answer is decoded to match it. `speculative` turns drafting on or off for
-        this generation (None: as the load's options say); the answer is the same either way."""
+        this generation (None: as the load's options say; True: on, by the load's mode; "lookup" by prompt lookup,
+        "mtp" by the model's MTP head); the answer is the same either way."""
         if (prompt is None) == (messages is None):
             raise ValueError("generate: give either prompt token ids or chat messages")
         msgs = None if messages is None else tuple(chat_message(m) for m in messages)

@@ -40,6 +40,7 @@ class LoadOptions:
     overflow: str = "error"             # past the context: "error", "slide" or "retain" (see engine.kv)
     speculative: bool | str = False     # answers draft and verify: True by prompt lookup, "mtp" by the MTP head
     draft: int | None = None            # tokens drafted per step (None: 4, or 1 with mtp)
+    threads: int | None = None          # compute threads of the engine thread (None: the process's, --threads)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class GenerateRequest:
     reasoning: ReasoningFormat | None = None    # split the answer of token ids so; messages find their own
     logprobs: int | None = None                 # each token's log-probability and this many alternatives
     grammar: Grammar | None = None              # the answer must match it (structured output)
-    speculative: bool | None = None             # draft (True) or not (False); None: as the load's options say
+    speculative: bool | str | None = None       # draft (True, "lookup" or "mtp") or not (False); None: as loaded
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class ModelInfo:
     fixed: Mapping[str, str]                    # setting name -> why it cannot change for this model
     settings: EngineSettings
     vocab_size: int = 0                         # token ids run from 0 to vocab_size - 1
+    mtp: bool = False                           # its checkpoint ships MTP layers (it can draft with them)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -54,20 +54,24 @@ class Engaged:
     pool: Any = None                    # engine.kv.KVPool for the context length in force (made on first use)
     scheduler: Any = None               # engine.generation.scheduler.Scheduler on that pool
     dense_bytes: int | None = None      # weights held in memory whatever the budget (None: not known)
-    drafting: Any = None                # engine SpeculativeSettings of the options (made on first use)
+    drafting: dict = field(default_factory=dict)   # drafting mode (True: lookup, "mtp") -> its SpeculativeSettings
 
-    def speculation(self, asked: bool | None = None):
+    def speculation(self, asked: bool | str | None = None):
         """The SpeculativeSettings a generation runs with: the load's `speculative` option, unless the request asks
-        (True: drafting on, by the load's mode or else prompt lookup; False: off). None decodes plainly."""
+        (True: drafting on, by the load's mode or else prompt lookup; "lookup": prompt lookup; "mtp": the model's MTP
+        head; False: off). None decodes plainly. Raises ColibriError when the mode cannot be had (no MTP layers)."""
         from app.service.loading import speculative_settings
 
         o = self.options
         on = o.speculative if asked is None else asked
         if not on:
             return None
-        if self.drafting is None:
-            self.drafting = speculative_settings(self.loaded, o.speculative or True, o.draft)
-        return self.drafting
+        if isinstance(on, str) and on not in ("lookup", "mtp"):
+            raise ColibriError(f"speculative {on!r}: ask for \"lookup\" (prompt lookup), \"mtp\", true or false")
+        mode = "mtp" if on == "mtp" or (on is True and o.speculative == "mtp") else True
+        if mode not in self.drafting:
+            self.drafting[mode] = speculative_settings(self.loaded, mode, o.draft if mode == (o.speculative or mode) else None)
+        return self.drafting[mode]
 
     def batcher(self):
         """The scheduler that runs this model's generations together, on a KV pool of `max_batch` contexts
@@ -293,8 +297,23 @@ def model_info(loaded, container, settings: EngineSettings) -> ModelInfo:
         fixed.update(memory_budget=why, prefetch_depth=why, io_threads=why)
     info = ModelInfo(Path(loaded.path), loaded.name, spec.architecture, spec.n_layers, n_experts(spec), top_k(spec),
                      bool(loaded.tokenizer is not None and loaded.tokenizer.has_chat_template), spec.max_position,
-                     streaming, None, MappingProxyType(fixed), settings, spec.vocab_size)
+                     streaming, None, MappingProxyType(fixed), settings, spec.vocab_size, has_mtp(loaded.path))
     return replace(info, budget_range=budget_range(loaded, container, info))
+
+
+def has_mtp(path: Path) -> bool:
+    """Whether the checkpoint at path declares MTP layers to draft with (its config.json; a GGUF file has none)."""
+    import json
+
+    from engine.models import mtp_spec
+
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return mtp_spec(json.loads(config.read_text(encoding="utf-8")), str(config)) is not None
+    except (OSError, ValueError, ColibriError):
+        return False
 
 
 def read_atlas(path: Path) -> Mapping[str, Any] | None:

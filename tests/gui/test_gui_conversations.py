@@ -3,31 +3,16 @@ and per-message Copy and Edit (an edit branches the conversation and keeps the o
 
 from __future__ import annotations
 
-from engine.events import DoneEvent
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS
+from support.qt import LOAD_TIMEOUT_MS, ask, click_link
 from support.server import paced
-
-
-def _ask(qtbot, window, text: str, max_tokens: int = 24) -> DoneEvent:
-    """Send text through the input and the Send button; the answer's DoneEvent once the chat is idle again."""
-    from PySide6.QtCore import Qt
-
-    chat = window.chat
-    chat.max_tokens.setValue(max_tokens)
-    done: list[DoneEvent] = []
-    chat.bridge.generation.connect(lambda _r, e: done.append(e) if isinstance(e, DoneEvent) else None)
-    chat.input.setPlainText(text)
-    with qtbot.waitSignal(chat.generatingChanged, check_params_cb=lambda busy: not busy, timeout=LOAD_TIMEOUT_MS):
-        qtbot.mouseClick(chat.send_button, Qt.MouseButton.LeftButton)
-    return done[-1]
 
 
 def test_the_context_meter_counts_as_the_engine_does_and_warns_when_nearly_full(qtbot, window):
     meter = window.chat.context_meter
     assert meter.total == window.info.settings.context_length and meter.used is None
     assert "Context — / " in meter.label.text()
-    done = _ask(qtbot, window, "Count the tokens, please")
+    done = ask(qtbot, window, "Count the tokens, please")
     first = done.stats.prompt_tokens + done.stats.generated_tokens
     assert meter.used == first and f"Context {first:,} / {meter.total:,}" == meter.label.text()
     assert not meter.warning and "refused" in meter.toolTip()           # overflow "error": the engine refuses
@@ -36,7 +21,7 @@ def test_the_context_meter_counts_as_the_engine_does_and_warns_when_nearly_full(
         window.controls.context.slider.setValue(0)
         window.controls.apply()
     assert meter.total == 256 and meter.used == first
-    done = _ask(qtbot, window, "And now a longer answer", max_tokens=400)
+    done = ask(qtbot, window, "And now a longer answer", max_tokens=400)
     used = done.stats.prompt_tokens + done.stats.generated_tokens
     assert used > first and meter.used == used and used > 0.8 * 256
     assert meter.warning and meter.bar.color().name() == "#e69614"
@@ -170,50 +155,27 @@ def test_export_writes_the_conversation_where_the_save_dialog_says(qtbot, make_w
     assert sorted(p.name for p in docs.iterdir()) == ["Tell me about hummingbirds.md", "birds.json"]   # no temps
 
 
-def _click_link(qtbot, view, href: str) -> None:
-    """A real mouse click in the middle of the link to href in the transcript."""
-    from PySide6.QtCore import QPoint, Qt
-    from PySide6.QtGui import QTextCursor
-
-    block = view.document().begin()
-    while block.isValid():
-        it = block.begin()
-        while not it.atEnd():
-            fragment = it.fragment()
-            if fragment.charFormat().isAnchor() and fragment.charFormat().anchorHref() == href:
-                cursor = QTextCursor(view.document())
-                cursor.setPosition(fragment.position() + fragment.length() // 2)
-                view.setTextCursor(cursor)
-                view.ensureCursorVisible()
-                qtbot.mouseClick(view.viewport(), Qt.MouseButton.LeftButton,
-                                 pos=view.cursorRect(cursor).center() + QPoint(1, 0))
-                return
-            it += 1
-        block = block.next()
-    raise AssertionError(f"no link to {href} in the transcript")
-
-
 def test_copy_and_edit_a_message_branch_and_keep_the_old_continuation(qtbot, window):
     from PySide6.QtCore import Qt
     from PySide6.QtGui import QGuiApplication
 
     chat = window.chat
-    _ask(qtbot, window, "First question")
-    _ask(qtbot, window, "Second question")
+    ask(qtbot, window, "First question")
+    ask(qtbot, window, "Second question")
     before = chat.conversation
     assert [t.role for t in before.turns] == ["user", "assistant"] * 2
     QGuiApplication.clipboard().clear()
-    _click_link(qtbot, chat.transcript, "#message-copy-1")              # the first answer's raw Markdown
+    click_link(qtbot, chat.transcript, "#message-copy-1")              # the first answer's raw Markdown
     assert QGuiApplication.clipboard().text() == before.turns[1].content
-    _click_link(qtbot, chat.transcript, "#message-copy-2")
+    click_link(qtbot, chat.transcript, "#message-copy-2")
     assert QGuiApplication.clipboard().text() == "Second question"
-    _click_link(qtbot, chat.transcript, "#message-edit-0")              # Escape leaves the edit
+    click_link(qtbot, chat.transcript, "#message-edit-0")              # Escape leaves the edit
     assert chat.editing == 0 and chat.input.toPlainText() == "First question"
     qtbot.keyClick(chat.input, Qt.Key.Key_Escape)
     assert chat.editing is None and chat.input.toPlainText() == "" and not chat.edit_bar.isVisible()
-    _click_link(qtbot, chat.transcript, "#message-edit-2")
+    click_link(qtbot, chat.transcript, "#message-edit-2")
     assert chat.editing == 2 and chat.input.toPlainText() == "Second question" and chat.edit_bar.isVisible()
-    done = _ask(qtbot, window, "Second question, put another way")
+    done = ask(qtbot, window, "Second question, put another way")
     assert chat.editing is None and not chat.edit_bar.isVisible()
     after = chat.conversation
     assert after.id == before.id and after.turns[:2] == before.turns[:2]
@@ -238,7 +200,7 @@ def test_an_answer_stopped_before_any_text_leaves_no_empty_answer(qtbot, window,
     from PySide6.QtGui import QGuiApplication
 
     chat = window.chat
-    _ask(qtbot, window, "First question")
+    ask(qtbot, window, "First question")
     paced(monkeypatch, 0.3)             # the engine waits before each step: the stop lands before the first token
     chat.input.setPlainText("Second")
     with qtbot.waitSignal(chat.generatingChanged, check_params_cb=lambda busy: not busy, timeout=LOAD_TIMEOUT_MS):
@@ -247,5 +209,5 @@ def test_an_answer_stopped_before_any_text_leaves_no_empty_answer(qtbot, window,
     assert [t.role for t in chat.conversation.turns] == ["user", "assistant", "user"]
     page = chat.transcript.toPlainText()
     assert page.count("Assistant") == 1 and "0 tokens · stopped" in page.splitlines()[-1]
-    _click_link(qtbot, chat.transcript, "#message-copy-2")
+    click_link(qtbot, chat.transcript, "#message-copy-2")
     assert QGuiApplication.clipboard().text() == "Second"

@@ -122,7 +122,7 @@ def test_the_first_block_keeps_its_format(qtbot, view, streamed):
     assert by_text["quoted"].blockFormat().intProperty(_quote_level()) == 1
     assert by_text["first"].textList() is not None
     page = view.toPlainText()
-    assert "Assistant   copy\nTitle\nText.\none\ntwo\nquoted\nfirst\nsecond" in page   # no stray empty blocks
+    assert "Assistant   copy · regenerate\nTitle\nText.\none\ntwo\nquoted\nfirst\nsecond" in page   # no stray empty blocks
 
 
 def test_a_streaming_answer_never_redraws_what_is_finished(qtbot, view):

@@ -1,5 +1,5 @@
 """Saved conversations: round trip, atomic writes, order, unreadable files kept and skipped; rename, search,
-branch and export."""
+branch (an edited question, a regenerated answer) and export."""
 
 from __future__ import annotations
 
@@ -111,6 +111,21 @@ def test_an_edited_question_branches_and_keeps_the_old_continuation():
         conv.branched(1, "an answer is not edited")
     with pytest.raises(ValueError, match="empty"):
         conv.branched(0, "  ")
+
+
+def test_a_regenerated_answer_branches_and_keeps_the_old_answer():
+    conv = _chat("first").with_turn(Turn("user", "second")).with_turn(Turn("assistant", "two"))
+    cut, old = conv.regenerated(1)              # the first answer, not the last
+    assert cut.id == conv.id and cut.title == conv.title and cut.turns == conv.turns[:1]
+    assert old.id != conv.id and old.title == f"{conv.title} (branch)" and old.turns == conv.turns
+    last, _ = conv.regenerated(3)
+    assert last.turns == conv.turns[:3] and last.turns[-1].content == "second"
+    for index in (0, 2, 4, -1):                 # questions, and turns that are not there
+        with pytest.raises(ValueError, match="not an answer"):
+            conv.regenerated(index)
+    lone = Conversation.new().with_turn(Turn("assistant", "hello")).with_turn(Turn("assistant", "again"))
+    with pytest.raises(ValueError, match="follows no question"):
+        lone.regenerated(1)
 
 
 def test_the_context_used_is_the_last_answers_count():

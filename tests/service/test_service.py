@@ -219,6 +219,21 @@ def test_token_ids_generate_too_and_errors_end_the_request(service, hf):
         service.generate()
 
 
+def test_each_answer_asks_for_its_drafting_mode(service, hf):
+    """"lookup" drafts by prompt lookup whatever the load said, and gives the plain answer; "mtp" on a model
+    without an MTP head, or a mode that does not exist, ends the request saying why."""
+    info = _load(service, hf).info
+    assert not info.mtp
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7]
+    _, plain = _generate(service, prompt=prompt, max_tokens=8, speculative=False)
+    _, drafted = _generate(service, prompt=prompt, max_tokens=8, speculative="lookup")
+    assert drafted.tokens == plain.tokens
+    i = service.generate(prompt, max_tokens=4, speculative="mtp")
+    assert "no MTP layers" in service.events.done(i).message
+    i = service.generate(prompt, max_tokens=4, speculative="medusa")
+    assert "ask for \"lookup\"" in service.events.done(i).message
+
+
 def test_stop_takes_effect_within_one_token(service, hf):
     _load(service, hf)
     stop_at = 5

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.events import DoneEvent
 from support.tiny_chat import tiny_models
 
-__all__ = ["no_leftovers", "models", "make_window", "window", "wait_until", "test_settings"]
+__all__ = ["no_leftovers", "models", "make_window", "window", "wait_until", "test_settings"]   # fixtures and helpers
 
 LOAD_TIMEOUT_MS = 180_000
 
@@ -140,3 +141,40 @@ def qtbot_app():
 def window(make_window, models):
     """A main window with the tiny container loaded (its experts stream)."""
     return make_window(models[1])
+
+
+def ask(qtbot, window, text: str, max_tokens: int = 24) -> DoneEvent:
+    """Send text through the input and the Send button; the answer's DoneEvent once the chat is idle again."""
+    from PySide6.QtCore import Qt
+
+    chat = window.chat
+    chat.max_tokens.setValue(max_tokens)
+    done: list[DoneEvent] = []
+    chat.bridge.generation.connect(lambda _r, e: done.append(e) if isinstance(e, DoneEvent) else None)
+    chat.input.setPlainText(text)
+    with qtbot.waitSignal(chat.generatingChanged, check_params_cb=lambda busy: not busy, timeout=LOAD_TIMEOUT_MS):
+        qtbot.mouseClick(chat.send_button, Qt.MouseButton.LeftButton)
+    return done[-1]
+
+
+def click_link(qtbot, view, href: str) -> None:
+    """A real mouse click in the middle of the link to href in the transcript."""
+    from PySide6.QtCore import QPoint, Qt
+    from PySide6.QtGui import QTextCursor
+
+    block = view.document().begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            fragment = it.fragment()
+            if fragment.charFormat().isAnchor() and fragment.charFormat().anchorHref() == href:
+                cursor = QTextCursor(view.document())
+                cursor.setPosition(fragment.position() + fragment.length() // 2)
+                view.setTextCursor(cursor)
+                view.ensureCursorVisible()
+                qtbot.mouseClick(view.viewport(), Qt.MouseButton.LeftButton,
+                                 pos=view.cursorRect(cursor).center() + QPoint(1, 0))
+                return
+            it += 1
+        block = block.next()
+    raise AssertionError(f"no link to {href} in the transcript")

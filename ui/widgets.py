@@ -1,0 +1,53 @@
+"""Small widgets of the main window: a status label that elides, and the stand-in for a missing inspector."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtGui import QPainter, QPaintEvent
+from PySide6.QtWidgets import QLabel
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that elides its text to the width it gets (the whole text in its tooltip), so a status
+    line never shows a cut word and never pushes its neighbours away."""
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self.setToolTip(text)
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(self.fontMetrics().horizontalAdvance("…") * 4, super().minimumSizeHint().height())
+
+    def elided(self) -> str:
+        """The text as drawn at the current width."""
+        return self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, self.contentsRect().width())
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        painter = QPainter(self)
+        try:
+            painter.setPen(self.palette().color(self.foregroundRole()))
+            painter.drawText(self.contentsRect(), int(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter),
+                             self.elided())
+        finally:
+            painter.end()
+
+
+class InspectorPlaceholder(QLabel):
+    """Stands in for ui.inspector.Inspector when it cannot be imported."""
+
+    atlasRequested = Signal()
+    atlasCancelRequested = Signal()
+
+    def __init__(self, reason: str):
+        super().__init__(f"The inspector is not available ({reason}).")
+        self.setWordWrap(True)
+        self.setAlignment(Qt.AlignmentFlag.AlignCenter)
+
+    def set_snapshot(self, snapshot) -> None: ...
+    def set_generating(self, active: bool) -> None: ...
+    def set_model_info(self, n_layers: int, n_experts: int, budget_bytes: int | None) -> None: ...
+    def set_tiers(self, tiers) -> None: ...
+    def set_atlas(self, atlas) -> None: ...
+    def set_atlas_progress(self, fraction) -> None: ...
+    def close_views(self) -> None: ...
+    def forget_model(self) -> None: ...
