@@ -310,8 +310,8 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
         limit = budget(body.max_tokens, len(prompt), engine.ctx, "messages")
         stops = tuple(body.stop_sequences or ())
         reasoning = answer_reasoning(tokenizer, text, tools)
-        shape = await asyncio.to_thread(body.grammar)                   # compiling takes a while
-        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "output_config.format", reasoning)
+        # compiling takes a while: off the event loop, in one call (one worker of its executor, not two)
+        grammar = await asyncio.to_thread(lambda: answer_grammar(body.grammar(), tools, "output_config.format", reasoning))
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=body.sampling(), stops=stops,
                        reasoning=reasoning, grammar=grammar)
         rid = "msg_" + uuid.uuid4().hex[:24]

@@ -311,8 +311,8 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
                         tools: Tools | None = None):
         options = body.options or Options()
         limit = budget(options.limit(), len(prompt), engine.ctx, "messages" if chat else "prompt")
-        shape = await asyncio.to_thread(body.grammar)                   # compiling takes a while
-        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "format", reasoning)
+        # compiling takes a while: off the event loop, in one call (one worker of its executor, not two)
+        grammar = await asyncio.to_thread(lambda: answer_grammar(body.grammar(), tools, "format", reasoning))
         ticket = start(engine, prompt, request, max_tokens=limit.max_tokens, sampling=options.sampling(),
                        stops=options.stops(), reasoning=reasoning, grammar=grammar, speculative=options.speculative)
         if body.stream:

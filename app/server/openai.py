@@ -317,8 +317,8 @@ def add_openai_routes(app: FastAPI, engine: Served) -> None:
         if len(stops) > 4:
             raise ApiError(400, f"stop: at most 4 sequences, got {len(stops)}", "stop")
         sampling = body.sampling(engine.info.vocab_size)
-        shape = await asyncio.to_thread(body.grammar)                   # compiling takes a while
-        grammar = await asyncio.to_thread(answer_grammar, shape, tools, "response_format", reasoning)
+        # compiling takes a while: off the event loop, in one call (one worker of its executor, not two)
+        grammar = await asyncio.to_thread(lambda: answer_grammar(body.grammar(), tools, "response_format", reasoning))
         scores = None
         if n_logprobs is not None:
             scores = _TokenScores(await _pieces(), n_logprobs)
