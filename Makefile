@@ -38,7 +38,7 @@ run: system-deps $(RUNTIME_STAMP) ## set up and open the app on the default mode
 		$(VENV)/bin/colibri gui smollm2-moe; \
 	else \
 		echo "make run: so the terminal chat opens instead, once the model is prepared (Ctrl-D leaves)" >&2; \
-		$(VENV)/bin/colibri pull smollm2-moe && $(VENV)/bin/colibri warm smollm2-moe && \
+		$(VENV)/bin/colibri warm smollm2-moe && \
 		$(VENV)/bin/colibri chat smollm2-moe; \
 	fi
 

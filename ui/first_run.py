@@ -102,7 +102,7 @@ class PullJob(BackgroundJob):
         root = self.models_dir or models_dir()
         if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
             seed_from_bundle(self.bundle, root, noting(report))
-        path = pulls.pull(self.name, root, progress=report)
+        path = pulls.pull(self.name, root, progress=report, warm_ahead=True)
         try:
             warm_up(path, report)
         except ColibriError as exc:     # the model may still open with other settings: say so and go on

@@ -13,7 +13,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Load MODEL as the app does and answer two short questions (greedy, then sampled at the "
         "chat window's defaults) so that every kernel it runs is compiled into Numba's cache "
         "(NUMBA_CACHE_DIR, else beside the installed modules). Once per install and kind of model: the first "
-        "time takes minutes on a small machine, later ones seconds. `make run` does it before opening the app.",
+        "time takes minutes on a small machine, later ones seconds. A catalogue name (smollm2-moe, smollm2-135m) is "
+        "pulled or prepared first when missing, and a model still to be upcycled has its kernels compiled on a "
+        "small stand-in meanwhile, in another process. `make run` does it before opening the terminal chat.",
     )
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="a model folder, container, GGUF file or pulled name (default: the demo model, "
@@ -28,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
     import time
 
     from app.hub.progress import HubEvent, Progress, to_stderr
-    from app.hub.pull import DEFAULT_MODEL
+    from app.hub.pull import ALIASES, DEFAULT_MODEL, DERIVED, pull
     from app.service.warm import warm_up
 
     last: list = [None, 0.0]        # the step last printed, and when
@@ -40,5 +42,8 @@ def _run(args: argparse.Namespace) -> int:
         last[:] = [event.done if isinstance(event, Progress) else None, now]
         to_stderr(event)
 
-    warm_up(args.model or DEFAULT_MODEL, report)
+    model = args.model or DEFAULT_MODEL
+    if model in DERIVED or model in ALIASES:
+        model = pull(model, progress=report, warm_ahead=True)
+    warm_up(model, report)
     return 0

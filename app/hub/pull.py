@@ -67,10 +67,12 @@ class HubError(ColibriError):
         self.reason = reason
 
 
-def pull(name: str, models_dir: Path | None = None, progress: Report | None = None, *, log: Log | None = None) -> Path:
+def pull(name: str, models_dir: Path | None = None, progress: Report | None = None, *, log: Log | None = None,
+         warm_ahead: bool = False) -> Path:
     """Get model NAME (a known alias or a hub repo id `org/name`) into the models folder; return its path.
 
-    Events go to PROGRESS, or as text lines to LOG, else to stderr.
+    Events go to PROGRESS, or as text lines to LOG, else to stderr. With `warm_ahead`, for a caller that warms the
+    model up next: while a derived model's upcycling runs, its kernels compile on a stand-in (app.hub.standin).
     """
     report = reporter(progress, log, to_stderr)
     if name not in DERIVED and name not in ALIASES:
@@ -80,7 +82,7 @@ def pull(name: str, models_dir: Path | None = None, progress: Report | None = No
         raise ColibriError(f"the models folder {root} is a file: pass --models-dir a folder (or set COLIBRI_MODELS_DIR)")
     root.mkdir(parents=True, exist_ok=True)
     if name in DERIVED:
-        return _pull_derived(name, root, report)
+        return _pull_derived(name, root, report, warm_ahead)
     if name in ALIASES:
         alias = ALIASES[name]
         return _pull_once(name, root, report, lambda: pulled_alias(name, root),
@@ -138,7 +140,7 @@ def resolve_model(arg: str | None, models_dir: Path | None = None) -> Path:
 # ---- derived models: made once from a pulled one ----------------------------------------------
 
 
-def _pull_derived(name: str, root: Path, report: Report) -> Path:
+def _pull_derived(name: str, root: Path, report: Report, warm_ahead: bool = False) -> Path:
     """The derived model NAME, made from its source (pulled or made first if needed) when missing."""
     found = pulled_derived(name, root)
     if found is not None:
@@ -146,10 +148,32 @@ def _pull_derived(name: str, root: Path, report: Report) -> Path:
         report(Note(f"{name} is already prepared"))
         return found
     derived = DERIVED[name]
+    below = DERIVED.get(derived.source)
+    if (warm_ahead and derived.bits is not None and below is not None and below.experts is not None
+            and pulled_derived(derived.source, root) is None):
+        return _with_standin(name, below, derived.bits, root, report)
     source = pull(derived.source, root, report)  # takes and releases the lock itself
     make = _moefy if derived.experts is not None else _convert
     return _pull_once(name, root, report, lambda: pulled_derived(name, root),
                       lambda: make(name, derived, source, root, report))
+
+
+def _with_standin(name: str, upcycled: Derived, bits: int, root: Path, report: Report) -> Path:
+    """Derived model NAME, a container at BITS of the upcycling UPCYCLED, made while a stand-in compiles its kernels."""
+    from app.hub.standin import StandIn
+    from app.moefy.upcycle import MoefyOptions
+
+    assert upcycled.experts is not None
+    dense = pull(upcycled.source, root, report)
+    standin = StandIn.start(dense, root, upcycled.experts, MoefyOptions().top_k, bits)
+    report(Note(f"compiling {name}'s kernels meanwhile, on a small stand-in of it (in another process)"))
+    try:
+        path = _pull_derived(name, root, report)
+    except BaseException:
+        standin.stop()
+        raise
+    standin.finish(report)
+    return path
 
 
 def _moefy(name: str, derived: Derived, source: Path, root: Path, report: Report) -> Path:

@@ -44,8 +44,8 @@ def test_a_prepared_demo_or_a_recent_model_opens_without_asking(make_window, tmp
 def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_window, models, tmp_path, monkeypatch):
     calls = []
 
-    def fake_pull(name, models_dir=None, progress=None):
-        calls.append((name, models_dir))
+    def fake_pull(name, models_dir=None, progress=None, warm_ahead=False):
+        calls.append((name, models_dir, warm_ahead))
         for percent in (0, 40, 90):
             progress(Progress("write", percent, 100, "writing experts", model=name))
             time.sleep(0.05)
@@ -60,7 +60,7 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
         dlg.job.progress.connect(lambda event: lines.append(render(event)))
         assert dlg.progress_dialog is not None and dlg.progress_dialog.isVisible()
         assert not dlg.demo_button.isEnabled()
-    assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models")]
+    assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models", True)]     # its kernels compile meanwhile
     # the pulled model's kernels were compiled behind the same dialog, before it opened
     assert any("warm-up: kernels ready" in line for line in lines), lines
     assert window.info.name == models[0].name and not dlg.isVisible() and dlg.progress_dialog is None
@@ -75,7 +75,7 @@ def test_a_catalogue_name_given_at_start_is_prepared_in_the_window_then_opens(qt
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
     calls = []
 
-    def fake_pull(name, models_dir=None, progress=None):
+    def fake_pull(name, models_dir=None, progress=None, warm_ahead=False):
         calls.append(name)
         progress(Progress("upcycle", 0.5, 1.0, "routers: layer 3/30", model=name))
         return models[0]
@@ -94,7 +94,7 @@ def test_a_catalogue_name_given_at_start_is_prepared_in_the_window_then_opens(qt
 def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_window, tmp_path, monkeypatch):
     started = threading.Event()
 
-    def endless_pull(name, models_dir=None, progress=None):
+    def endless_pull(name, models_dir=None, progress=None, warm_ahead=False):
         started.set()
         while True:     # the real preparation reports as it goes; Cancel raises from the progress callback
             progress(Progress("upcycle", 0.1, 1.0, "calibrating", model=name))
@@ -118,7 +118,7 @@ def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_win
 def test_a_failed_pull_by_name_shows_why_and_the_dialog_stays(qtbot, make_window, tmp_path, monkeypatch):
     from engine.errors import ColibriError
 
-    def failing_pull(name, models_dir=None, progress=None):
+    def failing_pull(name, models_dir=None, progress=None, warm_ahead=False):
         raise ColibriError(f"{name}: the hub cannot be reached; pull it where there is a network")
 
     monkeypatch.setattr(pulls, "pull", failing_pull)
