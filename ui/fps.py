@@ -1,0 +1,170 @@
+"""Frame rates of the inspector's Brain and Atlas at the seeds' scale: `python -m ui.fps`.
+
+The reference engine's headline model, GLM-5.2, routes among 19,456 experts (76 MoE layers of 256). This
+script builds both views at that size with synthetic data and feeds them a new token per frame: its top-8
+experts in every layer, heat that decays and grows as the inspector's does, tiers that change. Each frame is
+painted before the next one starts (a synchronous repaint, as if the inspector's timer never had to wait),
+and the frames per second of wall time are printed: the Brain's grid (pyqtgraph, a 76 x 256 image) and the
+Atlas's 3D points (vispy, every frame a full GL draw of 19,456 markers and the 608 lit ones).
+
+The Atlas needs OpenGL: run it under a display; on a machine without a GPU that is Mesa's llvmpipe, in
+software (`xvfb-run -s "-screen 0 1280x1024x24" python -m ui.fps`). With QT_QPA_PLATFORM=offscreen only
+the Brain is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+LAYERS, EXPERTS, TOP_K = 76, 256, 8      # 19,456 experts, as GLM-5.2
+DECAY = 0.97                              # heat kept per token
+
+
+def _frames(n: int, seed: int = 0) -> list:
+    """N frames of one token each: its routing, the decayed heat and tiers that drift."""
+    from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, Frame
+
+    rng = np.random.default_rng(seed)
+    heat = np.zeros((LAYERS, EXPERTS), np.float32)
+    tiers = rng.choice(np.array([TIER_DISK, TIER_CACHED, TIER_PINNED], np.int8), size=(LAYERS, EXPERTS),
+                       p=[0.7, 0.25, 0.05])
+    popular = rng.zipf(1.5, size=(LAYERS, EXPERTS)).astype(np.float64)   # a few experts take most tokens
+    popular /= popular.sum(axis=1, keepdims=True)
+    frames = []
+    for _ in range(n):
+        current = tuple((layer, tuple(int(e) for e in rng.choice(EXPERTS, TOP_K, replace=False, p=popular[layer])))
+                        for layer in range(LAYERS))
+        heat *= DECAY
+        for layer, ids in current:
+            heat[layer, list(ids)] += 1.0
+            tiers[layer, list(ids)] = TIER_CACHED
+        snapshot = SimpleNamespace(heat=heat.copy(), current=current)
+        frames.append(Frame(snapshot=snapshot, shape=(LAYERS, EXPERTS), budget=None, tiers=tiers.copy(),  # type: ignore[arg-type]
+                            atlas=None, selected=None))
+    return frames
+
+
+def _atlas_data(seed: int = 0):
+    from ui.inspector.data import AtlasData
+
+    rng = np.random.default_rng(seed)
+    keys = np.array([(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)], np.int64)
+    positions = rng.standard_normal((len(keys), 3)).astype(np.float32)
+    positions /= np.linalg.norm(positions, axis=1).max()
+    topics = tuple(f"topic{i}" for i in range(12))
+    top = rng.integers(-1, len(topics), len(keys))
+    return AtlasData(keys, positions, top, rng.random(len(keys)).astype(np.float32),
+                     rng.integers(0, 200, len(keys)), topics, topics,
+                     {(int(a), int(b)): i for i, (a, b) in enumerate(keys)})
+
+
+def brain_fps(app, frames: list, seconds: float) -> dict:
+    """Frames per second of the Brain redrawing and repainting one frame after another for about SECONDS."""
+    from ui.inspector.brain import BrainView
+    from ui.inspector.common import theme_for
+
+    view = BrainView(theme_for(app.palette()))
+    view.resize(1000, 640)
+    view.show()
+    app.processEvents()
+    view.redraw(frames[0])                  # the first frame sizes the axes: not timed
+    view.view.viewport().repaint()
+    drawn, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        view.redraw(frames[drawn % len(frames)])
+        view.view.viewport().repaint()
+        app.processEvents()
+        drawn += 1
+    elapsed = time.perf_counter() - t0
+    view.close()
+    return {"frames": drawn, "seconds": round(elapsed, 3), "fps": round(drawn / elapsed, 1)}
+
+
+def atlas_fps(app, frames: list, seconds: float) -> dict:
+    """Canvas draws per second of the Atlas lighting each frame's experts for about SECONDS, and the draw time;
+    or why it cannot draw (no OpenGL)."""
+    from ui.inspector.atlas import AtlasView, gl_problem
+    from ui.inspector.common import theme_for
+
+    problem = gl_problem()
+    if problem is not None:
+        return {"skipped": problem}
+    view = AtlasView(theme_for(app.palette()))
+    view.resize(1000, 640)
+    view.show()
+    view.set_atlas(_atlas_data())
+    app.processEvents()
+    canvas = view.canvas
+    if canvas is None:
+        return {"skipped": view.no_gl.text()}
+    draws = [0]
+    canvas.events.draw.connect(lambda event: draws.__setitem__(0, draws[0] + 1), position="last")
+    canvas.native.repaint()                 # the first draw uploads the points: not timed
+    app.processEvents()
+    draws[0], shown, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        view.redraw(frames[shown % len(frames)])
+        view._view.camera.azimuth += 1.0    # the user turning the atlas: every frame a full draw
+        canvas.native.repaint()
+        app.processEvents()
+        shown += 1
+    elapsed = time.perf_counter() - t0
+    result = {"draws": draws[0], "seconds": round(elapsed, 3), "fps": round(draws[0] / elapsed, 1),
+              "draw_ms": round(view.draw_cost * 1000, 1), "renderer": _renderer()}
+    view.close_gl()
+    view.close()
+    return result
+
+
+def _renderer() -> str:
+    from PySide6.QtGui import QOffscreenSurface, QOpenGLContext
+
+    surface = QOffscreenSurface()
+    surface.create()
+    context = QOpenGLContext()
+    if not context.create() or not context.makeCurrent(surface):
+        return "unknown"
+    try:
+        from OpenGL import GL  # type: ignore[import-not-found]
+
+        return GL.glGetString(GL.GL_RENDERER).decode()
+    except Exception:       # PyOpenGL is optional: vispy uses its own GL bindings
+        functions = context.functions()
+        return str(functions.glGetString(0x1F01))   # GL_RENDERER
+    finally:
+        context.doneCurrent()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ui.fps", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="time each view is measured (default 5)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    frames = _frames(64)
+    result = {"experts": LAYERS * EXPERTS, "brain": brain_fps(app, frames, args.seconds),
+              "atlas": atlas_fps(app, frames, args.seconds)}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    b, a = result["brain"], result["atlas"]
+    print(f"{LAYERS * EXPERTS} experts ({LAYERS} layers x {EXPERTS}, top-{TOP_K} per layer)")
+    print(f"Brain: {b['fps']:.1f} frames/s ({b['frames']} in {b['seconds']:.1f} s)")
+    if "skipped" in a:
+        print(f"Atlas: not measured: {a['skipped']}")
+    else:
+        print(f"Atlas: {a['fps']:.1f} draws/s ({a['draws']} in {a['seconds']:.1f} s), {a['draw_ms']:.1f} ms per draw, "
+              f"on {a['renderer']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
