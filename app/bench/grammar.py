@@ -78,7 +78,7 @@ class ModeResult:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready figures (answers left out)."""
-        cost = self.cost()
+        cost = self.cost() if self.mask_us else (0.0, 0.0, 0.0)
         return {"mode": self.mode, "answers": len(self.answers), "parsed": self.parsed,
                 "parsed_unfenced": self.parsed_unfenced, "valid": self.valid, "tokens": self.tokens,
                 "stopped": self.finish.count("stop"), "decode_s": round(self.decode_s, 4),
@@ -86,7 +86,10 @@ class ModeResult:
                     "mask_share": round(cost[2], 4)} if self.mask_us else {})}
 
     def cost(self) -> tuple[float, float, float]:
-        """The constraint's median and p95 microseconds per token and its share of the decode time."""
+        """The constraint's median and p95 microseconds per token and its share of the decode time (a constrained
+        mode's: free text has no timings)."""
+        if not self.mask_us:
+            raise ColibriError(f"the {self.mode} mode ran no constraint: no cost to report")
         us = np.asarray(self.mask_us)
         share = us.sum() / 1e6 / self.decode_s if self.decode_s > 0 else 0.0
         return float(np.median(us)), float(np.percentile(us, 95)), float(share)

@@ -71,3 +71,16 @@ def test_prompts_are_distinct_and_bounded():
 def test_a_bad_prompt_count_is_refused_before_loading(capsys):
     assert main(["bench", "no-such-model", "--grammar", "--prompts", "0"]) != 0
     assert "--prompts 0: give 1 to 50" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_command_prints_each_modes_figures_as_json(container, capsys):
+    assert main(["bench", str(container), "--grammar", "--prompts", "2", "--gen", "40", "--batch", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == list(MODES)
+    for mode, r in out.items():
+        assert r["mode"] == mode and r["answers"] == 2 and 0 <= r["valid"] <= r["parsed"] <= r["parsed_unfenced"] <= 2
+        assert r["tokens"] >= 2 and r["decode_s"] > 0
+    assert "mask_us_median" not in out["free"]
+    for mode in ("json_object", "json_schema"):
+        assert 0 < out[mode]["mask_us_median"] <= out[mode]["mask_us_p95"] and out[mode]["mask_share"] > 0
