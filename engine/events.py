@@ -75,7 +75,7 @@ class TokenEvent:
 class DoneEvent:
     """The end of a generation."""
 
-    finish_reason: str          # "stop" (EOS or stop string), "length", "cancelled"
+    finish_reason: str          # "stop" (EOS, stop string, or a grammar done), "length", "cancelled"
     tokens: tuple[int, ...]     # generated ids (an EOS id that stopped it is not included)
     text: str                   # the whole generated text, stop string removed
     stats: GenerationStats

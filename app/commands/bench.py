@@ -44,6 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--speculative", action="store_true",
                         help="measure speculative decoding instead: answers of a chat prompt that repeats itself and "
                              "of an ordinary one, alone and 4 together, plain against drafting (--gen tokens, --runs)")
+    parser.add_argument("--grammar", action="store_true",
+                        help="measure structured output instead: --prompts chat prompts asking for JSON, answered "
+                             "greedily and batched as free text, json_object and json_schema (--gen tokens each); "
+                             "the share of valid JSON of each and the constraint's cost per token")
+    parser.add_argument("--prompts", type=int, default=50, metavar="N",
+                        help="prompts of the --grammar bench (default 50, at most 50)")
+    parser.add_argument("--batch", type=int, default=8, metavar="N",
+                        help="answers decoded together by the --grammar bench (default 8)")
     add_memory_arguments(parser)
     parser.set_defaults(func=_run)
 
@@ -85,6 +93,8 @@ def _run(args: argparse.Namespace) -> int:
         return _kv(args)
     if args.speculative:
         return _speculative(args)
+    if args.grammar:
+        return _grammar(args)
     if args.max_memory is not None:
         return _stream(args)
     _check(args)
@@ -153,6 +163,28 @@ def _speculative(args: argparse.Namespace) -> int:
         print(json.dumps({name: {"plain_tok_s": c.plain, "drafting_tok_s": c.drafting, "ratio": round(c.ratio, 3),
                                  "drafted": c.drafted, "accepted": c.accepted, "identical": c.identical}
                           for name, c in cases.items()}))
+    return 0
+
+
+def _grammar(args: argparse.Namespace) -> int:
+    """The structured output bench (app.bench.grammar)."""
+    from app.bench.decode import check_threads, thread_limits
+    from app.bench.grammar import prompts, run_grammar_bench
+
+    _check(args)
+    if args.batch < 1:
+        raise ColibriError(f"--batch {args.batch}: must be at least 1")
+    prompts(args.prompts)   # refuses a bad count before loading anything
+    check_threads(args.threads)
+    loaded = load(args.model, quiet=args.json, options=load_options(args))
+    log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
+    try:
+        with thread_limits(args.threads):
+            results = run_grammar_bench(loaded, n_prompts=args.prompts, gen=args.gen, batch=args.batch, log=log)
+    finally:
+        loaded.close()
+    if args.json:
+        print(json.dumps({mode: r.as_dict() for mode, r in results.items()}))
     return 0
 
 

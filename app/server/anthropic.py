@@ -1,5 +1,5 @@
 """Anthropic's Messages API: `POST /v1/messages` (whole, or streamed as Anthropic's server-sent events:
-message_start, content_block_start, content_block_delta, content_block_stop, message_delta with the stop reason
+message_start, ping, content_block_start, content_block_delta, content_block_stop, message_delta with the stop reason
 and usage, message_stop) and `POST /v1/messages/count_tokens`.
 
 A request's `system`, its messages' content blocks (text; tool_use and tool_result as the chat template's
@@ -357,6 +357,7 @@ def add_anthropic_routes(app: FastAPI, engine: Served) -> None:
     async def _stream(ticket: Ticket, rid: str, n_prompt: int, limit: Budget, stops: tuple[str, ...],
                       blocks: Blocks):
         yield _sse("message_start", {"type": "message_start", "message": _message(rid, [], n_prompt, 0)})
+        yield _sse("ping", {"type": "ping"})      # as Anthropic sends it: clients skip it, proxies see a live stream
         async for event in events(ticket):
             if isinstance(event, ErrorEvent):
                 yield _sse("error", {"type": "error", "error": {"type": "api_error", "message": event.message}})

@@ -33,6 +33,7 @@ from pydantic_core import PydanticCustomError
 from app.server.engine import Served, Ticket
 from app.server.errors import ApiError, error, responses
 from app.server.generation import budget, events, start
+from app.server.model_details import model_details
 from app.server.tool_calls import (
     AnswerSplitter,
     Tools,
@@ -224,6 +225,7 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
     digest = hashlib.sha256(f"{info.name}:{size}".encode()).hexdigest()      # stable per model, tells nothing
     reasons = tokenizer is not None and tokenizer.reasoning_format is not None
     arch = family(info.architecture)
+    parameter_size, quantization = model_details(Path(info.path))     # read once: the model does not change
 
     def _check_model(name: str) -> None:
         if name not in (tag, info.name, "colibri", "default", "colibri:latest", "default:latest"):
@@ -231,10 +233,9 @@ def add_ollama_routes(app: FastAPI, engine: Served) -> None:
                            "model", "model_not_found")
 
     def _details() -> dict:
-        # the parameter count and quantization are not told by the engine service: left empty, not guessed
         return {"parent_model": "", "format": "colibri" if Path(info.path).is_dir() else "gguf",
-                "family": arch, "families": [arch], "parameter_size": "",
-                "quantization_level": ""}
+                "family": arch, "families": [arch], "parameter_size": parameter_size,
+                "quantization_level": quantization}
 
     def _entry() -> dict:
         return {"name": tag, "model": tag, "modified_at": datetime.fromtimestamp(engine.started, timezone.utc)

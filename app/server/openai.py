@@ -15,10 +15,11 @@ logits (before logit bias, penalties and temperature), with up to 20 alternative
 its tokens (of a token whose text is held back, the next chunk). `response_format` `json_object` and
 `json_schema` are honoured by grammar-constrained decoding (engine.generation.grammar): the answer is JSON matching
 the schema; as max_tokens nears, the answer is steered to close (where the schema lets it close), so that it parses
-even when finish_reason is "length". A schema that cannot be compiled gets a 400 naming the problem. A max_tokens
-past the room the prompt leaves in the context is clamped to that room (app.server.generation.budget, as on the
-Anthropic and Ollama routes): the answer then ends with "length" when the context is full. A full queue
-answers 429 with `Retry-After`. A client that disconnects cancels its generation; its KV blocks go back to the pool.
+even when finish_reason is "length" (an answer whose JSON closes on its last allowed token finishes "stop"). A
+schema that cannot be compiled gets a 400 naming the problem. A max_tokens past the room the prompt leaves in the
+context is clamped to that room (app.server.generation.budget, as on the Anthropic and Ollama routes): the answer
+then ends with "length" when the context is full. A full queue answers 429 with `Retry-After`. A client that
+disconnects cancels its generation; its KV blocks go back to the pool.
 """
 
 from __future__ import annotations

@@ -361,6 +361,8 @@ def stream_generate(
                 reason = "stop"
                 break
             if len(tokens) >= request.max_tokens or cache.length >= cache.max_len:
+                if constraint is not None and constraint.ended:
+                    reason = "stop"     # only an end-of-sequence id could follow: the answer is whole
                 break
             if cancel is not None and cancel.is_set():
                 reason = "cancelled"

@@ -254,6 +254,12 @@ class Constraint:
         """Whether the output so far is a whole answer (the grammar accepts it)."""
         return bool(self.matcher.is_accepting())
 
+    @property
+    def ended(self) -> bool:
+        """Whether the grammar is done and only an end-of-sequence id may follow: an answer cut here by its token
+        budget is the whole answer (it finishes "stop", not "length")."""
+        return bool(self.matcher.is_stopped())
+
 
 class LazyConstraint:
     """A lazy grammar's state for one sequence: no mask while the output is free; once a trigger is written, a
@@ -319,6 +325,11 @@ class LazyConstraint:
             return
         self.calls += 1
         self.active = None if self.grammar.reopen and constraint.matcher.is_stopped() else constraint
+
+    @property
+    def ended(self) -> bool:
+        """Whether a triggered part is done and only an end-of-sequence id may follow (never while free)."""
+        return self.active is not None and self.active.ended
 
     @property
     def complete(self) -> bool:

@@ -367,7 +367,9 @@ class Scheduler:
         elif len(seq.tokens) >= req.max_tokens or (seq.cache.overflow == "error"
                                                    and (held if held is not None else seq.cache.length) + 1
                                                    >= seq.cache.max_len):
-            self._finish(seq, "length")
+            # a grammar that lets only an end-of-sequence id follow: the answer is whole, cut just before its end
+            ended = seq.constraint is not None and seq.constraint.ended
+            self._finish(seq, "stop" if ended else "length")
         else:
             seq.pending = token
         return token

@@ -97,6 +97,20 @@ def test_the_stream_comes_in_anthropics_event_order(model, client):
     assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 10
 
 
+def test_the_raw_stream_sends_a_ping_after_message_start(server):
+    # the client skips ping events, so the wire is read as Anthropic documents it: event names and their data
+    with httpx.stream("POST", server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=60,
+                      json={"model": "tiny", "max_tokens": 6, "messages": MESSAGES, "stream": True, **GREEDY}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines[0::2]]
+    data = [json.loads(line.removeprefix("data: ")) for line in lines[1::2]]
+    assert all(line.startswith("event: ") for line in lines[0::2]) and len(names) == len(data)
+    assert names[:3] == ["message_start", "ping", "content_block_start"] and data[1] == {"type": "ping"}
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert [d["type"] for d in data] == names
+
+
 def test_the_clients_stream_helper_reads_the_same_answer(model, client):
     with client.messages.stream(model="tiny", max_tokens=10, messages=MESSAGES, extra_body=GREEDY) as stream:
         text = "".join(stream.text_stream)

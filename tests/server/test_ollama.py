@@ -8,6 +8,7 @@ What the client (0.6) needed: nothing but the key as a header (`Client(headers=.
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import jsonschema
@@ -16,6 +17,7 @@ import pytest
 
 from app.server.app import create_app
 from app.server.http import HttpLimits
+from app.server.model_details import parameter_size
 from engine.generation.generate import GenerationRequest, stream_generate
 from engine.generation.sampling import SamplingParams
 from engine.kv import KVCache
@@ -58,12 +60,18 @@ def _chat(model, messages, max_tokens, sampling=OLLAMA):
     return _direct(model, model.tokenizer.encode_chat(messages), max_tokens, sampling)
 
 
-def test_the_client_lists_shows_and_sees_the_model_loaded(client, server):
+def test_the_client_lists_shows_and_sees_the_model_loaded(client, server, container):
     listed = client.list().models
     assert [m.model for m in listed] == ["tiny:latest"]
     assert listed[0].details.family == "mixtral" and listed[0].size > 0
     shown = client.show("tiny")
     assert shown.details.family == "mixtral" and "completion" in shown.capabilities
+    # the details come from the container's manifest: every tensor's weights, its matrices converted at 4 bits
+    tensors = json.loads((container / "manifest.json").read_text())["tensors"].values()
+    assert {t["quant"]["bits"] for t in tensors if "quant" in t} == {4}
+    count = sum(math.prod(t["shape"]) for t in tensors)
+    for details in (listed[0].details, shown.details):
+        assert details.parameter_size == parameter_size(count) and details.quantization_level == "4-bit"
     assert shown.modelinfo["mixtral.block_count"] == 3 and shown.modelinfo["mixtral.expert_count"] == 8
     running = client.ps().models
     assert [m.model for m in running] == ["tiny:latest"] and running[0].context_length == CTX

@@ -84,6 +84,28 @@ def test_json_object_parses_on_both_routes(client):
         assert r.usage.completion_tokens <= limit
 
 
+def test_json_that_closes_on_the_last_allowed_token_finishes_stop(client, server):
+    # "{}" is two tokens: with max_tokens 2 the budget ends where only the end of the answer may follow, so the
+    # answer is whole ("stop"), not cut ("length")
+    close = {str(CHARS.index("}") + 1): 100}
+    for stream in (False, True):
+        r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0.0,
+                                           response_format={"type": "json_object"}, logit_bias=close, stream=stream,
+                                           **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert text == "{}" and reason == ["stop"] and chunks[-1].usage.completion_tokens == 2
+        else:
+            assert r.choices[0].message.content == "{}" and r.usage.completion_tokens == 2
+            assert r.choices[0].finish_reason == "stop"
+    # a budget that ends before the object closes is still "length"
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, temperature=0.0,
+                                       response_format={"type": "json_object"}, logit_bias=close)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
+
+
 def test_two_concurrent_requests_each_keep_their_own_grammar(client):
     # max_batch=2: both run in the same steps, each row masked by its own sequence's matcher (the scheduler's own
     # test, tests/generation/test_grammar.py, checks that they really share steps)
