@@ -7,6 +7,8 @@ Checkpoints are built with `AutoModelForCausalLM.from_config`, given non-trivial
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -72,8 +74,15 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    """Largest absolute difference relative to the reference's largest magnitude."""
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+    """Largest absolute difference relative to the reference's largest magnitude.
+
+    With PARITY_LOG set to a file, each value is appended there as a JSON line with the test that
+    measured it, so that a run of the parity tests yields the table of errors by family."""
+    error = float(np.abs(ours - ref).max() / np.abs(ref).max())
+    if log := os.environ.get("PARITY_LOG"):
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "error": error}) + "\n")
+    return error
 
 
 def assert_matches_reference(folder: Path, prompt: list[int], n_greedy: int = 32, *, architecture: str | None = None):
