@@ -16,7 +16,10 @@ import dataclasses
 import os
 import secrets
 import shutil
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -189,6 +192,39 @@ def _counter(call: Callable[[int], None]) -> Callable[[], None]:
     return tick
 
 
+HEARTBEAT = 10.0    # seconds between two lines of one long step
+
+
+@contextmanager
+def heartbeat(say: Callable[[str], None], doing: str, every: float = HEARTBEAT) -> Iterator[None]:
+    """Say DOING, then say it again with the seconds so far every EVERY seconds until the body ends.
+
+    A cold first calibration chat spends a minute or more in numba's compiler, which reports nothing; without
+    this the terminal and the first-run dialog sit silent for that minute. SAY runs on a helper thread; if it
+    raises (the GUI's Cancel), the exception is raised here when the body ends.
+    """
+    say(doing)
+    done, failed, t0 = threading.Event(), [], time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            try:
+                say(f"{doing} ({time.monotonic() - t0:.0f} s so far)")
+            except BaseException as exc:  # handed to the caller's thread below
+                failed.append(exc)
+                return
+
+    thread = threading.Thread(target=beat, name="colibri-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
 def _layer_seed(seed: int, layer: int) -> int:
     return int(np.random.SeedSequence([seed, layer]).generate_state(1)[0])
 
@@ -205,7 +241,9 @@ def _calibrate(dense, topics, options: MoefyOptions, capture: FeatureCapture,
         return {"source": str(options.calib), "tokens": capture.count}
     for n, topic in enumerate(topics):
         prompts = topic.prompts[0::2][: options.calib_prompts]
-        converse(dense.model, dense.tokenizer, prompts, options.answer_tokens, dense.stop_ids, capture)
+        doing = f"calibration chats: {topic.topic}" + (" (the first compiles the model's kernels)" if n == 0 else "")
+        with heartbeat(lambda text, n=n: report(n / len(topics), text), doing):
+            converse(dense.model, dense.tokenizer, prompts, options.answer_tokens, dense.stop_ids, capture)
         report((n + 1) / len(topics), f"calibration chats: {topic.topic} ({capture.count} tokens)")
     return {"source": "probe chats", "prompts_per_topic": options.calib_prompts,
             "answer_tokens": options.answer_tokens, "tokens": capture.count}
