@@ -1,6 +1,6 @@
 """The expert store's accounting: the hits of each tier, the replacement policy's clock and what it is told of every
 use, the experts pinned from the usage history (and re-pinned as the workload moves), and the recent layer steps
-that teach the policy its half-life.
+that teach the policy its half-life and that the cache-quality meter replays (engine/offload/quality.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from engine.offload.policy import (
     tune_half_life,
     wants_admission,
 )
+from engine.offload.quality import CacheTrace
 from engine.offload.readahead import ReadAhead
 from engine.offload.store_types import Key, StoreSettings
 from engine.spec import ModelSpec, MoESpec
@@ -40,6 +41,8 @@ class Accounting:
         self.half_life_tokens = tokens or DEFAULT_HALF_LIFE_TOKENS   # learned by an earlier session (learn_policy)
         half_life = self.half_life_tokens * spec.n_layers   # the policies count layer steps
         per_token = sum(layer.ffn.top_k for layer in spec.layers if isinstance(layer.ffn, MoESpec))
+        self.per_token = per_token
+        self.n_experts = sum(layer.ffn.n_experts for layer in spec.layers if isinstance(layer.ffn, MoESpec))
         self.admission = wants_admission(n_slots, per_token) if settings.policy != "lru" else False
         if settings.policy == "learned" and history is not None:
             self.policy: Policy = make_policy("learned", history.counts, half_life=half_life, admission=self.admission)
@@ -56,6 +59,8 @@ class Accounting:
         self.tokens = 0
         self.trace: list[tuple[int, tuple[int, ...]]] | None = None   # set to a list to record every layer step
         self.recent: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=LEARN_STEPS)   # what learn_policy replays
+        # (layer steps, memory hits, requests) counted at each token's end: the live hits over whole tokens of `recent`
+        self.marks: deque[tuple[int, int, int]] = deque([(0, 0, 0)], maxlen=LEARN_STEPS)
         self.prior = history.counts if history is not None else None   # the learned policy's prior at start
 
     # --- the policy ---
@@ -189,6 +194,9 @@ class Accounting:
         are unpinned, back in the policy's reach)."""
         self.tokens += n
         self.missed.clear()
+        hits = self.hits
+        held = hits["pinned"] + hits["cached"]
+        self.marks.append((self.now, held, held + hits["disk"]))
         if self.history is None:
             return frozenset()
         self.history.end_token(n)
@@ -204,6 +212,20 @@ class Accounting:
     def resize(self, n_slots: int, settings: StoreSettings) -> None:
         """The store now has `n_slots` slots: so many may be pinned."""
         self.repinner = Repinner(int(n_slots * settings.pin_fraction), every_tokens=settings.repin_every)
+
+    def cache_trace(self, n_slots: int, slot_bytes: int, pin_fraction: float) -> CacheTrace:
+        """The recent layer steps of whole tokens, with what the policy needs to replay them and the live hits over
+        them (a token's misses may be counted before its steps begin: only ended tokens count)."""
+        first = self.now - len(self.recent)                # steps before the ring's oldest
+        start = next((m for m in self.marks if m[0] >= first), self.marks[-1])
+        end = self.marks[-1]
+        steps = tuple(self.recent)[start[0] - first: end[0] - first]
+        learned = self.policy.name == "learned"
+        return CacheTrace(steps, n_slots, slot_bytes, self.n_experts, self.policy.name,
+                          self.half_life_tokens * self.n_layers, self.per_token, pin_fraction,
+                          self.prior if learned else None,
+                          self.history.counts if self.history is not None and self.repinner.capacity > 0 else None,
+                          end[1] - start[1], end[2] - start[2])
 
     def learn_policy(self, n_slots: int) -> float | None:
         """Replay the recent layer steps at each candidate half-life (with the prior and pins the session started

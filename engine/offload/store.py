@@ -42,6 +42,7 @@ from engine.offload.history import UsageHistory
 from engine.offload.io import PAGE, IOPool, round_up
 from engine.offload.mapped import MappedExperts
 from engine.offload.pressure import MemoryGuard
+from engine.offload.quality import CacheTrace
 from engine.offload.readahead import THROUGH_RANKS, ReadAhead
 from engine.offload.reads import ReadQueue
 from engine.offload.slots import SlotArena
@@ -376,6 +377,11 @@ class ExpertStore:
         return StoreStats(dict(self.accounting.hits), self.counts.bytes, self.counts.reads, ahead.issued,
                           ahead.used, ahead.wasted, self.read_ahead.score.frozen(), self._occupancy(), self.n_slots,
                           self.slot_bytes)
+
+    def cache_trace(self) -> CacheTrace:
+        """The recent layer steps and what replaying them at other capacities needs (`engine.offload.quality`);
+        engine thread (it copies the ring of steps as it stands)."""
+        return self.accounting.cache_trace(self.n_slots, self.slot_bytes, self.settings.pin_fraction)
 
     def learn_policy(self) -> float | None:
         """Replay this session's recent layer steps at each candidate half-life (with the prior and pins it

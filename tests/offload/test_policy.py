@@ -4,7 +4,6 @@ each policy exists for (a hot set with scans for LFRU, skewed routing for the le
 from __future__ import annotations
 
 import random
-from itertools import combinations
 
 import numpy as np
 import pytest
@@ -20,28 +19,7 @@ from engine.offload.policy import (
     simulate,
     tune_half_life,
 )
-
-
-def routing_trace(n_layers: int, n_experts: int, top_k: int, n_tokens: int, *, skew: float = 1.0,
-                  drift: float = 0.0, persistence: float = 0.98, seed: int = 0):
-    """A synthetic MoE routing trace: per layer, expert popularity falls as rank**-skew (Zipf, in
-    a random order per layer), plus a topic bias of scale `drift` that wanders token to token
-    (AR(1) with `persistence`); each token takes top_k experts without replacement.
-
-    Returns (trace, expected counts [L, E]) where the counts are the stationary popularities, the
-    prior a usage history would have learned."""
-    rng = np.random.default_rng(seed)
-    ranks = np.arange(1, n_experts + 1, dtype=np.float64)
-    base = np.stack([rng.permutation(-skew * np.log(ranks)) for _ in range(n_layers)])  # [L, E]
-    bias = np.zeros((n_layers, n_experts))                                                # [L, E]
-    noise_scale = drift * np.sqrt(1 - persistence**2)
-    trace = []
-    for _ in range(n_tokens):
-        bias = persistence * bias + noise_scale * rng.standard_normal(bias.shape)
-        gumbel = rng.gumbel(size=bias.shape)                                              # [L, E]
-        top = np.argpartition(-(base + bias + gumbel), top_k - 1, axis=1)[:, :top_k]      # [L, k]
-        trace.extend((layer, tuple(int(e) for e in top[layer])) for layer in range(n_layers))
-    return trace, np.exp(base)
+from support.cache_sim import optimum_hits, routing_trace
 
 
 def hot_and_scan(n_hot: int, n_rounds: int, scan_len: int, layer: int = 0):
@@ -120,31 +98,11 @@ def test_belady_bounds_every_policy(seed):
 
 def test_belady_is_optimal_on_tiny_traces():
     """Against an exhaustive search over every keep/evict choice."""
-    def optimum(steps, capacity):
-        best = {frozenset(): 0}                       # cache contents -> most hits so far
-        for keys in steps:
-            nxt = {}
-            for cache, hits in best.items():
-                h = hits + sum(k in cache for k in keys)
-                misses = [k for k in keys if k not in cache]
-                others = [k for k in cache if k not in keys]
-                kept_hits = cache - set(others)
-                pool = others + misses
-                room = capacity - len(kept_hits)
-                for n in range(0, min(room, len(pool)) + 1):
-                    for chosen in combinations(pool, n):
-                        # an unneeded cached key can be dropped; a missed one may be kept
-                        new = kept_hits | set(chosen)
-                        if nxt.get(new, -1) < h:
-                            nxt[new] = h
-            best = nxt
-        return max(best.values())
-
     for seed in range(30):
         rng = random.Random(seed)
         trace = [(0, tuple(rng.sample(range(5), rng.randint(1, 3)))) for _ in range(rng.randint(3, 9))]
         capacity = rng.randint(1, 4)
-        assert belady(trace, capacity).hits == optimum([[(l, e) for e in ids] for l, ids in trace], capacity)
+        assert belady(trace, capacity).hits == optimum_hits([[(l, e) for e in ids] for l, ids in trace], capacity)
 
 
 # -- pinning and the policy contract ------------------------------------------------------------
