@@ -300,6 +300,7 @@ class MainWindow(QMainWindow):
         b.settingsApplied.connect(self._on_settings)
         b.snapshot.connect(self.inspector.set_snapshot)
         b.tiers.connect(self.inspector.set_tiers)
+        b.cacheTrace.connect(self.inspector.set_cache_trace)
         b.atlasProgress.connect(self._on_atlas_progress)
         b.atlasReady.connect(self._on_atlas_ready)
         b.atlasFailed.connect(self._on_atlas_failed)

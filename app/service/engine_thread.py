@@ -418,6 +418,11 @@ class EngineThread:
         self._last_tiers = model.tiers() if model is not None else None
         return self._last_tiers
 
+    def _cache_trace(self):
+        """The loaded model's expert cache trace now (engine thread, as `_tiers`); None unless experts stream."""
+        model = self._model
+        return model.cache_trace() if model is not None else None
+
     # --- the atlas ---
 
     def _atlas(self, req: AtlasRequest, cancel: threading.Event) -> None:

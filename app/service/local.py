@@ -181,6 +181,11 @@ class EngineService(EngineThread):
         routed experts), delivered on the engine thread with the snapshots, at most every min_interval s."""
         return self._subscribe(callback, min_interval, lambda _snap: callback(self._tiers()))
 
+    def subscribe_cache(self, callback: Callable[[Any], None], min_interval: float = 0.0) -> Subscription:
+        """The expert cache's recent trace (`engine.offload.quality.CacheTrace`; None unless experts are streamed),
+        delivered on the engine thread with the snapshots, at most every min_interval s."""
+        return self._subscribe(callback, min_interval, lambda _snap: callback(self._cache_trace()))
+
     def tiers(self):
         """The expert tiers as the engine last published them (after loading, each settings change and
         generation, and with every tiers subscription's delivery); None without routed experts."""

@@ -31,6 +31,7 @@ from app.service.messages import (
 )
 from engine.blocks.ffn import StreamingExpertSource
 from engine.errors import ColibriError
+from engine.offload.quality import CacheTrace
 from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import Telemetry
 
@@ -211,6 +212,14 @@ class Engaged:
             value = rss()
             if value is not None:
                 self.telemetry.set_gauge("rss", value)
+
+    def cache_trace(self) -> CacheTrace | None:
+        """The expert cache's recent trace for the cache-quality meter (engine/offload/quality.py); None unless
+        experts are streamed."""
+        store = self.loaded.store
+        if self.info.streaming != "experts" or store is None:
+            return None
+        return store.cache_trace()
 
     def tiers(self) -> np.ndarray | None:
         """Each expert's tier now, int8 [L, E] (TIER_* codes); None without routed experts or with a layer store."""

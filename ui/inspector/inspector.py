@@ -1,4 +1,4 @@
-"""The Inspector widget: Overview, Time, Brain and Atlas tabs, redrawn from the latest snapshot on a timer.
+"""The Inspector widget: Overview, Time, Brain, Atlas and Cache tabs, redrawn from the latest snapshot on a timer.
 
 Setters only store what they are given; a QTimer (at most REDRAW_HZ, running while the widget is
 shown) builds one frozen `Frame` per tick when something changed and hands it to the tab in view,
@@ -9,7 +9,8 @@ timer samples the Overview's history at SAMPLE_HZ, shown or hidden, from the wid
 `close_views`: the history records time as it passed, not only when data arrived.
 
 Threads: `set_snapshot` and `set_tiers` store one reference and may be called from any thread
-(e.g. a telemetry subscriber on the engine thread); every other method is for the GUI thread.
+(e.g. a telemetry subscriber on the engine thread); every other method is for the GUI thread. The Cache tab
+replays the expert cache's trace on a worker thread of its own (ui/inspector/cache.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import numpy as np
 from PySide6.QtCore import QEvent, QTimer, Signal
 from PySide6.QtWidgets import QTabWidget, QToolTip, QVBoxLayout, QWidget
 
+from engine.offload.quality import CacheTrace
 from engine.telemetry import Snapshot
 from ui.inspector.atlas import AtlasView
 from ui.inspector.brain import BrainView
+from ui.inspector.cache import CacheView
 from ui.inspector.common import PLOT_HZ, REDRAW_HZ, theme_for
 from ui.inspector.data import AtlasData, Frame
 from ui.inspector.overview import SAMPLE_HZ, OverviewView
@@ -47,9 +50,10 @@ class Inspector(QWidget):
         self.time = TimeView(theme)
         self.brain = BrainView(theme)
         self.atlas = AtlasView(theme)
+        self.cache = CacheView(theme)
         self.tabs = QTabWidget()
         for view, name in ((self.overview, "Overview"), (self.time, "Time"), (self.brain, "Brain"),
-                           (self.atlas, "Atlas")):
+                           (self.atlas, "Atlas"), (self.cache, "Cache")):
             self.tabs.addTab(view, name)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -107,6 +111,7 @@ class Inspector(QWidget):
         """The model was closed: drop its snapshot and tiers, so no view shows its heat or current token."""
         self._snapshot = None
         self._tiers = None
+        self.cache.set_trace(None)
         self._shape = (0, 0)
         self._budget = None
         self._dirty = self._replot = True
@@ -119,6 +124,11 @@ class Inspector(QWidget):
                 raise ValueError(f"tiers must be a [layers, experts] grid, got shape {tiers.shape}")
             tiers.flags.writeable = False
         self._tiers = tiers
+        self._dirty = True
+
+    def set_cache_trace(self, trace: CacheTrace | None) -> None:
+        """The expert cache's recent trace (None: no expert cache); the Cache tab replays it when in view."""
+        self.cache.set_trace(trace)
         self._dirty = True
 
     def set_atlas(self, atlas: dict | None) -> None:
@@ -141,11 +151,12 @@ class Inspector(QWidget):
         self.atlas.set_selected(self._selected)
 
     def close_views(self) -> None:
-        """Stop the timer and free the Atlas's GL context; the inspector draws nothing afterwards."""
+        """Stop the timers and the Cache tab's replay, free the Atlas's GL context; nothing is drawn afterwards."""
         self._closed = True
         self._timer.stop()
         self._sampler.stop()
         QToolTip.hideText()
+        self.cache.close_views()
         self.atlas.close_gl()
 
     # --- Qt ------------------------------------------------------------------------------------
@@ -171,7 +182,7 @@ class Inspector(QWidget):
         """Follow the palette (light / dark)."""
         if event.type() == QEvent.Type.PaletteChange:
             theme = theme_for(self.palette())
-            for view in (self.overview, self.time, self.brain, self.atlas):
+            for view in (self.overview, self.time, self.brain, self.atlas, self.cache):
                 view.set_theme(theme)
             self._redraw_all()
         super().changeEvent(event)
