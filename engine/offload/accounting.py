@@ -22,6 +22,7 @@ from engine.offload.policy import (
 from engine.offload.quality import CacheTrace
 from engine.offload.readahead import ReadAhead
 from engine.offload.store_types import Key, StoreSettings
+from engine.offload.story import TIER_CACHED, TIER_PINNED
 from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import Telemetry
 
@@ -35,6 +36,7 @@ class Accounting:
     def __init__(self, spec: ModelSpec, settings: StoreSettings, n_slots: int, history: UsageHistory | None,
                  read_ahead: ReadAhead, telemetry: Telemetry):
         self.history, self.read_ahead, self.telemetry = history, read_ahead, telemetry
+        self.log = read_ahead.log                      # each expert's counters (engine/offload/story.py)
         self.policy_name = settings.policy
         self.n_layers = spec.n_layers
         tokens = history.policy_half_life if history is not None and history.policy_half_life else None
@@ -106,6 +108,7 @@ class Accounting:
         """A hit of `key`'s tier, and an access for the policy."""
         tier = "pinned" if key in self.pinned else "cached"
         self.hits[tier] += 1
+        self.log.hits[key] += 1
         self.telemetry.hit(tier)
         if key not in self.pinned:
             self.policy.access(key, self.now)
@@ -113,6 +116,7 @@ class Accounting:
     def disk(self, key: Key) -> None:
         """A step's use of an expert not in memory: a miss read from disk (a prefetch used if it was read ahead)."""
         self.hits["disk"] += 1
+        self.log.misses[key] += 1
         self.telemetry.hit("disk")
         self.read_ahead.used(key)
 
@@ -136,6 +140,7 @@ class Accounting:
         """A layer step begins: the policy's clock, the prediction's score, the recent steps and trace, and the usage
         history (unless `record` is False: the caller records its steps together)."""
         self.now += 1
+        self.log.steps[layer] += 1
         self.read_ahead.score_step(layer, ids)
         step = (layer, tuple(ids))
         self.recent.append(step)
@@ -149,6 +154,7 @@ class Accounting:
         accesses once a step, the hits and the history's counts once for all."""
         missed, pinned, read_ahead = self.missed, self.pinned, self.read_ahead
         held = {"pinned": 0, "cached": 0}
+        served: list[Key] = []                          # each expert's hits, counted together
         for layer, ids in steps:
             self.begin_step(layer, ids, record=False)
             used = []                                    # the policy's accesses, in the order `hit` makes them
@@ -159,6 +165,7 @@ class Accounting:
                     if key in built and key not in pinned:
                         used.append(key)
                     continue
+                served.append(key)
                 if key in pinned:                        # (what `held` does, its counters summed)
                     held["pinned"] += 1
                 else:
@@ -166,6 +173,7 @@ class Accounting:
                     used.append(key)
                 read_ahead.used(key)
             self.policy.access_many(used, self.now)
+        self.log.hit_many(served)
         for tier, n in held.items():
             if n:
                 self.hits[tier] += n
@@ -184,6 +192,7 @@ class Accounting:
             self.pinned.add(key)
             if key in built:
                 self.policy.remove(key)
+                self.log.tier(key, TIER_PINNED)
 
     def unpin(self, key: Key) -> None:
         """`key` is no longer pinned (the caller tells the policy whether it stays)."""
@@ -193,6 +202,7 @@ class Accounting:
         """Advance the usage history by n tokens; the keys to pin now that the workload has moved (those to unpin
         are unpinned, back in the policy's reach)."""
         self.tokens += n
+        self.log.tokens = self.tokens
         self.missed.clear()
         hits = self.hits
         held = hits["pinned"] + hits["cached"]
@@ -207,6 +217,7 @@ class Accounting:
             self.pinned.discard(key)
             if key in built:
                 self.policy.insert(key, self.now)
+                self.log.tier(key, TIER_CACHED)
         return to_pin
 
     def resize(self, n_slots: int, settings: StoreSettings) -> None:

@@ -39,6 +39,7 @@ class MappedExperts:
                 built[key] = r.build(m[r.offset : r.offset + r.length], self.names[key])
                 self.slots.where[key] = NO_SLOT
                 self.counts.add(r.length)                # at most: page faults read what the kernels touch
+                acc.log.reads[key] += 1
                 self.telemetry.bytes_read(r.length)
                 acc.taken_in(key)
             out[i] = built[key]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.offload.store_types import Key, PrefetchStats
+from engine.offload.story import ExpertLog
 from engine.telemetry import Telemetry
 
 # A guess the store refuses (its expert is worth less than the one it would push out) is read through a scratch slot
@@ -61,8 +62,8 @@ class RankUsage:
 class ReadAhead:
     """The read-ahead's guesses, their scores and its counters (telemetry told of each count)."""
 
-    def __init__(self, telemetry: Telemetry):
-        self.telemetry = telemetry
+    def __init__(self, telemetry: Telemetry, log: ExpertLog):
+        self.telemetry, self.log = telemetry, log
         self.predicted: dict[int, set[int]] = {}       # layer -> experts predicted for its next step
         self.absent: dict[int, list[tuple[int, int]]] = {}   # layer -> (rank, expert) guessed, not in memory
         self.prefetched: set[Key] = set()              # read ahead and not yet used
@@ -110,6 +111,7 @@ class ReadAhead:
         if key in self.prefetched:
             self.prefetched.discard(key)
             self.counts.used += 1
+            self.log.ahead_used[key] += 1
             self.telemetry.prefetch(used=1)
 
     def wasted(self, key: Key) -> None:
@@ -117,4 +119,5 @@ class ReadAhead:
         if key in self.prefetched:
             self.prefetched.discard(key)
             self.counts.wasted += 1
+            self.log.ahead_wasted[key] += 1
             self.telemetry.prefetch(wasted=1)

@@ -54,6 +54,7 @@ from engine.offload.store_types import (
     StoreStats,
     expert_names,
 )
+from engine.offload.story import TIER_CACHED, TIER_DISK, TIER_PINNED, ExpertCounts, ExpertLog
 from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 
@@ -91,7 +92,9 @@ class ExpertStore:
                                f"{slot_bytes} bytes; a token needs {self._top_k} at once: allow at least "
                                f"{self._top_k * slot_bytes} bytes for experts (raise --max-memory)")
         mapped = settings.io == "mmap"
-        self.read_ahead = ReadAhead(telemetry)
+        n_experts = max(layer.ffn.n_experts for layer in spec.layers if isinstance(layer.ffn, MoESpec))
+        self.log = ExpertLog(spec.n_layers, n_experts)   # each expert's story (engine/offload/story.py)
+        self.read_ahead = ReadAhead(telemetry, self.log)
         self.accounting = Accounting(spec, settings, n_slots, history, self.read_ahead, telemetry)
         self.slots = SlotArena(slot_bytes, n_slots, len(self.recipes), reserve=not mapped)
         self.counts = IOCounts()
@@ -280,6 +283,9 @@ class ExpertStore:
         return True
 
     def _notify(self, key: Key, e: ExpertWeights | str | None) -> None:
+        if e is not READING and key not in self.slots.transient:   # (one read through a scratch slot keeps no tier)
+            self.log.tier(key, TIER_DISK if e is None else TIER_PINNED if key in self.accounting.pinned
+                          else TIER_CACHED)
         for fn in self.listeners:
             fn(key, e)
 
@@ -378,6 +384,10 @@ class ExpertStore:
                           ahead.used, ahead.wasted, self.read_ahead.score.frozen(), self._occupancy(), self.n_slots,
                           self.slot_bytes)
 
+    def expert_counts(self) -> ExpertCounts:
+        """Each expert's counters and latest tier changes (`engine.offload.story`), copied; engine thread."""
+        return self.log.frozen()
+
     def cache_trace(self) -> CacheTrace:
         """The recent layer steps and what replaying them at other capacities needs (`engine.offload.quality`);
         engine thread (it copies the ring of steps as it stands)."""
@@ -444,6 +454,7 @@ class ExpertStore:
             else:
                 waiting[fut] = key
             self.counts.add(r.length)
+            self.log.reads[key] += 1
             self.telemetry.bytes_read(r.length)
         if here is not None and not inline:
             here()

@@ -1,0 +1,101 @@
+"""Each expert's story as the store lives it: requests served from memory and from disk, reads, read-ahead guesses
+used and wasted, and its tier changes with the token they happened at.
+
+Counters are numpy grids [L, E] and the tier changes one ring of fixed size, so tens of thousands of experts cost a
+few arrays, not an object each. The store's parts count into an `ExpertLog` on the engine thread; `frozen` copies it
+into `ExpertCounts` for other threads (the inspector), and `ExpertCounts.story` reads one expert's out of that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.offload.store_types import Key
+
+# Tier codes, as the inspector's grid has them (app.service.messages, ui.inspector.data)
+TIER_DISK, TIER_CACHED, TIER_PINNED = 0, 1, 2
+CHANGES = 1 << 16                       # tier changes kept (the latest), over all experts
+CHANGE = np.dtype([("token", np.int64), ("layer", np.int32), ("expert", np.int32), ("tier", np.int8)])
+
+
+@dataclass(frozen=True)
+class ExpertStory:
+    """One expert's figures since the store opened."""
+
+    layer: int
+    expert: int
+    hits: int                           # its steps served from memory (pinned or cached)
+    misses: int                         # its steps that waited for it to come from disk
+    reads: int                          # reads of it from disk started (a read ahead included)
+    ahead_used: int                     # reads ahead of it that a step then used
+    ahead_wasted: int                   # reads ahead of it that left memory unused
+    share: float                        # its share of its layer's steps (0 before any)
+    changes: tuple[tuple[int, int], ...]   # (token, tier) of its tier changes kept, oldest first
+
+    @property
+    def requests(self) -> int:
+        """Its layer's steps that chose it."""
+        return self.hits + self.misses
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertCounts:
+    """A copy of an `ExpertLog`, read-only, for any thread."""
+
+    hits: np.ndarray                    # [L, E] int64
+    misses: np.ndarray                  # [L, E] int64
+    reads: np.ndarray                   # [L, E] int64
+    ahead_used: np.ndarray              # [L, E] int64
+    ahead_wasted: np.ndarray            # [L, E] int64
+    steps: np.ndarray                   # [L] int64 layer steps of each layer
+    changes: np.ndarray                 # [K] CHANGE, oldest first
+    tokens: int                         # tokens the store has seen end
+
+    def story(self, layer: int, expert: int) -> ExpertStory:
+        """The story of one expert; IndexError outside the grid."""
+        if not (0 <= layer < self.hits.shape[0] and 0 <= expert < self.hits.shape[1]):
+            raise IndexError(f"expert {expert} of layer {layer} is outside the {self.hits.shape} grid")
+        mine = self.changes[(self.changes["layer"] == layer) & (self.changes["expert"] == expert)]
+        steps = int(self.steps[layer])
+        requests = int(self.hits[layer, expert] + self.misses[layer, expert])
+        return ExpertStory(layer, expert, int(self.hits[layer, expert]), int(self.misses[layer, expert]),
+                           int(self.reads[layer, expert]), int(self.ahead_used[layer, expert]),
+                           int(self.ahead_wasted[layer, expert]), requests / steps if steps else 0.0,
+                           tuple((int(c["token"]), int(c["tier"])) for c in mine))
+
+
+class ExpertLog:
+    """The counters of every expert of a store, and the latest tier changes (engine thread)."""
+
+    def __init__(self, n_layers: int, n_experts: int, changes: int = CHANGES):
+        shape = (n_layers, n_experts)
+        self.hits = np.zeros(shape, np.int64)          # [L, E]
+        self.misses = np.zeros(shape, np.int64)        # [L, E]
+        self.reads = np.zeros(shape, np.int64)         # [L, E]
+        self.ahead_used = np.zeros(shape, np.int64)    # [L, E]
+        self.ahead_wasted = np.zeros(shape, np.int64)  # [L, E]
+        self.steps = np.zeros(n_layers, np.int64)      # [L]
+        self.ring = np.zeros(changes, CHANGE)          # [K] written round
+        self.changed = 0                               # tier changes recorded in all
+        self.tokens = 0
+
+    def hit_many(self, keys: list[Key]) -> None:
+        """Steps served each of `keys` from memory (a key may repeat)."""
+        if keys:
+            rows, cols = np.array(keys, np.int64).T     # [2, n]
+            np.add.at(self.hits, (rows, cols), 1)
+
+    def tier(self, key: Key, tier: int) -> None:
+        """`key` moved to `tier` now (TIER_DISK when it left memory)."""
+        self.ring[self.changed % len(self.ring)] = (self.tokens, key[0], key[1], tier)
+        self.changed += 1
+
+    def frozen(self) -> ExpertCounts:
+        """A copy for other threads."""
+        n = len(self.ring)
+        changes = (self.ring[:self.changed] if self.changed <= n
+                   else np.roll(self.ring, -(self.changed % n)))   # oldest first
+        return ExpertCounts(self.hits.copy(), self.misses.copy(), self.reads.copy(), self.ahead_used.copy(),
+                            self.ahead_wasted.copy(), self.steps.copy(), changes.copy(), self.tokens)

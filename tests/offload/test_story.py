@@ -1,0 +1,122 @@
+"""Each expert's story: the store's per-expert counters and tier changes against a scripted run of known requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.hub.convert import ConvertSettings, convert
+from engine.loader import OffloadOptions, load_model
+from engine.offload.store import StoreSettings
+from engine.offload.story import CHANGE, TIER_CACHED, TIER_DISK, TIER_PINNED, ExpertCounts, ExpertLog
+from support.offload import greedy_logits
+from support.reference import build_checkpoint
+
+N_EXPERTS, TOP_K, LAYERS = 8, 2, 3
+
+
+@pytest.fixture(scope="module")
+def container(tmp_path_factory):
+    src = build_checkpoint(tmp_path_factory.mktemp("src"), "mixtral", num_local_experts=N_EXPERTS,
+                           num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
+    return convert(src, tmp_path_factory.mktemp("c") / "moe", ConvertSettings(bits=4), log=lambda m: None)
+
+
+def _store(container, slots: int, **kw):
+    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
+    slot = probe.store.slot_bytes
+    probe.close()
+    return load_model(container, offload=OffloadOptions(StoreSettings(capacity=slots * slot, **kw), 0))
+
+
+def _settled(store) -> None:
+    """Reads ahead finished and taken in, so the next step finds them in memory."""
+    store.reads.wait()
+    store.collect()
+
+
+def test_counters_follow_a_scripted_run_of_known_requests(container):
+    loaded = _store(container, 3, policy="lru", pin_fraction=0.0)
+    try:
+        store = loaded.store
+        store.experts(1, [0, 1])              # token 0: both read
+        store.end_token()
+        store.experts(1, [1, 2])              # token 1: 1 hits, 2 read
+        store.end_token()
+        store.experts(1, [0, 3])              # token 2: 0 hits, 3 read in place of 1 (least recently used)
+        store.prefetch(1, [4])                # ... 4 read ahead in place of 2
+        _settled(store)
+        store.end_token()
+        store.experts(1, [4, 0])              # token 3: both hit, the guess used
+        store.prefetch(1, [5])                # ... 5 read ahead in place of 3
+        _settled(store)
+        store.end_token()
+        store.experts(1, [6, 0])              # token 4: 0 hits; 6 read in place of 4 (used before 5 came)
+        store.end_token()
+        store.experts(1, [7, 0])              # token 5: 0 hits; 7 read in place of 5: read ahead, never used
+        store.end_token()
+        counts = store.expert_counts()
+    finally:
+        loaded.close()
+    assert counts.tokens == 6 and counts.steps.tolist() == [0, 6, 0]
+    row = lambda grid: grid[1].tolist()       # noqa: E731 - layer 1's experts
+    assert row(counts.hits) == [4, 1, 0, 0, 1, 0, 0, 0]
+    assert row(counts.misses) == [1, 1, 1, 1, 0, 0, 1, 1]
+    assert row(counts.reads) == [1, 1, 1, 1, 1, 1, 1, 1]
+    assert row(counts.ahead_used) == [0, 0, 0, 0, 1, 0, 0, 0]
+    assert row(counts.ahead_wasted) == [0, 0, 0, 0, 0, 1, 0, 0]
+    assert counts.hits[[0, 2]].sum() == counts.misses[[0, 2]].sum() == 0
+    one = counts.story(1, 1)
+    assert (one.hits, one.misses, one.reads, one.requests, one.share) == (1, 1, 1, 2, 2 / 6)
+    assert one.changes == ((0, TIER_CACHED), (2, TIER_DISK))       # read at token 0, pushed out at token 2
+    assert counts.story(1, 0).changes == ((0, TIER_CACHED),)          # never left
+    assert counts.story(1, 4).changes == ((2, TIER_CACHED), (4, TIER_DISK))
+    assert counts.story(1, 5).changes == ((3, TIER_CACHED), (5, TIER_DISK))
+    assert counts.story(2, 7).changes == () and counts.story(2, 7).share == 0
+    with pytest.raises(IndexError, match="outside"):
+        counts.story(LAYERS, 0)
+
+
+def test_pins_are_tier_changes_too(container, tmp_path):
+    loaded = _store(container, 6, policy="lfru", pin_fraction=0.5)
+    try:
+        store = loaded.store
+        store.experts(0, [2, 3])
+        store._pin([(0, 2)])                  # as re-pinning does for an expert in memory
+        store.end_token()
+        counts = store.expert_counts()
+    finally:
+        loaded.close()
+    assert counts.story(0, 2).changes == ((0, TIER_CACHED), (0, TIER_PINNED))
+    assert counts.story(0, 3).changes == ((0, TIER_CACHED),)
+
+
+def test_the_ring_keeps_the_latest_changes_oldest_first():
+    log = ExpertLog(2, 4, changes=4)
+    for token in range(6):
+        log.tokens = token
+        log.tier((token % 2, token % 4), TIER_CACHED if token % 3 else TIER_DISK)
+    counts = log.frozen()
+    assert isinstance(counts, ExpertCounts) and counts.changes.dtype == CHANGE
+    assert counts.changes["token"].tolist() == [2, 3, 4, 5]
+    assert counts.story(0, 2).changes == ((2, TIER_CACHED),)
+    log.hit_many([(1, 3), (1, 3), (0, 0)])
+    assert log.hits[1, 3] == 2 and log.hits[0, 0] == 1 and counts.hits.sum() == 0   # a copy: no later counts
+    assert np.all(log.frozen().hits == log.hits)
+
+
+def test_the_counters_add_up_to_the_stores_own_over_a_generation(container):
+    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
+    slot = probe.store.slot_bytes
+    probe.close()
+    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=5 * slot, policy="learned"), 1))
+    try:
+        greedy_logits(loaded, [3, 17, 5, 99, 42, 8], 10, batch_prompt=False)
+        stats, counts = loaded.store.stats(), loaded.store.expert_counts()
+    finally:
+        loaded.close()
+    assert counts.hits.sum() == stats.hits["pinned"] + stats.hits["cached"] > 0
+    assert counts.misses.sum() == stats.hits["disk"] > 0
+    assert counts.reads.sum() == stats.reads
+    assert (counts.ahead_used.sum(), counts.ahead_wasted.sum()) == (stats.prefetch_used, stats.prefetch_wasted)
+    assert counts.steps.tolist() == [16] * LAYERS and counts.tokens == 16
