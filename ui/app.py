@@ -301,6 +301,7 @@ class MainWindow(QMainWindow):
         b.snapshot.connect(self.inspector.set_snapshot)
         b.tiers.connect(self.inspector.set_tiers)
         b.cacheTrace.connect(self.inspector.set_cache_trace)
+        b.expertCounts.connect(self.inspector.set_expert_counts)
         b.atlasProgress.connect(self._on_atlas_progress)
         b.atlasReady.connect(self._on_atlas_ready)
         b.atlasFailed.connect(self._on_atlas_failed)

@@ -51,12 +51,14 @@ class Bridge(QObject):
     snapshot = Signal(object)                   # engine.telemetry.Snapshot
     tiers = Signal(object)                      # int8 [layers, experts] (app.service.local TIER_* codes) or None
     cacheTrace = Signal(object)                 # engine.offload.quality.CacheTrace or None (a local service only)
+    expertCounts = Signal(object)               # engine.offload.story.ExpertCounts or None (a local service only)
     connection = Signal(object)                 # app.service.remote.ConnectionChanged (a remote service's telemetry stream)
 
     _event = Signal(object)                     # emitted on the engine thread, received on the main thread
     _snapshot = Signal(object)
     _tiers = Signal(object)
     _cache = Signal(object)
+    _counts = Signal(object)
 
     def __init__(self, parent: QObject | None = None, service: ServiceFactory | None = None):
         super().__init__(parent)
@@ -64,12 +66,14 @@ class Bridge(QObject):
         self._snapshot.connect(self._deliver_snapshot, Qt.ConnectionType.QueuedConnection)
         self._tiers.connect(self._deliver_tiers, Qt.ConnectionType.QueuedConnection)
         self._cache.connect(self._deliver_cache, Qt.ConnectionType.QueuedConnection)
+        self._counts.connect(self._deliver_counts, Qt.ConnectionType.QueuedConnection)
         make = service if service is not None else (lambda on_event: EngineService(on_event=on_event))
         self.service: Service = make(self._event.emit)
         self._subscriptions = (self.service.subscribe(self._snapshot.emit, 1.0 / SNAPSHOT_HZ),
                                self.service.subscribe_tiers(self._tiers.emit, 1.0 / SNAPSHOT_HZ))
         if isinstance(self.service, EngineService):     # a server sends no trace of its cache
-            self._subscriptions += (self.service.subscribe_cache(self._cache.emit, 1.0 / CACHE_HZ),)
+            self._subscriptions += (self.service.subscribe_cache(self._cache.emit, 1.0 / CACHE_HZ),
+                                    self.service.subscribe_expert_counts(self._counts.emit, 1.0 / CACHE_HZ))
         self._closed = False
 
     def close(self) -> None:
@@ -102,6 +106,10 @@ class Bridge(QObject):
     def _deliver_cache(self, trace: object) -> None:
         if not self._closed:
             self.cacheTrace.emit(trace)
+
+    def _deliver_counts(self, counts: object) -> None:
+        if not self._closed:
+            self.expertCounts.emit(counts)
 
     def _dispatch(self, event: ServiceEvent) -> None:
         """Re-emit a service event as its typed signal (main thread)."""

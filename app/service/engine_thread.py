@@ -423,6 +423,11 @@ class EngineThread:
         model = self._model
         return model.cache_trace() if model is not None else None
 
+    def _expert_counts(self):
+        """The loaded model's per-expert cache counters now (engine thread, as `_tiers`); None unless experts stream."""
+        model = self._model
+        return model.expert_counts() if model is not None else None
+
     # --- the atlas ---
 
     def _atlas(self, req: AtlasRequest, cancel: threading.Event) -> None:

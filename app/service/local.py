@@ -186,6 +186,11 @@ class EngineService(EngineThread):
         delivered on the engine thread with the snapshots, at most every min_interval s."""
         return self._subscribe(callback, min_interval, lambda _snap: callback(self._cache_trace()))
 
+    def subscribe_expert_counts(self, callback: Callable[[Any], None], min_interval: float = 0.0) -> Subscription:
+        """Each streamed expert's counters (`engine.offload.story.ExpertCounts`; None unless experts are streamed),
+        delivered on the engine thread with the snapshots, at most every min_interval s."""
+        return self._subscribe(callback, min_interval, lambda _snap: callback(self._expert_counts()))
+
     def tiers(self):
         """The expert tiers as the engine last published them (after loading, each settings change and
         generation, and with every tiers subscription's delivery); None without routed experts."""

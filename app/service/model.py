@@ -32,6 +32,7 @@ from app.service.messages import (
 from engine.blocks.ffn import StreamingExpertSource
 from engine.errors import ColibriError
 from engine.offload.quality import CacheTrace
+from engine.offload.story import ExpertCounts
 from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import Telemetry
 
@@ -220,6 +221,14 @@ class Engaged:
         if self.info.streaming != "experts" or store is None:
             return None
         return store.cache_trace()
+
+    def expert_counts(self) -> ExpertCounts | None:
+        """Each streamed expert's counters and latest tier changes (engine/offload/story.py); None unless experts are
+        streamed."""
+        store = self.loaded.store
+        if self.info.streaming != "experts" or store is None:
+            return None
+        return store.expert_counts()
 
     def tiers(self) -> np.ndarray | None:
         """Each expert's tier now, int8 [L, E] (TIER_* codes); None without routed experts or with a layer store."""

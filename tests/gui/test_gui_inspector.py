@@ -20,10 +20,11 @@ import pytest
 from PySide6.QtCore import QCoreApplication, QEvent, QPoint, QPointF, Qt, QTimer
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QApplication, QToolTip
+from PySide6.QtWidgets import QApplication, QToolButton, QToolTip
 
 from app.atlas.build import build_atlas
 from app.atlas.probes import ProbeTopic
+from engine.offload.story import ExpertLog
 from engine.spec import MoESpec
 from engine.telemetry import PHASES, Telemetry
 from ui.inspector import (
@@ -581,6 +582,48 @@ def test_selecting_in_the_brain_highlights_in_the_atlas_and_back(qtbot, inspecto
     assert blocker.args == [1, 3]
     assert inspector.brain.selected_cell == (1, 3)
     assert inspector.brain.outline.rect().topLeft() == QPointF(3, 1)
+
+
+def test_clicking_a_cell_tells_that_experts_story(qtbot, inspector):
+    log = ExpertLog(4, 8)                              # counters as a store keeps them
+    log.steps[:] = 40
+    log.hits[2, 6], log.misses[2, 6], log.reads[2, 6] = 7, 3, 4
+    log.ahead_used[2, 6], log.ahead_wasted[2, 6] = 2, 1
+    log.hits[1, 3], log.misses[1, 3] = 20, 0
+    for token, tier in ((0, TIER_CACHED), (5, TIER_DISK), (9, TIER_CACHED), (12, TIER_PINNED)):
+        log.tokens = token
+        log.tier((2, 6), tier)
+    tiers = np.full((4, 8), TIER_DISK, np.int8)
+    tiers[2, 6], tiers[1, 3] = TIER_PINNED, TIER_CACHED
+    inspector.set_model_info(4, 8, None)
+    inspector.set_tiers(tiers)
+    inspector.set_atlas(tiny_atlas(4, 8, 3))
+    inspector.set_expert_counts(log.frozen())
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    redraw(qtbot, inspector)
+    story = inspector.brain.story
+    assert not story.isVisible()
+
+    QTest.mouseClick(inspector.brain.view.viewport(), Qt.MouseButton.LeftButton, pos=cell_point(inspector.brain, 2, 6))
+    qtbot.waitUntil(story.isVisible, timeout=3000)
+    text = story.body.text()
+    assert story.title.text() == "layer 2, expert 6"
+    assert "tier now: pinned" in text and "chosen by 10 of the layer's 40 steps (25.0%)" in text
+    assert "served from memory 7, waited for disk 3" in text and "reads from disk: 4" in text
+    assert "read ahead: 2 used, 1 wasted" in text
+    assert "tier changes at token: 0: cached, 5: disk, 9: cached, 12: pinned" in text
+    assert "atlas topic: Topic 0" in text                # expert 6 prefers topic 6 % 3
+
+    QTest.mouseClick(inspector.brain.view.viewport(), Qt.MouseButton.LeftButton, pos=cell_point(inspector.brain, 1, 3))
+    qtbot.waitUntil(lambda: story.title.text() == "layer 1, expert 3", timeout=3000)
+    assert "chosen by 20 of the layer's 40 steps (50.0%)" in story.body.text()
+    assert "tier now: cached" in story.body.text() and "tier changes: none kept" in story.body.text()
+
+    log.hits[1, 3] = 30                                  # newer counters follow at the next tick
+    inspector.set_expert_counts(log.frozen())
+    qtbot.waitUntil(lambda: "chosen by 30 of" in story.body.text(), timeout=3000)
+    story.findChild(QToolButton).click()                 # dismissed: no expert selected
+    assert not story.isVisible() and inspector.brain.selected_cell is None
 
 
 # --- Atlas without GL ------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from engine.generation.generate import GenerationRequest, stream_generate
 from engine.kv import KVCache
 from engine.loader import load_model
 from engine.offload.quality import CacheTrace
+from engine.offload.story import ExpertCounts
 from support.tiny_chat import LAYERS, N_EXPERTS, tiny_models
 
 TIMEOUT = 180
@@ -386,17 +387,18 @@ def test_settings_without_a_model_say_so(service):
 
 
 def test_subscriptions_follow_every_loaded_model_until_closed(service, hf, container):
-    snaps, grids, traces = [], [], []
+    snaps, grids, traces, counts = [], [], [], []
     sub = service.subscribe(snaps.append)
     tiers = service.subscribe_tiers(grids.append)
     cache = service.subscribe_cache(traces.append)
+    stories = service.subscribe_expert_counts(counts.append)
     _load(service, hf)
     _generate(service, messages=MESSAGES, max_tokens=5)
     assert snaps[-1].tokens == 4 and snaps[-1].heat.shape == (LAYERS, N_EXPERTS)   # the first token is prefill's
     gauges = snaps[-1].gauges
     assert gauges["rss"] > 0 and gauges["kv_bytes"] > 0 and gauges["ttft"] > 0 and "budget" not in gauges
     assert (grids[-1] == TIER_RESIDENT).all()
-    assert traces and traces[-1] is None                 # experts held whole: no cache to meter
+    assert traces and traces[-1] is None and counts[-1] is None   # experts held whole: no cache to meter
     _load(service, container)
     _generate(service, messages=MESSAGES, max_tokens=5)
     assert snaps[-1].tokens == 4 and snaps[-1].gauges["budget"] > 0
@@ -404,9 +406,12 @@ def test_subscriptions_follow_every_loaded_model_until_closed(service, hf, conta
     trace = traces[-1]
     assert isinstance(trace, CacheTrace) and trace.accesses > 0 and trace.capacity >= 1
     assert {layer for layer, _ in trace.steps} == set(range(LAYERS))
+    assert isinstance(counts[-1], ExpertCounts) and counts[-1].hits.shape == (LAYERS, N_EXPERTS)
+    assert counts[-1].hits.sum() + counts[-1].misses.sum() == trace.accesses   # (the trace covers the whole chat)
     sub.close()
     tiers.close()
     cache.close()
+    stories.close()
     n = len(snaps)
     _generate(service, messages=MESSAGES, max_tokens=3)
     assert len(snaps) == n and sub.closed

@@ -5,7 +5,8 @@ against the hottest), so "brighter = routed more lately" holds on light and dark
 cold expert in RAM keeps more brightness than a cold one on disk, so residency reads at a glance. The
 experts the current token routed to flash. The whole grid is one RGBA image built with numpy and handed to a
 single ImageItem per redraw, so 20,000 experts cost one array and one texture, not 20,000 items.
-Hovering a cell shows its tooltip; clicking selects it.
+Hovering a cell shows its tooltip; clicking selects it and opens its story beside the grid (ui/inspector/story.py),
+retold from each frame's counters.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ui.inspector.data import (
     TIER_UNKNOWN,
     Frame,
 )
+from ui.inspector.story import StoryPanel, story_text
 
 _CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
 # The brightness of a never-routed cell, as a share of its tier's brightest colour: a cold expert in RAM
@@ -119,8 +121,13 @@ class BrainView(QWidget):
         self.status = QLabel("")
         self.legend.addWidget(self.status)
 
+        self.story = StoryPanel()                  # the clicked expert's story
+        self.story.closed.connect(lambda: self.set_selected(None))
+        row = QHBoxLayout()
+        row.addWidget(self.view, 1)
+        row.addWidget(self.story)
         layout = QVBoxLayout(self)
-        layout.addWidget(self.view, 1)
+        layout.addLayout(row, 1)
         layout.addLayout(self.legend)
 
         self.rgba: np.ndarray | None = None    # [L, E, 4] the image last drawn
@@ -163,16 +170,30 @@ class BrainView(QWidget):
             self.plot.getAxis("left").setTicks([cell_ticks(shape[0])])
             self.plot.getAxis("bottom").setTicks([cell_ticks(shape[1])])
         self.status.setText("" if frame.tiers is not None else "tiers not reported")
+        self._tell_story()
 
     def set_selected(self, cell: tuple[int, int] | None) -> None:
         """Outline a cell (None: none) without emitting `selected`."""
         self.selected_cell = cell
         if cell is None:
             self.outline.setVisible(False)
+            self.story.setVisible(False)
             return
         layer, expert = cell
         self.outline.setRect(QRectF(expert, layer, 1, 1))
         self.outline.setVisible(True)
+        self._tell_story()
+
+    def _tell_story(self) -> None:
+        """The selected expert's story, from the last frame's counters, tiers and atlas."""
+        cell, frame = self.selected_cell, self.frame
+        if cell is None or frame is None:
+            return
+        layer, expert = cell
+        tiers = frame.tiers
+        tier = int(tiers[layer, expert]) if tiers is not None and layer < tiers.shape[0] and expert < tiers.shape[1] \
+            else None
+        self.story.show_story(layer, expert, story_text(frame.counts, layer, expert, tier, frame.atlas))
 
     def cell_at(self, scene_pos: pg.QtCore.QPointF) -> tuple[int, int] | None:
         """The (layer, expert) under a scene position, None outside the grid."""

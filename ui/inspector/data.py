@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.offload.story import ExpertCounts
 from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import Snapshot
 
@@ -123,3 +124,4 @@ class Frame:
     atlas: AtlasData | None
     selected: tuple[int, int] | None       # (layer, expert) chosen in the Brain or the Atlas
     plots: bool = True                     # redraw the plots too, not only the figures (at most PLOT_HZ)
+    counts: ExpertCounts | None = None     # the expert cache's per-expert counters (None: not streamed)

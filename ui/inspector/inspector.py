@@ -8,7 +8,7 @@ frames with `plots` set: at most PLOT_HZ, and one more once a change has waited 
 timer samples the Overview's history at SAMPLE_HZ, shown or hidden, from the widget's creation until
 `close_views`: the history records time as it passed, not only when data arrived.
 
-Threads: `set_snapshot` and `set_tiers` store one reference and may be called from any thread
+Threads: `set_snapshot`, `set_tiers` and `set_expert_counts` store one reference and may be called from any thread
 (e.g. a telemetry subscriber on the engine thread); every other method is for the GUI thread. The Cache tab
 replays the expert cache's trace on a worker thread of its own (ui/inspector/cache.py).
 """
@@ -24,6 +24,7 @@ from PySide6.QtCore import QEvent, QTimer, Signal
 from PySide6.QtWidgets import QTabWidget, QToolTip, QVBoxLayout, QWidget
 
 from engine.offload.quality import CacheTrace
+from engine.offload.story import ExpertCounts
 from engine.telemetry import Snapshot
 from ui.inspector.atlas import AtlasView
 from ui.inspector.brain import BrainView
@@ -71,6 +72,7 @@ class Inspector(QWidget):
         self._tiers: np.ndarray | None = None
         self._atlas: AtlasData | None = None
         self._selected: tuple[int, int] | None = None
+        self._counts: ExpertCounts | None = None
         self._closed = False
         self.redraws = 0                      # timer ticks that drew a new state (tests, diagnostics)
         self.replots = 0                      # timer ticks that redrew the plots as well
@@ -111,6 +113,7 @@ class Inspector(QWidget):
         """The model was closed: drop its snapshot and tiers, so no view shows its heat or current token."""
         self._snapshot = None
         self._tiers = None
+        self._counts = None
         self.cache.set_trace(None)
         self._shape = (0, 0)
         self._budget = None
@@ -124,6 +127,12 @@ class Inspector(QWidget):
                 raise ValueError(f"tiers must be a [layers, experts] grid, got shape {tiers.shape}")
             tiers.flags.writeable = False
         self._tiers = tiers
+        self._dirty = True
+
+    def set_expert_counts(self, counts: ExpertCounts | None) -> None:
+        """The expert cache's per-expert counters (None: not streamed); the Brain tells the selected expert's story
+        from them (cheap, any thread)."""
+        self._counts = counts
         self._dirty = True
 
     def set_cache_trace(self, trace: CacheTrace | None) -> None:
@@ -205,7 +214,7 @@ class Inspector(QWidget):
         for grid in (snap.heat if snap is not None else None, self._tiers):
             if grid is not None and grid.ndim == 2:
                 shape = (max(shape[0], grid.shape[0]), max(shape[1], grid.shape[1]))
-        return Frame(snap, shape, self._budget_of(snap), self._tiers, self._atlas, self._selected, plots)
+        return Frame(snap, shape, self._budget_of(snap), self._tiers, self._atlas, self._selected, plots, self._counts)
 
     def _budget_of(self, snap: Snapshot | None) -> float | None:
         """set_model_info's budget, else the snapshot's "budget" gauge."""

@@ -1,0 +1,77 @@
+"""An expert's story, beside the Brain grid: what the expert cache has done with the selected expert (requests, hits,
+reads, read-ahead guesses used and wasted, tier changes with their token), its share of its layer's steps, and its
+atlas topic when an atlas is present. Read from the store's counters (`engine.offload.story.ExpertCounts`).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
+
+from engine.offload.story import ExpertCounts
+from ui.inspector.common import fmt_percent
+from ui.inspector.data import TIER_NAMES, AtlasData
+
+SHOWN_CHANGES = 8       # the latest tier changes listed
+
+
+def story_text(counts: ExpertCounts | None, layer: int, expert: int, tier: int | None,
+               atlas: AtlasData | None) -> str:
+    """The panel's lines for one expert (counters unknown: says so)."""
+    lines = [f"tier now: {TIER_NAMES.get(tier, '?') if tier is not None else 'not reported'}"]
+    if counts is None or not (layer < counts.hits.shape[0] and expert < counts.hits.shape[1]):
+        lines.append("no expert cache counters: its experts are not streamed")
+    else:
+        s = counts.story(layer, expert)
+        steps = int(counts.steps[layer])
+        lines += [f"chosen by {s.requests} of the layer's {steps} steps ({fmt_percent(s.share)})",
+                  f"served from memory {s.hits}, waited for disk {s.misses}",
+                  f"reads from disk: {s.reads}",
+                  f"read ahead: {s.ahead_used} used, {s.ahead_wasted} wasted"]
+        if s.changes:
+            latest = ", ".join(f"{token}: {TIER_NAMES.get(t, '?')}" for token, t in s.changes[-SHOWN_CHANGES:])
+            more = f" (latest {SHOWN_CHANGES} of {len(s.changes)})" if len(s.changes) > SHOWN_CHANGES else ""
+            lines.append(f"tier changes at token{more}: {latest}")
+        else:
+            lines.append("tier changes: none kept")
+    lines.append(atlas.describe(layer, expert) if atlas is not None else "atlas: none yet (compute it in the Atlas tab)")
+    return "\n".join(lines)
+
+
+class StoryPanel(QFrame):
+    """The story of the selected expert; `closed` when the user dismisses it."""
+
+    closed = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.title = QLabel("")
+        self.title.setStyleSheet("font-weight: bold;")
+        close = QToolButton()
+        close.setText("×")
+        close.setToolTip("close the expert's story")
+        close.clicked.connect(self._close)
+        head = QHBoxLayout()
+        head.addWidget(self.title, 1)
+        head.addWidget(close)
+        self.body = QLabel("")
+        self.body.setWordWrap(True)
+        self.body.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        layout = QVBoxLayout(self)
+        layout.addLayout(head)
+        layout.addWidget(self.body, 1)
+        self.setFixedWidth(260)
+        self.setVisible(False)
+
+    def show_story(self, layer: int, expert: int, text: str) -> None:
+        """Show one expert's lines."""
+        self.title.setText(f"layer {layer}, expert {expert}")
+        if self.body.text() != text:
+            self.body.setText(text)
+        self.setVisible(True)
+
+    def _close(self) -> None:
+        self.setVisible(False)
+        self.closed.emit()
