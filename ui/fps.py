@@ -4,8 +4,10 @@ The reference engine's headline model, GLM-5.2, routes among 19,456 experts (76 
 script builds both views at that size with synthetic data and feeds them a new token per frame: its top-8
 experts in every layer, heat that decays and grows as the inspector's does, tiers that change. Each frame is
 painted before the next one starts (a synchronous repaint, as if the inspector's timer never had to wait),
-and the frames per second of wall time are printed: the Brain's grid (pyqtgraph, a 76 x 256 image) and the
-Atlas's 3D points (vispy, every frame a full GL draw of 19,456 markers and the 608 lit ones).
+and the frames per second of wall time are printed: the Brain's grid (pyqtgraph, a 76 x 256 image, with an
+expert's story retold beside it from counters at that scale) and the Atlas's 3D points (vispy, every frame a full
+GL draw of 19,456 markers and the 608 lit ones). The Brain is measured again while the Cache tab's replay of a
+trace of 4,096 layer steps runs on its worker thread, as it does while that tab is in view.
 
 The Atlas needs OpenGL: run it under a display; on a machine without a GPU that is Mesa's llvmpipe, in
 software (`xvfb-run -s "-screen 0 1280x1024x24" python -m ui.fps`). With QT_QPA_PLATFORM=offscreen only
@@ -17,12 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
 LAYERS, EXPERTS, TOP_K = 76, 256, 8      # 19,456 experts, as GLM-5.2
+SELECTED = (3, 17)                        # the expert whose story the Brain tells
 DECAY = 0.97                              # heat kept per token
 
 
@@ -36,6 +40,7 @@ def _frames(n: int, seed: int = 0) -> list:
                        p=[0.7, 0.25, 0.05])
     popular = rng.zipf(1.5, size=(LAYERS, EXPERTS)).astype(np.float64)   # a few experts take most tokens
     popular /= popular.sum(axis=1, keepdims=True)
+    counts = _counts(rng)
     frames = []
     for _ in range(n):
         current = tuple((layer, tuple(int(e) for e in rng.choice(EXPERTS, TOP_K, replace=False, p=popular[layer])))
@@ -46,8 +51,37 @@ def _frames(n: int, seed: int = 0) -> list:
             tiers[layer, list(ids)] = TIER_CACHED
         snapshot = SimpleNamespace(heat=heat.copy(), current=current)
         frames.append(Frame(snapshot=snapshot, shape=(LAYERS, EXPERTS), budget=None, tiers=tiers.copy(),  # type: ignore[arg-type]
-                            atlas=None, selected=None))
+                            atlas=None, selected=SELECTED, counts=counts))
     return frames
+
+
+def _counts(rng: np.random.Generator):
+    """The store's per-expert counters at this scale, their ring of tier changes full."""
+    from engine.offload.story import ExpertLog
+
+    log = ExpertLog(LAYERS, EXPERTS)
+    for grid in (log.hits, log.misses, log.reads, log.ahead_used, log.ahead_wasted):
+        grid[:] = rng.integers(0, 500, grid.shape)
+    log.steps[:] = 10_000
+    n = len(log.ring)
+    log.ring["token"] = np.arange(n) // 64
+    log.ring["layer"], log.ring["expert"] = rng.integers(0, LAYERS, n), rng.integers(0, EXPERTS, n)
+    log.ring["tier"] = rng.integers(0, 3, n)
+    log.changed = n
+    return log.frozen()
+
+
+def _trace(seed: int = 0):
+    """A cache trace at this scale: 4,096 layer steps of zipf-popular routing, a cache of 2,000 slots."""
+    from engine.offload.quality import CacheTrace
+
+    rng = np.random.default_rng(seed)
+    popular = rng.zipf(1.5, size=(LAYERS, EXPERTS)).astype(np.float64)
+    popular /= popular.sum(axis=1, keepdims=True)
+    steps = tuple((layer, tuple(int(e) for e in rng.choice(EXPERTS, TOP_K, replace=False, p=popular[layer])))
+                  for layer in (i % LAYERS for i in range(4096)))
+    return CacheTrace(steps, 2000, 1 << 22, LAYERS * EXPERTS, "learned", 4.0 * LAYERS, TOP_K * LAYERS, 0.1,
+                      popular, popular, 0, 0)
 
 
 def _atlas_data(seed: int = 0):
@@ -84,6 +118,28 @@ def brain_fps(app, frames: list, seconds: float) -> dict:
     elapsed = time.perf_counter() - t0
     view.close()
     return {"frames": drawn, "seconds": round(elapsed, 3), "fps": round(drawn / elapsed, 1)}
+
+
+def brain_replaying_fps(app, frames: list, seconds: float) -> dict:
+    """`brain_fps` while the Cache tab's replay runs on its worker thread (started again as each one ends), and the
+    replays that ended meanwhile."""
+    from engine.offload.quality import cache_quality
+
+    trace, stop, ended = _trace(), threading.Event(), [0]
+
+    def replay() -> None:
+        while not stop.is_set():
+            if cache_quality(trace, cancelled=stop.is_set) is not None:
+                ended[0] += 1
+
+    worker = threading.Thread(target=replay, name="cache-replay")
+    worker.start()
+    try:
+        result = brain_fps(app, frames, seconds)
+    finally:
+        stop.set()
+        worker.join()
+    return {**result, "replays": ended[0]}
 
 
 def atlas_fps(app, frames: list, seconds: float) -> dict:
@@ -151,13 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication(sys.argv[:1])
     frames = _frames(64)
     result = {"experts": LAYERS * EXPERTS, "brain": brain_fps(app, frames, args.seconds),
+              "brain_replaying": brain_replaying_fps(app, frames, args.seconds),
               "atlas": atlas_fps(app, frames, args.seconds)}
     if args.json:
         print(json.dumps(result))
         return 0
     b, a = result["brain"], result["atlas"]
     print(f"{LAYERS * EXPERTS} experts ({LAYERS} layers x {EXPERTS}, top-{TOP_K} per layer)")
+    r = result["brain_replaying"]
     print(f"Brain: {b['fps']:.1f} frames/s ({b['frames']} in {b['seconds']:.1f} s)")
+    print(f"Brain while the Cache tab replays: {r['fps']:.1f} frames/s ({r['frames']} in {r['seconds']:.1f} s, "
+          f"{r['replays']} replays ended)")
     if "skipped" in a:
         print(f"Atlas: not measured: {a['skipped']}")
     else:

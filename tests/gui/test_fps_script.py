@@ -20,6 +20,9 @@ def test_the_frames_route_top_k_in_every_layer_and_heat_follows_them() -> None:
     for layer, ids in last.current:
         hot[layer, list(ids)] = True
     assert (last.heat[hot] >= 1.0).all()           # the latest token's experts carry its full count
+    counts = frames[0].counts
+    assert frames[0].selected == fps.SELECTED and counts.hits.shape == (fps.LAYERS, fps.EXPERTS)
+    assert len(counts.changes) == 1 << 16 and counts.story(*fps.SELECTED).requests > 0
 
 
 def test_the_script_measures_the_brain_and_says_why_the_atlas_needs_gl(qapp, capsys) -> None:
@@ -27,5 +30,6 @@ def test_the_script_measures_the_brain_and_says_why_the_atlas_needs_gl(qapp, cap
     result = json.loads(capsys.readouterr().out)
     assert result["experts"] == 19456
     assert result["brain"]["frames"] > 0 and result["brain"]["fps"] > 0
+    assert result["brain_replaying"]["frames"] > 0
     atlas = result["atlas"]
     assert ("skipped" in atlas) or (atlas["draws"] > 0 and atlas["draw_ms"] > 0)
