@@ -59,7 +59,7 @@ def _counts(rng: np.random.Generator):
     """The store's per-expert counters at this scale, their ring of tier changes full."""
     from engine.offload.story import ExpertLog
 
-    log = ExpertLog(LAYERS, EXPERTS)
+    log = ExpertLog(LAYERS, EXPERTS, TOP_K)
     for grid in (log.hits, log.misses, log.reads, log.ahead_used, log.ahead_wasted):
         grid[:] = rng.integers(0, 500, grid.shape)
     log.steps[:] = 10_000

@@ -117,6 +117,7 @@ class Accounting:
         """A step's use of an expert not in memory: a miss read from disk (a prefetch used if it was read ahead)."""
         self.hits["disk"] += 1
         self.log.misses[key] += 1
+        self.log.routes.read(self.tokens, key)
         self.telemetry.hit("disk")
         self.read_ahead.used(key)
 
@@ -141,6 +142,7 @@ class Accounting:
         history (unless `record` is False: the caller records its steps together)."""
         self.now += 1
         self.log.steps[layer] += 1
+        self.log.routes.begin(self.tokens, layer, ids, self.missed)   # (a fused call's misses are counted before)
         self.read_ahead.score_step(layer, ids)
         step = (layer, tuple(ids))
         self.recent.append(step)

@@ -93,7 +93,7 @@ class ExpertStore:
                                f"{self._top_k * slot_bytes} bytes for experts (raise --max-memory)")
         mapped = settings.io == "mmap"
         n_experts = max(layer.ffn.n_experts for layer in spec.layers if isinstance(layer.ffn, MoESpec))
-        self.log = ExpertLog(spec.n_layers, n_experts)   # each expert's story (engine/offload/story.py)
+        self.log = ExpertLog(spec.n_layers, n_experts, self._top_k)   # each expert's story (engine/offload/story.py)
         self.read_ahead = ReadAhead(telemetry, self.log)
         self.accounting = Accounting(spec, settings, n_slots, history, self.read_ahead, telemetry)
         self.slots = SlotArena(slot_bytes, n_slots, len(self.recipes), reserve=not mapped)

@@ -1,5 +1,6 @@
 """Each expert's story as the store lives it: requests served from memory and from disk, reads, read-ahead guesses
-used and wasted, and its tier changes with the token they happened at.
+used and wasted, and its tier changes with the token they happened at; and each decoded token's routing, layer by
+layer, with the experts it had to wait for from disk (`RouteLog`), for the inspector's replay.
 
 Counters are numpy grids [L, E] and the tier changes one ring of fixed size, so tens of thousands of experts cost a
 few arrays, not an object each. The store's parts count into an `ExpertLog` on the engine thread; `frozen` copies it
@@ -8,6 +9,7 @@ into `ExpertCounts` for other threads (the inspector), and `ExpertCounts.story` 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +20,71 @@ from engine.offload.store_types import Key
 TIER_DISK, TIER_CACHED, TIER_PINNED = 0, 1, 2
 CHANGES = 1 << 16                       # tier changes kept (the latest), over all experts
 CHANGE = np.dtype([("token", np.int64), ("layer", np.int32), ("expert", np.int32), ("tier", np.int8)])
+ROUTE_STEPS = 1 << 16                   # layer steps of decoded tokens kept (the latest)
+
+
+@dataclass(frozen=True, eq=False)
+class Routes:
+    """Layer steps of decoded tokens, oldest first: which experts each chose and which came from disk."""
+
+    token: np.ndarray                   # [S] int64 the token's index in the store's count
+    layer: np.ndarray                   # [S] int32
+    experts: np.ndarray                 # [S, K] int32 chosen experts, -1 past a step's last
+    disk: np.ndarray                    # [S, K] bool the step waited for that expert's read
+
+    def tokens(self) -> np.ndarray:
+        """The tokens recorded, ascending, each once."""
+        return np.unique(self.token)
+
+    def of(self, token: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """One token's steps in layer order: (layer, experts chosen, those read from disk)."""
+        out = []
+        for i in np.flatnonzero(self.token == token):
+            chosen = self.experts[i] >= 0                                  # [K]
+            ids, disk = self.experts[i][chosen], self.disk[i][chosen]
+            out.append((int(self.layer[i]), tuple(int(e) for e in ids), tuple(int(e) for e in ids[disk])))
+        return sorted(out)
+
+
+class RouteLog:
+    """The latest layer steps of decoded tokens (at most `top_k` experts each: a prompt's or a batch's wider steps
+    are left out), in a ring (engine thread)."""
+
+    def __init__(self, top_k: int, steps: int = ROUTE_STEPS):
+        self.token = np.zeros(steps, np.int64)         # [S]
+        self.layer = np.zeros(steps, np.int32)         # [S]
+        self.experts = np.full((steps, top_k), -1, np.int32)   # [S, K]
+        self.disk = np.zeros((steps, top_k), bool)     # [S, K]
+        self.written = 0                               # steps recorded in all
+        self._open: tuple[int, int, int, dict[int, int]] | None = None   # the last: (row, token, layer, column of e)
+
+    def begin(self, token: int, layer: int, ids: list[int], disk: Collection[Key] = ()) -> None:
+        """A layer step of token `token` chose `ids`; those of `disk` were read from disk (more may follow, `read`)."""
+        k = self.experts.shape[1]
+        if len(ids) > k:
+            self._open = None
+            return
+        row = self.written % len(self.token)
+        self.written += 1
+        self.token[row], self.layer[row] = token, layer
+        self.experts[row] = -1
+        self.experts[row, :len(ids)] = ids
+        self.disk[row] = False
+        for j, e in enumerate(ids):
+            self.disk[row, j] = (layer, e) in disk
+        self._open = (row, token, layer, {e: j for j, e in enumerate(ids)})
+
+    def read(self, token: int, key: Key) -> None:
+        """A step of token `token` waits for `key`'s read from disk: marked if it is the last step begun."""
+        step = self._open
+        if step is not None and step[1] == token and step[2] == key[0] and key[1] in step[3]:
+            self.disk[step[0], step[3][key[1]]] = True
+
+    def frozen(self) -> Routes:
+        """A copy, oldest first."""
+        n, w = len(self.token), self.written
+        order = np.arange(w) if w <= n else (np.arange(n) + w) % n                  # [S'] rows oldest first
+        return Routes(self.token[order], self.layer[order], self.experts[order], self.disk[order])
 
 
 @dataclass(frozen=True)
@@ -52,6 +119,7 @@ class ExpertCounts:
     steps: np.ndarray                   # [L] int64 layer steps of each layer
     changes: np.ndarray                 # [K] CHANGE, oldest first
     tokens: int                         # tokens the store has seen end
+    routes: Routes | None = None        # decoded tokens' routing (None: not recorded)
 
     def story(self, layer: int, expert: int) -> ExpertStory:
         """The story of one expert; IndexError outside the grid."""
@@ -69,8 +137,10 @@ class ExpertCounts:
 class ExpertLog:
     """The counters of every expert of a store, and the latest tier changes (engine thread)."""
 
-    def __init__(self, n_layers: int, n_experts: int, changes: int = CHANGES):
+    def __init__(self, n_layers: int, n_experts: int, top_k: int, changes: int = CHANGES,
+                 route_steps: int = ROUTE_STEPS):
         shape = (n_layers, n_experts)
+        self.routes = RouteLog(top_k, route_steps)
         self.hits = np.zeros(shape, np.int64)          # [L, E]
         self.misses = np.zeros(shape, np.int64)        # [L, E]
         self.reads = np.zeros(shape, np.int64)         # [L, E]
@@ -98,4 +168,5 @@ class ExpertLog:
         changes = (self.ring[:self.changed] if self.changed <= n
                    else np.roll(self.ring, -(self.changed % n)))   # oldest first
         return ExpertCounts(self.hits.copy(), self.misses.copy(), self.reads.copy(), self.ahead_used.copy(),
-                            self.ahead_wasted.copy(), self.steps.copy(), changes.copy(), self.tokens)
+                            self.ahead_wasted.copy(), self.steps.copy(), changes.copy(), self.tokens,
+                            self.routes.frozen())

@@ -585,7 +585,7 @@ def test_selecting_in_the_brain_highlights_in_the_atlas_and_back(qtbot, inspecto
 
 
 def test_clicking_a_cell_tells_that_experts_story(qtbot, inspector):
-    log = ExpertLog(4, 8)                              # counters as a store keeps them
+    log = ExpertLog(4, 8, 2)                           # counters as a store keeps them
     log.steps[:] = 40
     log.hits[2, 6], log.misses[2, 6], log.reads[2, 6] = 7, 3, 4
     log.ahead_used[2, 6], log.ahead_wasted[2, 6] = 2, 1
@@ -624,6 +624,79 @@ def test_clicking_a_cell_tells_that_experts_story(qtbot, inspector):
     qtbot.waitUntil(lambda: "chosen by 30 of" in story.body.text(), timeout=3000)
     story.findChild(QToolButton).click()                 # dismissed: no expert selected
     assert not story.isVisible() and inspector.brain.selected_cell is None
+
+
+def _replay_log() -> ExpertLog:
+    """Three decoded tokens over 4 layers of 8 experts, top-2; token t routes to t + layer and 7 - layer, the latter
+    read from disk in the odd layers."""
+    log = ExpertLog(4, 8, 2)
+    for token in (10, 11, 12):
+        for layer in range(4):
+            ids = [(token + layer) % 8, 7 - layer]
+            log.routes.begin(token, layer, ids, {(layer, 7 - layer)} if layer % 2 else set())
+    return log
+
+
+def _flashed(brain: BrainView, colour: tuple[int, int, int]) -> set[tuple[int, int]]:
+    hit = np.all(brain.rgba[..., :3] == np.array(colour, np.uint8), axis=-1)
+    return {(int(a), int(b)) for a, b in zip(*np.nonzero(hit))}
+
+
+def test_the_replay_steps_token_by_token_and_marks_disk_reads(qtbot, inspector):
+    gen = Generation(4, 8)
+    gen.decode(2)
+    inspector.set_model_info(4, 8, None)
+    inspector.set_snapshot(gen.tel.snapshot())
+    inspector.set_expert_counts(_replay_log().frozen())
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    redraw(qtbot, inspector)
+    brain, bar = inspector.brain, inspector.brain.replay
+    theme = brain.theme
+    live = {(layer, e) for layer, ids in gen.current() for e in ids}
+    assert bar.live.isChecked() and not bar.active and _flashed(brain, theme.flash) == live
+
+    with qtbot.waitSignal(bar.moved, timeout=3000) as moved:
+        bar.live.click()                               # off live: the last recorded token, whole
+    assert moved.args == [12, 4] and bar.active
+    chosen = {(layer, (12 + layer) % 8) for layer in range(4)} | {(0, 7), (2, 5)}
+    reads = {(1, 6), (3, 4)}
+    assert _flashed(brain, theme.flash) == chosen and _flashed(brain, theme.phases["io_wait"]) == reads
+    with qtbot.waitSignal(bar.moved, timeout=3000) as moved:
+        bar.back.click()
+    assert moved.args == [11, 4]
+    assert _flashed(brain, theme.flash) == {(layer, (11 + layer) % 8) for layer in range(4)} | {(0, 7), (2, 5)}
+    with qtbot.waitSignal(bar.moved, timeout=3000) as moved:
+        bar.slider.setValue(0)
+    assert moved.args == [10, 4] and "token 10 (1 of 3)" in bar.label.text()
+    with qtbot.waitSignal(bar.moved, timeout=3000) as moved:
+        bar.live.click()                               # back to live: the current token again
+    assert not bar.active and _flashed(brain, theme.flash) == live
+
+
+def test_playing_sweeps_each_token_down_the_layers_at_the_speed_set(qtbot, inspector):
+    inspector.set_model_info(4, 8, None)
+    inspector.set_expert_counts(_replay_log().frozen())
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    redraw(qtbot, inspector)
+    bar, brain = inspector.brain.replay, inspector.brain
+    bar.speed.setValue(200)
+    assert bar._timer.interval() == 5
+    seen: list[tuple[int, int]] = []
+    bar.moved.connect(lambda token, swept: seen.append((token, swept)))
+    bar.live.click()
+    bar.seek(1)
+    seen.clear()
+    bar.play.click()                                   # from token 11, its sweep starting over
+    qtbot.waitUntil(lambda: not bar.play.isChecked(), timeout=5000)   # the last token swept: it pauses
+    assert seen == [(11, 0), (11, 1), (11, 2), (11, 3), (11, 4), (12, 1), (12, 2), (12, 3), (12, 4)]
+    assert not bar._timer.isActive() and bar.play.text() == "▶"
+    bar.seek(0)
+    bar.moved.connect(lambda token, swept: bar.play.click() if (token, swept) == (10, 2) else None)
+    bar.play.click()
+    qtbot.waitUntil(lambda: not bar.play.isChecked(), timeout=5000)   # paused mid-sweep: two layers of token 10
+    assert not bar._timer.isActive() and (bar.index, bar.swept) == (0, 2)
+    assert _flashed(brain, brain.theme.flash) == {(0, 2), (0, 7), (1, 3)}
+    assert _flashed(brain, brain.theme.phases["io_wait"]) == {(1, 6)}
 
 
 # --- Atlas without GL ------------------------------------------------------------------------------

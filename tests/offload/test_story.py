@@ -8,7 +8,7 @@ import pytest
 from app.hub.convert import ConvertSettings, convert
 from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
-from engine.offload.story import CHANGE, TIER_CACHED, TIER_DISK, TIER_PINNED, ExpertCounts, ExpertLog
+from engine.offload.story import CHANGE, TIER_CACHED, TIER_DISK, TIER_PINNED, ExpertCounts, ExpertLog, RouteLog
 from support.offload import greedy_logits
 from support.reference import build_checkpoint
 
@@ -75,6 +75,10 @@ def test_counters_follow_a_scripted_run_of_known_requests(container):
     assert counts.story(2, 7).changes == () and counts.story(2, 7).share == 0
     with pytest.raises(IndexError, match="outside"):
         counts.story(LAYERS, 0)
+    routes = counts.routes                    # each token's step, and what it waited for from disk
+    assert routes.tokens().tolist() == [0, 1, 2, 3, 4, 5]
+    assert [routes.of(t) for t in range(6)] == [[(1, (0, 1), (0, 1))], [(1, (1, 2), (2,))], [(1, (0, 3), (3,))],
+                                                [(1, (4, 0), ())], [(1, (6, 0), (6,))], [(1, (7, 0), (7,))]]
 
 
 def test_pins_are_tier_changes_too(container, tmp_path):
@@ -92,7 +96,7 @@ def test_pins_are_tier_changes_too(container, tmp_path):
 
 
 def test_the_ring_keeps_the_latest_changes_oldest_first():
-    log = ExpertLog(2, 4, changes=4)
+    log = ExpertLog(2, 4, 2, changes=4)
     for token in range(6):
         log.tokens = token
         log.tier((token % 2, token % 4), TIER_CACHED if token % 3 else TIER_DISK)
@@ -111,8 +115,9 @@ def test_the_counters_add_up_to_the_stores_own_over_a_generation(container):
     probe.close()
     loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=5 * slot, policy="learned"), 1))
     try:
+        loaded.store.trace = []
         greedy_logits(loaded, [3, 17, 5, 99, 42, 8], 10, batch_prompt=False)
-        stats, counts = loaded.store.stats(), loaded.store.expert_counts()
+        stats, counts, trace = loaded.store.stats(), loaded.store.expert_counts(), loaded.store.trace
     finally:
         loaded.close()
     assert counts.hits.sum() == stats.hits["pinned"] + stats.hits["cached"] > 0
@@ -120,3 +125,23 @@ def test_the_counters_add_up_to_the_stores_own_over_a_generation(container):
     assert counts.reads.sum() == stats.reads
     assert (counts.ahead_used.sum(), counts.ahead_wasted.sum()) == (stats.prefetch_used, stats.prefetch_wasted)
     assert counts.steps.tolist() == [16] * LAYERS and counts.tokens == 16
+    routes = counts.routes                    # every forward decoded one token: each step is kept
+    assert routes.tokens().tolist() == list(range(16))
+    assert [(int(layer), tuple(int(e) for e in ids if e >= 0)) for layer, ids in zip(routes.layer, routes.experts)] \
+        == trace
+    assert routes.disk.sum() == stats.hits["disk"]
+    assert all(set(disk) <= set(ids) for t in range(16) for _, ids, disk in routes.of(t))
+
+
+def test_the_route_ring_keeps_the_latest_steps_and_skips_wide_ones():
+    log = RouteLog(2, steps=3)
+    log.begin(0, 0, [5, 6], {(0, 6)})
+    log.begin(1, 0, [1, 2, 3])                # a prompt's union: wider than top-k, left out
+    log.read(1, (0, 2))                       # ... so no step is open to mark
+    for token in (1, 2, 3):
+        log.begin(token, 1, [token, 7])
+        log.read(token, (1, 7))
+    log.read(2, (1, 3))                       # another token's read marks nothing
+    routes = log.frozen()
+    assert routes.token.tolist() == [1, 2, 3]
+    assert routes.of(1) == [(1, (1, 7), (7,))] and routes.of(0) == []

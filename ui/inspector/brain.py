@@ -6,7 +6,8 @@ cold expert in RAM keeps more brightness than a cold one on disk, so residency r
 experts the current token routed to flash. The whole grid is one RGBA image built with numpy and handed to a
 single ImageItem per redraw, so 20,000 experts cost one array and one texture, not 20,000 items.
 Hovering a cell shows its tooltip; clicking selects it and opens its story beside the grid (ui/inspector/story.py),
-retold from each frame's counters.
+retold from each frame's counters. Below the grid, the replay (ui/inspector/replay.py) shows a recorded token in
+place of the current one, the experts it read from disk in the I/O colour.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ui.inspector.data import (
     TIER_UNKNOWN,
     Frame,
 )
+from ui.inspector.replay import ReplayBar
 from ui.inspector.story import StoryPanel, story_text
 
 _CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
@@ -109,7 +111,7 @@ class BrainView(QWidget):
         self.legend = QHBoxLayout()
         self._legend_swatches: list[tuple[QLabel, int | str]] = []
         for key, text in ((TIER_PINNED, "pinned"), (TIER_CACHED, "cached"), (TIER_DISK, "disk"),
-                          (TIER_RESIDENT, "resident"), ("flash", "current token")):
+                          (TIER_RESIDENT, "resident"), ("flash", "current token"), ("read", "read from disk (replay)")):
             swatch = QLabel()
             swatch.setFixedSize(12, 12)
             self._legend_swatches.append((swatch, key))
@@ -123,11 +125,14 @@ class BrainView(QWidget):
 
         self.story = StoryPanel()                  # the clicked expert's story
         self.story.closed.connect(lambda: self.set_selected(None))
+        self.replay = ReplayBar()                  # recorded tokens instead of the current one
+        self.replay.moved.connect(self._replayed)
         row = QHBoxLayout()
         row.addWidget(self.view, 1)
         row.addWidget(self.story)
         layout = QVBoxLayout(self)
         layout.addLayout(row, 1)
+        layout.addWidget(self.replay)
         layout.addLayout(self.legend)
 
         self.rgba: np.ndarray | None = None    # [L, E, 4] the image last drawn
@@ -145,7 +150,8 @@ class BrainView(QWidget):
         pen.setCosmetic(True)
         self.outline.setPen(pen)
         for swatch, key in self._legend_swatches:
-            rgb = theme.flash if key == "flash" else tuple(int(c) for c in _brightest(theme.tiers[key]))
+            rgb = (theme.flash if key == "flash" else theme.phases["io_wait"] if key == "read"
+                   else tuple(int(c) for c in _brightest(theme.tiers[key])))
             swatch.setStyleSheet(swatch_css(rgb))   # a hot cell's colour: the legend's hues as the grid shows them
 
     def redraw(self, frame: Frame) -> None:
@@ -158,8 +164,16 @@ class BrainView(QWidget):
             self.rgba, self.shape = None, (0, 0)
             self.status.setText("no experts: a dense model, or no model loaded")
             return
-        self.rgba = grid_rgba(self.theme, shape, frame.tiers, snap.heat if snap is not None else None,
-                              snap.current if snap is not None else ())
+        self.replay.set_routes(frame.counts.routes if frame.counts is not None else None)
+        if self.replay.active:
+            current, reads = self.replay.shown()
+        else:
+            current, reads = (snap.current if snap is not None else ()), []
+        self.rgba = grid_rgba(self.theme, shape, frame.tiers, snap.heat if snap is not None else None, current)
+        read = np.array(self.theme.phases["io_wait"], np.uint8)
+        for layer, ids in reads:                   # the experts the replayed token waited for
+            if 0 <= layer < shape[0]:
+                self.rgba[layer, [e for e in ids if 0 <= e < shape[1]], :3] = read
         self.image.setImage(self.rgba, autoLevels=False)
         if shape != self.shape:
             self.shape = shape
@@ -171,6 +185,11 @@ class BrainView(QWidget):
             self.plot.getAxis("bottom").setTicks([cell_ticks(shape[1])])
         self.status.setText("" if frame.tiers is not None else "tiers not reported")
         self._tell_story()
+
+    def _replayed(self, token: int, swept: int) -> None:
+        """The replay moved: draw the last frame again with the replayed token."""
+        if self.frame is not None:
+            self.redraw(self.frame)
 
     def set_selected(self, cell: tuple[int, int] | None) -> None:
         """Outline a cell (None: none) without emitting `selected`."""

@@ -166,6 +166,7 @@ class Inspector(QWidget):
         self._sampler.stop()
         QToolTip.hideText()
         self.cache.close_views()
+        self.brain.replay.stop()
         self.atlas.close_gl()
 
     # --- Qt ------------------------------------------------------------------------------------
