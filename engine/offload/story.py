@@ -45,6 +45,29 @@ class Routes:
             out.append((int(self.layer[i]), tuple(int(e) for e in ids), tuple(int(e) for e in ids[disk])))
         return sorted(out)
 
+    def answers(self) -> list[tuple[int, int]]:
+        """Runs of consecutive decoded tokens, (first, last) each: a prompt between two answers leaves a gap."""
+        tokens = self.tokens()                                             # [T]
+        if not len(tokens):
+            return []
+        cuts = np.flatnonzero(np.diff(tokens) > 1)                         # last index of each run but the final
+        firsts = np.concatenate([[0], cuts + 1])
+        lasts = np.concatenate([cuts, [len(tokens) - 1]])
+        return [(int(tokens[f]), int(tokens[la])) for f, la in zip(firsts, lasts)]
+
+    def usage(self, first: int, last: int, shape: tuple[int, int]) -> np.ndarray:
+        """[L, E] float64: the share of the tokens first..last (those recorded) that chose each expert."""
+        rows = (self.token >= first) & (self.token <= last)                # [S]
+        grid = np.zeros(shape, np.float64)                                 # [L, E]
+        n = len(np.unique(self.token[rows]))
+        if not n:
+            return grid
+        layers = np.repeat(self.layer[rows], self.experts.shape[1])        # [S' * K]
+        experts = self.experts[rows].ravel()                               # [S' * K]
+        keep = (experts >= 0) & (layers < shape[0]) & (experts < shape[1])
+        np.add.at(grid, (layers[keep], experts[keep]), 1.0)
+        return grid / n
+
 
 class RouteLog:
     """The latest layer steps of decoded tokens (at most `top_k` experts each: a prompt's or a batch's wider steps

@@ -699,6 +699,37 @@ def test_playing_sweeps_each_token_down_the_layers_at_the_speed_set(qtbot, inspe
     assert _flashed(brain, brain.theme.phases["io_wait"]) == {(1, 6)}
 
 
+def test_two_answers_routing_is_drawn_as_a_difference(qtbot, inspector):
+    log = ExpertLog(4, 8, 2)
+    for token in (3, 4):                               # answer 1: experts 0 and 5 in every layer
+        for layer in range(4):
+            log.routes.begin(token, layer, [0, 5])
+    for token in (30, 31):                             # answer 2, after a prompt: 1 and 5, and 2 once in layer 0
+        for layer in range(4):
+            log.routes.begin(token, layer, [1 if token == 30 or layer else 2, 5])
+    inspector.set_model_info(4, 8, None)
+    inspector.set_expert_counts(log.frozen())
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    redraw(qtbot, inspector)
+    brain, bar = inspector.brain, inspector.brain.compare
+    assert [bar.first.itemText(i) for i in range(bar.first.count())] == ["answer 1: tokens 3-4", "answer 2: tokens 30-31"]
+    assert (bar.first.currentIndex(), bar.second.currentIndex()) == (0, 1) and not bar.active
+    with qtbot.waitSignal(bar.changed, timeout=3000):
+        bar.on.click()
+    theme = brain.theme
+    a, b = theme.phases["attention"], theme.phases["sampling"]
+    assert _flashed(brain, a) == {(layer, 0) for layer in range(4)}          # only answer 1 chose them
+    assert _flashed(brain, b) == {(layer, 1) for layer in range(1, 4)}       # answer 2, every token
+    assert tuple(brain.rgba[0, 1, :3]) != tuple(b) and tuple(brain.rgba[0, 2, :3]) != tuple(b)   # half its tokens
+    assert not {(layer, 5) for layer in range(4)} & (_flashed(brain, a) | _flashed(brain, b))   # both, as often
+    assert "4 experts chosen more in A, 5 in B, 4 as often" in bar.summary.text()
+    with qtbot.waitSignal(bar.changed, timeout=3000):
+        bar.second.setCurrentIndex(0)                  # an answer against itself: no difference
+    assert not _flashed(brain, a) and not _flashed(brain, b)
+    bar.on.click()
+    assert not bar.active and bar.summary.text() == ""
+
+
 # --- Atlas without GL ------------------------------------------------------------------------------
 
 def test_atlas_offers_to_compute_with_progress_and_cancel(qtbot, inspector):

@@ -145,3 +145,17 @@ def test_the_route_ring_keeps_the_latest_steps_and_skips_wide_ones():
     routes = log.frozen()
     assert routes.token.tolist() == [1, 2, 3]
     assert routes.of(1) == [(1, (1, 7), (7,))] and routes.of(0) == []
+
+
+def test_answers_are_runs_of_tokens_and_their_usage_is_a_share_of_tokens():
+    log = RouteLog(2)
+    for token in (4, 5, 6, 20, 21):           # a prompt of 13 tokens between two answers
+        for layer in range(2):
+            log.begin(token, layer, [token % 3, 3 + layer])
+    routes = log.frozen()
+    assert routes.answers() == [(4, 6), (20, 21)]
+    usage = routes.usage(4, 6, (2, 5))
+    assert usage[0].tolist() == [1 / 3, 1 / 3, 1 / 3, 1.0, 0.0]    # tokens 4, 5, 6 choose 1, 2, 0; all choose 3
+    assert usage[1].tolist() == [1 / 3, 1 / 3, 1 / 3, 0.0, 1.0]
+    assert routes.usage(20, 21, (2, 5))[0].tolist() == [0.5, 0.0, 0.5, 1.0, 0.0]
+    assert routes.usage(7, 19, (2, 5)).sum() == 0 and RouteLog(2).frozen().answers() == []

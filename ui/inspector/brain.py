@@ -7,7 +7,8 @@ experts the current token routed to flash. The whole grid is one RGBA image buil
 single ImageItem per redraw, so 20,000 experts cost one array and one texture, not 20,000 items.
 Hovering a cell shows its tooltip; clicking selects it and opens its story beside the grid (ui/inspector/story.py),
 retold from each frame's counters. Below the grid, the replay (ui/inspector/replay.py) shows a recorded token in
-place of the current one, the experts it read from disk in the I/O colour.
+place of the current one, the experts it read from disk in the I/O colour; "Compare answers" draws two answers'
+routing as a difference instead (ui/inspector/compare.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from PySide6.QtCore import QPoint, QRectF, Qt, Signal
 from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
 from ui.inspector.common import Theme, style_plot, swatch_css
+from ui.inspector.compare import CompareBar, difference_rgba
 from ui.inspector.data import (
     TIER_CACHED,
     TIER_DISK,
@@ -127,12 +129,15 @@ class BrainView(QWidget):
         self.story.closed.connect(lambda: self.set_selected(None))
         self.replay = ReplayBar()                  # recorded tokens instead of the current one
         self.replay.moved.connect(self._replayed)
+        self.compare = CompareBar()                # two answers' routing as a difference
+        self.compare.changed.connect(lambda: self._replayed(0, 0))
         row = QHBoxLayout()
         row.addWidget(self.view, 1)
         row.addWidget(self.story)
         layout = QVBoxLayout(self)
         layout.addLayout(row, 1)
         layout.addWidget(self.replay)
+        layout.addWidget(self.compare)
         layout.addLayout(self.legend)
 
         self.rgba: np.ndarray | None = None    # [L, E, 4] the image last drawn
@@ -149,6 +154,7 @@ class BrainView(QWidget):
         pen = pg.mkPen(theme.qcolor(theme.foreground), width=2)
         pen.setCosmetic(True)
         self.outline.setPen(pen)
+        self.compare.set_theme(theme)
         for swatch, key in self._legend_swatches:
             rgb = (theme.flash if key == "flash" else theme.phases["io_wait"] if key == "read"
                    else tuple(int(c) for c in _brightest(theme.tiers[key])))
@@ -164,7 +170,17 @@ class BrainView(QWidget):
             self.rgba, self.shape = None, (0, 0)
             self.status.setText("no experts: a dense model, or no model loaded")
             return
-        self.replay.set_routes(frame.counts.routes if frame.counts is not None else None)
+        routes = frame.counts.routes if frame.counts is not None else None
+        self.replay.set_routes(routes)
+        self.compare.set_routes(routes)
+        if self.compare.active:
+            a, b = self.compare.grids(shape)
+            self.rgba = difference_rgba(self.theme, a, b)
+            self.compare.summary.setText(f"{int((a > b).sum())} experts chosen more in A, {int((b > a).sum())} in B, "
+                                         f"{int(((a == b) & (a > 0)).sum())} as often")
+            self._show(shape, frame)
+            return
+        self.compare.summary.setText("")
         if self.replay.active:
             current, reads = self.replay.shown()
         else:
@@ -174,6 +190,10 @@ class BrainView(QWidget):
         for layer, ids in reads:                   # the experts the replayed token waited for
             if 0 <= layer < shape[0]:
                 self.rgba[layer, [e for e in ids if 0 <= e < shape[1]], :3] = read
+        self._show(shape, frame)
+
+    def _show(self, shape: tuple[int, int], frame: Frame) -> None:
+        """Hand the built image to the plot; axes follow a new shape."""
         self.image.setImage(self.rgba, autoLevels=False)
         if shape != self.shape:
             self.shape = shape
