@@ -17,7 +17,7 @@ import pytest
 from app.service.local import TIER_CACHED, TIER_DISK, SettingsChange
 from engine.events import DoneEvent
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS
+from support.qt import LOAD_TIMEOUT_MS, ask, wait_until
 
 
 def test_a_model_that_fails_to_load_shows_its_error_and_the_app_stays_up(qtbot, make_window, models, tmp_path):
@@ -240,3 +240,26 @@ def test_colibri_gui_opens_the_model_and_closes_cleanly_on_ctrl_c(models, tmp_pa
         reader.join(10)
     assert not any("Traceback" in line for line in lines), "".join(lines)
     assert (tmp_path / "config" / "colibri" / "Colibri.conf").is_file()       # the layout was saved
+
+
+def test_an_answer_reaches_the_cache_meter_the_story_and_the_replay(qtbot, window):
+    """The bridge carries the expert cache's trace and counters: the Cache tab replays them, the Brain tells a
+    clicked expert's story and replays the answer's tokens."""
+    inspector = window.inspector
+    traces, counts = [], []
+    window.bridge.cacheTrace.connect(traces.append)
+    window.bridge.expertCounts.connect(counts.append)
+    done = ask(qtbot, window, "Which experts answer this?", max_tokens=12)
+    assert done.finish_reason in ("stop", "length")
+    wait_until(qtbot, lambda: bool(traces and traces[-1] is not None and traces[-1].steps and counts
+                                   and counts[-1] is not None and len(counts[-1].routes.token)), 30_000)
+    inspector.tabs.setCurrentWidget(inspector.cache)
+    wait_until(qtbot, lambda: inspector.cache.replays > 0, 60_000)
+    assert inspector.cache.figures["optimum"].text().endswith("%")
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    wait_until(qtbot, lambda: len(inspector.brain.replay.tokens) > 0, 10_000)
+    layer, ids, _ = counts[-1].routes.of(int(counts[-1].routes.tokens()[-1]))[0]
+    inspector.brain.set_selected((layer, ids[0]))
+    assert inspector.brain.story.isVisible()
+    assert f"layer {layer}, expert {ids[0]}" == inspector.brain.story.title.text()
+    assert "served from memory" in inspector.brain.story.body.text()
