@@ -79,7 +79,7 @@ class RouteLog:
         self.experts = np.full((steps, top_k), -1, np.int32)   # [S, K]
         self.disk = np.zeros((steps, top_k), bool)     # [S, K]
         self.written = 0                               # steps recorded in all
-        self._open: tuple[int, int, int, dict[int, int]] | None = None   # the last: (row, token, layer, column of e)
+        self._open: tuple[int, int, int, list[int]] | None = None   # the last step begun: (row, token, layer, ids)
 
     def begin(self, token: int, layer: int, ids: list[int], disk: Collection[Key] = ()) -> None:
         """A layer step of token `token` chose `ids`; those of `disk` were read from disk (more may follow, `read`)."""
@@ -93,15 +93,17 @@ class RouteLog:
         self.experts[row] = -1
         self.experts[row, :len(ids)] = ids
         self.disk[row] = False
-        for j, e in enumerate(ids):
-            self.disk[row, j] = (layer, e) in disk
-        self._open = (row, token, layer, {e: j for j, e in enumerate(ids)})
+        if disk:
+            for j, e in enumerate(ids):
+                if (layer, e) in disk:
+                    self.disk[row, j] = True
+        self._open = (row, token, layer, ids)
 
     def read(self, token: int, key: Key) -> None:
         """A step of token `token` waits for `key`'s read from disk: marked if it is the last step begun."""
         step = self._open
         if step is not None and step[1] == token and step[2] == key[0] and key[1] in step[3]:
-            self.disk[step[0], step[3][key[1]]] = True
+            self.disk[step[0], step[3].index(key[1])] = True
 
     def frozen(self) -> Routes:
         """A copy, oldest first."""
