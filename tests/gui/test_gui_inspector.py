@@ -39,7 +39,7 @@ from ui.inspector import (
 )
 from ui.inspector import inspector as inspector_module
 from ui.inspector.brain import BrainView
-from ui.inspector.common import PLOT_HZ, fmt_ms, nice_ceil, theme_for
+from ui.inspector.common import PLOT_HZ, fmt_ms, fmt_percent, nice_ceil, theme_for
 
 REPO = Path(__file__).resolve().parents[2]
 MS = 1_000_000  # ns
@@ -613,6 +613,11 @@ def test_clicking_a_cell_tells_that_experts_story(qtbot, inspector):
     assert "read ahead: 2 used, 1 wasted" in text
     assert "tier changes at token: 0: cached, 5: disk, 9: cached, 12: pinned" in text
     assert "atlas topic: Topic 0" in text                # expert 6 prefers topic 6 % 3
+    entry = next(x for layer in tiny_atlas(4, 8, 3)["layers"] if layer["layer"] == 2 for x in layer["experts"]
+                 if x["expert"] == 6)
+    shares = sorted(((p, t) for t, p in enumerate(entry["topic_distribution"])), key=lambda pt: (-pt[0], pt[1]))
+    assert shares[0][1] == 0 and shares[0][0] > shares[1][0] > 0
+    assert "topic affinities: " + ", ".join(f"Topic {t} {fmt_percent(float(np.float32(p)))}" for p, t in shares) in text
 
     QTest.mouseClick(inspector.brain.view.viewport(), Qt.MouseButton.LeftButton, pos=cell_point(inspector.brain, 1, 3))
     qtbot.waitUntil(lambda: story.title.text() == "layer 1, expert 3", timeout=3000)

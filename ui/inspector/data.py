@@ -68,6 +68,7 @@ class AtlasData:
     topics: tuple[str, ...]      # topic ids ("python")
     titles: tuple[str, ...]      # for people ("Python code")
     index: Mapping[tuple[int, int], int] = field(repr=False)  # (layer, expert) -> row
+    distribution: np.ndarray | None = None   # [N, T] float32 each expert's probe selections shared among topics
 
     @classmethod
     def from_dict(cls, atlas: Mapping[str, Any]) -> AtlasData:
@@ -84,6 +85,8 @@ class AtlasData:
                            np.int64)
             spec = np.array([float(x["specialisation"]) for _, x in rows], np.float32)
             selections = np.array([int(x["selections"]) for _, x in rows], np.int64)
+            distribution = np.array([x.get("topic_distribution") or [0.0] * len(topics) for _, x in rows],
+                                    np.float32).reshape(-1, len(topics))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a readable Colibri atlas ({type(exc).__name__}: {exc}); "
                              "run `colibri atlas MODEL` again") from None
@@ -93,7 +96,7 @@ class AtlasData:
             if radius > 0:
                 positions = positions / radius
         index = {(int(layer), int(e)): i for i, (layer, e) in enumerate(keys)}
-        return cls(keys, positions.astype(np.float32), top, spec, selections, topics, titles, index)
+        return cls(keys, positions.astype(np.float32), top, spec, selections, topics, titles, index, distribution)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -101,6 +104,15 @@ class AtlasData:
     def row(self, layer: int, expert: int) -> int | None:
         """The row of (layer, expert), None if the atlas does not know it."""
         return self.index.get((layer, expert))
+
+    def affinities(self, layer: int, expert: int, most: int = 3) -> list[tuple[str, float]]:
+        """The expert's `most` strongest topics and their shares of its probe selections (none if unmapped)."""
+        i = self.row(layer, expert)
+        if i is None or self.distribution is None:
+            return []
+        shares = self.distribution[i]                                           # [T]
+        order = np.argsort(-shares, kind="stable")[:most]
+        return [(self.titles[t], float(shares[t])) for t in order if shares[t] > 0]
 
     def describe(self, layer: int, expert: int) -> str:
         """One line for a tooltip: the expert's top topic, specialisation and probe selections."""

@@ -34,7 +34,13 @@ def story_text(counts: ExpertCounts | None, layer: int, expert: int, tier: int |
             lines.append(f"tier changes at token{more}: {latest}")
         else:
             lines.append("tier changes: none kept")
-    lines.append(atlas.describe(layer, expert) if atlas is not None else "atlas: none yet (compute it in the Atlas tab)")
+    if atlas is None:
+        lines.append("atlas: none yet (compute it in the Atlas tab)")
+    else:
+        lines.append(atlas.describe(layer, expert))
+        near = atlas.affinities(layer, expert)
+        if near:
+            lines.append("topic affinities: " + ", ".join(f"{title} {fmt_percent(share)}" for title, share in near))
     return "\n".join(lines)
 
 
