@@ -1,7 +1,8 @@
 """Batching: several sequences decode together, one forward pass per step.
 
-Each step, every decoding sequence contributes its next token and at most one prefilling sequence
-contributes a chunk of its prompt, so a long prompt never stalls the others for more than a chunk.
+Each step, every decoding sequence contributes its next token and the prefilling sequences, in the order they
+arrived, contribute chunks of their prompts up to `prefill_chunk` tokens in all, so a long prompt never stalls the
+others for more than a chunk, and short prompts waiting together run in one pass (each weight read once for all).
 The model runs all rows at once (each distinct expert of a layer read once for the whole batch);
 attention runs per sequence on its own cache. Rows are computed as they would be alone, so every
 sequence's tokens equal those of running it by itself.
@@ -16,8 +17,8 @@ A request with `speculative` settings drafts (engine.generation.speculative): ea
 chosen row by row from those logits exactly as plain decoding would choose them (same processors and grammar,
 one sampler call per token, in order), up to the first that differs from the draft; the cache then drops the
 rejected rows. Its own `SpeculationController` switches drafting off when it loses and tries again later.
-A step that also prefills a prompt chunk runs the chunk in a pass of its own, so that the drafting rows' logits
-are computed without the chunk's [T, V].
+A step that also prefills prompt chunks runs the chunks in a pass of their own, so that the drafting rows' logits
+are computed without the chunks' [T, V].
 """
 
 from __future__ import annotations
@@ -200,20 +201,22 @@ class Scheduler:
         t0 = self.clock()
         items: list[tuple[Sequence, list[int]]] = []
         drafts: dict[int, list[int]] = {}    # Sequence.id -> the draft its item verifies
-        chunk: tuple[Sequence, list[int]] | None = None
+        chunks: list[tuple[Sequence, list[int]]] = []
+        room = self.prefill_chunk           # prompt tokens per step, all prefilling sequences together
         for seq in self.running:
             if seq.pending is not None:
                 draft = self._propose(seq)
                 if draft:
                     drafts[seq.id] = draft
                 items.append((seq, [seq.pending, *draft]))
-            elif chunk is None:             # one prompt chunk per step: decoding never waits long
+            elif room > 0:                  # a chunk's worth of prompts per step: decoding never waits long
                 start = seq.prefilled
-                chunk = (seq, list(seq.request.prompt[start : start + self.prefill_chunk]))
-        if chunk is not None and not any(seq.speculation is not None for seq, _ in items):
-            items.append(chunk)
-            chunk = None
-        if not items and chunk is None:
+                chunks.append((seq, list(seq.request.prompt[start : start + room])))
+                room -= len(chunks[-1][1])
+        if chunks and not any(seq.speculation is not None for seq, _ in items):
+            items += chunks
+            chunks = []
+        if not items and not chunks:
             return touched
         # an MTP drafter reads every verified position's hidden states while its drafting is on
         mtp = any(isinstance(s.drafter, HiddenStateDrafter) and s.speculation is not None and s.speculation.on
@@ -221,9 +224,9 @@ class Scheduler:
         watch: list[np.ndarray] | None = [] if mtp else None
         results = self._forward(items, bool(drafts), watch) if items else []
         seconds = self.clock() - t0      # what the controllers time: the decode rows' step
-        if chunk is not None:   # apart from the speculative rows: its logits are not all computed, nor timed with them
-            items.append(chunk)
-            results += self._forward([chunk], False, None)
+        if chunks:   # apart from the speculative rows: their logits are not all computed, nor timed with them
+            items += chunks
+            results += self._forward(chunks, False, None)
         self.steps += 1
         self.batch_rows += sum(len(ids) for _, ids in items)
         offsets = np.cumsum([0] + [len(ids) for _, ids in items])

@@ -25,9 +25,9 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["mixtral", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["mixtral", "deepseek_v3", "llama"])
 def tiny(request, tmp_path_factory):
-    model_type, overrides = FAMILIES[request.param]
+    model_type, overrides = FAMILIES.get(request.param, (request.param, {}))     # llama: dense, fused batch step
     src = build_checkpoint(tmp_path_factory.mktemp(request.param), model_type, **overrides)
     return load_model(convert(src, tmp_path_factory.mktemp("c") / "model", ConvertSettings(bits=4), log=lambda m: None))
 
@@ -114,3 +114,62 @@ def test_tokens_stream_as_events(tiny):
     assert [t.index for t in tokens] == [0, 1, 2, 3]
     assert isinstance(events[-1], DoneEvent) and events[-1].tokens == tuple(t.token_id for t in tokens)
     assert np.isfinite(events[-1].stats.ttft_s)
+
+
+def _tokens(seq) -> tuple[int, ...]:
+    return [e for e in _events(seq) if isinstance(e, DoneEvent)][0].tokens
+
+
+def _prefilled_per_step(sched, seqs) -> list[list[int]]:
+    """Step until every sequence has its prompt in the cache; per step, the prompt tokens each one had then."""
+    per_step = []
+    while any(s.pending is None and not s.done for s in seqs):
+        sched.step()
+        per_step.append([s.prefilled for s in seqs])
+    return per_step
+
+
+def test_waiting_prompts_of_different_lengths_prefill_together(tiny):
+    """Prompts waiting together share one pass per step, a chunk's worth of tokens in all, taken in the order they
+    came (the last to fit gets a piece of its prompt); each sequence's greedy tokens are its solo ones."""
+    greedy = SamplingParams(temperature=0.0)
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=64, prefill_chunk=16)
+    seqs = [sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=6, sampling=greedy)) for p in PROMPTS]
+    steps = _prefilled_per_step(sched, seqs)
+    assert steps[0] == [12, 4, 0, 0]           # 16 prompt tokens: the first prompt and 4 of the second
+    assert steps[1] == [12, 10, 10, 0]         # the second's 6 left, then 10 of the third
+    assert steps[2] == [12, 10, 25, 1]         # the third's 15 left and the fourth's 1
+    assert len(steps) == 3                     # 48 prompt tokens in 16-token steps, beside the decoding rows
+    sched.run()
+    assert [_tokens(s) for s in seqs] == [_alone(tiny, p, greedy, 6).tokens for p in PROMPTS]
+    assert sched.pool.used_blocks == 0
+
+
+def test_prompts_joining_mid_batch_prefill_together_beside_decoding(tiny):
+    greedy = SamplingParams(temperature=0.0)
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=64, prefill_chunk=8)
+    first = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[3]), max_tokens=14, sampling=greedy))
+    sched.step()
+    sched.step()
+    assert len(first.tokens) == 2
+    late = [sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=5, sampling=greedy)) for p in PROMPTS[1:3]]
+    steps = _prefilled_per_step(sched, late)
+    assert steps[:2] == [[8, 0], [10, 6]]      # the second ends its prompt and the third starts in the same pass
+    assert len(steps) == 5 and len(first.tokens) == 7      # 35 prompt tokens in 8-token steps; the first decodes on
+    sched.run()
+    assert _tokens(first) == _alone(tiny, PROMPTS[3], greedy, 14).tokens
+    assert [_tokens(s) for s in late] == [_alone(tiny, p, greedy, 5).tokens for p in PROMPTS[1:3]]
+
+
+def test_prompts_reusing_a_cached_prefix_prefill_together(tiny):
+    """A prompt that starts from cached blocks prefills only its rest, in the same pass as a fresh one."""
+    greedy = SamplingParams(temperature=0.0)
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=64, prefill_chunk=32)
+    sched.submit(GenerationRequest(prompt=tuple(PROMPTS[0]), max_tokens=2, sampling=greedy))
+    sched.run()
+    seqs = [sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=6, sampling=greedy)) for p in PROMPTS[1:3]]
+    steps = _prefilled_per_step(sched, seqs)
+    assert [s.reused for s in seqs] == [8, 0]
+    assert steps == [[10, 25]]                 # the second's 2 uncached tokens and the whole third in one pass
+    sched.run()
+    assert [_tokens(s) for s in seqs] == [_alone(tiny, p, greedy, 6).tokens for p in PROMPTS[1:3]]
