@@ -1,8 +1,8 @@
 """`colibri bench MODEL --kv`: what the paged KV cache buys, measured.
 
 - prefix reuse: time to first token of 50-token questions after an 800-token system prompt, with
-  the prompt's blocks cached against computed afresh, and against the ideal (the ratio of tokens
-  prefilled);
+  the prompt's blocks cached against computed afresh, and each run against the ideal (the ratio of
+  tokens prefilled);
 - batching: throughput (prompt and answer) of 1, 2, 4, 8 chats together against the same chats one
   after another;
 - block size: the attention kernel's decode and prefill time at a long context for each block size;
@@ -35,6 +35,7 @@ class KVReport:
     ttft_uncached_s: float = 0.0
     ttft_cached_s: float = 0.0
     ideal_fraction: float = 0.0          # prefilled tokens cached / uncached
+    ttft_runs: list[tuple[float, float]] = field(default_factory=list)    # each run's (uncached, cached) TTFT
     batch: dict[int, tuple[float, float]] = field(default_factory=dict)   # chats -> (sequential, batched) tok/s
     blocks: dict[int, tuple[float, float]] = field(default_factory=dict)  # block size -> (decode us, prefill ms)
     int8_kl: float | None = None
@@ -47,16 +48,22 @@ class KVReport:
     def ttft_ideal_s(self) -> float:
         return self.ttft_uncached_s * self.ideal_fraction
 
+    @property
+    def ideal_shares(self) -> list[float]:
+        """Each run's share of the ideal: its uncached TTFT times the prefill ratio over its cached TTFT."""
+        return [fresh * self.ideal_fraction / cached for fresh, cached in self.ttft_runs if cached]
+
     def lines(self) -> list[str]:
         out = []
         if self.ttft_uncached_s:
             share = self.ttft_ideal_s / self.ttft_cached_s if self.ttft_cached_s else 0.0
-            out.append(f"prefix reuse  TTFT {self.ttft_uncached_s:.3f} s uncached -> {self.ttft_cached_s:.3f} s cached; "
-                       f"ideal {self.ttft_ideal_s:.3f} s (prefill ratio {self.ideal_fraction:.3f}): "
-                       f"{share * 100:.0f}% of the ideal")
+            runs = " ".join(f"{s * 100:.0f}%" for s in self.ideal_shares)
+            out.append(f"prefix reuse  TTFT {self.ttft_uncached_s:.3f} s uncached -> {self.ttft_cached_s:.3f} s cached "
+                       f"(medians); ideal {self.ttft_ideal_s:.3f} s (prefill ratio {self.ideal_fraction:.3f}): "
+                       f"{share * 100:.0f}% of the ideal; each run {runs}")
         for n, (seq, bat) in sorted(self.batch.items()):
             out.append(f"batching      {n} chats: {seq:6.1f} tok/s one after another, {bat:6.1f} tok/s together "
-                       f"= {bat / seq:.2f}x")
+                       f"= {bat / seq:.2f}x (prompt and answer)")
         for b, (dec, pre) in sorted(self.blocks.items()):
             out.append(f"block size    {b:4d}: decode attention {dec:8.1f} us/layer, prefill chunk {pre:7.2f} ms/layer")
         if self.int8_kl is not None:
@@ -78,9 +85,10 @@ def _ttft(loaded, pool: KVPool, prompt: list[int], ctx: int) -> float:
     return time.perf_counter() - t0
 
 
-def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50, trials: int = 3,
+def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50, trials: int = 5,
                 block: int = BLOCK_SIZE, log: Log = print) -> None:
-    """TTFT of question after system prompt: computed afresh each time against with the system prompt cached.
+    """TTFT of question after system prompt: computed afresh each time against with the system prompt cached,
+    `trials` runs each, taking turns (run i of each is paired for its share of the ideal).
 
     Skipped (and said so) for a model with recurrent layers: its blocks cannot rebuild their state, so engine.kv
     neither publishes nor adopts them and there is no reuse to measure."""
@@ -90,14 +98,14 @@ def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50,
     ctx = system + question + 8
     sys_ids = random_prompt(loaded, system, seed=1)
     questions = [random_prompt(loaded, question, seed=10 + i) for i in range(trials + 1)]
-    fresh = []
-    for q in questions[1:]:
-        pool = KVPool(loaded.spec, blocks_for(ctx, block) + 2, block)
-        fresh.append(_ttft(loaded, pool, sys_ids + q, ctx))
     pool = KVPool(loaded.spec, 4 * (blocks_for(ctx, block) + 2), block)
     _ttft(loaded, pool, sys_ids + questions[0], ctx)           # the first question computes the system prompt
-    cached = [_ttft(loaded, pool, sys_ids + q, ctx) for q in questions[1:]]
+    fresh, cached = [], []
+    for q in questions[1:]:     # in turns, so that a change of the machine's load falls on both alike
+        fresh.append(_ttft(loaded, KVPool(loaded.spec, blocks_for(ctx, block) + 2, block), sys_ids + q, ctx))
+        cached.append(_ttft(loaded, pool, sys_ids + q, ctx))
     held = (system // block) * block
+    report.ttft_runs = list(zip(fresh, cached))
     report.ttft_uncached_s = float(np.median(fresh))
     report.ttft_cached_s = float(np.median(cached))
     report.ideal_fraction = (system + question - held) / (system + question)
@@ -105,7 +113,8 @@ def prefix_ttft(loaded, report: KVReport, system: int = 800, question: int = 50,
 
 
 def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, gen: int = 32, log: Log = print) -> None:
-    """Decode throughput of n chats together against one after another (greedy, distinct prompts)."""
+    """Throughput (prompt and answer tokens) of n chats together against one after another (greedy, distinct
+    prompts of `prompt` tokens, `gen` tokens each)."""
     ctx = prompt + gen + 8
     warm = Scheduler(loaded.model, KVPool(loaded.spec, 2 * (blocks_for(ctx) + 2), prefix_cache=False), max_len=ctx,
                      max_batch=2)
@@ -122,7 +131,7 @@ def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, ge
                 sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=gen, stop_ids=frozenset()))
             t0 = time.perf_counter()
             sched.run()
-            rates.append(n * gen / (time.perf_counter() - t0))
+            rates.append(n * (prompt + gen) / (time.perf_counter() - t0))
         report.batch[n] = (rates[0], rates[1])
         log(report.lines()[-1])
 
@@ -261,13 +270,15 @@ def retention_perplexity(loaded, report: KVReport, text: str, ctx: int = 256, ch
         log(report.lines()[-1])
 
 
-def run_kv_bench(loaded: Any, parts: set[str], heldout: str, log: Log = print) -> KVReport:
-    """The parts asked for (prefix, batch, blocks, int8, retention) on a loaded model."""
+def run_kv_bench(loaded: Any, parts: set[str], heldout: str, log: Log = print, *, prompt: int = 32, gen: int = 32,
+                 runs: int = 5) -> KVReport:
+    """The parts asked for (prefix, batch, blocks, int8, retention) on a loaded model: `runs` runs of the prefix
+    part, chats of `prompt` + `gen` tokens in the batch part."""
     report = KVReport()
     if "prefix" in parts:
-        prefix_ttft(loaded, report, log=log)
+        prefix_ttft(loaded, report, trials=runs, log=log)
     if "batch" in parts:
-        batching(loaded, report, log=log)
+        batching(loaded, report, prompt=prompt, gen=gen, log=log)
     if "blocks" in parts:
         block_sizes(loaded, report, log=log)
     if "int8" in parts:

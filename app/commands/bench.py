@@ -22,10 +22,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the RAM read bandwidth measured on the spot, and the decode speed that bandwidth would allow.",
     )
     parser.add_argument("model", metavar="MODEL", nargs="?", help="a model folder, a .gguf file, or a pulled name")
-    parser.add_argument("--prompt", type=int, default=128, metavar="N", help="prompt tokens per run (default 128)")
-    parser.add_argument("--gen", type=int, default=64, metavar="N",
-                        help="decode steps per run (default 64; per chat when streaming)")
-    parser.add_argument("--runs", type=int, default=3, metavar="N", help="timed runs after the warm-up (default 3)")
+    parser.add_argument("--prompt", type=int, default=None, metavar="N",
+                        help="prompt tokens per run (default 128; per chat with --kv batch, default 32)")
+    parser.add_argument("--gen", type=int, default=None, metavar="N",
+                        help="decode steps per run (default 64; per chat when streaming, and with --kv batch, "
+                             "default 32)")
+    parser.add_argument("--runs", type=int, default=None, metavar="N",
+                        help="timed runs after the warm-up (default 3; of each TTFT with --kv prefix, default 5)")
     parser.add_argument("--threads", type=int, default=2, metavar="N", help="numba and BLAS threads (default 2)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random prompt (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -79,9 +82,17 @@ def format_table(r) -> str:
     ])
 
 
+def _defaults(args: argparse.Namespace, prompt: int, gen: int, runs: int) -> None:
+    """Fill in --prompt, --gen and --runs where not given: each kind of bench has its own."""
+    args.prompt = prompt if args.prompt is None else args.prompt
+    args.gen = gen if args.gen is None else args.gen
+    args.runs = runs if args.runs is None else args.runs
+
+
 def _run(args: argparse.Namespace) -> int:
     from app.bench.decode import bench_model, check_threads
 
+    _defaults(args, *((32, 32, 5) if args.kv is not None else (128, 64, 3)))
     if args.replay is not None:
         from app.bench.offload import format_replay, load_trace, replay
 
@@ -131,11 +142,13 @@ def _kv(args: argparse.Namespace) -> int:
     unknown = parts - set(KV_PARTS)
     if unknown or not parts:
         raise ColibriError(f"--kv {args.kv}: use all or any of {','.join(KV_PARTS)}")
+    _check(args)
     loaded = load(args.model, quiet=args.json, options=load_options(args))
     log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
     try:
         with thread_limits(args.threads):
-            report = run_kv_bench(loaded, parts, heldout_text(), log=log)
+            report = run_kv_bench(loaded, parts, heldout_text(), log=log, prompt=args.prompt, gen=args.gen,
+                                  runs=args.runs)
     finally:
         loaded.close()
     if args.json:

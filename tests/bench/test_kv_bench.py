@@ -21,6 +21,11 @@ def test_parts_report_consistent_figures(tiny):
     prefix_ttft(tiny, report, system=64, question=8, trials=2, block=16, log=lines.append)
     assert report.ideal_fraction == pytest.approx(8 / 72)
     assert 0 < report.ttft_cached_s and 0 < report.ttft_uncached_s
+    assert len(report.ttft_runs) == 2 and report.ttft_uncached_s == pytest.approx(
+        sum(fresh for fresh, _ in report.ttft_runs) / 2)                    # the median of two
+    shares = report.ideal_shares
+    assert [round(s, 6) for s in shares] == [round(f * 8 / 72 / c, 6) for f, c in report.ttft_runs]
+    assert lines[0].endswith("each run " + " ".join(f"{s * 100:.0f}%" for s in shares))
     batching(tiny, report, counts=(1, 2), prompt=8, gen=4, log=lines.append)
     assert set(report.batch) == {1, 2} and all(a > 0 and b > 0 for a, b in report.batch.values())
     block_sizes(tiny, report, sizes=(4, 16), context=64, chunk=8, log=lines.append)
@@ -28,6 +33,23 @@ def test_parts_report_consistent_figures(tiny):
     int8_error(tiny, report, "", tokens=32, log=lines.append)
     assert report.int8_kl >= 0 and 0 <= report.int8_top1 <= 1 and report.int8_bytes_ratio < 0.6
     assert len(lines) == 6 and "of the ideal" in lines[0] and "x" in lines[1]
+
+
+def test_prompt_gen_and_runs_reach_the_parts(tiny, monkeypatch, capsys):
+    import app.bench.kv as kv
+    import app.commands.bench as bench
+
+    seen = {}
+    monkeypatch.setattr(bench, "load", lambda *a, **k: tiny)
+    monkeypatch.setattr(tiny, "close", lambda: None)
+    monkeypatch.setattr(kv, "batching", lambda loaded, report, **k: seen.update(batch=k))
+    monkeypatch.setattr(kv, "prefix_ttft", lambda loaded, report, **k: seen.update(prefix=k))
+    assert main(["bench", "tiny", "--kv", "batch,prefix", "--prompt", "8", "--gen", "4", "--runs", "2"]) == 0
+    assert seen["batch"]["prompt"] == 8 and seen["batch"]["gen"] == 4 and seen["prefix"]["trials"] == 2
+    assert main(["bench", "tiny", "--kv", "batch,prefix"]) == 0
+    assert seen["batch"]["prompt"] == 32 and seen["batch"]["gen"] == 32 and seen["prefix"]["trials"] == 5
+    assert main(["bench", "tiny", "--kv", "batch", "--gen", "0"]) != 0
+    assert "--gen 0: must be at least 1" in capsys.readouterr().err
 
 
 def test_unknown_parts_are_refused(capsys):
