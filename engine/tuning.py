@@ -6,6 +6,8 @@ kept in a model's decode context (engine/models/context.py), never in its weight
 
 from __future__ import annotations
 
+from typing import Callable, Generic, TypeVar
+
 
 class FasterChoice:
     """Which of two ways of running a step comes next: the `preferred` one, or the `other` when recent steps run
@@ -66,3 +68,22 @@ class ThreadChoice(FasterChoice):
     def pick(self, most: int) -> int:  # type: ignore[override]
         """The thread count of the next step, at most `most`."""
         return super().pick(most, 1) if most > 1 else 1
+
+
+C = TypeVar("C", bound=FasterChoice)
+
+
+class BySize(Generic[C]):
+    """One chooser per batch size: the time per sequence of a step run together falls as the batch grows, and that
+    of a step run apart does not, so a choice compares only the times of steps of one size."""
+
+    def __init__(self, make: Callable[[], C]) -> None:
+        self._make = make
+        self._choices: dict[int, C] = {}
+
+    def __getitem__(self, size: int) -> C:
+        """The chooser of steps of `size` sequences (made on first use)."""
+        choice = self._choices.get(size)
+        if choice is None:
+            choice = self._choices[size] = self._make()
+        return choice

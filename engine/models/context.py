@@ -24,7 +24,7 @@ from engine.fused.plan import FusedDecode, record
 from engine.kv import KVCache
 from engine.spec import MoESpec
 from engine.telemetry import NULL, Telemetry
-from engine.tuning import FasterChoice
+from engine.tuning import BySize, FasterChoice
 
 if TYPE_CHECKING:
     from engine.models.transformer import Transformer
@@ -49,7 +49,8 @@ class DecodeContext:
         # (and, where a call runs without a driver, stops), so it pays on a disk fast against the compute and not
         # on a slow one; the step times decide, as for the thread count
         self.ahead = FasterChoice()
-        self.apart = FasterChoice()    # several sequences' single tokens: together, or a fused step each
+        # several sequences' single tokens: together, or a fused step each (a choice per count of sequences)
+        self.apart: BySize[FasterChoice] = BySize(FasterChoice)
         # their fused step together (engine/fused/batch.py) where the model allows it, against a fused step each
         # (`apart` measures which is faster); False: the one pass of the blocks instead
         self.batch_fused = True
@@ -82,9 +83,10 @@ class DecodeContext:
                 and all(i.size == 1 for i in ids_list)
                 and all(self.fused_step(1, c, None) is not None for c in caches)):
             # one token of each of several sequences: one step for all (fused where the layers allow), or a fused
-            # step for each, whichever measures faster per token (the same bits either way)
+            # step for each, whichever measures faster at this batch size (the same bits either way)
             batched = self.batched_step(caches)
-            apart = self.apart.pick(0 if batched is not None else 1, 1 if batched is not None else 0)
+            choice = self.apart[len(items)]
+            apart = choice.pick(0 if batched is not None else 1, 1 if batched is not None else 0)
             t0 = time.perf_counter()
             if apart:
                 for i, c in zip(ids_list, caches):     # room for every token first (preparing again is a no-op):
@@ -94,7 +96,7 @@ class DecodeContext:
                 out = self._batched_pass(batched, ids_list, caches)
             else:
                 out = self._pass(ids_list, caches, all_logits, None, None)
-            self.apart.record(apart, (time.perf_counter() - t0) / len(items))
+            choice.record(apart, time.perf_counter() - t0)
             return out
         return self._pass(ids_list, caches, all_logits, routing, probe, hidden)
 

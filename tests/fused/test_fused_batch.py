@@ -52,7 +52,7 @@ def _together(model, pool: KVPool, prompts: list[list[int]], monkeypatch, way: i
     calls = []
     real = BatchedDecode.run
     monkeypatch.setattr(BatchedDecode, "run", lambda self, *a: (calls.append(1), real(self, *a))[1])
-    monkeypatch.setattr(model.context.apart, "pick", lambda preferred, other: way)
+    monkeypatch.setattr(model.context.apart[len(prompts)], "pick", lambda preferred, other: way)
     caches = [KVCache(model.spec, 64, pool=pool) for _ in prompts]
     logits = [model.forward(p, c)[-1] for p, c in zip(prompts, caches)]
     out: list[list[np.ndarray]] = [[] for _ in prompts]
@@ -103,3 +103,4 @@ def test_experts_decode_a_batch_in_one_pass_with_the_same_bits(tmp_path_factory,
         assert calls == 0
         for k in range(n):
             assert np.array_equal(together[k], alone[k]), (way, k)
+

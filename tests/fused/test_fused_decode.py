@@ -272,7 +272,8 @@ def test_retention_fused_equals_the_blocks(tmp_path_factory, threads, bits):
 
 def test_single_tokens_of_several_sequences_take_the_faster_way_with_the_same_bits(tmp_path_factory, monkeypatch):
     """One token of each of several sequences runs as one pass of the blocks or as a fused step per sequence,
-    whichever measured faster per token; both are tried, and each sequence gets the logits it gets alone."""
+    whichever measured faster at that batch size; both are tried, and each sequence gets the logits it gets
+    alone."""
     from engine.fused.plan import FusedDecode
     from engine.tuning import FasterChoice
 
@@ -302,16 +303,18 @@ def test_single_tokens_of_several_sequences_take_the_faster_way_with_the_same_bi
             assert np.array_equal(x, alone[k][step + 1]), (step, k)
     assert ways[0] == len(prompts) and 0 in ways                 # a fused step each first, then one pass tried
     assert set(ways) == {0, len(prompts)}
+    apart = model.context.apart       # steps of 3 sequences chose among themselves, not with other batch sizes
+    assert apart[3].steps == 3 * FasterChoice.PROBE and apart[2].steps == 0
 
 
 def test_a_sequence_that_cannot_go_on_fails_the_step_before_any_other_has_run(tmp_path_factory):
     """Several sequences' tokens run a fused step each: one whose context is full fails the whole step first, so
     a retry (as the scheduler retries one by one) does not run the others twice."""
     from engine.errors import GenerationError
-    from engine.tuning import FasterChoice
+    from engine.tuning import BySize, FasterChoice
 
     model = _model(tmp_path_factory, FUSED, "mixtral").model
-    model.context.apart = FasterChoice()                          # a fresh choice starts with a fused step each
+    model.context.apart = BySize(FasterChoice)                    # a fresh choice starts with a fused step each
     roomy, full = KVCache(model.spec, 64), KVCache(model.spec, len(PROMPT))
     token = int(model.forward(PROMPT, roomy)[-1].argmax())
     model.forward(PROMPT, full)
