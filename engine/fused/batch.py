@@ -4,7 +4,8 @@ B sequences decoding one token each could run B fused steps (engine/fused/kernel
 of the model. Here one step runs them all: each product reads a chunk of a matrix once for all B rows (the
 tiled product of engine/kernels/matmul.py dequantizes each 4-row tile once, then runs it over the rows),
 attention runs per row on its own cache rows and position, and each thread keeps its own copy of every row's
-hidden state, as the single step does for one.
+hidden state, as the single step does for one. It runs on all of numba's threads or on one, whichever ran steps of
+the batch's size faster (as the single step chooses its threads).
 
 Every number is computed by the functions the single step and the blocks call, on the same inputs (each product
 element by the one fixed sequence of float32 operations the matmul contract gives for any count of tokens), so
@@ -15,6 +16,7 @@ blocks.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numba
@@ -30,6 +32,7 @@ from engine.kernels.matmul import TILE, planes, quant_rows
 from engine.kernels.rows import norm_row
 from engine.kernels.simd import U64
 from engine.kv import KVCache
+from engine.tuning import BySize, ThreadChoice
 
 if TYPE_CHECKING:
     from engine.fused.plan import FusedDecode
@@ -202,6 +205,8 @@ class BatchedDecode:
         self.inter = int(lay[:, fk.L_I].max())
         self.cols = int(plan.descs[:, 4].max())                         # the widest matrix's columns
         self._shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # rows -> (bo, shared)
+        # all of numba's threads, or one when steps with one were faster (other programs on the cores), per batch size
+        self._threads: BySize[ThreadChoice] = BySize(ThreadChoice)
 
     @classmethod
     def for_plan(cls, plan: "FusedDecode | None") -> "BatchedDecode | None":
@@ -235,7 +240,8 @@ class BatchedDecode:
         not yet committed)."""
         plan, n = self.plan, len(caches)
         bo, shared = self._buffers(n)
-        threads = numba.get_num_threads()
+        choice = self._threads[n]
+        threads = choice.pick(numba.get_num_threads())
         tabs = [c.table_array() for c in caches]
         tables = np.zeros((n, max(t.size for t in tabs)), np.int32)    # as table_array gives them
         for b, t in enumerate(tabs):
@@ -260,8 +266,10 @@ class BatchedDecode:
                          + -(-plan.hidden // lay[i, fk.L_ROWS_DOWN]) for i in range(lay.shape[0])))
         done = np.zeros(chunks + plan.g[fk.G_HEAD1] - plan.g[fk.G_HEAD0], np.int64)
         kv = plan._kv_table(caches[0].pool)
+        t0 = time.perf_counter()
         decode_batch(threads, plan.descs, plan.kquant, plan.items, lay, plan.lf, g, bo, plan.fpar, kv, tables,
                      np.ascontiguousarray(positions, np.int64), cs, plan.rms_eps,
                      np.ascontiguousarray(x0, np.float32).reshape(-1), shared, priv, per, scr, logits.reshape(-1),
                      sync, done)
+        choice.record(threads, time.perf_counter() - t0)
         return logits

@@ -104,3 +104,24 @@ def test_experts_decode_a_batch_in_one_pass_with_the_same_bits(tmp_path_factory,
         for k in range(n):
             assert np.array_equal(together[k], alone[k]), (way, k)
 
+
+def test_the_batch_step_chooses_its_threads_per_batch_size_with_the_same_bits(tmp_path_factory, monkeypatch, threads):
+    """The batch's fused step first runs on every thread, then tries one (its choice, one per batch size, measures
+    both); each sequence gets the logits it gets alone whatever the count."""
+    from engine.fused import batch as fused_batch
+    from engine.tuning import ThreadChoice
+
+    model = _model(tmp_path_factory, "llama-tied-mqa")
+    pool = KVPool(model.spec, 8 * 20, block_size=4)
+    threads(2)
+    alone = _alone(model, pool, PROMPTS[:3])
+    used = []
+    real = fused_batch.decode_batch
+    monkeypatch.setattr(fused_batch, "decode_batch", lambda t, *a: (used.append(t), real(t, *a))[1])
+    together, calls = _together(model, pool, PROMPTS[:3], monkeypatch, 0)
+    first = ThreadChoice.FIRST + 1                   # each count's first step is not counted
+    assert calls == STEPS and used == [2] * first + [1] * (STEPS - first)
+    for k in range(3):
+        assert np.array_equal(together[k], alone[k]), k
+    batched = model.context.batched
+    assert batched is not None and batched._threads[3].steps == STEPS and batched._threads[2].steps == 0
