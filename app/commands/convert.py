@@ -17,12 +17,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Convert a Hugging Face folder or a GGUF file into a Colibri container. With --bits every "
         "weight matrix gets that width; with --budget (weight bytes) or --max-memory (the whole memory, "
         "minus KV cache for --ctx and measured overhead) the planner measures each matrix's error on "
-        "calibration text and picks widths that fit. An interrupted conversion (killed, or stopped by a full disk; "
-        "its work is kept in OUT.partial) resumes when rerun.",
+        "calibration text and picks widths that fit. A GGUF file given none of the three is kept as published: its "
+        "K-quant, IQ4 and Q4_0-Q8_0 blocks are written unchanged (no second rounding), so the container gives the "
+        "same answers as the file and can stream its experts under --max-memory. An interrupted conversion "
+        "(killed, or stopped by a full disk; its work is kept in OUT.partial) resumes when rerun.",
     )
     parser.add_argument("src", metavar="SRC", help="a Hugging Face model folder, a .gguf file or a pulled name")
     parser.add_argument("out", metavar="OUT", type=Path, help="the container folder to write")
-    size = parser.add_mutually_exclusive_group(required=True)
+    size = parser.add_mutually_exclusive_group()    # none: a GGUF kept as published
     size.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), help="one width for every weight matrix")
     size.add_argument("--budget", metavar="SIZE", help="bytes for all weights, e.g. 80MB or 1.2GB")
     size.add_argument("--max-memory", metavar="SIZE", help="the whole memory budget (weights + KV cache + overhead)")

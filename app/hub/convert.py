@@ -8,8 +8,12 @@ for all); quantize and write tensor by tensor, each routed expert in one aligned
 calibration tokens and statistics and the plan are kept in OUT.partial, so an interrupted
 conversion resumes without redoing them (each with its digest: a damaged one is redone). Once the plan
 is known, a disk that cannot hold what is left is refused before writing; a disk that fills up anyway
-ends in a DiskFullError saying how far it got, and the rerun resumes. What it does is reported as typed
-events (app.hub.progress):
+ends in a DiskFullError saying how far it got, and the rerun resumes.
+
+A GGUF file converted without --bits or --budget is kept as published: every matrix the engine runs in the file's
+own type (K-quants, IQ4, Q4_0 .. Q8_0) is written with the same blocks, the rest (norms, routers, types no kernel
+runs) as the float32 a direct run reads, so the container computes the same bits as the file (`published_plan`).
+What it does is reported as typed events (app.hub.progress):
 `Progress("write", ...)` per batch of tensors written, a `Note` for everything else.
 """
 
@@ -31,7 +35,7 @@ from app.hub.calibrate import calibration_sequences
 from app.hub.progress import HubEvent, Log, Note, Progress, Report, noting, render, reporter
 from engine.atomic import atomic_file
 from engine.errors import ColibriError, DiskFullError, is_disk_full
-from engine.formats.container import EXTENT_ALIGN, ContainerWriter, is_container
+from engine.formats.container import EXTENT_ALIGN, ContainerWriter, is_container, kind_of
 from engine.formats.gguf_model import GGUFModel
 from engine.formats.hf import Float32Source
 from engine.formats.page_release import PageReleasing
@@ -73,6 +77,11 @@ class ConvertSettings:
     calib: Path | None = None               # calibration text file (default: the model writes some)
     calib_tokens: int = 4096
     sensitivity: bool | None = None         # measure errors in output KL: None = when the model is small enough
+
+    @property
+    def as_published(self) -> bool:
+        """Neither a width nor a budget: keep a GGUF's weights in the types its file holds (no second rounding)."""
+        return self.bits is None and self.budget is None
 
     def key(self) -> dict:
         """The settings as they bind a resumable conversion."""
@@ -276,6 +285,26 @@ def _sensitivity(ckpt: Checkpoint, mats: Matrices, source: Resident, sequences, 
     return sens
 
 
+def published_plan(ckpt: Checkpoint, mats: Matrices) -> Plan:
+    """The plan of a GGUF kept as published: each planned matrix at the width of the type it loads as (the file's
+    K-quant / IQ4 blocks, a Q4_0 .. Q8_0 block format as Colibri's codes, else float32)."""
+    from engine.quant import KQuantTensor, QuantizedTensor
+    from engine.quant.kquant import NOMINAL_BITS
+
+    other = sum(int(np.prod(s)) * 4 for s in mats.float32.values())
+    tensors = {}
+    for name, shape in mats.planned.items():
+        w = ckpt.source.load(name)
+        if isinstance(w, KQuantTensor):
+            meta = w.to_buffers()[0]
+            tensors[name] = TensorPlan(name, shape, NOMINAL_BITS[w.qtype], meta["group"], w.nbytes, 0.0, 1.0)
+        elif isinstance(w, QuantizedTensor):
+            tensors[name] = TensorPlan(name, shape, w.bits, w.group, w.nbytes, 0.0, 1.0, w.asymmetric)
+        else:
+            tensors[name] = TensorPlan(name, shape, FLOAT_BITS, 0, shape[0] * shape[1] * 4, 0.0, 1.0)
+    return Plan(tensors, None, other)
+
+
 def _bytes_at(shape: tuple[int, int], bits: int, group: int) -> int:
     """Storage bytes of a matrix at a width (measured on one row: layouts are per row)."""
     if bits == FLOAT_BITS:
@@ -291,9 +320,14 @@ def _row_bytes(in_features: int, bits: int, group: int) -> int:
     return quantize(np.zeros((1, in_features), np.float32), bits, group).nbytes
 
 
-def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: ActivationStats | None):
+def _store(ckpt: Checkpoint, name: str, tp: TensorPlan | None, stats: ActivationStats | None,
+           as_published: bool = False):
     """(the tensor to write, its kind): quantized per plan, or float32; a published FP8 / MXFP4 matrix planned at
-    its width or more is stored as published (smaller than Colibri's codes at that width, and no second rounding)."""
+    its width or more is stored as published (smaller than Colibri's codes at that width, and no second rounding);
+    with `as_published` (a GGUF opened quantized) every tensor as the source loads it."""
+    if as_published:
+        w = ckpt.source.load(name)
+        return w, kind_of(w)
     if tp is not None and tp.bits != FLOAT_BITS and isinstance(ckpt.source, Float32Source):
         published = ckpt.source.published(name)
         if published is not None and tp.bits >= PUBLISHED_BITS[type(published)]:
@@ -344,16 +378,21 @@ def convert(src: Path, out: Path, settings: ConvertSettings, progress: Report | 
             log: Log | None = None) -> Path:
     """Convert SRC into the container OUT; resumes an interrupted conversion of the same settings.
 
+    Without --bits or --budget a GGUF file is kept as published (see the module's header); a folder needs one.
     Events go to PROGRESS, or as text lines to LOG, else to stdout.
     """
     report = reporter(progress, log, _print_line)
     say = noting(report)  # the planner and the calibration say lines
-    if settings.bits is None and settings.budget is None:
-        raise ColibriError("give --bits B (one width for all) or --budget SIZE (the planner fits the model)")
     if Path(src).is_dir() and is_container(src):
         raise ColibriError(f"{src} is already a Colibri container; convert the model it was made from (for the "
                            "default MoE: `colibri convert smollm2-moe-bf16 OUT ...`)")
-    ckpt = open_checkpoint(src)
+    if settings.as_published and not Path(src).is_file():
+        raise ColibriError("give --bits B (one width for all) or --budget SIZE (the planner fits the model); only a "
+                           "GGUF file converts without them (kept in its own quantization)")
+    if settings.as_published and settings.calib is not None:
+        raise ColibriError("--calib plans widths: give it with --bits or --budget (a GGUF kept as published is not "
+                           "calibrated)")
+    ckpt = open_checkpoint(src, quantized=settings.as_published)
     mats = classify(ckpt)
     try:
         writer = ContainerWriter(out, {"source": _source_key(Path(src)), "settings": settings.key()})
@@ -386,6 +425,7 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
 
     stats = seqs = None
     stats_path, seqs_path = partial / "calibration.npz", partial / "calibration_tokens.json"
+    published = settings.as_published
     if settings.budget is not None or settings.calib is not None:
         stats, seqs = _load_calibration(stats_path, seqs_path, report)
         if stats is None:
@@ -398,7 +438,7 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
     if cached is not None:
         plan = _plan_from_json(cached)
     else:
-        plan = make_plan(ckpt, mats, settings, stats, say, seqs)
+        plan = published_plan(ckpt, mats) if published else make_plan(ckpt, mats, settings, stats, say, seqs)
         _write_cache(plan_path, plan.to_json())
     report(Note(f"plan: {plan.bits_per_weight:.2f} bits per weight, {format_size(plan.total_bytes)} of weights"))
     writer.expected_bytes = _output_bytes(ckpt, mats, plan, partial)
@@ -416,7 +456,7 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
     in_experts = {n for names in mats.experts.values() for n in names}
     for name in list(mats.float32) + [n for n in mats.planned if n not in in_experts]:
         if not writer.has(name):
-            tensor, kind = _store(ckpt, name, plan.tensors.get(name), stats)
+            tensor, kind = _store(ckpt, name, plan.tensors.get(name), stats, published)
             writer.add_dense(name, tensor, kind)
         _used_up(ckpt, (name,))
         tick(1)
@@ -427,7 +467,7 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
         tick(1)
     for (layer, expert), names in mats.experts.items():
         if not writer.has_expert(layer, expert):
-            parts = {n: _store(ckpt, n, plan.tensors[n], stats) for n in names}
+            parts = {n: _store(ckpt, n, plan.tensors[n], stats, published) for n in names}
             writer.add_expert(layer, expert, {n: p[0] for n, p in parts.items()}, {n: p[1] for n, p in parts.items()})
         _used_up(ckpt, names)
         tick(len(names))

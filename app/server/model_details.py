@@ -13,7 +13,7 @@ from pathlib import Path
 from app.library import GGUF, HUGGING_FACE, describe
 from engine.errors import ColibriError
 
-_PUBLISHED = {"colibri.fp8": "FP8", "colibri.mxfp4": "MXFP4"}
+_PUBLISHED = {"colibri.fp8": "FP8", "colibri.mxfp4": "MXFP4", "colibri.kquant": "K-quant"}
 
 
 def parameter_size(count: int | None) -> str:
@@ -73,7 +73,7 @@ def _container_quantization(path: Path) -> str:
     for e in tensors.values():
         q = e.get("quant")
         if isinstance(q, dict) and q.get("kind") in _PUBLISHED:
-            label = _PUBLISHED[q["kind"]]
+            label = str(q.get("type")) if q["kind"] == "colibri.kquant" else _PUBLISHED[q["kind"]]   # Q4_K ...
         elif isinstance(q, dict):
             bits.add(int(q["bits"]))
             label = "bits"

@@ -7,8 +7,8 @@
       experts-00000.bin ...  each routed expert's matrices and scales together, in one extent
                              aligned to 4 KiB: one read per expert, O_DIRECT-ready
 
-A tensor entry gives its kind (f32 / f16 / bf16 / quant: a QuantizedTensor, or FP8 / MXFP4 weights kept as
-published, told apart by their meta's kind), shape, file, byte offset, length and
+A tensor entry gives its kind (f32 / f16 / bf16 / quant: a QuantizedTensor, or FP8 / MXFP4 weights or GGUF
+K-quant / IQ4 blocks kept as published, told apart by their meta's kind), shape, file, byte offset, length and
 CRC-32; a quantized tensor also its format (bits, group ...) and where each of its arrays lies
 inside its span. Readers map the files and build tensors as views: nothing is copied but what
 must be widened (f16/bf16 to float32). At open the manifest's shape (engine/formats/manifest.py) and
@@ -647,7 +647,7 @@ def tensor_from_span(e: TensorEntry, span: np.ndarray):
             view.flags.writeable = False
             buffers[key] = view
         try:
-            if e.quant.get("kind") in PUBLISHED_KINDS:          # FP8 / MXFP4 kept as published
+            if e.quant.get("kind") in PUBLISHED_KINDS:          # FP8 / MXFP4 / K-quants kept as published
                 return PUBLISHED_KINDS[e.quant["kind"]].from_buffers(e.quant, buffers)
             return QuantizedTensor.from_buffers(e.quant, buffers)
         except (KeyError, TypeError, ValueError) as exc:   # a format the buffers do not hold (bits, group ...)

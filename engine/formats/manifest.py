@@ -22,7 +22,8 @@ FIX = "the container is corrupt: convert the model again with `colibri convert`"
 PLAIN_KINDS = {"f32": 4, "f16": 2, "bf16": 2}                   # kind -> bytes per value
 _ENTRY_KEYS = {"name", "kind", "shape", "file", "offset", "length", "crc32"}
 _QUANT_KEYS = {"kind", "version", "layout", "shape", "bits", "group", "asymmetric"}
-_PUBLISHED = ("colibri.fp8", "colibri.mxfp4")                  # FP8 / MXFP4 weights kept as published
+# weights kept as published: FP8 / MXFP4, and GGUF K-quant / IQ4 blocks
+_PUBLISHED = ("colibri.fp8", "colibri.mxfp4", "colibri.kquant")
 _PUBLISHED_KEYS = {"kind", "version", "shape", "bits", "group"}
 _EXTENT_KEYS = {"layer", "expert", "file", "offset", "length", "crc32", "tensors"}
 _BUFFER_DTYPES = {"|u1", "<u2", "<f4", "<f2", "|i1"}          # what quantized tensors store
@@ -126,6 +127,9 @@ def _check_entry(name: str, e: Any) -> None:
 
 def _check_published(what: str, shape: tuple[int, ...], q: dict) -> None:
     """FP8 / MXFP4 weights kept as published (engine/quant/published.py): shape, width and FP8 block."""
+    if q["kind"] == "colibri.kquant":
+        _check_kquant(what, shape, q)
+        return
     fp8 = q["kind"] == "colibri.fp8"
     _keys(q, _PUBLISHED_KEYS | ({"block"} if fp8 else set()), set(), f"{what}: quant")
     if len(shape) != 2 or _shape(q["shape"], what, ": quant shape") != shape:
@@ -138,6 +142,22 @@ def _check_published(what: str, shape: tuple[int, ...], q: dict) -> None:
             raise _Bad(f"{what}: FP8 block {q['block']!r} is not two positive sizes")
     elif shape[1] % 32:
         raise _Bad(f"{what}: an MXFP4 matrix of {shape[1]} columns is not in whole 32s")
+
+
+def _check_kquant(what: str, shape: tuple[int, ...], q: dict) -> None:
+    """GGUF K-quant / IQ4 blocks kept as published (engine/quant/kquant.py): shape, type, its width and block."""
+    from engine.kernels.kquant import BLOCK_WEIGHTS
+    from engine.quant.kquant import KINDS, NOMINAL_BITS
+
+    _keys(q, _PUBLISHED_KEYS | {"type"}, set(), f"{what}: quant")
+    if len(shape) != 2 or _shape(q["shape"], what, ": quant shape") != shape:
+        raise _Bad(f"{what}: quantized shape {q['shape']!r} does not match the tensor's {list(shape)}")
+    qtype = next((t for t in KINDS if t.name == q["type"]), None)
+    if qtype is None:
+        raise _Bad(f"{what}: type {q['type']!r:.60} is not a K-quant or IQ4 type")
+    if q["bits"] != NOMINAL_BITS[qtype] or q["group"] != BLOCK_WEIGHTS[KINDS[qtype]] or shape[1] % q["group"]:
+        raise _Bad(f"{what}: bits {q['bits']!r} and group {q['group']!r} are not those of {q['type']} over "
+                   f"{shape[1]} columns")
 
 
 def _check_quant(what: str, shape: tuple[int, ...], q: Any) -> None:

@@ -5,6 +5,7 @@ The rows are the file's own blocks (layouts in engine/kernels/kquant.py and iqua
 of the memory map: nothing is copied or widened, so a K-quant model takes the file's size in
 memory. The kernels dequantize exactly as `gguf.quants.dequantize` does (bitwise), and the tensor
 offers what the blocks call on a weight: `matmul` (decode and prefill), `rows` (embeddings).
+A container keeps the same blocks (`to_buffers` / `from_buffers`), read back into the same kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ _Q = gguf.GGMLQuantizationType
 KINDS = {_Q.Q2_K: kquant.Q2_K, _Q.Q3_K: kquant.Q3_K, _Q.Q4_K: kquant.Q4_K, _Q.Q5_K: kquant.Q5_K,   # types the kernels run
          _Q.Q6_K: kquant.Q6_K, _Q.IQ4_NL: kquant.IQ4_NL, _Q.IQ4_XS: kquant.IQ4_XS}
 _NAMES = {kind: qtype.name for qtype, kind in KINDS.items()}
+_BY_NAME = {qtype.name: qtype for qtype in KINDS}
+# the width each type stands for (what tools that list a container's widths read; the scales come on top)
+NOMINAL_BITS = {_Q.Q2_K: 2, _Q.Q3_K: 3, _Q.Q4_K: 4, _Q.Q5_K: 5, _Q.Q6_K: 6, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}
+KQUANT_META_KIND = "colibri.kquant"     # a container's quant meta kind: blocks kept as the GGUF file holds them
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,6 +100,21 @@ class KQuantTensor:
     def __reduce__(self):
         # rebuild through __init__: the table's address belongs to this process's array
         return (type(self), (self.shape, self.qtype, self.raw))
+
+    def to_buffers(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON-able meta, named C-contiguous storage arrays) for a container writer: the file's blocks, unchanged."""
+        meta = {"kind": KQUANT_META_KIND, "version": 1, "type": self.qtype.name, "shape": list(self.shape),
+                "bits": NOMINAL_BITS[self.qtype], "group": kquant.BLOCK_WEIGHTS[KINDS[self.qtype]]}
+        return meta, {"blocks": self.raw}
+
+    @classmethod
+    def from_buffers(cls, meta: dict, buffers: dict[str, np.ndarray]) -> "KQuantTensor":
+        """The tensor over the given buffers (read-only memory-map views are fine; nothing is copied)."""
+        qtype = _BY_NAME.get(meta["type"])
+        if qtype is None:
+            raise ValueError(f"type {meta['type']!r} is not one of {', '.join(_BY_NAME)}")
+        out, n_in = (int(v) for v in meta["shape"])
+        return cls((out, n_in), qtype, buffers["blocks"])
 
     def __repr__(self) -> str:
         return f"KQuantTensor(shape={list(self.shape)}, {self.qtype.name}, {self.bits_per_weight:.3f} bits/weight)"

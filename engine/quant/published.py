@@ -9,10 +9,12 @@ copy) and bring their own kernels (engine/kernels/fp8.py), like `QuantizedTensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from engine.kernels import fp8 as kernels
+from engine.quant.kquant import KQUANT_META_KIND, KQuantTensor
 
 FP8_META_KIND = "colibri.fp8"
 MXFP4_META_KIND = "colibri.mxfp4"
@@ -198,5 +200,7 @@ class MXFP4Tensor:
                    _readonly(buffers["scales"], np.uint8, (out, n_in // kernels.MX_GROUP), "MXFP4 scales"))
 
 
-PUBLISHED_KINDS = {FP8_META_KIND: FP8Tensor, MXFP4_META_KIND: MXFP4Tensor}   # container meta kind -> type
+# container meta kind -> type (GGUF K-quant and IQ4 blocks too: engine/quant/kquant.py)
+PUBLISHED_KINDS: dict[str, Any] = {FP8_META_KIND: FP8Tensor, MXFP4_META_KIND: MXFP4Tensor,
+                                   KQUANT_META_KIND: KQuantTensor}
 PUBLISHED_BITS = {FP8Tensor: 8, MXFP4Tensor: 4}                                # the width each stands for

@@ -458,3 +458,25 @@ def convert_like_llama_cpp(path: Path, cfg: dict, tensors: dict[str, np.ndarray]
     w.write_tensors_to_file()
     w.close()
     return back
+
+
+# llama.cpp's Q4_K_M mix on a tiny Qwen3-MoE: Q6_K for V, the experts' down stacks and the head, Q4_K elsewhere
+Q4_K_M_MIX = {"attn_v": gguf.GGMLQuantizationType.Q6_K, "ffn_down_exps": gguf.GGMLQuantizationType.Q6_K,
+              "output.weight": gguf.GGMLQuantizationType.Q6_K, "": gguf.GGMLQuantizationType.Q4_K}
+
+
+def kquant_moe_gguf(folder: Path, num_experts: int = 8, layers: int = 2) -> Path:
+    """A tiny mixed-type (Q4_K and Q6_K) Qwen3-MoE GGUF in `folder`, every matrix's rows whole super-blocks."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from support.reference import build_checkpoint
+
+    hf = build_checkpoint(folder / "hf", "qwen3_moe", hidden_size=256, moe_intermediate_size=256, head_dim=64,
+                          num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=layers,
+                          num_experts=num_experts, num_experts_per_tok=2, norm_topk_prob=True)
+    cfg = json.loads((hf / "config.json").read_text())
+    path = folder / "model.gguf"
+    write_gguf(path, "qwen3moe", cfg, load_file(hf / "model.safetensors"), Q4_K_M_MIX)
+    return path
