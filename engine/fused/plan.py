@@ -5,7 +5,8 @@
 no soft-capping), a SiLU-gated MLP without biases or a MoE routed by softmax or sigmoid without expert groups or
 shared experts, an output head without a bias, every matrix quantized (Colibri's formats or GGUF K-quants, each
 matrix in its own type), the experts
-resident or streamed by an expert store. The KV cache may hold float32, fp16 or int8 rows and keep
+resident or streamed by an expert store (a container's K-quant experts too, kept as published; FP8 and MXFP4 experts
+run through the blocks). The KV cache may hold float32, fp16 or int8 rows and keep
 attention weights for retention. Anything else (a step of several tokens of a sequence, a probe)
 runs through `Transformer.forward_batch` one block at a time; both give the same bits for the same
 token.
@@ -46,7 +47,7 @@ from engine.fused.sync import in_use, set_flag
 from engine.kernels.kquant import KQUANT_FLAG
 from engine.kernels.rows import SIGMOID, SOFTMAX
 from engine.kv import KVCache, KVPool
-from engine.quant.kquant import KQuantTensor
+from engine.quant.kquant import KQUANT_META_KIND, KQuantTensor
 from engine.quant.tensor import QuantizedTensor
 from engine.telemetry import Telemetry
 from engine.tuning import ThreadChoice
@@ -131,8 +132,11 @@ class FusedDecode:
         self.scratch = sizes["scr"]                                       # per thread, beside positions
         self.vocab = model.lm_head.shape[0]
         self.descs = np.array(self._descs, np.int64)
-        # None: no matrix is a GGUF K-quant or IQ4, and the step compiles (and caches) without their kernels
-        self.kquant = True if self.descs.size and (self.descs[:, 0] == KQUANT_FLAG).any() else None
+        # None: no matrix is a GGUF K-quant or IQ4 (held, or streamed in by the store), and the step compiles (and
+        # caches) without their kernels
+        held_kquant = bool(self.descs.size and (self.descs[:, 0] == KQUANT_FLAG).any())
+        streamed = not isinstance(model.experts, ResidentExperts) and _kquant_store(model.experts)
+        self.kquant = True if held_kquant or streamed else None
         self.items = np.array(self._items, np.int64)
         self.fpar = np.concatenate(self._fpar) if self._fpar else np.zeros(0, np.float32)
         self.shared = np.zeros(offset * spec.n_layers, np.float32)
@@ -333,7 +337,7 @@ class FusedDecode:
         i_ff = self._i_ff[layer]
         for m, w in enumerate((expert.gate, expert.up, expert.down)):
             want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)
-            if not isinstance(w, QuantizedTensor) or w.shape != want:
+            if not isinstance(w, (QuantizedTensor, KQuantTensor)) or w.shape != want:
                 set_flag(self._flat, idx, 0)            # the calls bring it as they go (_bring says what is wrong)
                 return
             self.descs[row + m] = w.descriptor_row
@@ -478,7 +482,7 @@ class FusedDecode:
         i_ff = self._i_ff[layer]
         for m, w in enumerate((expert.gate, expert.up, expert.down)):
             want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)
-            if not isinstance(w, QuantizedTensor) or w.shape != want:
+            if not isinstance(w, (QuantizedTensor, KQuantTensor)) or w.shape != want:
                 raise GenerationError(f"expert {expert.names[m] or slot} of layer {layer} is not a quantized "
                                       f"{want[0]}x{want[1]} matrix as the fused step expects")
             self.descs[row + m] = w.descriptor_row
@@ -490,13 +494,28 @@ def guessed(top_k: int, n_experts: int, extra: int | None) -> int:
     return min(n_experts, top_k + (top_k // 2 if extra is None else extra), MAX_GUESS)
 
 
-def _quantized_store(store) -> bool:
-    """Whether every expert an expert store serves is stored quantized (the fused step runs nothing else)."""
+def _store_kinds(store) -> set[str | None] | None:
+    """The quant meta kinds of the experts an expert store serves (None: Colibri's formats; "f32": not quantized),
+    or None for a store that does not say."""
     container = getattr(store, "container", None)
     names = getattr(store, "names", None)
     if container is None or names is None:
-        return False
-    return all(container.entries[n].kind == "quant" for trio in names.values() for n in trio)
+        return None
+    entries = (container.entries[n] for trio in names.values() for n in trio)
+    return {(e.quant or {}).get("kind") if e.kind == "quant" else "f32" for e in entries}
+
+
+def _quantized_store(store) -> bool:
+    """Whether every expert an expert store serves is in a format the fused step runs: Colibri's, or GGUF K-quant /
+    IQ4 blocks (FP8 and MXFP4 experts run through the blocks)."""
+    kinds = _store_kinds(store)
+    return kinds is not None and kinds <= {None, KQUANT_META_KIND}
+
+
+def _kquant_store(store) -> bool:
+    """Whether an expert store serves GGUF K-quant / IQ4 experts (the step must compile their kernels)."""
+    kinds = _store_kinds(store)
+    return kinds is not None and KQUANT_META_KIND in kinds
 
 
 class _NotFusable(Exception):
