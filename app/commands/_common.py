@@ -83,16 +83,27 @@ def budget_plan(path: Path, options: LoadOptions, quiet: bool = False) -> LoadPl
     return found
 
 
+def streamable(path: Path, options: LoadOptions | None, quiet: bool = False) -> Path:
+    """The model to load: `path`, or for a GGUF given a memory budget the container that streams it (converted once,
+    as published, into the data dir: app/hub/gguf_cache.py; its progress on stderr unless quiet)."""
+    from app.hub.gguf_cache import container_for, is_gguf
+
+    if options is None or options.max_memory is None or not is_gguf(path):
+        return path
+    return container_for(path, (lambda event: None) if quiet else None)
+
+
 def load(model_arg: str | None, quiet: bool = False, options: LoadOptions | None = None, telemetry=None):
     """Resolve MODEL and load it, reporting progress on stderr (a terminal gets a live line).
 
-    With `options` naming a memory budget (--max-memory), the weights are offloaded under it.
+    With `options` naming a memory budget (--max-memory), the weights are offloaded under it (a GGUF file is
+    converted once, as published, to stream: `streamable`).
     """
     from app.hub.pull import resolve_model
     from engine.loader import load_model
     from engine.telemetry import NULL
 
-    path = resolve_model(model_arg)
+    path = streamable(resolve_model(model_arg), options, quiet)
     offload = None
     if options is not None and options.max_memory is not None:
         offload = budget_plan(path, options, quiet).offload

@@ -219,7 +219,7 @@ def _stream(args: argparse.Namespace) -> int:
         save_trace,
         workload,
     )
-    from app.commands._common import budget_plan
+    from app.commands._common import budget_plan, streamable
     from app.hub.pull import resolve_model
     from app.plan.budget import process_rss
     from engine.loader import open_checkpoint
@@ -228,9 +228,9 @@ def _stream(args: argparse.Namespace) -> int:
     if args.chats < 1 or args.gen < 1:
         raise ColibriError("--chats and --gen must be at least 1")
     check_threads(args.threads)
-    path = resolve_model(args.model)
     log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
     options = dataclasses.replace(load_options(args), history=False)
+    path = streamable(resolve_model(args.model), options, quiet=args.json)
     base = budget_plan(path, options, quiet=args.json).offload
     # the interpreter's and libraries' footprint once the engine is imported, before any weights load: what
     # `run` reports beside the budget (measured earlier, it would leave out numba's and the engine's imports)

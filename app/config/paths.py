@@ -1,4 +1,4 @@
-"""Where Colibri keeps its files on the user's machine: the models folder, usage histories."""
+"""Where Colibri keeps its files on the user's machine: the models folder, usage histories, converted GGUFs."""
 
 from __future__ import annotations
 
@@ -25,5 +25,12 @@ def models_dir() -> Path:
 def usage_dir() -> Path:
     """Usage histories (one per model hash): `<user data dir>/colibri/usage`, beside the models folder."""
     path = models_dir().parent / "usage"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def converted_dir() -> Path:
+    """Containers made from GGUF files run under a memory budget: `<user data dir>/colibri/converted`."""
+    path = models_dir().parent / "converted"
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -445,13 +445,15 @@ def _convert(ckpt: Checkpoint, mats: Matrices, src: Path, writer: ContainerWrite
     _check_space(writer)
 
     total = len(mats.float32) + len(mats.planned) + len(mats.mtp)
-    done, t0 = 0, time.perf_counter()
+    done, t0, b0 = 0, time.perf_counter(), writer.written_bytes
 
     def tick(n: int) -> None:
         nonlocal done
         done += n
         if done % 64 < n or done == total:
-            report(Progress("write", done, total, f"written {done}/{total} tensors ({time.perf_counter() - t0:.0f} s)"))
+            elapsed = time.perf_counter() - t0      # time left from this run's bytes (a resume skips the rest)
+            left = "" if done == total else time_left(elapsed, writer.written_bytes - b0, writer.expected_bytes - b0)
+            report(Progress("write", done, total, f"written {done}/{total} tensors ({elapsed:.0f} s{left})"))
 
     in_experts = {n for names in mats.experts.values() for n in names}
     for name in list(mats.float32) + [n for n in mats.planned if n not in in_experts]:
@@ -497,6 +499,14 @@ def _output_bytes(ckpt: Checkpoint, mats: Matrices, plan: Plan, partial: Path) -
     mtp = sum(_bytes_at(shape, MTP_BITS, group_for(shape[1], 32)) for shape in mats.mtp.values())
     # a 4 KiB extent per expert; per tensor up to 4 buffers padded to 64 B and its manifest and journal lines
     return plan.total_bytes + mtp + EXTENT_ALIGN * (len(mats.experts) + 1) + 1024 * n_tensors + small
+
+
+def published_bytes(src: Path) -> int:
+    """About the bytes of the container `convert(src, OUT, ConvertSettings())` writes from a GGUF file (its plan
+    alone: nothing is read but the header and the layout of the tensors)."""
+    ckpt = open_checkpoint(src, quantized=True)
+    mats = classify(ckpt)
+    return _output_bytes(ckpt, mats, published_plan(ckpt, mats), Path(src).parent)
 
 
 def _check_space(writer: ContainerWriter) -> None:

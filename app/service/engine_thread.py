@@ -228,7 +228,7 @@ class EngineThread:
                 from app.config.settings import apply_threads
 
                 apply_threads(req.options.threads, "the app's compute threads setting")
-            plan = self._plan_load(req.path, req.options)
+            plan = self._plan_load(req.path, req.options, progress)
             telemetry = Telemetry(plan.spec.n_layers, n_experts(plan.spec))
             baseline = rss()     # the interpreter and libraries: outside the budget, reported apart
             loaded = load_model(plan.path, progress, plan.offload, telemetry)
@@ -255,15 +255,30 @@ class EngineThread:
         telemetry.flush()
         self._emit(ModelLoaded(req.id, model.info, read_atlas(plan.path)))
 
-    def _plan_load(self, model: str, options: LoadOptions):
-        """The LoadPlan of a load: the container's spec and manifest are read, the budget chosen from free memory."""
+    def _plan_load(self, model: str, options: LoadOptions, progress: Callable[[float, str], bool]):
+        """The LoadPlan of a load: the container's spec and manifest are read, the budget chosen from free memory.
+
+        A GGUF file to stream (a budget, or offload asked for) is converted once, as published, into a container
+        (app/hub/gguf_cache.py), its progress reported through `progress` (False: cancelled)."""
         from app.config.paths import usage_dir
+        from app.hub.gguf_cache import container_for, is_gguf
+        from app.hub.progress import HubEvent, Progress
         from app.hub.pull import resolve_model
         from app.service.loading import plan_load
         from engine.formats.container import is_container
-        from engine.loader import open_checkpoint
+        from engine.loader import LoadCancelled, open_checkpoint
 
         path = resolve_model(model)
+        if is_gguf(path) and (options.max_memory is not None or options.offload):
+            last = [0.0]
+
+            def report(event: HubEvent) -> None:
+                if isinstance(event, Progress):
+                    last[0] = event.fraction
+                if not progress(last[0], event.message):
+                    raise LoadCancelled("loading cancelled")    # the conversion resumes at the next load
+
+            path = container_for(path, report)
         container = None
         if path.is_dir() and is_container(path):
             ckpt = open_checkpoint(path, verify=False, verify_experts=False)
