@@ -106,3 +106,21 @@ def test_cli_converts_a_gguf_without_a_width(kept, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "bits per weight" in r.stdout
     assert Container.open(tmp_path / "out").manifest["tensors"]["lm_head.weight"]["quant"]["type"] == "Q6_K"
+
+
+@pytest.mark.parametrize("field, value, said", [("type", "Q9_K", "not a K-quant or IQ4 type"),
+                                                ("bits", 4, "are not those of Q6_K"),
+                                                ("group", 32, "are not those of Q6_K")])
+def test_a_damaged_k_quant_entry_is_refused(kept, tmp_path, field, value, said):
+    import json
+    import shutil
+
+    from engine.errors import ModelFormatError
+
+    _, out = kept
+    copy = shutil.copytree(out, tmp_path / "c")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["tensors"]["lm_head.weight"]["quant"][field] = value
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ModelFormatError, match=said):
+        Container.open(copy)
