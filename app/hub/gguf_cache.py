@@ -52,6 +52,7 @@ def container_for(path: Path, progress: Report | None = None, folder: Path | Non
     out = cached_container(path, folder)
     if is_container(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
     need = published_bytes(path)
     partial = out.with_name(out.name + ".partial")
     done = sum(p.stat().st_size for p in partial.glob("*.bin")) if partial.is_dir() else 0
