@@ -48,6 +48,7 @@ from engine.kernels.kquant import KQUANT_FLAG
 from engine.kernels.rows import SIGMOID, SOFTMAX
 from engine.kv import KVCache, KVPool
 from engine.quant.kquant import KQUANT_META_KIND, KQuantTensor
+from engine.quant.tensor import META_KIND as QUANT_META_KIND
 from engine.quant.tensor import QuantizedTensor
 from engine.telemetry import Telemetry
 from engine.tuning import ThreadChoice
@@ -495,8 +496,8 @@ def guessed(top_k: int, n_experts: int, extra: int | None) -> int:
 
 
 def _store_kinds(store) -> set[str | None] | None:
-    """The quant meta kinds of the experts an expert store serves (None: Colibri's formats; "f32": not quantized),
-    or None for a store that does not say."""
+    """The quant meta kinds of the experts an expert store serves ("f32": not quantized), or None for a store that
+    does not say."""
     container = getattr(store, "container", None)
     names = getattr(store, "names", None)
     if container is None or names is None:
@@ -509,7 +510,7 @@ def _quantized_store(store) -> bool:
     """Whether every expert an expert store serves is in a format the fused step runs: Colibri's, or GGUF K-quant /
     IQ4 blocks (FP8 and MXFP4 experts run through the blocks)."""
     kinds = _store_kinds(store)
-    return kinds is not None and kinds <= {None, KQUANT_META_KIND}
+    return kinds is not None and kinds <= {QUANT_META_KIND, KQUANT_META_KIND}
 
 
 def _kquant_store(store) -> bool:
