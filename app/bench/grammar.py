@@ -9,9 +9,9 @@ and the share that validates against SCHEMA with `jsonschema`.
 
 The constraint's cost is measured by replaying each constrained answer through a fresh constraint of its grammar:
 per token, the mask (llguidance's compute_mask plus applying it to the logits) and the advance on the chosen token,
-timed one by one; their median and p95 in microseconds, and their sum over the decode time of the constrained run
-(the same tokens, batched; its wall time less the prompts' prefill, timed apart) as the constraint's share of
-decode time.
+timed one by one; their median and p95 in microseconds, and their mean over the constrained run's time per decoded
+token (the same tokens, batched, timed over the scheduler's steps that only decoded: a step with prompt rows in it
+is left out) as the constraint's share of decode time.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class ModeResult:
     parsed_unfenced: int = 0    # ... once a Markdown code fence around the answer is taken off
     valid: int = 0              # answers (whole) that validate against SCHEMA
     tokens: int = 0             # tokens sampled (an end-of-sequence id included)
-    decode_s: float = 0.0       # the batched run's wall time less the prompts' prefill time
+    decode_s: float = 0.0       # time of the batched run's steps that decoded only (no prompt rows)
+    decode_tokens: int = 0      # tokens those steps decoded
     mask_us: list[float] = field(default_factory=list)  # constrained modes: the constraint's time per token
 
     def as_dict(self) -> dict[str, Any]:
@@ -82,6 +83,7 @@ class ModeResult:
         return {"mode": self.mode, "answers": len(self.answers), "parsed": self.parsed,
                 "parsed_unfenced": self.parsed_unfenced, "valid": self.valid, "tokens": self.tokens,
                 "stopped": self.finish.count("stop"), "decode_s": round(self.decode_s, 4),
+                "decode_tokens": self.decode_tokens, "decode_tok_s": round(self.decode_tok_s, 2),
                 **({"mask_us_median": round(cost[0], 1), "mask_us_p95": round(cost[1], 1),
                     "mask_share": round(cost[2], 4)} if self.mask_us else {})}
 
@@ -91,8 +93,13 @@ class ModeResult:
         if not self.mask_us:
             raise ColibriError(f"the {self.mode} mode ran no constraint: no cost to report")
         us = np.asarray(self.mask_us)
-        share = us.sum() / 1e6 / self.decode_s if self.decode_s > 0 else 0.0
+        share = us.mean() / 1e6 / (self.decode_s / self.decode_tokens) if self.decode_tokens else 0.0
         return float(np.median(us)), float(np.percentile(us, 95)), float(share)
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens a second over the steps that decoded only."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
 def _unfenced(text: str) -> str:
@@ -134,9 +141,15 @@ def _answer(loaded: Any, ids: list[list[int]], grammar: Grammar | None, gen: int
                       max_batch=batch)
     seqs = [sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=gen, sampling=GREEDY, grammar=grammar))
             for p in ids]
-    t0 = time.perf_counter()
-    sched.run()
-    seconds = time.perf_counter() - t0
+    while sched.busy:
+        # a step where every running sequence decodes (none prefills, none waits) is timed as decode
+        rows = len(sched.running)
+        decoding = not sched.waiting and all(s.pending is not None for s in sched.running)
+        t0 = time.perf_counter()
+        sched.step()
+        if decoding:
+            result.decode_s += time.perf_counter() - t0
+            result.decode_tokens += rows
     out = []
     for seq in seqs:
         events = list(seq.drain())
@@ -148,16 +161,7 @@ def _answer(loaded: Any, ids: list[list[int]], grammar: Grammar | None, gen: int
         result.finish.append(done.finish_reason)
         result.tokens += done.stats.generated_tokens
         out.append(done.tokens)
-    result.decode_s = seconds   # the caller takes the prefill's share off
     return out
-
-
-def _prefill_seconds(loaded: Any, ids: list[list[int]], batch: int) -> float:
-    """The time the prompts' prefill takes in the scheduler (one token answers): prompt chunks run between decode
-    steps, so a run's decode time is its wall time less this."""
-    scratch = ModeResult("prefill")
-    _answer(loaded, ids, None, 1, batch, scratch)
-    return scratch.decode_s
 
 
 def _replay(loaded: Any, grammar: Grammar, answers: list[tuple[int, ...]], finish: list[str], gen: int,
@@ -194,14 +198,13 @@ def run_grammar_bench(loaded: Any, n_prompts: int = 50, gen: int = 128, batch: i
     t0 = time.perf_counter()
     make_constraint(json_object_grammar(), tok, loaded.spec.vocab_size, loaded.stop_ids)  # the bridge, once
     log(f"grammar tokenizer for {loaded.spec.vocab_size} tokens built in {time.perf_counter() - t0:.2f} s")
-    _prefill_seconds(loaded, ids[:batch], batch)    # a warm-up: kernels compile and caches fill outside the timings
-    prefill = _prefill_seconds(loaded, ids, batch)
-    log(f"prefill of the {len(ids)} prompts ({sum(map(len, ids))} tokens): {prefill:.2f} s, taken off each run")
+    t0 = time.perf_counter()
+    _answer(loaded, ids[:batch], None, 2, batch, ModeResult("warm-up"))  # kernels compile outside the timings
+    log(f"warm-up on {min(batch, len(ids))} prompts: {time.perf_counter() - t0:.2f} s")
     results: dict[str, ModeResult] = {}
     for mode, grammar in grammars.items():
         result = results[mode] = ModeResult(mode)
         answers = _answer(loaded, ids, grammar, gen, batch, result)
-        result.decode_s = max(result.decode_s - prefill, 1e-9)
         if grammar is not None:
             _replay(loaded, grammar, answers, result.finish, gen, result)
         _score(result, validator)
@@ -214,7 +217,7 @@ def format_mode(r: ModeResult) -> str:
     n = len(r.answers)
     line = (f"{r.mode:12s} valid JSON {r.parsed:3d}/{n} ({r.parsed / n:4.0%})  unfenced {r.parsed_unfenced:3d}/{n}  "
             f"schema {r.valid:3d}/{n} ({r.valid / n:4.0%})  stopped {r.finish.count('stop'):3d}/{n}  "
-            f"{r.tokens / r.decode_s:6.1f} tok/s")
+            f"{r.decode_tok_s:6.1f} tok/s")
     if r.mask_us:
         median, p95, share = r.cost()
         line += f"  mask {median:6.1f} us median, {p95:6.1f} us p95 = {share:5.1%} of decode"

@@ -37,7 +37,7 @@ def test_each_mode_reports_consistent_counts_and_constrained_answers_parse(conta
     for mode, r in results.items():
         assert len(r.answers) == len(r.finish) == N
         assert 0 <= r.valid <= r.parsed <= r.parsed_unfenced <= N
-        assert r.tokens >= N and r.decode_s > 0
+        assert r.tokens >= N and r.decode_s > 0 and 0 < r.decode_tokens < r.tokens
         parsed = sum(1 for a in r.answers if _parses(a))
         assert parsed == r.parsed, mode
     for mode in ("json_object", "json_schema"):
@@ -80,7 +80,7 @@ def test_the_command_prints_each_modes_figures_as_json(container, capsys):
     assert list(out) == list(MODES)
     for mode, r in out.items():
         assert r["mode"] == mode and r["answers"] == 2 and 0 <= r["valid"] <= r["parsed"] <= r["parsed_unfenced"] <= 2
-        assert r["tokens"] >= 2 and r["decode_s"] > 0
+        assert r["tokens"] >= 2 and r["decode_s"] > 0 and 0 < r["decode_tokens"] < r["tokens"]
     assert "mask_us_median" not in out["free"]
     for mode in ("json_object", "json_schema"):
         assert 0 < out[mode]["mask_us_median"] <= out[mode]["mask_us_p95"] and out[mode]["mask_share"] > 0
