@@ -306,7 +306,9 @@ def _dequant(kind, raw, K, r0, nr, dst):
                 vstore(dst, o + U64(16 * g), _group(kind, raw, so, g, a, b))
 
 
-@njit(inline="always")
+# _chunk, _q6half, _q23half and _acc4 are calls, not inlined by numba: inlined, their IR was copied into every
+# caller and typed there for every kind (about a minute a kind); as calls each compiles once a kind, in seconds
+@njit(boundscheck=False)
 def _chunk(kind, raw, rs, c, buf, bo, iota, iota16, x0, x1, x2, x3, acc):
     """acc plus one row's 64-weight chunk c of a Q4_K/Q5_K super-block at byte rs (sub-blocks 2c, 2c + 1) times
     x0 .. x3 (its 4 groups of 16 inputs); weights looked up in each sub-block's table of code values."""
@@ -341,7 +343,7 @@ def _q6w(ql, qh, qshift, hshift, a):
     return vmul(vfma(vtofloat(q), vsplat(F32(1.0)), vsplat(F32(-32.0))), vsplat(a))
 
 
-@njit(inline="always")
+@njit(boundscheck=False)
 def _q6half(raw, so, h, buf, bo, x, xo, acc):
     """acc plus one row's half h (weights 128h ..) of a Q6_K super-block at byte so times x[xo ...]; the scales of
     its 8 groups at buf[bo ...]. Groups in increasing order: quarter s takes ql bytes 32 (s % 2) .. and nibble s // 2,
@@ -373,7 +375,7 @@ def _q23w(kind, qs, hm, s, bit, buf, bo, g):
     return vmul(vfma(vtofloat(q), vsplat(F32(1.0)), vsplat(F32(-4.0))), vsplat(a))
 
 
-@njit(inline="always")
+@njit(boundscheck=False)
 def _q23half(kind, raw, so, h, buf, bo, x, xo, acc):
     """acc plus one row's half h (weights 128h ..) of a Q2_K or Q3_K super-block at byte so times x[xo ...]: group
     8h + 2s + p takes crumb s of code bytes 16p .. of the half (and Q3_K bit 4h + s of hmask bytes 16p ..)."""
@@ -393,9 +395,10 @@ def _q23half(kind, raw, so, h, buf, bo, x, xo, acc):
     return vfma(_q23w(kind, qs1, hm1, 3, 4 * h + 3, buf, bo, g + 7), vload(x, xo + U64(112)), acc)
 
 
-@njit(inline="always")
+@njit(boundscheck=False)
 def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
     """The four accumulators plus one super-block of 4 rows (row j's block at so + j * step) times x[xo ...]."""
+    literally(kind)
     if kind == Q6_K:
         for h in range(2):              # 128-weight halves: 8 groups of 16 share 64 ql and 32 qh bytes
             xh = xo + U64(128 * h)
