@@ -10,14 +10,9 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before pytest-qt makes 
 import numpy as np
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
-from engine.loader import OffloadOptions, load_model
 from engine.offload.quality import cache_quality
-from engine.offload.store import StoreSettings
-from support.offload import greedy_logits
+from support.offload import greedy_logits, load_streamed, mixtral_container
 from support.qt import no_leftovers  # noqa: F401 - an autouse fixture
-from support.reference import build_checkpoint
-from ui.inspector import Inspector
 from ui.inspector import cache as cache_module
 from ui.inspector.common import fmt_percent
 
@@ -27,13 +22,8 @@ N_EXPERTS, TOP_K, LAYERS = 8, 2, 3
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     """Two traces of a real store (LFRU, 4 slots, read-ahead on): after 8 tokens and after 16."""
-    src = build_checkpoint(tmp_path_factory.mktemp("src"), "mixtral", num_local_experts=N_EXPERTS,
-                           num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
-    container = convert(src, tmp_path_factory.mktemp("c") / "moe", ConvertSettings(bits=4), log=lambda m: None)
-    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
-    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=4 * slot, policy="lfru"), 1))
+    container = mixtral_container(tmp_path_factory, N_EXPERTS, TOP_K, LAYERS)
+    loaded = load_streamed(container, 4, policy="lfru")
     try:
         greedy_logits(loaded, [3, 17, 5, 99], 4, batch_prompt=False)
         first = loaded.store.cache_trace()
@@ -41,16 +31,6 @@ def traces(tmp_path_factory):
         return first, loaded.store.cache_trace()
     finally:
         loaded.close()
-
-
-@pytest.fixture
-def inspector(qtbot):
-    insp = Inspector()
-    qtbot.addWidget(insp, before_close_func=lambda w: w.close_views())
-    insp.resize(900, 600)
-    insp.show()
-    qtbot.waitExposed(insp)
-    return insp
 
 
 def test_the_meter_shows_the_replay_of_a_real_trace(qtbot, inspector, traces):

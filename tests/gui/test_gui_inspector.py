@@ -135,17 +135,6 @@ def no_leftovers(qtbot):
     assert set(threading.enumerate()) <= before, "a thread outlived its test"
 
 
-@pytest.fixture
-def inspector(qtbot):
-    """A shown Inspector of 900 x 600, closed (close_views first) at teardown."""
-    insp = Inspector()
-    qtbot.addWidget(insp, before_close_func=lambda w: w.close_views())
-    insp.resize(900, 600)
-    insp.show()
-    qtbot.waitExposed(insp)
-    return insp
-
-
 def redraw(qtbot, insp: Inspector) -> None:
     """Wait for the next timer tick that redraws."""
     n = insp.redraws

@@ -15,6 +15,7 @@ from engine.kv import KVCache
 from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
 from engine.pages import advise_huge_pages
+from support.offload import load_streamed
 from support.reference import build_checkpoint
 
 
@@ -107,12 +108,10 @@ def test_the_mmap_baseline_reads_experts_on_small_pages(container):
 
 
 def test_the_expert_cache_takes_its_pages_at_load_and_when_it_grows(container):
-    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
-    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=3 * slot)))
+    loaded = load_streamed(container, 3)
     try:
         store = loaded.store
+        slot = store.slot_bytes
         address = store.slots.arena.__array_interface__["data"][0]
         assert not store.built                                   # nothing read yet
         assert _rss_at(address) >= 3 * slot                      # yet the cache's pages are in

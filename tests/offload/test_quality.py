@@ -8,15 +8,11 @@ from collections import deque
 import numpy as np
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
 from engine.kv import KVCache
-from engine.loader import OffloadOptions, load_model
 from engine.offload.accounting import LEARN_STEPS
 from engine.offload.quality import CacheTrace, cache_quality, curve_capacities, pins_at
-from engine.offload.store import StoreSettings
 from support.cache_sim import lru_hits, optimum_hits, routing_trace
-from support.offload import greedy_logits
-from support.reference import build_checkpoint
+from support.offload import greedy_logits, load_streamed, mixtral_container
 
 N_EXPERTS, TOP_K, LAYERS = 8, 2, 3
 
@@ -81,19 +77,14 @@ def test_a_cancelled_replay_gives_nothing():
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    src = build_checkpoint(tmp_path_factory.mktemp("src"), "mixtral", num_local_experts=N_EXPERTS,
-                           num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
-    return convert(src, tmp_path_factory.mktemp("c") / "moe", ConvertSettings(bits=4), log=lambda m: None)
+    return mixtral_container(tmp_path_factory, N_EXPERTS, TOP_K, LAYERS)
 
 
 def test_a_store_keeps_its_recent_steps_and_the_live_hits_over_them(container):
-    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
-    settings = StoreSettings(capacity=5 * slot, policy="lru", pin_fraction=0.0)
-    loaded = load_model(container, offload=OffloadOptions(settings, 0))
+    loaded = load_streamed(container, 5, 0, policy="lru", pin_fraction=0.0)
     try:
         store = loaded.store
+        slot = store.slot_bytes
         store.trace = []
         greedy_logits(loaded, [3, 17, 5, 99, 42, 8, 23, 61], 12, batch_prompt=False)
         trace = store.cache_trace()
@@ -112,10 +103,7 @@ def test_a_store_keeps_its_recent_steps_and_the_live_hits_over_them(container):
 
 
 def test_a_full_ring_gives_whole_tokens_and_their_own_hits(container):
-    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
-    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=4 * slot, policy="lfru"), 1))
+    loaded = load_streamed(container, 4, policy="lfru")
     try:
         store = loaded.store
         store.accounting.recent = deque(maxlen=10)       # room for 3 tokens of 3 layers and a part of one more

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
 from engine.blocks.ffn import StoreHooks
 from engine.errors import ColibriError, ModelFormatError
 from engine.kv import KVCache
@@ -13,7 +12,7 @@ from engine.loader import OffloadOptions, load_model
 from engine.offload.history import UsageHistory
 from engine.offload.store import StoreSettings
 from engine.telemetry import Telemetry
-from support.offload import greedy_logits
+from support.offload import greedy_logits, mixtral_container, slot_bytes
 from support.reference import build_checkpoint
 
 PROMPT = [3, 17, 5, 99, 42, 8, 23, 61, 7, 150, 12, 33]
@@ -22,9 +21,7 @@ N_EXPERTS, TOP_K, LAYERS = 8, 2, 3
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    src = build_checkpoint(tmp_path_factory.mktemp("src"), "mixtral", num_local_experts=N_EXPERTS,
-                           num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
-    return convert(src, tmp_path_factory.mktemp("c") / "moe", ConvertSettings(bits=4), log=lambda m: None)
+    return mixtral_container(tmp_path_factory, N_EXPERTS, TOP_K, LAYERS)
 
 
 def _run(loaded, steps: int = 10, batch_prompt: bool = True) -> tuple[np.ndarray, list[int]]:
@@ -46,9 +43,7 @@ def _guess_counts(stats) -> list[int]:
 
 
 def _stream(container, slots: int, tmp_path=None, **kw) -> object:
-    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
+    slot = slot_bytes(container)
     depth = kw.pop("prefetch_depth", 1)
     history = kw.pop("history_path", None)
     telemetry = kw.pop("telemetry", None) or Telemetry(LAYERS, N_EXPERTS)

@@ -5,28 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.hub.convert import ConvertSettings, convert
-from engine.loader import OffloadOptions, load_model
-from engine.offload.store import StoreSettings
 from engine.offload.story import CHANGE, TIER_CACHED, TIER_DISK, TIER_PINNED, ExpertCounts, ExpertLog, RouteLog
-from support.offload import greedy_logits
-from support.reference import build_checkpoint
+from support.offload import greedy_logits, load_streamed, mixtral_container
 
 N_EXPERTS, TOP_K, LAYERS = 8, 2, 3
 
 
 @pytest.fixture(scope="module")
 def container(tmp_path_factory):
-    src = build_checkpoint(tmp_path_factory.mktemp("src"), "mixtral", num_local_experts=N_EXPERTS,
-                           num_experts_per_tok=TOP_K, num_hidden_layers=LAYERS)
-    return convert(src, tmp_path_factory.mktemp("c") / "moe", ConvertSettings(bits=4), log=lambda m: None)
+    return mixtral_container(tmp_path_factory, N_EXPERTS, TOP_K, LAYERS)
 
 
 def _store(container, slots: int, **kw):
-    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
-    return load_model(container, offload=OffloadOptions(StoreSettings(capacity=slots * slot, **kw), 0))
+    return load_streamed(container, slots, 0, **kw)
 
 
 def _settled(store) -> None:
@@ -110,10 +101,7 @@ def test_the_ring_keeps_the_latest_changes_oldest_first():
 
 
 def test_the_counters_add_up_to_the_stores_own_over_a_generation(container):
-    probe = load_model(container, offload=OffloadOptions(StoreSettings(capacity=1 << 30)))
-    slot = probe.store.slot_bytes
-    probe.close()
-    loaded = load_model(container, offload=OffloadOptions(StoreSettings(capacity=5 * slot, policy="learned"), 1))
+    loaded = load_streamed(container, 5, policy="learned")
     try:
         loaded.store.trace = []
         greedy_logits(loaded, [3, 17, 5, 99, 42, 8], 10, batch_prompt=False)
