@@ -38,12 +38,18 @@ def no_leftovers(qapp, monkeypatch):
 
     monkeypatch.setattr(QTimer, "__init__", tracking_init)
     threads = set(threading.enumerate())
+    # the collections below then scan only what the test made: a worker's whole heap, grown by the modules before,
+    # took them seconds a test
+    gc.freeze()
     yield
     monkeypatch.undo()
-    for _ in range(3):  # deleteLater'd widgets go now, and Python-owned ones caught in reference cycles
-        QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
-        QApplication.processEvents()
-        gc.collect()
+    try:
+        for _ in range(3):  # deleteLater'd widgets go now, and Python-owned ones caught in reference cycles
+            QApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+            QApplication.processEvents()
+            gc.collect()
+    finally:
+        gc.unfreeze()
     deadline = time.monotonic() + 10
     while True:
         alive = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
