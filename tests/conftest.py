@@ -56,23 +56,52 @@ def hf_smol(smollm2_gguf: Path):
     return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
 
 
-# Modules that compile the largest kernels on a cold Numba cache (minutes each in CI's durations). They run first:
-# `make test` hands whole modules to two workers in collection order (--no-loadscope-reorder), and a module of
+# Modules that compile the same large kernels on a cold Numba cache: each group is one unit of `make test`'s
+# workers, so its modules run one after another in one process and compile those kernels once, where two workers
+# would compile them side by side (a worker loads from the disk cache only what the other has finished).
+SHARED_COMPILES = {
+    "kquant": ("tests/fused/test_fused_kquant.py", "tests/quant/test_kquant.py",
+               "tests/kernels/test_kquant_descriptors.py", "tests/kernels/test_iquant.py"),
+    "batch": ("tests/fused/test_fused_batch.py", "tests/generation/test_scheduler.py"),
+}
+GROUP_OF = {module: group for group, modules in SHARED_COMPILES.items() for module in modules}
+
+# The units that take longest (minutes each in CI's durations) run first: `make test` hands units to two workers
+# in collection order (--no-loadscope-reorder), a worker taking the next when it is nearly done, and a unit of
 # minutes started last is the whole run's tail. Longest first keeps the two workers ending together.
 HEAVY_FIRST = (
+    "kquant",
+    "batch",
     "tests/cli/test_warm.py",            # compiles the model's kernels into its own empty cache
-    "tests/fused/test_fused_kquant.py",
-    "tests/quant/test_kquant.py",
-    "tests/kernels/test_iquant.py",
     "tests/offload/test_tenet.py",
-    "tests/cli/test_no_traceback.py",
     "tests/moefy/test_moefy.py",
-    "tests/packaging/test_package.py",
     "tests/kernels/test_matmul.py",
+    "tests/packaging/test_package.py",
+    "tests/cli/test_no_traceback.py",
 )
 
 
+def _unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module's group, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return GROUP_OF.get(module, module)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Move the modules of HEAVY_FIRST to the front, in that order; every other test keeps its place."""
-    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    """Move the units of HEAVY_FIRST to the front, in that order (a group's modules together); every other test
+    keeps its place."""
+    rank = {unit: i for i, unit in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under --dist loadscope, scopes are the units above rather than bare modules."""
+    if config.getoption("dist", None) != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return UnitScheduling(config, log)
