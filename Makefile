@@ -23,7 +23,10 @@ DEBIAN_PACKAGES := libgl1 libegl1 libgl1-mesa-dri libfontconfig1 libfreetype6 li
 	libxcb-shm0 libxcb-sync1 libxcb-util1 libxcb-xfixes0 libxcb-xkb1 \
 	desktop-file-utils
 
-# Re-install only when pyproject.toml changes: one stamp per set of dependencies.
+# Re-install only when pyproject.toml changes: one stamp per set of dependencies. --no-compile: Python compiles a
+# module's bytecode when it is first imported, so pip's compiling of every file it installs (torch's thousands) is
+# time spent on modules nothing imports.
+PIP_FLAGS := --no-compile
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 TEST_STAMP := $(VENV)/.installed-test
 
@@ -93,11 +96,11 @@ $(VENV_PY):
 
 # torch==2.13.0 is pinned in the test extra: pip takes the CPU wheel from /opt/wheels, never another build.
 $(TEST_STAMP): pyproject.toml | $(VENV_PY)
-	$(VENV_PY) -m pip install -e '.[test]'
+	$(VENV_PY) -m pip install $(PIP_FLAGS) -e '.[test]'
 	touch $(RUNTIME_STAMP) $@
 
 $(RUNTIME_STAMP): pyproject.toml | $(VENV_PY)
-	$(VENV_PY) -m pip install -e .
+	$(VENV_PY) -m pip install $(PIP_FLAGS) -e .
 	touch $@
 
 clean: ## remove .venv and .cache
