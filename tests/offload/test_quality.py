@@ -97,7 +97,7 @@ def test_a_store_keeps_its_recent_steps_and_the_live_hits_over_them(container):
         # without pins or read-ahead the store's LRU is the replayed one, but not its order of uses: the fused step
         # asks for its missing experts mid-call, the blocks for a layer's union, and the live counts depend on when
         # each read lands; so the replay is near the live rate, not equal to it
-        assert abs(quality.at(5)[0] - trace.live_hit_rate) * trace.accesses <= 0.1 * trace.accesses
+        assert abs(quality.at(5)[0] - trace.live_hit_rate) <= 0.1
         assert quality.at(5)[1] >= quality.at(5)[0]
     finally:
         loaded.close()
