@@ -154,7 +154,7 @@ def attend_row(q, qo, d, kb, ks, vb, vs, heads_kv, bsize, dv, kv, table, p, lo, 
 @njit(boundscheck=False)
 def encode_i8_row(x, n, out, o):
     """x[:n] -> int8 out[o:o+n], returning the row's scale: absmax / 127, each value x / scale rounded to nearest
-    even and clipped to +-127. The same bits as the cache's numpy writer (`engine.kv._encode`): float32 division,
+    even and clipped to +-127. The same bits as the cache's numpy writer (`engine.kv.layers._encode`): float32 division,
     one rounding each."""
     amax = np.float32(0.0)
     for j in range(n):

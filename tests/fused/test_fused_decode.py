@@ -329,7 +329,7 @@ def test_a_sequence_that_cannot_go_on_fails_the_step_before_any_other_has_run(tm
 def test_the_int8_row_encoder_is_the_caches(tmp_path_factory):
     """The fused step's int8 writer gives the numpy writer's rows and scales, ties and zeros included."""
     from engine.kernels.attention import encode_i8_row
-    from engine.kv import _encode
+    from engine.kv.layers import _encode
 
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((64, 48)).astype(np.float32) * rng.uniform(0.01, 100, (64, 1)).astype(np.float32)

@@ -10,7 +10,8 @@ from engine.blocks.attention import attend, causal_mask
 from engine.blocks.rope import Rotary
 from engine.errors import ColibriError, GenerationError
 from engine.kernels.attention import attend_latent, attend_paged
-from engine.kv import KVCache, KVFullError, KVPool, _rotate_back, choose_victim
+from engine.kv import KVCache, KVFullError, KVPool, choose_victim
+from engine.kv.retention import _rotate_back
 from engine.loader import load_model
 from engine.spec import RopeSpec
 from support.families import FAMILIES
