@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 
 from app import cli
-from app.bench import synth
-from app.bench.synth import SHAPES, corpus_lines, plan_checkpoint, plan_container, write_checkpoint, write_container
+from app.bench.synth import (
+    SHAPES,
+    container,
+    corpus_lines,
+    plan_checkpoint,
+    plan_container,
+    write_checkpoint,
+    write_container,
+)
 from engine.errors import DiskFullError
 from engine.formats.container import Container
 from engine.formats.manifest import check_manifest
@@ -66,7 +73,7 @@ def test_generated_matrices_are_valid_and_have_a_trained_models_scale(bits: int)
 
     shape = (64, 1024)
     with ThreadPoolExecutor(1) as pool:
-        gen = synth._GeneratedQuant(pool, "w", shape, bits, 32, seed=0, std=0.02)
+        gen = container._GeneratedQuant(pool, "w", shape, bits, 32, seed=0, std=0.02)
         meta, buffers = gen.to_buffers()
         arrays = {k: np.concatenate([np.asarray(c).reshape(-1) for c in b.chunks()]).view(b.dtype).reshape(b.shape)
                   for k, b in buffers.items()}
@@ -164,7 +171,7 @@ def test_an_interrupted_write_resumes_to_the_same_bytes(tmp_path: Path, tiny: Pa
 
 def test_too_little_disk_is_refused_before_writing(tmp_path: Path, corpus: list[str], monkeypatch) -> None:
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(synth.shutil, "disk_usage", lambda p: usage._replace(free=1 << 20))
+    monkeypatch.setattr(container.shutil, "disk_usage", lambda p: usage._replace(free=1 << 20))
     with pytest.raises(DiskFullError, match="needs"):
         write_container("mixtral-tiny", tmp_path / "m", bits=4, corpus=corpus)
     assert list(tmp_path.iterdir()) == []
@@ -172,7 +179,7 @@ def test_too_little_disk_is_refused_before_writing(tmp_path: Path, corpus: list[
 
 def test_writing_holds_a_fixed_working_set(tmp_path: Path, corpus: list[str], monkeypatch) -> None:
     """A 2-layer slice of mixtral-1.7b (about 100 MB at 4 bits) is written with a Python peak of a few chunks."""
-    monkeypatch.setattr(synth, "GEN_BYTES", 256 << 10)
+    monkeypatch.setattr(container, "GEN_BYTES", 256 << 10)
     cplan = plan_container("mixtral-1.7b", 4, layers=2)
     write_container("llama-tiny", tmp_path / "warm", bits=4, corpus=corpus)      # imports and compiles first
     tracemalloc.start()

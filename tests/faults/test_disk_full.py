@@ -180,7 +180,7 @@ def test_synth_on_a_full_disk_raises_disk_full_and_keeps_nothing(tmp_path, monke
     with small_disk(1 << 20, tmp_path / "disk") as disk:
         with pytest.raises(ColibriError, match="free but the checkpoint needs"):   # the check before writing
             write_checkpoint("mixtral-tiny", disk / "tiny", corpus=corpus_lines(2000))
-        monkeypatch.setattr("app.bench.synth.shutil.disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
+        monkeypatch.setattr("app.bench.synth.checkpoint.shutil.disk_usage", lambda path: usage(1 << 50, 0, 1 << 50))
         with pytest.raises(DiskFullError, match=f"disk full in {disk} while writing the checkpoint"):
             write_checkpoint("mixtral-tiny", disk / "tiny", corpus=corpus_lines(2000))
         assert list(disk.iterdir()) == []

@@ -2,7 +2,7 @@
 hybrid linear-attention models (Qwen3-Next, Qwen3.5-MoE, Kimi Linear).
 
 Each is the released checkpoint's config.json values (the sizes that set memory and disk), with the synthetic
-tokenizer's token ids and without MTP layers, as app/bench/synth.py's published shapes, and the keys transformers
+tokenizer's token ids and without MTP layers, as shapes.py's published shapes, and the keys transformers
 adds when it saves the config (so that a config read and saved again by transformers is the same). Where a shape's RoPE
 scaling changes no size (Phi-3.5-MoE's LongRoPE factors) the default RoPE stands in for it.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.bench.synth_config import Shape, common_config
+from app.bench.synth.config import Shape, common_config
 
 
 def minimax_m2_config(*, head_dim: int, rotary_dim: int, experts: int, top_k: int, **kw: Any) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """What every synth shape shares: the config.json keys common to the families, the token ids of the synthetic
-tokenizer, and the `Shape` record (app/bench/synth.py and app/bench/synth_families.py define the shapes)."""
+tokenizer, and the `Shape` record (app/bench/synth/shapes.py and families.py define the shapes)."""
 
 from __future__ import annotations
 
