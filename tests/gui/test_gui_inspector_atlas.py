@@ -1,0 +1,158 @@
+"""The inspector's Atlas (pytest-qt): the offer to compute it, with progress and cancel, and the current token's
+experts without OpenGL (offscreen); the 3D canvas itself needs OpenGL, which the offscreen platform lacks:
+`test_atlas_renders_under_xvfb` runs the `gl_*` checks below in a child pytest on the Xvfb display that
+pytest-xvfb started.
+
+Snapshots come from a real `Telemetry` driven by a fake clock; atlases from `app.atlas.build.build_atlas`
+(`support.inspector`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before pytest-qt makes the QApplication
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtTest import QTest
+
+from support.inspector import (
+    Generation,
+    no_leftovers,  # noqa: F401 - an autouse fixture
+    redraw,
+    tiny_atlas,
+)
+from ui.inspector import Inspector
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_atlas_offers_to_compute_with_progress_and_cancel(qtbot, inspector):
+    atlas = inspector.atlas
+    inspector.tabs.setCurrentWidget(atlas)
+    assert atlas.pages.currentIndex() == 0 and not atlas.compute_button.isEnabled()  # no MoE model yet
+    inspector.set_model_info(4, 8, None)
+    assert atlas.compute_button.isVisible() and atlas.compute_button.isEnabled()
+    with qtbot.waitSignal(inspector.atlasRequested, timeout=3000):
+        QTest.mouseClick(atlas.compute_button, Qt.MouseButton.LeftButton)
+    inspector.set_atlas_progress(0.4)
+    assert atlas.progress.isVisible() and atlas.cancel_button.isVisible() and not atlas.compute_button.isVisible()
+    assert atlas.progress.value() == 400
+    with qtbot.waitSignal(inspector.atlasCancelRequested, timeout=3000):
+        QTest.mouseClick(atlas.cancel_button, Qt.MouseButton.LeftButton)
+    inspector.set_atlas_progress(None)
+    assert not atlas.progress.isVisible() and atlas.compute_button.isVisible()
+
+    inspector.set_atlas(tiny_atlas(4, 8, 3))
+    assert atlas.pages.currentIndex() == 1
+    assert [r.text() for r in atlas.legend.rows] == ["Topic 0 (12)", "Topic 1 (11)", "Topic 2 (8)", "never chosen (1)"]
+    # offscreen Qt has no OpenGL: a message instead of the canvas, and no crash
+    assert atlas.canvas is None
+    assert atlas.no_gl.isVisible() and "OpenGL" in atlas.no_gl.text()
+
+    inspector.set_atlas(None)
+    assert atlas.pages.currentIndex() == 0
+
+
+def test_atlas_tracks_the_current_tokens_experts_without_gl(qtbot, inspector):
+    gen = Generation(4, 8)
+    gen.decode(3)
+    data = tiny_atlas(4, 8, 3)
+    inspector.set_atlas(data)
+    inspector.tabs.setCurrentWidget(inspector.atlas)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    lit = {tuple(int(v) for v in inspector.atlas.data.keys[r]) for r in inspector.atlas.lit_rows}
+    assert lit == {(layer, e) for layer, ids in gen.current() for e in ids}
+
+
+def test_set_atlas_names_an_unreadable_atlas(qtbot, inspector):
+    with pytest.raises(ValueError, match="colibri atlas"):
+        inspector.set_atlas({"format": "colibri-atlas", "layers": []})
+
+
+def test_atlas_renders_under_xvfb(xvfb, tmp_path):
+    """Run the gl_* checks in a child pytest on the X server (the offscreen platform has no OpenGL)."""
+    if xvfb is None:
+        pytest.skip("pytest-xvfb started no X server (Xvfb missing, or --no-xvfb): `apt install xvfb`")
+    env = dict(os.environ, QT_QPA_PLATFORM="xcb", DISPLAY=f":{xvfb.display}")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:xvfb", "-p", "no:cacheprovider",
+           "-o", "python_functions=gl_*", "--rootdir", str(REPO), "--basetemp", str(tmp_path / "child")]
+    child = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, f"the GL checks failed under Xvfb:\n{child.stdout}\n{child.stderr}"
+    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout
+
+
+def gl_atlas_renders_lights_picks_and_selects(qtbot, inspector):
+    """(Xvfb child only) the canvas draws, routed experts light up, hover names and click selects."""
+    from ui.inspector.atlas import gl_problem
+
+    assert gl_problem() is None, gl_problem()
+    gen = Generation(8, 16)
+    gen.decode(4)
+    inspector.set_model_info(8, 16, None)
+    inspector.set_atlas(tiny_atlas(8, 16, 5))
+    inspector.tabs.setCurrentWidget(inspector.atlas)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    atlas = inspector.atlas
+    assert atlas.canvas is not None and atlas.canvas.native.isVisible()
+    qtbot.wait(100)
+
+    image = atlas.canvas.render()                                     # [H, W, 4] uint8
+    assert image.shape[2] == 4 and image.shape[0] > 100
+    assert image[..., :3].std() > 5, "the atlas rendered a blank image"
+    assert len(np.unique(image[..., :3].reshape(-1, 3), axis=0)) > 5  # several topic colours, not one fill
+    assert atlas._lit.visible and len(atlas.lit_rows) == 16
+
+    # hover and click the point that is nearest to its own screen position (not hidden by another)
+    xy = atlas.screen_positions()
+    row = next(i for i in range(len(xy)) if atlas.pick(*xy[i]) == i)
+    key = (int(atlas.data.keys[row, 0]), int(atlas.data.keys[row, 1]))
+    where = QPoint(int(round(xy[row, 0])), int(round(xy[row, 1])))
+    QTest.mouseMove(atlas.canvas.native, where)
+    qtbot.waitUntil(lambda: atlas.hovered == key, timeout=3000)
+    assert f"layer {key[0]}, expert {key[1]}" in atlas.legend.info.text()
+    with qtbot.waitSignal(inspector.expertSelected, timeout=3000) as blocker:
+        QTest.mouseClick(atlas.canvas.native, Qt.MouseButton.LeftButton, pos=where)
+    assert blocker.args == list(key)
+    assert atlas._ring.visible and inspector.brain.selected_cell == key
+
+    inspector.close_views()
+    assert atlas.canvas is None
+
+
+def gl_atlas_survives_its_dock_floating(qtbot):
+    """(Xvfb child only) floating a dock gives the canvas a new GL context: the atlas is rebuilt, not broken."""
+    from PySide6.QtWidgets import QDockWidget, QLabel, QMainWindow
+
+    win = QMainWindow()
+    insp = Inspector()
+    qtbot.addWidget(win, before_close_func=lambda w: insp.close_views())
+    dock = QDockWidget("Inspector")
+    dock.setWidget(insp)
+    win.setCentralWidget(QLabel("chat"))
+    win.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, dock)
+    win.resize(1000, 600)
+    win.show()
+    qtbot.waitExposed(win)
+    gen = Generation(8, 16)
+    gen.decode(2)
+    insp.set_atlas(tiny_atlas(8, 16, 5))
+    insp.tabs.setCurrentWidget(insp.atlas)
+    insp.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, insp)
+    first = insp.atlas.canvas
+
+    dock.setFloating(True)
+    qtbot.waitUntil(lambda: insp.atlas.canvas is not None and insp.atlas.canvas is not first, timeout=5000)
+    qtbot.wait(100)
+    image = insp.atlas.canvas.render()
+    assert image[..., :3].std() > 5, "the atlas went blank when its dock floated"
+    assert insp.atlas._points.visible and insp.atlas._lit.visible

@@ -1,0 +1,82 @@
+"""The inspector's Time tab (pytest-qt, offscreen): one stacked bar per record, the averages, a scale for the
+decoded tokens that cuts a prompt's spike, and round tick labels.
+
+Snapshots come from a real `Telemetry` driven by a fake clock (`support.inspector`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before pytest-qt makes the QApplication
+
+import pytest
+
+from engine.telemetry import PHASES
+from support.inspector import (
+    Generation,
+    no_leftovers,  # noqa: F401 - an autouse fixture
+    redraw,
+)
+from ui.inspector.common import fmt_ms
+
+
+def test_time_draws_one_stacked_bar_per_record_and_the_averages(qtbot, inspector):
+    gen = Generation()
+    gen.prefill(5)
+    gen.decode(12)
+    snap = gen.tel.snapshot()
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(snap)
+    redraw(qtbot, inspector)
+
+    view = inspector.time
+    assert view.bar_count() == len(snap.recent) == 13
+    att, dense = view.bars["attention"].opts, view.bars["dense"].opts
+    assert att["height"][0] == pytest.approx(3.0)     # the prompt chunk, per token: 15 ms / 5
+    assert att["height"][-1] == pytest.approx(2.0)
+    assert dense["y0"][-1] == pytest.approx(2.0)      # stacked on attention
+    assert view.bars["other"].opts["y0"][-1] == pytest.approx(9.5)
+    assert len(view.prefill_marks.data) == 1
+    for p in PHASES:
+        assert view.averages[p].text() == fmt_ms(snap.averages[p])
+    assert view.averages["io_wait"].text() == "4.0 ms"
+    assert view.shares["io_wait"].text() == "40.0%"
+    assert view.mean_line.value() == pytest.approx(10.0)
+
+
+def test_time_scales_to_decoded_tokens_and_cuts_a_prompt_spike(qtbot, inspector):
+    gen = Generation()
+    with gen.tel.phase("attention"):                  # a slow first prompt chunk: 400 ms per token
+        gen.clock.advance(400 * 8)
+    gen.tel.end_token(n=8, prefill=True)
+    gen.decode(30)
+    inspector.resize(900, 600)
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+
+    view = inspector.time
+    # decoded bars are 10 ms: the scale leaves them room (twice the mean), not the 400 ms spike
+    assert view.scale == 25.0
+    assert view.plot.getPlotItem().getViewBox().viewRange()[1] == pytest.approx([0.0, 25.0])
+    assert len(view.clip_marks.data) == 1 and view.clip_marks.data["x"][0] < 1
+    assert "1 bars cut at the top" in view.total.text() and "400.0 ms" in view.total.text()
+    # the bars use the tab's width; the table sits under them
+    assert view.plot.width() > 0.9 * view.width()
+
+
+def test_time_axes_carry_a_few_round_tick_labels(qtbot, inspector):
+    gen = Generation()
+    gen.prefill(50)
+    gen.decode(300)
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    item = inspector.time.plot.getPlotItem()
+    qtbot.waitUntil(lambda: inspector.time.bar_count() == 301, timeout=3000)
+    for name, most in (("bottom", 6), ("left", 5)):
+        axis = item.getAxis(name)
+        low, high = axis.range
+        labelled = axis.tickValues(low, high, axis.height() if name == "left" else axis.width())[0][1]
+        assert 2 <= len(labelled) <= most + 1, (name, labelled)
