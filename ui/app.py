@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QSettings, Qt, QTimer
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QSettings, Qt, QTimer
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -42,7 +42,7 @@ from ui.library import LibraryDialog
 from ui.models import ModelActions
 from ui.selftest import SelfTest, SelfTestRun
 from ui.settings_dialog import AppSettings, SettingsDialog, ShortcutsDialog, compute_threads, models_folder
-from ui.theme import THEMES, app_icon, apply_theme
+from ui.theme import THEMES, app_icon, apply_theme, theme_name
 from ui.widgets import ElidedLabel, InspectorPlaceholder
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ LICENCE = ("Apache-2.0", "https://www.apache.org/licenses/LICENSE-2.0")
 LINKS = (("Qt for Python (PySide6), LGPL-3.0", "https://doc.qt.io/qtforpython-6/"),
          ("pyqtgraph, MIT", "https://www.pyqtgraph.org/"),
          ("numba, BSD-2-Clause", "https://numba.pydata.org/"),
-         ("The demo model: SmolLM2-135M-Instruct, Apache-2.0",
+         (QT_TRANSLATE_NOOP("About", "The demo model: SmolLM2-135M-Instruct, Apache-2.0"),
           "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct"))
 
 
@@ -109,9 +109,10 @@ class MainWindow(QMainWindow):
         self.models = ModelActions(self, self.settings)
         self.setCentralWidget(self.chat)
         self.setDockNestingEnabled(True)
-        self._dock("Conversations", self.conversations, Qt.DockWidgetArea.LeftDockWidgetArea)
-        self._dock("Controls", self.controls, Qt.DockWidgetArea.LeftDockWidgetArea)
-        self._dock("Inspector", self.inspector, Qt.DockWidgetArea.RightDockWidgetArea)
+        left, right = Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea
+        self._dock("Conversations", self.tr("Conversations"), self.conversations, left)
+        self._dock("Controls", self.tr("Controls"), self.controls, left)
+        self._dock("Inspector", self.tr("Inspector"), self.inspector, right)
         self._build_menus()
         self._build_status()
         self._wire()
@@ -123,9 +124,10 @@ class MainWindow(QMainWindow):
 
     # --- building ---
 
-    def _dock(self, title: str, widget: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
+    def _dock(self, name: str, title: str, widget: QWidget, area: Qt.DockWidgetArea) -> QDockWidget:
+        """A dock titled title; its object name (kept in the saved layout) is "dock" + name, whatever the language."""
         dock = QDockWidget(title, self)
-        dock.setObjectName(f"dock{title}")
+        dock.setObjectName(f"dock{name}")
         dock.setWidget(widget)
         dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                          | QDockWidget.DockWidgetFeature.DockWidgetClosable
@@ -134,20 +136,20 @@ class MainWindow(QMainWindow):
         return dock
 
     def _build_menus(self) -> None:
-        file = self.menuBar().addMenu("&File")
+        file = self.menuBar().addMenu(self.tr("&File"))
         file.addAction(self.models.open_folder)
         file.addAction(self.models.open_gguf)
         file.addMenu(self.models.recent_menu)
         self.library_action = QAction(self.tr("Model library…"), self, shortcut=QKeySequence("Ctrl+L"))
         self.library_action.triggered.connect(lambda: self.show_library())
         file.addAction(self.library_action)
-        self.get_model = get_model = QAction("Get a model…", self)
+        self.get_model = get_model = QAction(self.tr("Get a model…"), self)
         get_model.triggered.connect(lambda: self.show_first_run())
         file.addAction(get_model)
         file.addSeparator()
         file.addAction(self.models.convert)
         file.addSeparator()
-        self.export_action = QAction("Export conversation…", self)
+        self.export_action = QAction(self.tr("Export conversation…"), self)
         self.export_action.triggered.connect(lambda: self.chat.export_conversation())
         file.addAction(self.export_action)
         file.addSeparator()
@@ -155,11 +157,11 @@ class MainWindow(QMainWindow):
         self.settings_action.triggered.connect(lambda: self.show_settings())
         file.addAction(self.settings_action)
         file.addSeparator()
-        quit_action = QAction("Quit", self, shortcut=QKeySequence.StandardKey.Quit)
+        quit_action = QAction(self.tr("Quit"), self, shortcut=QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
         file.addAction(quit_action)
-        chat = self.menuBar().addMenu("&Chat")
-        new = QAction("New chat", self, shortcut=QKeySequence.StandardKey.New)
+        chat = self.menuBar().addMenu(self.tr("&Chat"))
+        new = QAction(self.tr("New chat"), self, shortcut=QKeySequence.StandardKey.New)
         new.triggered.connect(self._new_conversation)
         chat.addAction(new)
         self.chat_actions = {"new": new}
@@ -172,16 +174,16 @@ class MainWindow(QMainWindow):
             action.triggered.connect(slot)
             chat.addAction(action)
             self.chat_actions[key] = action
-        view = self.menuBar().addMenu("&View")
+        view = self.menuBar().addMenu(self.tr("&View"))
         for dock in self.findChildren(QDockWidget):
             view.addAction(dock.toggleViewAction())
         view.addSeparator()
-        self._build_theme_menu(view.addMenu("Theme"))
-        help_menu = self.menuBar().addMenu("&Help")
+        self._build_theme_menu(view.addMenu(self.tr("Theme")))
+        help_menu = self.menuBar().addMenu(self.tr("&Help"))
         shortcuts = QAction(self.tr("Keyboard shortcuts"), self, shortcut=QKeySequence("F1"))
         shortcuts.triggered.connect(lambda: self.show_shortcuts())
         help_menu.addAction(shortcuts)
-        about = QAction("About Colibri", self)
+        about = QAction(self.tr("About Colibri"), self)
         about.triggered.connect(self._about)
         help_menu.addAction(about)
 
@@ -193,7 +195,7 @@ class MainWindow(QMainWindow):
         group.setExclusive(True)
         self.theme_actions: dict[str, QAction] = {}
         for choice in THEMES:
-            action = QAction(choice.capitalize(), self, checkable=True)
+            action = QAction(theme_name(choice), self, checkable=True)
             action.setChecked(choice == saved)
             action.triggered.connect(lambda _=False, choice=choice: self.set_theme(choice))
             group.addAction(action)
@@ -273,13 +275,13 @@ class MainWindow(QMainWindow):
         return dlg
 
     def _build_status(self) -> None:
-        self.model_label = ElidedLabel("No model")
+        self.model_label = ElidedLabel(self.tr("No model"))
         self.model_label.setObjectName("modelLabel")
         self.load_bar = QProgressBar()
         self.load_bar.setRange(0, 1000)
         self.load_bar.setMaximumWidth(220)
         self.load_bar.setTextVisible(True)
-        self.load_cancel = QPushButton("Cancel")
+        self.load_cancel = QPushButton(self.tr("Cancel"))
         self.load_cancel.clicked.connect(self.cancel_load)
         self.connection_label = QLabel()        # a remote server's telemetry stream: connected, or lost and why
         self.connection_label.setObjectName("connectionLabel")
@@ -323,7 +325,7 @@ class MainWindow(QMainWindow):
     def _remote_mode(self) -> None:
         """Disable what only makes sense for a model on this machine, each saying why."""
         url = self.remote.url
-        why = f"the model is served by {url}; open, pull or convert models on that machine"
+        why = self.tr("the model is served by {url}; open, pull or convert models on that machine").format(url=url)
         for action in (self.models.open_folder, self.models.open_gguf, self.models.convert, self.get_model,
                        self.models.recent_menu.menuAction(), self.library_action):
             action.setEnabled(False)
@@ -332,7 +334,7 @@ class MainWindow(QMainWindow):
         for menu in self.findChildren(QMenu):
             menu.setToolTipsVisible(True)
         self.connection_label.show()
-        self.connection_label.setText(f"Connecting to {url}…")
+        self.connection_label.setText(self.tr("Connecting to {url}…").format(url=url))
         self._remote_atlas_offer()
 
     def _remote_atlas_offer(self) -> None:
@@ -342,8 +344,8 @@ class MainWindow(QMainWindow):
         if self.remote is None or button is None:
             return
         button.setEnabled(False)
-        button.setToolTip(f"the atlas of a served model is computed where it runs: `colibri atlas MODEL` on the "
-                          f"machine of {self.remote.url}, then reconnect")
+        button.setToolTip(self.tr("the atlas of a served model is computed where it runs: `colibri atlas MODEL` on "
+                                  "the machine of {url}, then reconnect").format(url=self.remote.url))
 
     def _on_connection(self, event: ConnectionChanged) -> None:
         """The remote telemetry stream was lost or regained: say so; once back, read again what the server serves
@@ -351,7 +353,7 @@ class MainWindow(QMainWindow):
         label = self.connection_label
         label.setToolTip(event.message)
         if event.connected:
-            label.setText(f"● live: {event.url}")
+            label.setText(self.tr("● live: {url}").format(url=event.url))
             label.setStyleSheet("")
             back = self.info is None or self._connection_lost
             if back and self._load_request is None and not self.chat.generating:
@@ -375,8 +377,10 @@ class MainWindow(QMainWindow):
         self._load_request = self.bridge.service.load(path, options)
         self.chat.set_model(None)
         self.controls.set_model(None)
-        self.model_label.setText(f"Connecting to {self.remote.url}…" if self.remote is not None
-                                 else f"Loading {Path(path).name}…")
+        if self.remote is not None:
+            self.model_label.setText(self.tr("Connecting to {url}…").format(url=self.remote.url))
+        else:
+            self.model_label.setText(self.tr("Loading {name}…").format(name=Path(path).name))
         self.load_bar.setValue(0)
         self.load_bar.show()
         self.load_cancel.show()
@@ -415,7 +419,7 @@ class MainWindow(QMainWindow):
     def compute_atlas(self) -> None:
         """Compute the loaded model's atlas (the inspector asked)."""
         if self.info is None:
-            self.show_error("No model", "Open a Mixture-of-Experts model before computing its atlas.")
+            self.show_error(self.tr("No model"), self.tr("Open a Mixture-of-Experts model before computing its atlas."))
             return
         self._atlas_request = self.bridge.service.compute_atlas()
         self.inspector.set_atlas_progress(0.0)
@@ -446,11 +450,12 @@ class MainWindow(QMainWindow):
             self.inspector.set_atlas(dict(event.atlas) if event.atlas is not None else None)
         except ValueError as exc:
             log.warning("the atlas of %s is not shown: %s", info.name, exc)
-        how = {"experts": "experts stream from disk", "layers": "layers stream from disk"}.get(info.streaming,
-                                                                                               "held in memory")
+        how = {"experts": self.tr("experts stream from disk"), "layers": self.tr("layers stream from disk")}.get(
+            info.streaming, self.tr("held in memory"))
         if self.remote is not None:
             self._remote_atlas_offer()
-            self.model_label.setText(f"{info.name} · {info.architecture} · {how} · served by {self.remote.url}")
+            self.model_label.setText(self.tr("{name} · {architecture} · {how} · served by {url}").format(
+                name=info.name, architecture=info.architecture, how=how, url=self.remote.url))
             log.info("connected to %s serving %s (%s, %s)", self.remote.url, info.name, info.architecture, how)
             self.setWindowTitle(f"{info.name} @ {self.remote.endpoint.host} — {APP_NAME}")
             return
@@ -471,15 +476,16 @@ class MainWindow(QMainWindow):
         self._remote_atlas_offer()
         self.setWindowTitle(APP_NAME)
         if event.cancelled:
-            self.model_label.setText("Loading cancelled")
+            self.model_label.setText(self.tr("Loading cancelled"))
         elif self.remote is not None:
             log.warning("no connection: %s", event.message)
-            self.model_label.setText(f"Not connected to {self.remote.url} (retrying in the background)")
-            self.show_error("The server cannot be reached", event.message)
+            self.model_label.setText(self.tr("Not connected to {url} (retrying in the background)").format(
+                url=self.remote.url))
+            self.show_error(self.tr("The server cannot be reached"), event.message)
         else:
             log.warning("the model did not load: %s", event.message)
-            self.model_label.setText("No model (the last one failed to load)")
-            self.show_error("The model could not be loaded", event.message)
+            self.model_label.setText(self.tr("No model (the last one failed to load)"))
+            self.show_error(self.tr("The model could not be loaded"), event.message)
 
     def _given_settings(self) -> frozenset[str]:
         """The live settings the window's load options set (from the command line): remembered ones yield to them."""
@@ -516,13 +522,13 @@ class MainWindow(QMainWindow):
         try:
             self.inspector.set_atlas(dict(event.atlas))
         except ValueError as exc:
-            self.show_error("The atlas cannot be shown", str(exc))
+            self.show_error(self.tr("The atlas cannot be shown"), str(exc))
 
     def _on_atlas_failed(self, event) -> None:
         self._atlas_request = None
         self.inspector.set_atlas_progress(None)
         if not event.cancelled:
-            self.show_error("The atlas could not be computed", event.message)
+            self.show_error(self.tr("The atlas could not be computed"), event.message)
 
     def show_error(self, title: str, message: str) -> QMessageBox:
         """A non-blocking error dialog (the app stays up and responsive)."""
@@ -547,7 +553,7 @@ class MainWindow(QMainWindow):
         try:
             conv = self.store.load(conversation_id)
         except (OSError, ValueError) as exc:
-            self.show_error("The conversation cannot be opened", str(exc))
+            self.show_error(self.tr("The conversation cannot be opened"), str(exc))
             return
         self.chat.open_conversation(conv)
         self._refresh_conversations()
@@ -611,13 +617,17 @@ class MainWindow(QMainWindow):
         """The About box: what Colibri is, its version and licence, and links (non-blocking)."""
         from app import __version__
 
-        links = "".join(f'<li><a href="{url}">{name}</a></li>' for name, url in LINKS)
+        links = "".join(f'<li><a href="{url}">{QCoreApplication.translate("About", name)}</a></li>'
+                        for name, url in LINKS)
+        licence = f'<a href="{LICENCE[1]}">{LICENCE[0]}</a>'
         text = (f"<h3>Colibri {__version__}</h3>"
-                "<p>Colibri runs language models, above all Mixture-of-Experts models, on computers whose memory "
-                "cannot hold them, streaming experts from disk under a memory budget.</p>"
-                f'<p>Licence: <a href="{LICENCE[1]}">{LICENCE[0]}</a>.</p>'
-                f"<p>Built on:</p><ul>{links}</ul>")
-        box = QMessageBox(QMessageBox.Icon.NoIcon, "About Colibri", text, QMessageBox.StandardButton.Ok, self)
+                + "<p>{}</p>".format(self.tr("Colibri runs language models, above all Mixture-of-Experts models, on "
+                                             "computers whose memory cannot hold them, streaming experts from disk "
+                                             "under a memory budget."))
+                + "<p>{}</p>".format(self.tr("Licence: {licence}.").format(licence=licence))
+                + "<p>{}</p><ul>{}</ul>".format(self.tr("Built on:"), links))
+        box = QMessageBox(QMessageBox.Icon.NoIcon, self.tr("About Colibri"), text, QMessageBox.StandardButton.Ok,
+                          self)
         box.setObjectName("aboutBox")
         box.setIconPixmap(app_icon().pixmap(64, 64))
         box.setTextFormat(Qt.TextFormat.RichText)

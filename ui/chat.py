@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from PySide6.QtCore import QEvent, QObject, QSettings, Qt, Signal
+from PySide6.QtCore import QCoreApplication, QEvent, QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -122,7 +122,7 @@ class ChatPanel(QWidget):
         self.transcript.regenerateRequested.connect(self.regenerate_at)
         self.edit_note = QLabel()
         self.edit_note.setWordWrap(True)
-        self.edit_cancel = QPushButton("Cancel edit")
+        self.edit_cancel = QPushButton(self.tr("Cancel edit"))
         self.edit_cancel.clicked.connect(self.cancel_edit)
         self.edit_bar = QWidget()
         edit_row = QHBoxLayout(self.edit_bar)
@@ -135,28 +135,30 @@ class ChatPanel(QWidget):
         self.status.setObjectName("chatStatus")
         self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
-        self.system_toggle = QToolButton(text="System prompt", checkable=True)
+        self.system_toggle = QToolButton(text=self.tr("System prompt"), checkable=True)
         self.system_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.system_toggle.setArrowType(Qt.ArrowType.RightArrow)
         self.system_edit = QPlainTextEdit()
-        self.system_edit.setPlaceholderText("Instructions the model reads before the conversation (optional)")
+        self.system_edit.setPlaceholderText(self.tr("Instructions the model reads before the conversation (optional)"))
         self.system_edit.setMaximumHeight(80)
         self.system_edit.setVisible(False)
         self.system_toggle.toggled.connect(self._toggle_system)
 
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, decimals=2)
-        self.temperature.setToolTip("how freely tokens are chosen; 0 is greedy: the likeliest token every time")
-        self.greedy = QCheckBox("Greedy")
-        self.greedy.setToolTip("always the likeliest token (temperature 0): the same answer every time")
+        self.temperature.setToolTip(self.tr("how freely tokens are chosen; 0 is greedy: the likeliest token every "
+                                            "time"))
+        self.greedy = QCheckBox(self.tr("Greedy"))
+        self.greedy.setToolTip(self.tr("always the likeliest token (temperature 0): the same answer every time"))
         self.top_p = QDoubleSpinBox(minimum=0.05, maximum=1.0, singleStep=0.05, decimals=2)
-        self.top_p.setToolTip("nucleus sampling: keep the likeliest tokens holding this much probability (1 is off)")
+        self.top_p.setToolTip(self.tr("nucleus sampling: keep the likeliest tokens holding this much probability "
+                                      "(1 is off)"))
         self.repeat_penalty = QDoubleSpinBox(minimum=1.0, maximum=2.0, singleStep=0.05, decimals=2)
-        self.repeat_penalty.setToolTip("makes tokens already in the conversation less likely (1 is off; small "
-                                       "models repeat themselves less at 1.1)")
+        self.repeat_penalty.setToolTip(self.tr("makes tokens already in the conversation less likely (1 is off; "
+                                               "small models repeat themselves less at 1.1)"))
         self.max_tokens = QSpinBox(minimum=1, maximum=32768, singleStep=64)
-        self.max_tokens.setToolTip("the longest answer, in tokens")
-        self.stop_loops = QCheckBox("Stop loops")
-        self.stop_loops.setToolTip("stop an answer that starts repeating itself, and say so")
+        self.max_tokens.setToolTip(self.tr("the longest answer, in tokens"))
+        self.stop_loops = QCheckBox(self.tr("Stop loops"))
+        self.stop_loops.setToolTip(self.tr("stop an answer that starts repeating itself, and say so"))
         self.stop_loops.setChecked(self.defaults.stop_loops)
         self.temperature.valueChanged.connect(self._temperature_changed)
         self.greedy.toggled.connect(self._greedy_toggled)
@@ -170,14 +172,14 @@ class ChatPanel(QWidget):
         self.system_edit.textChanged.connect(self._show_preset)
 
         self.input = QPlainTextEdit()
-        self.input.setPlaceholderText("Ask something (Enter sends, Shift+Enter for a new line)")
+        self.input.setPlaceholderText(self.tr("Ask something (Enter sends, Shift+Enter for a new line)"))
         self.input.setMaximumHeight(110)
         self.input.installEventFilter(_SendOnEnter(self))
 
-        self.send_button = QPushButton("Send")
+        self.send_button = QPushButton(self.tr("Send"))
         self.send_button.setDefault(True)
-        self.stop_button = QPushButton("Stop")
-        self.regen_button = QPushButton("Regenerate")
+        self.stop_button = QPushButton(self.tr("Stop"))
+        self.regen_button = QPushButton(self.tr("Regenerate"))
         self.send_button.clicked.connect(lambda: self.send())
         self.stop_button.clicked.connect(self.stop)
         self.regen_button.clicked.connect(self.regenerate)
@@ -185,8 +187,9 @@ class ChatPanel(QWidget):
 
         # short rows rather than one long one: the chat keeps a narrow minimum width beside the docks
         rows = (((self.tr("Preset"), self.preset_picker), (self.tr("Drafting"), self.drafting)),
-                (("Temperature", self.temperature), ("", self.greedy), ("Top-p", self.top_p)),
-                (("Repeat penalty", self.repeat_penalty), ("Max tokens", self.max_tokens), ("", self.stop_loops)))
+                ((self.tr("Temperature"), self.temperature), ("", self.greedy), (self.tr("Top-p"), self.top_p)),
+                ((self.tr("Repeat penalty"), self.repeat_penalty), (self.tr("Max tokens"), self.max_tokens),
+                 ("", self.stop_loops)))
         settings = QVBoxLayout()
         settings.setSpacing(2)
         for row in rows:
@@ -220,15 +223,17 @@ class ChatPanel(QWidget):
         """The model answers come from (None: none loaded, nothing can be sent)."""
         self.info = info
         demo = info is not None and is_demo(info)
-        self.transcript.setPlaceholderText(DEMO_NOTE if demo else "")
+        self.transcript.setPlaceholderText(QCoreApplication.translate("ChatPanel", DEMO_NOTE) if demo else "")
         self.context_meter.set_total(info.settings.context_length if info is not None else None)
         self.drafting.set_model(info, self.remote)
         if info is None:
-            self._set_status("Open a model to chat (File ▸ Open)")
+            self._set_status(self.tr("Open a model to chat (File ▸ Open)"))
         elif not info.chat:
-            self._set_status(f"{info.name} has no chat template: it cannot chat")
+            self._set_status(self.tr("{name} has no chat template: it cannot chat").format(name=info.name))
+        elif demo:
+            self._set_status(self.tr("Ready: {name} (the small demo model)").format(name=info.name))
         else:
-            self._set_status(f"Ready: {info.name}" + (" (the small demo model)" if demo else ""))
+            self._set_status(self.tr("Ready: {name}").format(name=info.name))
         self._update_buttons()
 
     def open_conversation(self, conv: Conversation) -> None:
@@ -284,13 +289,13 @@ class ChatPanel(QWidget):
         if not 0 <= index < len(turns) or turns[index].role != "user":
             return False
         if self.generating:
-            self._set_status("Wait for the answer to end, or stop it, before editing a question")
+            self._set_status(self.tr("Wait for the answer to end, or stop it, before editing a question"))
             return False
         self.editing = index
         self.input.setPlainText(turns[index].content)
-        self.edit_note.setText(f"Editing question {sum(t.role == 'user' for t in turns[:index + 1])}: Send starts "
-                               f"a branch here; the conversation after it is kept as “{self.conversation.title} "
-                               "(branch)”. Escape cancels.")
+        self.edit_note.setText(self.tr("Editing question {n}: Send starts a branch here; the conversation after it "
+                                       "is kept as “{title} (branch)”. Escape cancels.").format(
+            n=sum(t.role == "user" for t in turns[:index + 1]), title=self.conversation.title))
         self.edit_bar.show()
         self.input.setFocus()
         return True
@@ -309,7 +314,7 @@ class ChatPanel(QWidget):
             conv = (self.conversation if conversation_id == self.conversation.id
                     else self.store.load(conversation_id)).renamed(title)
         except (OSError, ValueError) as exc:
-            self._set_status(f"Not renamed: {exc}")
+            self._set_status(self.tr("Not renamed: {why}").format(why=exc))
             self.conversationsChanged.emit()        # the list shows the title it had
             return False
         if conversation_id == self.conversation.id:
@@ -326,10 +331,10 @@ class ChatPanel(QWidget):
             conv = (self.conversation if conversation_id in (None, self.conversation.id)
                     else self.store.load(str(conversation_id)))
         except (OSError, ValueError) as exc:
-            self._set_status(f"Not exported: {exc}")
+            self._set_status(self.tr("Not exported: {why}").format(why=exc))
             return None
         if not conv.turns:
-            self._set_status("Nothing to export yet: ask a question first")
+            self._set_status(self.tr("Nothing to export yet: ask a question first"))
             return None
         if self.export_dialog is not None:
             self.export_dialog.reject()
@@ -343,9 +348,10 @@ class ChatPanel(QWidget):
             written = export(conv, path)
         except (OSError, ValueError) as exc:
             log.warning("conversation %s not exported: %s", conv.id, exc)
-            self._set_status(f"Not exported: {exc}")
+            self._set_status(self.tr("Not exported: {why}").format(why=exc))
             return
-        self._set_status(f"Exported “{conv.title}” as {EXPORTS[written.suffix.lower()]} to {written}")
+        self._set_status(self.tr("Exported “{title}” as {format} to {path}").format(
+            title=conv.title, format=EXPORTS[written.suffix.lower()], path=written))
 
     def _export_closed(self, dlg: QFileDialog) -> None:
         if self.export_dialog is dlg:
@@ -355,7 +361,7 @@ class ChatPanel(QWidget):
         """Stop the answer being written (the engine stops before its next token)."""
         if self._request is not None:
             self.bridge.service.cancel(self._request)
-            self._set_status("Stopping…")
+            self._set_status(self.tr("Stopping…"))
 
     def regenerate(self) -> bool:
         """Write the last answer again."""
@@ -453,7 +459,7 @@ class ChatPanel(QWidget):
         self._request = self.bridge.service.generate(messages=self.conversation.messages(), sampling=params,
                                                      max_tokens=s.max_tokens, **drafting)
         self.transcript.begin_answer(len(self.conversation.turns))
-        self._set_status("Reading the prompt…")
+        self._set_status(self.tr("Reading the prompt…"))
         self._update_buttons()
 
     def _on_generation(self, request: int, event: object) -> None:
@@ -471,14 +477,15 @@ class ChatPanel(QWidget):
                 self.loop = self._loops.push(loop_key(event))
                 if self.loop is not None:   # the engine stops before its next token; _finish cuts the loop
                     self.bridge.service.cancel(request)
-                    self._set_status("Stopping: the answer repeats itself…")
+                    self._set_status(self.tr("Stopping: the answer repeats itself…"))
                     return
             if self._tokens == 1 or self._tokens % 16 == 0:
-                self._set_status(f"Writing… {self._tokens} tokens")
+                self._set_status(self.tr("Writing… {n} tokens").format(n=self._tokens))
                 if shown and self._prompt_tokens:
                     self.context_meter.set_used(self._prompt_tokens + self._tokens)
         elif isinstance(event, ProgressEvent):
-            self._set_status(f"Reading the prompt: {event.done}/{event.total} tokens")
+            self._set_status(self.tr("Reading the prompt: {done}/{total} tokens").format(done=event.done,
+                                                                                          total=event.total))
             self._prompt_tokens = event.total
             if shown:
                 self.context_meter.set_used(event.total)
@@ -489,7 +496,7 @@ class ChatPanel(QWidget):
                 self.transcript.end_answer(self.transcript.text, event.message, error=True)
                 self.transcript.remember(self.conversation)
             self._request = self._answering = None
-            self._set_status("The answer failed: " + event.message)
+            self._set_status(self.tr("The answer failed: {why}").format(why=event.message))
             self._update_buttons()
 
     def _finish(self, done: DoneEvent, shown: bool) -> None:
@@ -521,12 +528,16 @@ class ChatPanel(QWidget):
         if shown:
             self.context_meter.set_used(self.conversation.context_tokens())
         if shown and loop is not None:
-            self.transcript.add_note(
-                f"The answer was stopped because it repeated itself ({loop.repeats} times a stretch of {loop.period} "
-                f"token{'s' if loop.period > 1 else ''}); it is shown up to the first repeat. Regenerate, raise "
-                "the temperature or the repeat penalty, or uncheck Stop loops to let it run.")
-        self._set_status(("Stopped: " if done.finish_reason in ("cancelled", "loop") else "Done: ")
-                         + stats_line(stats))
+            note = (self.tr("The answer was stopped because it repeated itself ({repeats} times a stretch of "
+                            "{period} tokens); it is shown up to the first repeat. Regenerate, raise the temperature "
+                            "or the repeat penalty, or uncheck Stop loops to let it run.") if loop.period > 1 else
+                    self.tr("The answer was stopped because it repeated itself ({repeats} times a stretch of "
+                            "{period} token); it is shown up to the first repeat. Regenerate, raise the temperature "
+                            "or the repeat penalty, or uncheck Stop loops to let it run."))
+            self.transcript.add_note(note.format(repeats=loop.repeats, period=loop.period))
+        stopped = done.finish_reason in ("cancelled", "loop")
+        self._set_status((self.tr("Stopped: {stats}") if stopped else self.tr("Done: {stats}")).format(
+            stats=stats_line(stats)))
         self._update_buttons()
 
     def _on_settings(self, applied: SettingsApplied) -> None:
@@ -604,7 +615,7 @@ class ChatPanel(QWidget):
             self.store.save(conv)
         except (OSError, ValueError) as exc:
             log.warning("conversation %s not saved: %s", conv.id, exc)
-            self._set_status(f"The conversation could not be saved: {exc}")
+            self._set_status(self.tr("The conversation could not be saved: {why}").format(why=exc))
         self.conversationsChanged.emit()
 
     def _toggle_system(self, on: bool) -> None:
@@ -625,7 +636,8 @@ class ChatPanel(QWidget):
         self.stop_button.setEnabled(busy)
         self.regen_button.setEnabled(ready and not busy and any(t.role == "user" for t in self.conversation.turns))
         if not ready:
-            why = "open a model first" if self.info is None else f"{self.info.name} has no chat template"
+            why = (self.tr("open a model first") if self.info is None
+                   else self.tr("{name} has no chat template").format(name=self.info.name))
             self.send_button.setToolTip(why)
         else:
-            self.send_button.setToolTip("send (Enter)")
+            self.send_button.setToolTip(self.tr("send (Enter)"))

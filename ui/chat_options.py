@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QCoreApplication, QSettings
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QSettings
 from PySide6.QtWidgets import QComboBox, QWidget
 
 from app.config.catalog import DEFAULT_MODEL, DERIVED
@@ -17,8 +17,10 @@ from app.service.local import ModelInfo
 from app.service.remote import UNKNOWN_TOKEN
 from engine.events import TokenEvent
 
-DEMO_NOTE = ("This is the demo model: SmolLM2-135M, a small model upcycled into experts to show them streaming "
-             "from disk. Expect simple answers, and open a bigger model for real work (File ▸ Open).")
+# shown in the empty transcript of the demo model; translated where shown (context "ChatPanel")
+DEMO_NOTE = QT_TRANSLATE_NOOP("ChatPanel", "This is the demo model: SmolLM2-135M, a small model upcycled into experts "
+                              "to show them streaming from disk. Expect simple answers, and open a bigger model for "
+                              "real work (File ▸ Open).")
 
 
 @dataclass(frozen=True)

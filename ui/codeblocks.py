@@ -21,6 +21,7 @@ from pygments.lexers import TextLexer, get_lexer_by_name
 from pygments.styles import get_style_by_name
 from pygments.token import _TokenType
 from pygments.util import ClassNotFound
+from PySide6.QtCore import QCoreApplication
 from PySide6.QtGui import (
     QColor,
     QFont,
@@ -193,13 +194,13 @@ def insert_code(cursor: QTextCursor, code: str, language: str, number: int, colo
     cursor.setBlockFormat(header)
     label = QTextCharFormat()
     label.setForeground(colors.muted)
-    cursor.insertText((language or "code") + "   ", label)
+    cursor.insertText((language or QCoreApplication.translate("Transcript", "code")) + "   ", label)
     link = QTextCharFormat(label)
     link.setAnchor(True)
     link.setAnchorHref(f"#{COPY}{number}")
     link.setFontUnderline(True)
-    link.setToolTip("copy the code to the clipboard")
-    cursor.insertText("Copy", link)
+    link.setToolTip(QCoreApplication.translate("Transcript", "copy the code to the clipboard"))
+    cursor.insertText(QCoreApplication.translate("Transcript", "Copy"), link)
     body = QTextBlockFormat()
     body.setBackground(colors.code_background)
     body.setLeftMargin(8)

@@ -5,23 +5,24 @@ the model was opened with (engine.kv)."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QRectF, QSize, Qt
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPaintEvent, QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QWidget
 
 WARN_AT = 0.8                       # past this share of the context the bar turns amber
 AMBER = QColor(230, 150, 20)        # reads as a warning on the light and the dark palette alike
 
-# what the engine does when the context fills, per KV overflow policy (None: a server decides)
+# what the engine does when the context fills, per KV overflow policy (None: a server decides); shown translated
 WHEN_FULL = {
-    "error": "When it is full, the answer stops there and a question that no longer fits is refused: "
-             "start a new chat, or raise Context length in Controls.",
-    "slide": "When it is full, the oldest tokens are dropped to make room: the model forgets the start "
-             "of the conversation.",
-    "retain": "When it is full, the engine keeps the first tokens, the latest ones and those that drew the most "
-              "attention, and drops the rest: the model forgets parts of the conversation.",
-    None: "When it is full, the server decides: by default it stops the answer and refuses a question that no "
-          "longer fits.",
+    "error": QT_TRANSLATE_NOOP("ContextMeter", "When it is full, the answer stops there and a question that no "
+                               "longer fits is refused: start a new chat, or raise Context length in Controls."),
+    "slide": QT_TRANSLATE_NOOP("ContextMeter", "When it is full, the oldest tokens are dropped to make room: the "
+                               "model forgets the start of the conversation."),
+    "retain": QT_TRANSLATE_NOOP("ContextMeter", "When it is full, the engine keeps the first tokens, the latest ones "
+                                "and those that drew the most attention, and drops the rest: the model forgets parts "
+                                "of the conversation."),
+    None: QT_TRANSLATE_NOOP("ContextMeter", "When it is full, the server decides: by default it stops the answer and "
+                            "refuses a question that no longer fits."),
 }
 
 
@@ -98,18 +99,20 @@ class ContextMeter(QWidget):
 
     def _show(self) -> None:
         if self.total is None:
-            self.label.setText("Context: no model")
+            self.label.setText(self.tr("Context: no model"))
         else:
             used = "—" if self.used is None else f"{self.used:,}"
-            self.label.setText(f"Context {used} / {self.total:,}")
+            self.label.setText(self.tr("Context {used} / {total}").format(used=used, total=f"{self.total:,}"))
         self.bar.fraction = self.fraction
         self.bar.update()
         if self.total is None:
-            tip = "The context the conversation takes, once a model is open."
+            tip = self.tr("The context the conversation takes, once a model is open.")
         elif self.used is None:
-            tip = (f"The context holds {self.total:,} tokens; this conversation's share is counted when its next "
-                   "answer is written.")
+            tip = self.tr("The context holds {total} tokens; this conversation's share is counted when its next "
+                          "answer is written.").format(total=f"{self.total:,}")
         else:
-            tip = (f"This conversation takes {self.used:,} of the {self.total:,} tokens of the context "
-                   f"({self.fraction:.0%}): the prompt and the last answer, as the engine counted them.")
-        self.setToolTip(f"{tip}\n{WHEN_FULL.get(self.overflow, WHEN_FULL[None])}")
+            tip = self.tr("This conversation takes {used} of the {total} tokens of the context ({share}): the prompt "
+                          "and the last answer, as the engine counted them.").format(
+                used=f"{self.used:,}", total=f"{self.total:,}", share=f"{self.fraction:.0%}")
+        when_full = QCoreApplication.translate("ContextMeter", WHEN_FULL.get(self.overflow, WHEN_FULL[None]))
+        self.setToolTip(f"{tip}\n{when_full}")

@@ -62,10 +62,11 @@ class ControlsPanel(QWidget):
         self.info: ModelInfo | None = None
         self._contexts: list[int] = [MIN_CONTEXT]
         self._budget_range = (0, 0)
-        self.budget = _Setting("Memory budget", lambda pos: format_bytes(self.budget_at(pos)))
-        self.prefetch = _Setting("Prefetch depth", lambda d: "off" if d == 0 else f"{d} layer{'s' if d > 1 else ''}")
-        self.context = _Setting("Context length", lambda i: f"{self._contexts[i]:,} tokens")
-        self.io_threads = _Setting("Reader threads", lambda n: str(n))
+        self.budget = _Setting(self.tr("Memory budget"), lambda pos: format_bytes(self.budget_at(pos)))
+        self.prefetch = _Setting(self.tr("Prefetch depth"), self._depth)
+        self.context = _Setting(self.tr("Context length"),
+                                lambda i: self.tr("{n} tokens").format(n=f"{self._contexts[i]:,}"))
+        self.io_threads = _Setting(self.tr("Reader threads"), lambda n: str(n))
         self.prefetch.slider.setRange(0, MAX_PREFETCH)
         self.io_threads.slider.setRange(1, MAX_IO_THREADS)
         self.note = QLabel()
@@ -99,6 +100,12 @@ class ControlsPanel(QWidget):
         layout.addStretch(1)
         self.set_model(None)
 
+    def _depth(self, layers: int) -> str:
+        """A prefetch depth as the slider's label says it."""
+        if layers == 0:
+            return self.tr("off")
+        return (self.tr("{n} layer") if layers == 1 else self.tr("{n} layers")).format(n=layers)
+
     def settings(self) -> tuple[_Setting, ...]:
         """The sliders, in display order."""
         return (self.budget, self.prefetch, self.context, self.io_threads)
@@ -112,9 +119,9 @@ class ControlsPanel(QWidget):
         self.problem.clear()
         if info is None:
             for s in self.settings():
-                s.set_enabled(False, "open a model first")
+                s.set_enabled(False, self.tr("open a model first"))
                 s.value_label.setText("–")
-            self.note.setText("No model loaded.")
+            self.note.setText(self.tr("No model loaded."))
             return
         self._show(info)
 
@@ -237,12 +244,14 @@ class ControlsPanel(QWidget):
                 self.budget.slider.setRange(0, BUDGET_STEPS)
                 self.budget.slider.setPageStep(BUDGET_STEPS // 10)
                 self.budget.slider.setValue(self.position_of(s.memory_budget))
-                self.budget.set_enabled(True, f"least {format_bytes(low)}; every expert held at {format_bytes(high)}")
+                self.budget.set_enabled(True, self.tr("least {low}; every expert held at {high}").format(
+                    low=format_bytes(low), high=format_bytes(high)))
                 self.budget.value_label.setText(format_bytes(s.memory_budget or high))
             else:
                 self._budget_range = (0, 0)
-                self.budget.set_enabled(False, fixed.get("memory_budget", "this model has no memory budget"))
-                self.budget.value_label.setText(format_bytes(s.memory_budget) if s.memory_budget else "whole model")
+                self.budget.set_enabled(False, fixed.get("memory_budget", self.tr("this model has no memory budget")))
+                self.budget.value_label.setText(format_bytes(s.memory_budget) if s.memory_budget
+                                                else self.tr("whole model"))
             self.prefetch.slider.setValue(s.prefetch_depth)
             self.prefetch.set_enabled("prefetch_depth" not in fixed, fixed.get("prefetch_depth", ""))
             self.prefetch.show(s.prefetch_depth)
@@ -252,7 +261,7 @@ class ControlsPanel(QWidget):
             self.context.slider.setRange(0, len(self._contexts) - 1)
             self.context.slider.setValue(self._contexts.index(s.context_length))
             self.context.set_enabled("context_length" not in fixed,
-                                     fixed.get("context_length", "applies to the next answer's KV cache"))
+                                     fixed.get("context_length", self.tr("applies to the next answer's KV cache")))
             self.context.show(self.context.slider.value())
             self.io_threads.slider.setValue(s.io_threads)
             self.io_threads.set_enabled("io_threads" not in fixed, fixed.get("io_threads", ""))
@@ -262,11 +271,12 @@ class ControlsPanel(QWidget):
                 setting.slider.blockSignals(False)
         if all(name in fixed for name in ("memory_budget", "prefetch_depth", "io_threads", "context_length")):
             reasons = set(fixed.values())
-            self.note.setText(f"Every setting is {reasons.pop()}." if len(reasons) == 1 else "No setting can change.")
+            self.note.setText(self.tr("Every setting is {reason}.").format(reason=reasons.pop()) if len(reasons) == 1
+                              else self.tr("No setting can change."))
         elif info.streaming == "experts":
-            self.note.setText("Experts stream from disk: a smaller budget keeps fewer in memory (more reads, "
-                              "more I/O wait).")
+            self.note.setText(self.tr("Experts stream from disk: a smaller budget keeps fewer in memory (more reads, "
+                                      "more I/O wait)."))
         elif info.streaming == "layers":
-            self.note.setText("Layers stream from disk; reopen the model to change its budget.")
+            self.note.setText(self.tr("Layers stream from disk; reopen the model to change its budget."))
         else:
             self.note.setText(fixed.get("memory_budget", ""))

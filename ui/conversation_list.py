@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QPoint, QStandardPaths, Qt, Signal
+from PySide6.QtCore import QCoreApplication, QPoint, QStandardPaths, Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFileDialog,
@@ -34,11 +34,11 @@ def when(t: float, now: float | None = None) -> str:
     """'just now', '5 min ago', '3 h ago', or the date."""
     age = (time.time() if now is None else now) - t
     if age < 60:
-        return "just now"
+        return QCoreApplication.translate("ConversationList", "just now")
     if age < 3600:
-        return f"{int(age // 60)} min ago"
+        return QCoreApplication.translate("ConversationList", "{n} min ago").format(n=int(age // 60))
     if age < 86400:
-        return f"{int(age // 3600)} h ago"
+        return QCoreApplication.translate("ConversationList", "{n} h ago").format(n=int(age // 3600))
     return time.strftime("%Y-%m-%d", time.localtime(t))
 
 
@@ -48,7 +48,8 @@ def export_dialog(parent: QWidget, title: str, chosen: Callable[[str], None]) ->
     docs = Path(QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation))
     start = docs if docs.is_dir() else Path.home()
     name = " ".join("".join(c if c.isalnum() or c in " -_" else " " for c in title).split()) or "conversation"
-    dlg = QFileDialog(parent, "Export conversation", str(start / f"{name}.md"), "Markdown (*.md);;JSON (*.json)")
+    dlg = QFileDialog(parent, QCoreApplication.translate("ConversationList", "Export conversation"),
+                      str(start / f"{name}.md"), "Markdown (*.md);;JSON (*.json)")
     dlg.setAcceptMode(QFileDialog.AcceptMode.AcceptSave)
     dlg.setFileMode(QFileDialog.FileMode.AnyFile)
     dlg.setDefaultSuffix("md")
@@ -72,10 +73,10 @@ class ConversationList(QWidget):
         self._conversations: dict[str, Conversation] = {}
         self._current: str | None = None
         self._pending: tuple[list[Conversation], str | None] | None = None     # a refresh held during an edit
-        self.new_button = QPushButton("New chat")
+        self.new_button = QPushButton(self.tr("New chat"))
         self.new_button.clicked.connect(self.newRequested)
         self.search = QLineEdit()
-        self.search.setPlaceholderText("Search titles and text")
+        self.search.setPlaceholderText(self.tr("Search titles and text"))
         self.search.setClearButtonEnabled(True)
         self.search.textChanged.connect(self._filter)
         self.list = QListWidget()
@@ -90,7 +91,7 @@ class ConversationList(QWidget):
         self.list.itemClicked.connect(self._pick)
         self.list.itemChanged.connect(self._renamed)
         self.list.itemDelegate().closeEditor.connect(lambda *_: self._edit_ended())
-        self.no_match = QLabel("No conversation matches.")
+        self.no_match = QLabel(self.tr("No conversation matches."))
         self.no_match.setEnabled(False)     # drawn muted
         self.no_match.hide()
         layout = QVBoxLayout(self)
@@ -124,8 +125,8 @@ class ConversationList(QWidget):
             item = QListWidgetItem(conv.title)
             item.setData(_ID, conv.id)
             item.setFlags(item.flags() | Qt.ItemFlag.ItemIsEditable)
-            item.setToolTip(f"{conv.title}\n{len(conv.turns)} messages, {when(conv.updated)}\n"
-                            "double-click to rename")
+            item.setToolTip(self.tr("{title}\n{n} messages, {when}\ndouble-click to rename").format(
+                title=conv.title, n=len(conv.turns), when=when(conv.updated)))
             self.list.addItem(item)
             if conv.id == current:
                 item.setSelected(True)
@@ -183,10 +184,10 @@ class ConversationList(QWidget):
         if item is None:
             return
         menu = QMenu(self)
-        rename = menu.addAction("Rename")
-        export = menu.addAction("Export…")
+        rename = menu.addAction(self.tr("Rename"))
+        export = menu.addAction(self.tr("Export…"))
         menu.addSeparator()
-        delete = menu.addAction("Delete")
+        delete = menu.addAction(self.tr("Delete"))
         chosen = menu.exec(self.list.mapToGlobal(pos))
         if chosen is rename:
             self.rename(item.data(_ID))

@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, Qt, Signal
 from PySide6.QtWidgets import (
     QDialog,
     QHBoxLayout,
@@ -74,7 +74,8 @@ def seed_from_bundle(bundle: Path | None, models_dir: Path, log: Log = _quiet) -
         dest = models_dir / name / Path(pulls.ALIASES[name].member).name
         if src is None or not src.is_file() or dest.is_file():
             continue
-        log(f"copying {src.name} ({src.stat().st_size / 1e6:.0f} MB) from the app into {dest.parent}")
+        log(QCoreApplication.translate("PullJob", "copying {name} ({size:.0f} MB) from the app into {folder}").format(
+            name=src.name, size=src.stat().st_size / 1e6, folder=dest.parent))
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(f".{dest.name}.part")   # a killed copy leaves only a name the pull cleans up
         shutil.copyfile(src, part)
@@ -88,7 +89,7 @@ class PullJob(BackgroundJob):
     warm-up of the pulled model (its kernels compiled into Numba's cache)."""
 
     thread_name = "colibri-pull"
-    cancelled_message = "cancelled; asking again starts over where it can"
+    cancelled_message = QT_TRANSLATE_NOOP("BackgroundJob", "cancelled; asking again starts over where it can")
 
     def __init__(self, name: str, models_dir: Path | None = None, bundle: Path | None = None,
                  parent: QObject | None = None):
@@ -106,7 +107,8 @@ class PullJob(BackgroundJob):
         try:
             warm_up(path, report)
         except ColibriError as exc:     # the model may still open with other settings: say so and go on
-            noting(report)(f"the warm-up failed ({exc}); the first answer will compile its kernels")
+            noting(report)(QCoreApplication.translate(
+                "PullJob", "the warm-up failed ({why}); the first answer will compile its kernels").format(why=exc))
         return path
 
 
@@ -121,28 +123,34 @@ class FirstRunDialog(QDialog):
                  current: str | None = None):
         super().__init__(parent)
         self.setObjectName("firstRun")
-        self.setWindowTitle("Welcome to Colibri" if current is None else "Get a model")
+        self.setWindowTitle(self.tr("Welcome to Colibri") if current is None else self.tr("Get a model"))
         self.models_dir, self.bundle = models_dir, bundle
         self.job: PullJob | None = None
         self.progress_dialog: QProgressDialog | None = None
-        shipped = " (shipped with the app: no download)" if bundle is not None else " (downloads about 100 MB)"
-        intro = QLabel("<b>No model yet.</b> Colibri needs a language model to chat with." if current is None else
-                       f"<b>Get another model.</b> {html.escape(current)} stays loaded until the new one opens.")
+        intro = QLabel(self.tr("<b>No model yet.</b> Colibri needs a language model to chat with.") if current is None
+                       else self.tr("<b>Get another model.</b> {name} stays loaded until the new one opens.").format(
+                           name=html.escape(current)))
         intro.setObjectName("firstRunIntro")
         intro.setWordWrap(True)
-        self.demo_button = QPushButton("Prepare the demo model")
+        self.demo_button = QPushButton(self.tr("Prepare the demo model"))
         self.demo_button.setDefault(True)
-        demo_note = QLabel(f"SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose "
-                           f"experts stream from disk; once, in about three minutes{shipped}.")
-        self.folder_button = QPushButton("Open a model folder…")
-        self.gguf_button = QPushButton("Open a GGUF file…")
+        if bundle is not None:
+            demo_note = QLabel(self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, "
+                                       "whose experts stream from disk; once, in about three minutes (shipped with the "
+                                       "app: no download)."))
+        else:
+            demo_note = QLabel(self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, "
+                                       "whose experts stream from disk; once, in about three minutes (downloads about "
+                                       "100 MB)."))
+        self.folder_button = QPushButton(self.tr("Open a model folder…"))
+        self.gguf_button = QPushButton(self.tr("Open a GGUF file…"))
         self.name_edit = QLineEdit()
-        self.name_edit.setPlaceholderText("a Hugging Face repo (org/name) or smollm2-135m")
-        self.pull_button = QPushButton("Pull")
+        self.name_edit.setPlaceholderText(self.tr("a Hugging Face repo (org/name) or smollm2-135m"))
+        self.pull_button = QPushButton(self.tr("Pull"))
         self.error = QLabel()
         self.error.setObjectName("firstRunError")
         self.error.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.close_button = QPushButton("Not now")
+        self.close_button = QPushButton(self.tr("Not now"))
         for label in (demo_note, self.error):
             label.setWordWrap(True)
         opens, pull_row, bottom = QHBoxLayout(), QHBoxLayout(), QHBoxLayout()
@@ -153,8 +161,8 @@ class FirstRunDialog(QDialog):
         bottom.addStretch(1)
         bottom.addWidget(self.close_button)
         layout = QVBoxLayout(self)
-        for item in (intro, self.demo_button, demo_note, QLabel("Or a model of your own:"), opens,
-                     QLabel("Or pull one by name:"), pull_row, self.error, bottom):
+        for item in (intro, self.demo_button, demo_note, QLabel(self.tr("Or a model of your own:")), opens,
+                     QLabel(self.tr("Or pull one by name:")), pull_row, self.error, bottom):
             (layout.addLayout if isinstance(item, QHBoxLayout) else layout.addWidget)(item)
         self.demo_button.clicked.connect(lambda: self.start_pull(pulls.DEFAULT_MODEL))
         self.pull_button.clicked.connect(lambda: self.start_pull(self.name_edit.text().strip()))
@@ -167,15 +175,15 @@ class FirstRunDialog(QDialog):
     def start_pull(self, name: str) -> PullJob | None:
         """Pull (or prepare) model NAME behind a cancellable progress dialog; the dialog closes once it opens."""
         if not name:
-            self.error.setText("type a model name first")
+            self.error.setText(self.tr("type a model name first"))
             return None
         if self.job is not None and self.job.running:
             return self.job
         self.error.clear()
         self.job = PullJob(name, self.models_dir, self.bundle, self)
-        dlg = QProgressDialog(f"Getting {name}…", "Cancel", 0, 0, self)
+        dlg = QProgressDialog(self.tr("Getting {name}…").format(name=name), self.tr("Cancel"), 0, 0, self)
         dlg.setObjectName("firstRunProgress")
-        dlg.setWindowTitle("Preparing the model")
+        dlg.setWindowTitle(self.tr("Preparing the model"))
         dlg.setWindowModality(Qt.WindowModality.WindowModal)
         dlg.setMinimumDuration(0)
         dlg.setAutoClose(False)
@@ -209,7 +217,7 @@ class FirstRunDialog(QDialog):
         if self.job is not None and self.job.running:
             self.job.cancel()
             if self.progress_dialog is not None:
-                self.progress_dialog.setLabelText("Cancelling at the next step…")
+                self.progress_dialog.setLabelText(self.tr("Cancelling at the next step…"))
                 self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
 
     def _step(self, event: HubEvent) -> None:
@@ -240,7 +248,8 @@ class FirstRunDialog(QDialog):
 
     def _failed(self, message: str, cancelled: bool) -> None:
         self._end()
-        self.show_error(("Cancelled: " if cancelled else "It did not work: ") + message)
+        self.show_error((self.tr("Cancelled: {why}") if cancelled else self.tr("It did not work: {why}")).format(
+            why=message))
 
     def show_error(self, message: str) -> None:
         """Say what went wrong below the choices, wrapped, the dialog growing to hold it (never drawn over them)."""

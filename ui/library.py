@@ -112,9 +112,10 @@ class LibraryDialog(QDialog):
             n=len(self.entries), folder=self.folder))
         self.table.setRowCount(len(self.entries))
         yes, no = self.tr("yes"), "–"
+        kinds = {CONTAINER: self.tr("container")}     # the others are names: Hugging Face, GGUF
         for i, e in enumerate(self.entries):
             cells = (e.name, e.family, format_params(e.params), f"{e.bits:.2f}" if e.bits is not None else "–",
-                     format_size(e.size), e.kind, yes if e.atlas else no)
+                     format_size(e.size), kinds.get(e.kind, e.kind), yes if e.atlas else no)
             for j, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setData(_ENTRY, i)

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QSettings, Qt, Signal
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QAction
 from PySide6.QtWidgets import (
     QButtonGroup,
@@ -69,8 +69,10 @@ def requantize_error(src: Path) -> str | None:
     from engine.formats.container import is_container
 
     if src.is_dir() and is_container(src):
-        return (f"{src.name} is a Colibri container: it is quantized already, and quantizing it again would lose "
-                "more precision. Convert the model it was made from (its Hugging Face folder or GGUF) instead.")
+        return QCoreApplication.translate(
+            "ConvertDialog", "{name} is a Colibri container: it is quantized already, and quantizing it again would "
+            "lose more precision. Convert the model it was made from (its Hugging Face folder or GGUF) instead."
+        ).format(name=src.name)
     return None
 
 
@@ -120,7 +122,7 @@ class BackgroundJob(QObject):
 
     _relay = Signal(object)
     thread_name = "colibri-job"
-    cancelled_message = "cancelled"
+    cancelled_message = QT_TRANSLATE_NOOP("BackgroundJob", "cancelled")    # shown translated
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -179,15 +181,17 @@ class BackgroundJob(QObject):
             self.progress.emit(item)
         elif item.path is not None:
             self.finished.emit(item.path)
+        elif item.cancelled:
+            self.failed.emit(QCoreApplication.translate("BackgroundJob", item.message), True)
         else:
-            self.failed.emit(item.message, item.cancelled)
+            self.failed.emit(item.message, False)
 
 
 class ConvertJob(BackgroundJob):
     """app.hub.convert.convert on a worker thread."""
 
     thread_name = "colibri-convert"
-    cancelled_message = "the conversion was cancelled; running it again resumes it"
+    cancelled_message = QT_TRANSLATE_NOOP("BackgroundJob", "the conversion was cancelled; running it again resumes it")
 
     def __init__(self, src: Path, out: Path, settings: ConvertSettings, parent: QObject | None = None):
         super().__init__(parent)
@@ -204,17 +208,17 @@ class ConvertDialog(QDialog):
 
     def __init__(self, source: str | None, out_dir: Path, parent: QWidget | None = None):
         super().__init__(parent)
-        self.setWindowTitle("Convert a model")
+        self.setWindowTitle(self.tr("Convert a model"))
         self.out_dir = out_dir      # the models folder: file dialogs start there too
         self.job: ConvertJob | None = None
         self.progress_dialog: QProgressDialog | None = None
         self.source = QLineEdit(source or "")
-        self.source.setPlaceholderText("a Hugging Face folder or a .gguf file")
+        self.source.setPlaceholderText(self.tr("a Hugging Face folder or a .gguf file"))
         self.output = QLineEdit()
         self.bits = QSpinBox(minimum=2, maximum=8, value=4)
         self.budget = QLineEdit()
-        self.budget.setPlaceholderText("e.g. 2GB: the planner picks each tensor's width")
-        self.by_bits, self.by_budget = QRadioButton("One width"), QRadioButton("Fit a budget")
+        self.budget.setPlaceholderText(self.tr("e.g. 2GB: the planner picks each tensor's width"))
+        self.by_bits, self.by_budget = QRadioButton(self.tr("One width")), QRadioButton(self.tr("Fit a budget"))
         self.by_bits.setChecked(True)
         group = QButtonGroup(self)
         group.addButton(self.by_bits)
@@ -222,7 +226,7 @@ class ConvertDialog(QDialog):
         self.error = QLabel()
         self.error.setWordWrap(True)
         self.error.setStyleSheet("color: palette(bright-text);")
-        browse = QPushButton("Browse…")
+        browse = QPushButton(self.tr("Browse…"))
         browse.clicked.connect(self._browse)
         src_row = QHBoxLayout()
         src_row.addWidget(self.source, 1)
@@ -230,17 +234,17 @@ class ConvertDialog(QDialog):
         bits_row, budget_row = QHBoxLayout(), QHBoxLayout()
         bits_row.addWidget(self.by_bits)
         bits_row.addWidget(self.bits)
-        bits_row.addWidget(QLabel("bits"))
+        bits_row.addWidget(QLabel(self.tr("bits")))
         bits_row.addStretch(1)
         budget_row.addWidget(self.by_budget)
         budget_row.addWidget(self.budget, 1)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
-        self.start_button = buttons.addButton("Convert", QDialogButtonBox.ButtonRole.AcceptRole)
+        self.start_button = buttons.addButton(self.tr("Convert"), QDialogButtonBox.ButtonRole.AcceptRole)
         buttons.accepted.connect(self.start)
         buttons.rejected.connect(self.reject)
         form = QFormLayout(self)
-        form.addRow("Source", src_row)
-        form.addRow("Output", self.output)
+        form.addRow(self.tr("Source"), src_row)
+        form.addRow(self.tr("Output"), self.output)
         form.addRow(bits_row)
         form.addRow(budget_row)
         form.addRow(self.error)
@@ -263,20 +267,20 @@ class ConvertDialog(QDialog):
         src, out = Path(self.source.text().strip()).expanduser(), Path(self.output.text().strip()).expanduser()
         try:
             if not src.exists():
-                raise ColibriError(f"{src}: no such folder or file")
+                raise ColibriError(self.tr("{path}: no such folder or file").format(path=src))
             why = requantize_error(src)
             if why:
                 raise ColibriError(why)
             if not self.output.text().strip():
-                raise ColibriError("choose an output folder")
+                raise ColibriError(self.tr("choose an output folder"))
             settings = self.settings()
         except ColibriError as exc:
             self.error.setText(str(exc))
             return
         self.error.clear()
         self.job = ConvertJob(src, out, settings, self)
-        dlg = QProgressDialog(f"Converting {src.name}…", "Cancel", 0, 0, self)
-        dlg.setWindowTitle("Converting")
+        dlg = QProgressDialog(self.tr("Converting {name}…").format(name=src.name), self.tr("Cancel"), 0, 0, self)
+        dlg.setWindowTitle(self.tr("Converting"))
         dlg.setWindowModality(Qt.WindowModality.WindowModal)
         dlg.setMinimumDuration(0)
         dlg.setAutoClose(False)
@@ -300,7 +304,7 @@ class ConvertDialog(QDialog):
         if self.job is not None and self.job.running:
             self.job.cancel()
             if self.progress_dialog is not None:
-                self.progress_dialog.setLabelText("Cancelling at the next tensor…")
+                self.progress_dialog.setLabelText(self.tr("Cancelling at the next tensor…"))
                 self.progress_dialog.show()   # QProgressDialog hides itself on cancel: keep it until the worker ends
 
     def _step(self, event: HubEvent) -> None:
@@ -338,7 +342,7 @@ class ConvertDialog(QDialog):
         super().reject()
 
     def _browse(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self, "Model folder to convert", str(self.out_dir))
+        folder = QFileDialog.getExistingDirectory(self, self.tr("Model folder to convert"), str(self.out_dir))
         if folder:
             self.source.setText(folder)
 
@@ -365,13 +369,13 @@ class ModelActions(QObject):
         self.settings = settings
         self.current: str | None = None
         self.convert_dialog: ConvertDialog | None = None
-        self.open_folder = QAction("Open model folder…", self, shortcut="Ctrl+O")
-        self.open_gguf = QAction("Open GGUF file…", self, shortcut="Ctrl+Shift+O")
-        self.convert = QAction("Convert…", self)
+        self.open_folder = QAction(self.tr("Open model folder…"), self, shortcut="Ctrl+O")
+        self.open_gguf = QAction(self.tr("Open GGUF file…"), self, shortcut="Ctrl+Shift+O")
+        self.convert = QAction(self.tr("Convert…"), self)
         self.open_folder.triggered.connect(self._open_folder)
         self.open_gguf.triggered.connect(self._open_gguf)
         self.convert.triggered.connect(lambda: self.show_convert())
-        self.recent_menu = QMenu("Recent models", window)
+        self.recent_menu = QMenu(self.tr("Recent models"), window)
         self.recent_menu.aboutToShow.connect(self._fill_recent)
 
     def add_recent(self, path: str | Path) -> None:
@@ -403,20 +407,20 @@ class ModelActions(QObject):
         self.recent_menu.clear()
         paths = self.recent.paths()
         if not paths:
-            self.recent_menu.addAction("(none yet)").setEnabled(False)
+            self.recent_menu.addAction(self.tr("(none yet)")).setEnabled(False)
         for p in paths:
             action = self.recent_menu.addAction(Path(p).name)
             action.setToolTip(p)
             action.triggered.connect(lambda _=False, p=p: self.openRequested.emit(p))
 
     def _open_folder(self) -> None:
-        folder = QFileDialog.getExistingDirectory(self.window, "Open a model folder (Hugging Face or container)",
-                                                  start_folder(self.settings))
+        folder = QFileDialog.getExistingDirectory(
+            self.window, self.tr("Open a model folder (Hugging Face or container)"), start_folder(self.settings))
         if folder:
             self.openRequested.emit(folder)
 
     def _open_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self.window, "Open a GGUF file", start_folder(self.settings),
-                                              "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self.window, self.tr("Open a GGUF file"), start_folder(self.settings),
+                                              self.tr("GGUF models (*.gguf)"))
         if path:
             self.openRequested.emit(path)

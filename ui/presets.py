@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QCoreApplication, QSettings, Qt, Signal
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QSettings, Qt, Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QInputDialog, QToolButton, QWidget
 
 from engine.atomic import atomic_file
@@ -63,14 +63,11 @@ class Preset:
             raise ValueError(f"a preset with a missing or malformed field: {exc}") from None
 
 
-def _tr(text: str) -> str:
-    return QCoreApplication.translate("Presets", text)
-
-
+# the built-in names are shown translated (context "PresetPicker"); they stay English in files and lookups
 BUILTIN = (
-    Preset("Default", 0.7, 0.9, 1.1, builtin=True),     # what small models answer best with
-    Preset("Greedy", 0.0, 1.0, 1.0, builtin=True),      # the likeliest token every time: the same answer each run
-    Preset("Creative", 1.0, 0.95, 1.05, builtin=True),
+    Preset(QT_TRANSLATE_NOOP("PresetPicker", "Default"), 0.7, 0.9, 1.1, builtin=True),  # what small models like
+    Preset(QT_TRANSLATE_NOOP("PresetPicker", "Greedy"), 0.0, 1.0, 1.0, builtin=True),   # the same answer each run
+    Preset(QT_TRANSLATE_NOOP("PresetPicker", "Creative"), 1.0, 0.95, 1.05, builtin=True),
 )
 
 
@@ -78,11 +75,13 @@ def valid_name(name: str) -> str:
     """A preset's name with its spaces collapsed; ValueError for an empty or overlong one, or a built-in's."""
     name = " ".join(name.split())
     if not name:
-        raise ValueError(_tr("a preset needs a name: type a few words"))
+        raise ValueError(QCoreApplication.translate("Presets", "a preset needs a name: type a few words"))
     if len(name) > NAME_CHARS:
-        raise ValueError(_tr("a preset's name has at most {n} characters").format(n=NAME_CHARS))
+        raise ValueError(QCoreApplication.translate("Presets", "a preset's name has at most {n} characters").format(
+            n=NAME_CHARS))
     if any(name.casefold() == b.name.casefold() for b in BUILTIN):
-        raise ValueError(_tr("“{name}” is a built-in preset: choose another name").format(name=name))
+        raise ValueError(QCoreApplication.translate(
+            "Presets", "“{name}” is a built-in preset: choose another name").format(name=name))
     return name
 
 
@@ -105,8 +104,9 @@ class PresetStore:
                     raise ValueError(f"not a version {VERSION} Colibri presets file")
                 self._own = [Preset.from_json(p) for p in data["presets"]]
             except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-                self.problem = f"{path} could not be read ({exc}); it is kept as it is"
-                log.warning("presets: %s", self.problem)
+                log.warning("presets: %s could not be read (%s); it is kept as it is", path, exc)
+                self.problem = QCoreApplication.translate(
+                    "Presets", "{path} could not be read ({why}); it is kept as it is").format(path=path, why=exc)
 
     def all(self) -> list[Preset]:
         """The built-in presets, then the user's in the order saved."""
@@ -127,13 +127,16 @@ class PresetStore:
     def delete(self, name: str) -> None:
         """Forget the user's preset called name; ValueError for a built-in one."""
         if any(name.casefold() == b.name.casefold() for b in BUILTIN):
-            raise ValueError(_tr("“{name}” is built in: it cannot be deleted").format(name=name))
+            raise ValueError(QCoreApplication.translate(
+                "Presets", "“{name}” is built in: it cannot be deleted").format(name=name))
         self._write([p for p in self._own if p.name.casefold() != name.casefold()])
 
     def _write(self, own: list[Preset]) -> None:
         if self.path is not None:
             if self.problem is not None:
-                raise ValueError(self.problem + ", not overwritten: move it away to save presets again")
+                raise ValueError(QCoreApplication.translate(
+                    "Presets", "{problem}, not overwritten: move it away to save presets again").format(
+                    problem=self.problem))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_file(self.path, public=False) as f:
                 json.dump({"format": FORMAT, "version": VERSION, "presets": [p.to_json() for p in own]}, f,
@@ -251,7 +254,7 @@ class PresetPicker(QWidget):
         self.combo.clear()
         self.combo.addItem(self.tr("Custom"), None)
         for p in self.store.all():
-            label = self.tr(p.name) if p.builtin else p.name
+            label = QCoreApplication.translate("PresetPicker", p.name) if p.builtin else p.name
             self.combo.addItem(label, p.name)
             tip = self.tr("temperature {t:g}, top-p {p:g}, repeat penalty {r:g}").format(
                 t=p.temperature, p=p.top_p, r=p.repetition_penalty)

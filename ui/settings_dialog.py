@@ -35,7 +35,7 @@ from PySide6.QtWidgets import (
 )
 
 from ui.chat_options import ChatDefaults
-from ui.theme import THEMES
+from ui.theme import THEMES, theme_name
 
 MODELS_KEY = "paths/models"
 THREADS_KEY = "engine/threads"          # 0: automatic (the process's count)
@@ -124,7 +124,7 @@ class SettingsDialog(QDialog):
         self.temperature.setEnabled(not d.greedy)
         self.theme = QComboBox()
         for choice in THEMES:
-            self.theme.addItem(QCoreApplication.translate("Theme", choice.capitalize()), choice)
+            self.theme.addItem(theme_name(choice), choice)
         self.theme.setCurrentIndex(self.theme.findData(current.theme))
         note = QLabel(self.tr("New chats start with this sampling; the chat's own fields change it for one chat."))
         note.setWordWrap(True)
@@ -174,10 +174,9 @@ class SettingsDialog(QDialog):
 
 def input_keys() -> list[tuple[str, str]]:
     """The keys of the chat's input, which are no actions: (what, key)."""
-    tr = QCoreApplication.translate
-    return [(tr("Shortcuts", "Send the question"), "Enter"),
-            (tr("Shortcuts", "New line in the question"), "Shift+Enter"),
-            (tr("Shortcuts", "Stop the answer, or leave the question being edited"), "Escape")]
+    return [(QCoreApplication.translate("Shortcuts", "Send the question"), "Enter"),
+            (QCoreApplication.translate("Shortcuts", "New line in the question"), "Shift+Enter"),
+            (QCoreApplication.translate("Shortcuts", "Stop the answer, or leave the question being edited"), "Escape")]
 
 
 class ShortcutsDialog(QDialog):

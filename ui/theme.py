@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, Qt
 from PySide6.QtGui import QColor, QIcon, QPalette
 from PySide6.QtWidgets import QApplication
 
@@ -51,6 +51,13 @@ def palette(dark: bool) -> QPalette:
 
 
 THEMES = ("system", "light", "dark")   # the View > Theme choices
+THEME_NAMES = {"system": QT_TRANSLATE_NOOP("Theme", "System"), "light": QT_TRANSLATE_NOOP("Theme", "Light"),
+               "dark": QT_TRANSLATE_NOOP("Theme", "Dark")}
+
+
+def theme_name(choice: str) -> str:
+    """A theme's name as the menus show it, in the language of the UI."""
+    return QCoreApplication.translate("Theme", THEME_NAMES[choice])
 
 
 def apply_theme(app: QApplication, choice: str = "system") -> None:

@@ -18,7 +18,7 @@ on an answer "regenerate" asks it (`regenerateRequested`) to write that answer a
 
 from __future__ import annotations
 
-from PySide6.QtCore import QEvent, Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QCoreApplication, QEvent, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
     QFont,
     QGuiApplication,
@@ -48,14 +48,14 @@ FOLLOW_SLACK = 4    # pixels from the bottom that still count as "at the bottom"
 def stats_line(stats: dict) -> str:
     """'TTFT 0.21 s · 38.4 tok/s · 64 tokens' (· stopped, · max tokens reached, · stopped: it repeated itself)."""
     parts = [f"TTFT {stats.get('ttft_s', 0.0):.2f} s", f"{stats.get('tok_s', 0.0):.1f} tok/s",
-             f"{stats.get('tokens', 0)} tokens"]
+             QCoreApplication.translate("Transcript", "{n} tokens").format(n=stats.get("tokens", 0))]
     reason = stats.get("finish_reason")
     if reason == "cancelled":
-        parts.append("stopped")
+        parts.append(QCoreApplication.translate("Transcript", "stopped"))
     elif reason == "length":
-        parts.append("max tokens reached")
+        parts.append(QCoreApplication.translate("Transcript", "max tokens reached"))
     elif reason == "loop":
-        parts.append("stopped: it repeated itself")
+        parts.append(QCoreApplication.translate("Transcript", "stopped: it repeated itself"))
     if stats.get("model"):
         parts.append(str(stats["model"]))
     return " · ".join(parts)
@@ -347,14 +347,15 @@ class Transcript(QTextBrowser):
         fmt = QTextCharFormat()
         fmt.setFontWeight(QFont.Weight.Bold)
         fmt.setForeground(colors.user if role == "user" else colors.assistant)
-        cursor.insertText({"user": "You", "assistant": "Assistant", "system": "System"}.get(role, role), fmt)
+        names = {"user": self.tr("You"), "assistant": self.tr("Assistant"), "system": self.tr("System")}
+        cursor.insertText(names.get(role, role), fmt)
         if index is None:
             return
         # lower case and muted: they stay out of the way of the message, and apart from a code block's "Copy"
-        links = [("copy", MESSAGE_COPY, "copy this message's text (Markdown)")]
+        links = [(self.tr("copy"), MESSAGE_COPY, self.tr("copy this message's text (Markdown)"))]
         if role == "user":
-            links.append(("edit", MESSAGE_EDIT, "edit this question and send it again as a branch "
-                                                "(the conversation after it is kept as a copy)"))
+            links.append((self.tr("edit"), MESSAGE_EDIT, self.tr("edit this question and send it again as a branch "
+                                                                 "(the conversation after it is kept as a copy)")))
         elif role == "assistant":
             links.append((self.tr("regenerate"), MESSAGE_REGENERATE,
                           self.tr("write this answer again as a branch (the conversation from here is kept as a copy)")))
@@ -379,7 +380,8 @@ class Transcript(QTextBrowser):
         link.setForeground(colors.muted)
         shown = key in self._open
         words = len(text.split())
-        cursor.insertText(f"{'▾' if shown else '▸'} Reasoning ({words} word{'' if words == 1 else 's'})", link)
+        title = self.tr("Reasoning ({n} word)") if words == 1 else self.tr("Reasoning ({n} words)")
+        cursor.insertText(f"{'▾' if shown else '▸'} {title.format(n=words)}", link)
         if shown:
             block = QTextBlockFormat()
             block.setLeftMargin(14)

@@ -39,7 +39,8 @@ class InspectorPlaceholder(QLabel):
     atlasCancelRequested = Signal()
 
     def __init__(self, reason: str):
-        super().__init__(f"The inspector is not available ({reason}).")
+        super().__init__()
+        self.setText(self.tr("The inspector is not available ({why}).").format(why=reason))
         self.setWordWrap(True)
         self.setAlignment(Qt.AlignmentFlag.AlignCenter)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QPoint, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QOffscreenSurface, QOpenGLContext
 from PySide6.QtWidgets import (
     QGridLayout,
@@ -30,16 +30,18 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from ui.inspector.common import Theme, swatch_css
+from ui.inspector.common import Theme, describe_expert, layer_expert, swatch_css
 from ui.inspector.data import AtlasData, Frame
 
 PICK_RADIUS = 8.0      # px: how near the pointer a point must be to be hovered or clicked
 CLICK_SLOP = 4.0       # px: a press and release further apart than this are a drag (rotation)
 DRAW_SHARE = 2.0       # routed experts are redrawn at most once per this many canvas draw times
-NO_ATLAS = ("This model has no atlas yet. Computing it routes a set of probe prompts on a dozen topics "
-            "(Python, SQL, mathematics, law, French, ...) through the model and records which experts each "
-            "topic uses.")
-NO_MODEL = "The atlas maps the experts of a Mixture-of-Experts model: load one to see or compute its atlas."
+# the offers of the empty page, translated where shown
+NO_ATLAS = QT_TRANSLATE_NOOP("AtlasView", "This model has no atlas yet. Computing it routes a set of probe prompts on "
+                             "a dozen topics (Python, SQL, mathematics, law, French, ...) through the model and "
+                             "records which experts each topic uses.")
+NO_MODEL = QT_TRANSLATE_NOOP("AtlasView", "The atlas maps the experts of a Mixture-of-Experts model: load one to see "
+                             "or compute its atlas.")
 _NO_GL_WIDGETS = {"offscreen", "minimal", "linuxfb", "vnc"}  # Qt platforms without RasterGLSurface
 _gl_problem: list[str | None] = []  # the cached answer of gl_problem(), once asked
 
@@ -52,15 +54,19 @@ def gl_problem() -> str | None:
     platform = QGuiApplication.platformName()
     ctx = QOpenGLContext()
     if platform in _NO_GL_WIDGETS:  # they may make a context (offscreen does, given a DISPLAY) but no QOpenGLWidget
-        problem = f"the Qt platform '{platform}' cannot show OpenGL widgets"
+        problem = QCoreApplication.translate("AtlasView", "the Qt platform '{platform}' cannot show OpenGL widgets"
+                                             ).format(platform=platform)
     elif not ctx.create():
-        problem = f"no OpenGL context on the Qt platform '{platform}'"
+        problem = QCoreApplication.translate("AtlasView", "no OpenGL context on the Qt platform '{platform}'").format(
+            platform=platform)
     else:
         surface = QOffscreenSurface()
         surface.setFormat(ctx.format())
         surface.create()
         if not ctx.makeCurrent(surface):
-            problem = f"an OpenGL context exists on the Qt platform '{platform}' but cannot be made current"
+            problem = QCoreApplication.translate(
+                "AtlasView", "an OpenGL context exists on the Qt platform '{platform}' but cannot be made current"
+            ).format(platform=platform)
         ctx.doneCurrent()
         surface.destroy()
     if problem is None:
@@ -69,7 +75,7 @@ def gl_problem() -> str | None:
 
             vispy.app.use_app("pyside6")
         except Exception as exc:  # vispy already bound to another toolkit, or missing
-            problem = f"vispy cannot draw with PySide6 ({exc})"
+            problem = QCoreApplication.translate("AtlasView", "vispy cannot draw with PySide6 ({why})").format(why=exc)
     _gl_problem.append(problem)
     return problem
 
@@ -80,14 +86,13 @@ class _Legend(QWidget):
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.grid = QGridLayout()
-        self.notes = QLabel("size: specialisation (bigger = fewer topics)\n"
-                            "bright: routed by the current token\nring: selected expert\n"
-                            "drag: turn, wheel: zoom, shift+drag: pan")
+        self.notes = QLabel(self.tr("size: specialisation (bigger = fewer topics)\nbright: routed by the current "
+                                    "token\nring: selected expert\ndrag: turn, wheel: zoom, shift+drag: pan"))
         self.notes.setWordWrap(True)
-        self.info = QLabel("hover an expert")
+        self.info = QLabel(self.tr("hover an expert"))
         self.info.setWordWrap(True)
         layout = QVBoxLayout(self)
-        layout.addWidget(QLabel("<b>Top topic</b>"))
+        layout.addWidget(QLabel("<b>{}</b>".format(self.tr("Top topic"))))
         layout.addLayout(self.grid)
         layout.addSpacing(8)
         layout.addWidget(self.notes)
@@ -107,7 +112,7 @@ class _Legend(QWidget):
         counts = np.bincount(data.top + 1, minlength=len(data.topics) + 1)  # [topics + 1], slot 0 = never chosen
         entries = [(theme.topic(t), f"{data.titles[t]} ({counts[t + 1]})") for t in range(len(data.topics))]
         if counts[0]:
-            entries.append((theme.unused, f"never chosen ({counts[0]})"))
+            entries.append((theme.unused, self.tr("never chosen ({n})").format(n=counts[0])))
         for row, (rgb, text) in enumerate(entries):
             swatch = QLabel()
             swatch.setFixedSize(12, 12)
@@ -132,15 +137,15 @@ class AtlasView(QWidget):
 
         # page 0: no atlas yet
         empty = QWidget()
-        self.message = QLabel(NO_MODEL)
+        self.message = QLabel(QCoreApplication.translate("AtlasView", NO_MODEL))
         self.message.setWordWrap(True)
         self.message.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        self.compute_button = QPushButton("Compute atlas")
+        self.compute_button = QPushButton(self.tr("Compute atlas"))
         self.compute_button.clicked.connect(self.computeRequested)
         self.compute_button.setEnabled(False)
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
-        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button = QPushButton(self.tr("Cancel"))
         self.cancel_button.clicked.connect(self.cancelRequested)
         row = QHBoxLayout()
         row.addStretch(1)
@@ -208,11 +213,11 @@ class AtlasView(QWidget):
         self.compute_button.setVisible(not busy)
         if busy:
             self.progress.setValue(int(min(max(fraction, 0.0), 1.0) * 1000))
-            self.progress.setFormat(f"computing the atlas: {100 * fraction:.0f}%")
+            self.progress.setFormat(self.tr("computing the atlas: {percent}%").format(percent=f"{100 * fraction:.0f}"))
 
     def set_has_experts(self, has_experts: bool) -> None:
         """Offer to compute an atlas only for a model with routed experts."""
-        self.message.setText(NO_ATLAS if has_experts else NO_MODEL)
+        self.message.setText(QCoreApplication.translate("AtlasView", NO_ATLAS if has_experts else NO_MODEL))
         self.compute_button.setEnabled(has_experts)
 
     def set_atlas(self, data: AtlasData | None) -> None:
@@ -233,7 +238,7 @@ class AtlasView(QWidget):
     def set_selected(self, key: tuple[int, int] | None) -> None:
         """Ring an expert (None: none) without emitting `selected`."""
         self.selected_key = key
-        self._describe(key, "selected")
+        self._describe(key)
         self._draw_overlays()
 
     def redraw(self, frame: Frame) -> None:
@@ -285,8 +290,8 @@ class AtlasView(QWidget):
             return
         problem = gl_problem()
         if problem is not None:
-            self.no_gl.setText(f"The 3D atlas needs OpenGL: {problem}. The Brain tab shows the same experts; "
-                               "hover a cell there for its atlas topic.")
+            self.no_gl.setText(self.tr("The 3D atlas needs OpenGL: {why}. The Brain tab shows the same experts; hover "
+                                       "a cell there for its atlas topic.").format(why=problem))
             self.no_gl.setVisible(True)
             return
         from vispy import scene
@@ -379,10 +384,11 @@ class AtlasView(QWidget):
         cost = time.perf_counter() - self._draw_start
         self.draw_cost = cost if self.draw_cost == 0.0 else 0.8 * self.draw_cost + 0.2 * cost
 
-    def _describe(self, key: tuple[int, int] | None, what: str) -> None:
+    def _describe(self, key: tuple[int, int] | None) -> None:
         if key is None or self.data is None:
             return
-        self.legend.info.setText(f"{what}: layer {key[0]}, expert {key[1]}\n{self.data.describe(*key)}")
+        self.legend.info.setText(self.tr("selected: {expert}").format(expert=layer_expert(*key))
+                                 + f"\n{describe_expert(self.data, *key)}")
 
     def _on_move(self, event: object) -> None:
         if event.is_dragging or self.data is None:
@@ -395,7 +401,7 @@ class AtlasView(QWidget):
         if key is None:
             QToolTip.hideText()
             return
-        text = f"layer {key[0]}, expert {key[1]}\n{self.data.describe(*key)}"
+        text = f"{layer_expert(*key)}\n{describe_expert(self.data, *key)}"
         self.legend.info.setText(text)
         native = self.canvas.native
         QToolTip.showText(native.mapToGlobal(QPoint(int(event.pos[0]), int(event.pos[1]))), text, native)

@@ -18,12 +18,11 @@ import pyqtgraph as pg
 from PySide6.QtCore import QPoint, QRectF, Qt, Signal
 from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
-from ui.inspector.common import Theme, style_plot, swatch_css
+from ui.inspector.common import Theme, describe_expert, layer_expert, style_plot, swatch_css, tier_name
 from ui.inspector.compare import CompareBar, difference_rgba
 from ui.inspector.data import (
     TIER_CACHED,
     TIER_DISK,
-    TIER_NAMES,
     TIER_NONE,
     TIER_PINNED,
     TIER_RESIDENT,
@@ -99,8 +98,8 @@ class BrainView(QWidget):
         self.plot.invertY(True)       # layer 0 on top, as a model is read
         self.plot.setMenuEnabled(False)
         self.plot.hideButtons()
-        self.plot.setLabel("left", "layer")
-        self.plot.setLabel("bottom", "expert")
+        self.plot.setLabel("left", self.tr("layer"))
+        self.plot.setLabel("bottom", self.tr("expert"))
         self.image = pg.ImageItem(axisOrder="row-major")  # cell (layer, expert) = pixel [row layer, column expert]
         self.plot.addItem(self.image)
         self.outline = QGraphicsRectItem()
@@ -112,15 +111,16 @@ class BrainView(QWidget):
 
         self.legend = QHBoxLayout()
         self._legend_swatches: list[tuple[QLabel, int | str]] = []
-        for key, text in ((TIER_PINNED, "pinned"), (TIER_CACHED, "cached"), (TIER_DISK, "disk"),
-                          (TIER_RESIDENT, "resident"), ("flash", "current token"), ("read", "read from disk (replay)")):
+        for key, text in ((TIER_PINNED, tier_name(TIER_PINNED)), (TIER_CACHED, tier_name(TIER_CACHED)),
+                          (TIER_DISK, tier_name(TIER_DISK)), (TIER_RESIDENT, tier_name(TIER_RESIDENT)),
+                          ("flash", self.tr("current token")), ("read", self.tr("read from disk (replay)"))):
             swatch = QLabel()
             swatch.setFixedSize(12, 12)
             self._legend_swatches.append((swatch, key))
             self.legend.addWidget(swatch)
             self.legend.addWidget(QLabel(text))
             self.legend.addSpacing(8)
-        self.legend.addWidget(QLabel("brighter = routed more lately"))   # brightness is heat on either theme
+        self.legend.addWidget(QLabel(self.tr("brighter = routed more lately")))   # brightness is heat on either theme
         self.legend.addStretch(1)
         self.status = QLabel("")
         self.legend.addWidget(self.status)
@@ -168,7 +168,7 @@ class BrainView(QWidget):
         if shape[0] == 0 or shape[1] == 0:
             self.image.clear()
             self.rgba, self.shape = None, (0, 0)
-            self.status.setText("no experts: a dense model, or no model loaded")
+            self.status.setText(self.tr("no experts: a dense model, or no model loaded"))
             return
         routes = frame.counts.routes if frame.counts is not None else None
         self.replay.set_routes(routes)
@@ -176,8 +176,8 @@ class BrainView(QWidget):
         if self.compare.active:
             a, b = self.compare.grids(shape)
             self.rgba = difference_rgba(self.theme, a, b)
-            self.compare.summary.setText(f"{int((a > b).sum())} experts chosen more in A, {int((b > a).sum())} in B, "
-                                         f"{int(((a == b) & (a > 0)).sum())} as often")
+            self.compare.summary.setText(self.tr("{a} experts chosen more in A, {b} in B, {same} as often").format(
+                a=int((a > b).sum()), b=int((b > a).sum()), same=int(((a == b) & (a > 0)).sum())))
             self._show(shape, frame)
             return
         self.compare.summary.setText("")
@@ -203,7 +203,7 @@ class BrainView(QWidget):
             # cells are indices, not coordinates: label each at its centre, never 0.5 or an edge
             self.plot.getAxis("left").setTicks([cell_ticks(shape[0])])
             self.plot.getAxis("bottom").setTicks([cell_ticks(shape[1])])
-        self.status.setText("" if frame.tiers is not None else "tiers not reported")
+        self.status.setText("" if frame.tiers is not None else self.tr("tiers not reported"))
         self._tell_story()
 
     def _replayed(self, token: int, swept: int) -> None:
@@ -248,20 +248,22 @@ class BrainView(QWidget):
     def hover_text(self, layer: int, expert: int) -> str:
         """The tooltip of a cell: layer, expert, tier, recent selections, atlas topic."""
         frame = self.frame
-        lines = [f"layer {layer}, expert {expert}"]
+        lines = [layer_expert(layer, expert)]
         if frame is None:
             return lines[0]
         tiers = frame.tiers
         if tiers is not None and layer < tiers.shape[0] and expert < tiers.shape[1]:
-            lines.append(f"tier: {TIER_NAMES.get(int(tiers[layer, expert]), '?')}")
+            lines.append(self.tr("tier: {tier}").format(tier=tier_name(int(tiers[layer, expert]))))
         else:
-            lines.append("tier: not reported")
+            lines.append(self.tr("tier: not reported"))
         snap = frame.snapshot
         if snap is not None and layer < snap.heat.shape[0] and expert < snap.heat.shape[1]:
             routed_now = any(lay == layer and expert in ids for lay, ids in snap.current)
-            lines.append(f"selections: {snap.heat[layer, expert]:.1f} (recent, decayed)"
-                         + ("; routed by the current token" if routed_now else ""))
-        lines.append(frame.atlas.describe(layer, expert) if frame.atlas is not None else "atlas: none yet")
+            lines.append((self.tr("selections: {heat} (recent, decayed); routed by the current token") if routed_now
+                          else self.tr("selections: {heat} (recent, decayed)")).format(
+                heat=f"{snap.heat[layer, expert]:.1f}"))
+        lines.append(describe_expert(frame.atlas, layer, expert) if frame.atlas is not None
+                     else self.tr("atlas: none yet"))
         return "\n".join(lines)
 
     def _moved(self, scene_pos: pg.QtCore.QPointF) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from PySide6.QtCore import QRectF, QSize, Qt
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QRectF, QSize, Qt
 from PySide6.QtGui import QPainter, QPaintEvent, QPen
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
@@ -21,11 +21,20 @@ from ui.inspector.common import RGB, Theme, fmt_bytes, fmt_percent
 NEAR = 0.9                       # the bar turns amber from this share of the budget
 AMBER: RGB = (230, 150, 20)
 RED: RGB = (215, 50, 45)
-# (part, label, tooltip words) in stacking order, bottom first
-PARTS = (("dense", "dense weights", "weights held whatever the budget: attention, norms, embeddings"),
-         ("experts", "cached experts", "routed experts in memory, pinned or cached"),
-         ("kv", "KV cache", "keys and values of the context, and earlier chats' prefixes kept for reuse"),
-         ("scratch", "scratch", "the rest: working buffers, allocator slack and the compiled kernels"))
+# (part, label, tooltip words) in stacking order, bottom first; translated where shown
+PARTS = (("dense", QT_TRANSLATE_NOOP("BudgetBar", "dense weights"),
+          QT_TRANSLATE_NOOP("BudgetBar", "weights held whatever the budget: attention, norms, embeddings")),
+         ("experts", QT_TRANSLATE_NOOP("BudgetBar", "cached experts"),
+          QT_TRANSLATE_NOOP("BudgetBar", "routed experts in memory, pinned or cached")),
+         ("kv", QT_TRANSLATE_NOOP("BudgetBar", "KV cache"),
+          QT_TRANSLATE_NOOP("BudgetBar", "keys and values of the context, and earlier chats' prefixes kept for reuse")),
+         ("scratch", QT_TRANSLATE_NOOP("BudgetBar", "scratch"),
+          QT_TRANSLATE_NOOP("BudgetBar", "the rest: working buffers, allocator slack and the compiled kernels")))
+
+
+def _tr(text: str) -> str:
+    """A text of PARTS or of the functions below (marked for lupdate where written) in the language of the UI."""
+    return QCoreApplication.translate("BudgetBar", text)
 
 
 @dataclass(frozen=True)
@@ -71,28 +80,39 @@ def level(total: float, budget: float) -> str:
 
 def describe(parts: MemoryParts | None, budget: float | None) -> str:
     """The bar's one line: model memory against the budget, and when over, the largest part to blame."""
+    if budget is None and parts is None:
+        return QCoreApplication.translate("BudgetBar", "no memory budget (the whole model is resident)")
     if budget is None:
-        return ("no memory budget (the whole model is resident)" if parts is None
-                else f"model memory {fmt_bytes(parts.total)}, no budget (the whole model is resident)")
+        return QCoreApplication.translate(
+            "BudgetBar", "model memory {size}, no budget (the whole model is resident)").format(
+            size=fmt_bytes(parts.total))
     if parts is None:
-        return f"budget {fmt_bytes(budget)} (model memory not reported)"
-    text = f"model memory {fmt_bytes(parts.total)} of the {fmt_bytes(budget)} budget ({fmt_percent(parts.total / budget)})"
-    if level(parts.total, budget) == "over":
-        name, label, _ = max(PARTS, key=lambda p: parts.get(p[0]))
-        text += f": over by {fmt_bytes(parts.total - budget)}, the most in {label} ({fmt_bytes(parts.get(name))})"
-    return text
+        return QCoreApplication.translate("BudgetBar", "budget {size} (model memory not reported)").format(
+            size=fmt_bytes(budget))
+    figures = {"size": fmt_bytes(parts.total), "budget": fmt_bytes(budget), "share": fmt_percent(parts.total / budget)}
+    if level(parts.total, budget) != "over":
+        return QCoreApplication.translate("BudgetBar", "model memory {size} of the {budget} budget ({share})").format(
+            **figures)
+    name, label, _ = max(PARTS, key=lambda p: parts.get(p[0]))
+    return QCoreApplication.translate(
+        "BudgetBar", "model memory {size} of the {budget} budget ({share}): over by {over}, the most in {part} "
+        "({part_size})").format(**figures, over=fmt_bytes(parts.total - budget), part=_tr(label),
+                                part_size=fmt_bytes(parts.get(name)))
 
 
 def tooltip(parts: MemoryParts | None, budget: float | None) -> str:
     """Each part in MB, what it holds, and the budget."""
     if parts is None:
-        return "model memory is not reported (no RSS gauge)"
+        return QCoreApplication.translate("BudgetBar", "model memory is not reported (no RSS gauge)")
     lines = [describe(parts, budget)]
-    lines += [f"{label}: {parts.get(name) / 1e6:,.1f} MB ({why})" for name, label, why in PARTS]
+    lines += [f"{_tr(label)}: {parts.get(name) / 1e6:,.1f} MB ({_tr(why)})" for name, label, why in PARTS]
     if parts.working is not None:
-        lines.append(f"  of which planned working buffers: {parts.working / 1e6:,.1f} MB")
-    lines.append(f"model memory: {parts.total / 1e6:,.1f} MB")
-    lines.append(f"budget: {budget / 1e6:,.1f} MB" if budget else "no budget")
+        lines.append(QCoreApplication.translate("BudgetBar", "  of which planned working buffers: {size} MB").format(
+            size=f"{parts.working / 1e6:,.1f}"))
+    lines.append(QCoreApplication.translate("BudgetBar", "model memory: {size} MB").format(
+        size=f"{parts.total / 1e6:,.1f}"))
+    lines.append(QCoreApplication.translate("BudgetBar", "budget: {size} MB").format(size=f"{budget / 1e6:,.1f}")
+                 if budget else QCoreApplication.translate("BudgetBar", "no budget"))
     return "\n".join(lines)
 
 

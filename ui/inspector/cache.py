@@ -34,7 +34,7 @@ class CacheView(QWidget):
         super().__init__(parent)
         self.plot = pg.PlotWidget()
         item = self.plot.getPlotItem()
-        live_plot(item, "hit rate (%)", "expert cache")
+        live_plot(item, self.tr("hit rate (%)"), self.tr("expert cache"))
         self.policy_curve = pg.PlotDataItem(symbol="o", symbolSize=6)
         self.optimum_curve = pg.PlotDataItem(symbol="t", symbolSize=6)
         item.addItem(self.optimum_curve)
@@ -45,13 +45,15 @@ class CacheView(QWidget):
 
         grid = QGridLayout()
         self.figures: dict[str, QLabel] = {}
-        for row, (key, text) in enumerate((("live", "live hit rate"), ("policy", "its policy, replayed"),
-                                           ("optimum", "Belady's optimum"), ("share", "share of the optimum"))):
+        for row, (key, text) in enumerate((("live", self.tr("live hit rate")),
+                                           ("policy", self.tr("its policy, replayed")),
+                                           ("optimum", self.tr("Belady's optimum")),
+                                           ("share", self.tr("share of the optimum")))):
             grid.addWidget(QLabel(text), row, 0)
             self.figures[key] = QLabel("—")
             grid.addWidget(self.figures[key], row, 1)
         grid.setColumnStretch(2, 1)
-        self.status = QLabel("no expert cache: load a model with --max-memory to stream its experts")
+        self.status = QLabel(self.no_cache_text())
         self.status.setWordWrap(True)
         layout = QVBoxLayout(self)
         layout.addLayout(grid)
@@ -88,7 +90,11 @@ class CacheView(QWidget):
         self.trace = trace
         if trace is None:
             self.quality = None
-            self._clear("no expert cache: load a model with --max-memory to stream its experts")
+            self._clear(self.no_cache_text())
+
+    def no_cache_text(self) -> str:
+        """What the tab says without an expert cache."""
+        return self.tr("no expert cache: load a model with --max-memory to stream its experts")
 
     def redraw(self, frame: Frame) -> None:
         """The tab is in view: replay the latest trace if it is new (the figures follow when the replay ends)."""
@@ -112,7 +118,7 @@ class CacheView(QWidget):
         if self.quality is not None and trace is self._replaying:
             return                                    # shown already
         if not trace.steps:
-            self._clear("no layer step recorded yet: the meter starts with the first answer")
+            self._clear(self.tr("no layer step recorded yet: the meter starts with the first answer"))
             return
         wait = self._started_at + REPLAY_S - time.monotonic()
         if wait > 0:
@@ -121,8 +127,8 @@ class CacheView(QWidget):
         self._started_at = time.monotonic()
         self._replaying = trace
         self._cancel.clear()
-        self.status.setText(f"replaying {trace.requests} expert requests of the last {len(trace.steps)} layer "
-                            "steps...")
+        self.status.setText(self.tr("replaying {requests} expert requests of the last {steps} layer steps...").format(
+            requests=trace.requests, steps=len(trace.steps)))
         self._worker = threading.Thread(target=self._replay, args=(trace,), name="cache-replay", daemon=True)
         self._worker.start()
 
@@ -153,13 +159,13 @@ class CacheView(QWidget):
         self.marker.setValue(quality.capacity * quality.slot_bytes / unit)
         self.marker.setVisible(True)
         item = self.plot.getPlotItem()
-        item.setLabel("bottom", f"expert cache ({name})")
+        item.setLabel("bottom", self.tr("expert cache ({unit})").format(unit=name))
         item.setXRange(0, float(x[-1]) * 1.02, padding=0)
         item.setYRange(0, 100, padding=0)
-        self.status.setText(f"over the last {len(self._replaying.steps) if self._replaying else 0} layer steps "
-                            f"({quality.requests} expert requests); the cache holds "
-                            f"{fmt_bytes(quality.capacity * quality.slot_bytes)} now (the line). Replays start "
-                            "cold: they can read below the live rate.")
+        self.status.setText(self.tr("over the last {steps} layer steps ({requests} expert requests); the cache holds "
+                                    "{size} now (the line). Replays start cold: they can read below the live rate.")
+                            .format(steps=len(self._replaying.steps) if self._replaying else 0,
+                                    requests=quality.requests, size=fmt_bytes(quality.capacity * quality.slot_bytes)))
         self._maybe_replay()                          # a newer trace may have come meanwhile
 
     def _clear(self, text: str) -> None:

@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass
 
 import pyqtgraph as pg
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication
 from PySide6.QtGui import QColor, QPalette
 
 from engine.offload.budget import format_bytes
-from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN
+from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN, AtlasData
 
 RGB = tuple[int, int, int]
 
@@ -114,6 +115,37 @@ def live_plot(item: pg.PlotItem, left: str, bottom: str | None = None, x_grid: b
         axis.setZValue(-200)                           # ... under the data (the view box sits at -100)
         if label is not None:
             item.setLabel(name, label)
+
+
+# the tiers' names as the views show them, translated at use (ui.inspector.data stays free of Qt)
+TIER_NAMES = {TIER_NONE: QT_TRANSLATE_NOOP("Tiers", "no expert"),
+              TIER_DISK: QT_TRANSLATE_NOOP("Tiers", "disk"),
+              TIER_CACHED: QT_TRANSLATE_NOOP("Tiers", "cached"),
+              TIER_PINNED: QT_TRANSLATE_NOOP("Tiers", "pinned"),
+              TIER_RESIDENT: QT_TRANSLATE_NOOP("Tiers", "resident"),
+              TIER_UNKNOWN: QT_TRANSLATE_NOOP("Tiers", "unknown")}
+
+
+def tier_name(code: int | None) -> str:
+    """A tier's name in the language of the UI ('?' for a code no tier has)."""
+    return QCoreApplication.translate("Tiers", TIER_NAMES[code]) if code in TIER_NAMES else "?"
+
+
+def describe_expert(atlas: AtlasData, layer: int, expert: int) -> str:
+    """One line for a tooltip: the expert's top topic, specialisation and probe selections in the atlas."""
+    i = atlas.row(layer, expert)
+    if i is None:
+        return QCoreApplication.translate("Atlas", "atlas: not mapped")
+    if atlas.top[i] < 0:
+        return QCoreApplication.translate("Atlas", "atlas: never chosen by the probes")
+    return QCoreApplication.translate(
+        "Atlas", "atlas topic: {topic} (specialisation {specialisation:.2f}, {n} probe selections)").format(
+        topic=atlas.titles[atlas.top[i]], specialisation=float(atlas.specialisation[i]), n=int(atlas.selections[i]))
+
+
+def layer_expert(layer: int, expert: int) -> str:
+    """'layer 3, expert 12', in the language of the UI."""
+    return QCoreApplication.translate("Atlas", "layer {layer}, expert {expert}").format(layer=layer, expert=expert)
 
 
 _NICE = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)

@@ -43,8 +43,8 @@ class CompareBar(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.on = QCheckBox("Compare answers")
-        self.on.setToolTip("draw two answers' routing on the Brain as a difference")
+        self.on = QCheckBox(self.tr("Compare answers"))
+        self.on.setToolTip(self.tr("draw two answers' routing on the Brain as a difference"))
         self.first, self.second = QComboBox(), QComboBox()
         self.swatch_a, self.swatch_b = QLabel(), QLabel()
         self.summary = QLabel("")
@@ -87,7 +87,8 @@ class CompareBar(QWidget):
             for box, keep, default in ((self.first, chosen[0], -2), (self.second, chosen[1], -1)):
                 box.blockSignals(True)
                 box.clear()
-                box.addItems([f"answer {i + 1}: tokens {f}-{la}" for i, (f, la) in enumerate(answers)])
+                box.addItems([self.tr("answer {n}: tokens {first}-{last}").format(n=i + 1, first=f, last=la)
+                              for i, (f, la) in enumerate(answers)])
                 index = answers.index(keep) if keep in answers else max(len(answers) + default, 0)
                 box.setCurrentIndex(index if answers else -1)
                 box.blockSignals(False)

@@ -19,8 +19,7 @@ from engine.telemetry import Snapshot
 
 TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT = -1, 0, 1, 2, 3
 TIER_UNKNOWN = 4  # the views' own code for "no tiers were given"; never in a tiers array
-TIER_NAMES = {TIER_NONE: "no expert", TIER_DISK: "disk", TIER_CACHED: "cached", TIER_PINNED: "pinned",
-              TIER_RESIDENT: "resident", TIER_UNKNOWN: "unknown"}
+# (their names, as the views show them: ui.inspector.common.TIER_NAMES)
 
 
 def _grid_shape(spec: ModelSpec) -> tuple[int, int]:
@@ -113,16 +112,6 @@ class AtlasData:
         shares = self.distribution[i]                                           # [T]
         order = np.argsort(-shares, kind="stable")[:most]
         return [(self.titles[t], float(shares[t])) for t in order if shares[t] > 0]
-
-    def describe(self, layer: int, expert: int) -> str:
-        """One line for a tooltip: the expert's top topic, specialisation and probe selections."""
-        i = self.row(layer, expert)
-        if i is None:
-            return "atlas: not mapped"
-        if self.top[i] < 0:
-            return "atlas: never chosen by the probes"
-        return (f"atlas topic: {self.titles[self.top[i]]} (specialisation {self.specialisation[i]:.2f}, "
-                f"{self.selections[i]} probe selections)")
 
 
 @dataclass(frozen=True, eq=False)

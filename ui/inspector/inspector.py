@@ -53,8 +53,9 @@ class Inspector(QWidget):
         self.atlas = AtlasView(theme)
         self.cache = CacheView(theme)
         self.tabs = QTabWidget()
-        for view, name in ((self.overview, "Overview"), (self.time, "Time"), (self.brain, "Brain"),
-                           (self.atlas, "Atlas"), (self.cache, "Cache")):
+        for view, name in ((self.overview, self.tr("Overview")), (self.time, self.tr("Time")),
+                           (self.brain, self.tr("Brain")), (self.atlas, self.tr("Atlas")),
+                           (self.cache, self.tr("Cache"))):
             self.tabs.addTab(view, name)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)

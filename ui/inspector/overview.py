@@ -17,11 +17,12 @@ from collections import deque
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication
 from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
 from engine.telemetry import Snapshot
 from ui.inspector.budget import BudgetBar, memory_parts, model_memory
-from ui.inspector.common import Theme, fmt_bytes, fmt_ms, fmt_percent, live_plot, nice_ceil, style_plot
+from ui.inspector.common import Theme, fmt_bytes, fmt_ms, fmt_percent, live_plot, nice_ceil, style_plot, tier_name
 from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, Frame
 
 SAMPLE_HZ = 2   # history samples a second, taken on a timer whether data arrived or not
@@ -30,22 +31,32 @@ RECENT_TOKENS = 64  # the recent hit rate's window
 POINTS = 500    # at most this many points per curve: a plot is a few hundred pixels wide
 T, PINNED, CACHED, DISK, MODEL, BUDGET = range(6)  # columns of a history sample (seconds, then bytes)
 
-# (key, title, tooltip) of the figures, in reading order (three columns)
+# (key, title, tooltip) of the figures, in reading order (three columns); translated where shown ("{n}": RECENT_TOKENS)
 FIGURES = (
-    ("tok_per_s", "Decode speed", "decoded tokens per second over the recent tokens"),
-    ("ttft", "Time to first token", "from the request to its first token, prompt included"),
-    ("hit_rate", "Expert hit rate", "routed experts found in memory (pinned or cached), not read from disk, "
-                                    "since the model was loaded"),
-    ("hit_recent", f"Hit rate, last {RECENT_TOKENS} tokens", "the same over the latest tokens (prompt and "
-                                                             "decoded): how the cache serves now"),
-    ("model", "Model memory", "process RSS minus the baseline: weights, expert cache, KV cache and buffers, "
-                              "what the memory budget covers"),
-    ("baseline", "Baseline", "process RSS before the model was loaded: the interpreter and libraries, "
-                             "outside the budget"),
-    ("kv", "KV cache", "memory of the attention keys and values"),
-    ("tokens", "Tokens", "decoded and prompt tokens of this generation"),
-    ("bytes_read", "Read from disk", "expert bytes read from disk"),
-    ("prefetch", "Prefetch used / issued", "experts read ahead of time that a token then used"),
+    ("tok_per_s", QT_TRANSLATE_NOOP("OverviewView", "Decode speed"),
+     QT_TRANSLATE_NOOP("OverviewView", "decoded tokens per second over the recent tokens")),
+    ("ttft", QT_TRANSLATE_NOOP("OverviewView", "Time to first token"),
+     QT_TRANSLATE_NOOP("OverviewView", "from the request to its first token, prompt included")),
+    ("hit_rate", QT_TRANSLATE_NOOP("OverviewView", "Expert hit rate"),
+     QT_TRANSLATE_NOOP("OverviewView", "routed experts found in memory (pinned or cached), not read from disk, "
+                                       "since the model was loaded")),
+    ("hit_recent", QT_TRANSLATE_NOOP("OverviewView", "Hit rate, last {n} tokens"),
+     QT_TRANSLATE_NOOP("OverviewView", "the same over the latest tokens (prompt and decoded): how the cache "
+                                       "serves now")),
+    ("model", QT_TRANSLATE_NOOP("OverviewView", "Model memory"),
+     QT_TRANSLATE_NOOP("OverviewView", "process RSS minus the baseline: weights, expert cache, KV cache and "
+                                       "buffers, what the memory budget covers")),
+    ("baseline", QT_TRANSLATE_NOOP("OverviewView", "Baseline"),
+     QT_TRANSLATE_NOOP("OverviewView", "process RSS before the model was loaded: the interpreter and libraries, "
+                                       "outside the budget")),
+    ("kv", QT_TRANSLATE_NOOP("OverviewView", "KV cache"),
+     QT_TRANSLATE_NOOP("OverviewView", "memory of the attention keys and values")),
+    ("tokens", QT_TRANSLATE_NOOP("OverviewView", "Tokens"),
+     QT_TRANSLATE_NOOP("OverviewView", "decoded and prompt tokens of this generation")),
+    ("bytes_read", QT_TRANSLATE_NOOP("OverviewView", "Read from disk"),
+     QT_TRANSLATE_NOOP("OverviewView", "expert bytes read from disk")),
+    ("prefetch", QT_TRANSLATE_NOOP("OverviewView", "Prefetch used / issued"),
+     QT_TRANSLATE_NOOP("OverviewView", "experts read ahead of time that a token then used")),
 )
 
 
@@ -85,7 +96,9 @@ class OverviewView(QWidget):
         self.values: dict[str, QLabel] = {}
         grid = QGridLayout()
         for n, (key, title, tip) in enumerate(FIGURES):
-            name, value = QLabel(title), QLabel("—")
+            tip = QCoreApplication.translate("OverviewView", tip)
+            name = QLabel(QCoreApplication.translate("OverviewView", title).format(n=RECENT_TOKENS))
+            value = QLabel("—")
             name.setToolTip(tip)
             value.setToolTip(tip)
             value.setObjectName(f"overview_{key}")
@@ -101,16 +114,16 @@ class OverviewView(QWidget):
         self.memory_plot = pg.PlotWidget()
         self.disk_plot = pg.PlotWidget()
         mem, disk = self.memory_plot.getPlotItem(), self.disk_plot.getPlotItem()
-        live_plot(mem, "MB in memory", x_grid=True)
-        live_plot(disk, "MB on disk", "seconds ago", x_grid=True)
+        live_plot(mem, self.tr("{unit} in memory").format(unit="MB"), x_grid=True)
+        live_plot(disk, self.tr("{unit} on disk").format(unit="MB"), self.tr("seconds ago"), x_grid=True)
         self.units = {"memory": "MB", "disk": "MB"}
         self.legend = mem.addLegend(offset=(8, 8))
         # stacked areas: the cached curve is pinned + cached, drawn first so pinned covers its lower part
         # steps: a sample's value holds until the next one, so nothing is drawn as a slope that never happened
-        self.cached_curve = mem.plot(name="cached", fillLevel=0, stepMode="right")
-        self.pinned_curve = mem.plot(name="pinned", fillLevel=0, stepMode="right")
-        self.model_curve = mem.plot(name="model memory", stepMode="right")
-        self.budget_curve = mem.plot(name="budget", stepMode="right")
+        self.cached_curve = mem.plot(name=tier_name(TIER_CACHED), fillLevel=0, stepMode="right")
+        self.pinned_curve = mem.plot(name=tier_name(TIER_PINNED), fillLevel=0, stepMode="right")
+        self.model_curve = mem.plot(name=self.tr("model memory"), stepMode="right")
+        self.budget_curve = mem.plot(name=self.tr("budget"), stepMode="right")
         self.disk_curve = disk.plot(fillLevel=0, stepMode="right")
         for curve in (self.cached_curve, self.pinned_curve, self.disk_curve):
             curve.setSkipFiniteCheck(True)                   # occupancy is always known (0 when not reported)
@@ -189,10 +202,11 @@ class OverviewView(QWidget):
         v["hit_rate"].setText(fmt_percent(snap.hit_rate) if total else "—")
         recent = self.recent_hit_rate()
         v["hit_recent"].setText("—" if recent is None else fmt_percent(recent[0]) if recent[1] >= RECENT_TOKENS
-                                else f"{fmt_percent(recent[0])} ({recent[1]} tokens)")
-        v["tokens"].setText(f"{snap.tokens} decoded, {snap.prefill_tokens} prompt")
+                                else self.tr("{rate} ({n} tokens)").format(rate=fmt_percent(recent[0]), n=recent[1]))
+        v["tokens"].setText(self.tr("{decoded} decoded, {prompt} prompt").format(decoded=snap.tokens,
+                                                                                 prompt=snap.prefill_tokens))
         v["bytes_read"].setText(fmt_bytes(snap.bytes_read))
-        wasted = f", {snap.prefetch_wasted} wasted" if snap.prefetch_wasted else ""
+        wasted = self.tr(", {n} wasted").format(n=snap.prefetch_wasted) if snap.prefetch_wasted else ""
         v["prefetch"].setText(f"{snap.prefetch_used} / {snap.prefetch_issued}{wasted}")
         v["kv"].setText(fmt_bytes(snap.gauges.get("kv_bytes")))
         model, budget = model_memory(snap.gauges), frame.budget
@@ -208,8 +222,8 @@ class OverviewView(QWidget):
         stacked = h[:, PINNED] + h[:, CACHED]
         mem_peak = float(np.fmax.reduce(np.concatenate([stacked, h[:, MODEL], h[:, BUDGET]]), initial=0.0))
         disk_peak = float(np.fmax.reduce(h[:, DISK], initial=0.0))
-        mem_scale = self._unit("memory", self.memory_plot.getPlotItem(), "in memory", mem_peak)
-        disk_scale = self._unit("disk", self.disk_plot.getPlotItem(), "on disk", disk_peak)
+        mem_scale = self._unit("memory", self.memory_plot.getPlotItem(), self.tr("{unit} in memory"), mem_peak)
+        disk_scale = self._unit("disk", self.disk_plot.getPlotItem(), self.tr("{unit} on disk"), disk_peak)
         self.pinned_curve.setData(t, h[:, PINNED] / mem_scale)
         self.cached_curve.setData(t, stacked / mem_scale)
         self.model_curve.setData(t, h[:, MODEL] / mem_scale, connect="finite")
@@ -220,12 +234,13 @@ class OverviewView(QWidget):
             y_range = (0.0, nice_ceil(peak / scale * 1.05))
             plot.getPlotItem().getViewBox().setRange(xRange=x_range, yRange=y_range, padding=0)
 
-    def _unit(self, name: str, item: pg.PlotItem, where: str, peak: float) -> float:
-        """The scale of plot `name` for `peak` bytes, relabelling its axis when the unit changes."""
+    def _unit(self, name: str, item: pg.PlotItem, label: str, peak: float) -> float:
+        """The scale of plot `name` for `peak` bytes, relabelling its axis (label: "{unit} ...") when the unit
+        changes."""
         unit, scale = axis_unit(peak)
         if self.units[name] != unit:
             self.units[name] = unit
-            item.setLabel("left", f"{unit} {where}")
+            item.setLabel("left", label.format(unit=unit))
         return scale
 
 

@@ -25,28 +25,28 @@ class ReplayBar(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.live = QPushButton("Live")
+        self.live = QPushButton(self.tr("Live"))
         self.live.setCheckable(True)
         self.live.setChecked(True)
-        self.live.setToolTip("show the current token; off: replay the recorded ones")
+        self.live.setToolTip(self.tr("show the current token; off: replay the recorded ones"))
         self.back = QToolButton()
         self.back.setText("◀")
-        self.back.setToolTip("the token before")
+        self.back.setToolTip(self.tr("the token before"))
         self.play = QToolButton()
         self.play.setCheckable(True)
         self.play.setText("▶")
-        self.play.setToolTip("play: each token sweeps down the layers")
+        self.play.setToolTip(self.tr("play: each token sweeps down the layers"))
         self.forward = QToolButton()
         self.forward.setText("▶|")
-        self.forward.setToolTip("the token after")
+        self.forward.setToolTip(self.tr("the token after"))
         self.slider = QSlider(Qt.Orientation.Horizontal)
         self.slider.setRange(0, 0)
         self.speed = QSpinBox()
         self.speed.setRange(1, 1000)
         self.speed.setValue(60)
-        self.speed.setSuffix(" layers/s")
-        self.speed.setToolTip("how fast a token's routing sweeps down the Brain")
-        self.label = QLabel("no routing recorded")
+        self.speed.setSuffix(self.tr(" layers/s"))
+        self.speed.setToolTip(self.tr("how fast a token's routing sweeps down the Brain"))
+        self.label = QLabel(self.tr("no routing recorded"))
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         for w in (self.live, self.back, self.play, self.forward):
@@ -159,10 +159,11 @@ class ReplayBar(QWidget):
 
     def _emit(self) -> None:
         if len(self.tokens):
-            self.label.setText(f"token {int(self.tokens[self.index])} ({self.index + 1} of {len(self.tokens)}), "
-                               f"{self.swept} of {len(self._steps)} layers")
+            self.label.setText(self.tr("token {token} ({n} of {count}), {swept} of {layers} layers").format(
+                token=int(self.tokens[self.index]), n=self.index + 1, count=len(self.tokens), swept=self.swept,
+                layers=len(self._steps)))
         else:
-            self.label.setText("no routing recorded")
+            self.label.setText(self.tr("no routing recorded"))
         self.moved.emit(int(self.tokens[self.index]) if len(self.tokens) else -1, self.swept)
 
     def _slid(self, value: int) -> None:

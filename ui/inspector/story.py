@@ -5,12 +5,12 @@ atlas topic when an atlas is present. Read from the store's counters (`engine.of
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QCoreApplication, Qt, Signal
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QToolButton, QVBoxLayout, QWidget
 
 from engine.offload.story import ExpertCounts
-from ui.inspector.common import fmt_percent
-from ui.inspector.data import TIER_NAMES, AtlasData
+from ui.inspector.common import describe_expert, fmt_percent, layer_expert, tier_name
+from ui.inspector.data import AtlasData
 
 SHOWN_CHANGES = 8       # the latest tier changes listed
 
@@ -18,29 +18,40 @@ SHOWN_CHANGES = 8       # the latest tier changes listed
 def story_text(counts: ExpertCounts | None, layer: int, expert: int, tier: int | None,
                atlas: AtlasData | None) -> str:
     """The panel's lines for one expert (counters unknown: says so)."""
-    lines = [f"tier now: {TIER_NAMES.get(tier, '?') if tier is not None else 'not reported'}"]
+    lines = [QCoreApplication.translate("StoryPanel", "tier now: {tier}").format(
+        tier=tier_name(tier) if tier is not None else QCoreApplication.translate("StoryPanel", "not reported"))]
     if counts is None or not (layer < counts.hits.shape[0] and expert < counts.hits.shape[1]):
-        lines.append("no expert cache counters: its experts are not streamed")
+        lines.append(QCoreApplication.translate("StoryPanel", "no expert cache counters: its experts are not streamed"))
     else:
         s = counts.story(layer, expert)
         steps = int(counts.steps[layer])
-        lines += [f"chosen by {s.requests} of the layer's {steps} steps ({fmt_percent(s.share)})",
-                  f"served from memory {s.hits}, waited for disk {s.misses}",
-                  f"reads from disk: {s.reads}",
-                  f"read ahead: {s.ahead_used} used, {s.ahead_wasted} wasted"]
+        lines += [
+            QCoreApplication.translate("StoryPanel", "chosen by {n} of the layer's {steps} steps ({share})").format(
+                n=s.requests, steps=steps, share=fmt_percent(s.share)),
+            QCoreApplication.translate("StoryPanel", "served from memory {hits}, waited for disk {misses}").format(
+                hits=s.hits, misses=s.misses),
+            QCoreApplication.translate("StoryPanel", "reads from disk: {n}").format(n=s.reads),
+            QCoreApplication.translate("StoryPanel", "read ahead: {used} used, {wasted} wasted").format(
+                used=s.ahead_used, wasted=s.ahead_wasted)]
         if s.changes:
-            latest = ", ".join(f"{token}: {TIER_NAMES.get(t, '?')}" for token, t in s.changes[-SHOWN_CHANGES:])
-            more = f" (latest {SHOWN_CHANGES} of {len(s.changes)})" if len(s.changes) > SHOWN_CHANGES else ""
-            lines.append(f"tier changes at token{more}: {latest}")
+            latest = ", ".join(f"{token}: {tier_name(t)}" for token, t in s.changes[-SHOWN_CHANGES:])
+            if len(s.changes) > SHOWN_CHANGES:
+                lines.append(QCoreApplication.translate(
+                    "StoryPanel", "tier changes at token (latest {shown} of {n}): {changes}").format(
+                    shown=SHOWN_CHANGES, n=len(s.changes), changes=latest))
+            else:
+                lines.append(QCoreApplication.translate("StoryPanel", "tier changes at token: {changes}").format(
+                    changes=latest))
         else:
-            lines.append("tier changes: none kept")
+            lines.append(QCoreApplication.translate("StoryPanel", "tier changes: none kept"))
     if atlas is None:
-        lines.append("atlas: none yet (compute it in the Atlas tab)")
+        lines.append(QCoreApplication.translate("StoryPanel", "atlas: none yet (compute it in the Atlas tab)"))
     else:
-        lines.append(atlas.describe(layer, expert))
+        lines.append(describe_expert(atlas, layer, expert))
         near = atlas.affinities(layer, expert)
         if near:
-            lines.append("topic affinities: " + ", ".join(f"{title} {fmt_percent(share)}" for title, share in near))
+            lines.append(QCoreApplication.translate("StoryPanel", "topic affinities: {topics}").format(
+                topics=", ".join(f"{title} {fmt_percent(share)}" for title, share in near)))
     return "\n".join(lines)
 
 
@@ -56,7 +67,7 @@ class StoryPanel(QFrame):
         self.title.setStyleSheet("font-weight: bold;")
         close = QToolButton()
         close.setText("×")
-        close.setToolTip("close the expert's story")
+        close.setToolTip(self.tr("close the expert's story"))
         close.clicked.connect(self._close)
         head = QHBoxLayout()
         head.addWidget(self.title, 1)
@@ -73,7 +84,7 @@ class StoryPanel(QFrame):
 
     def show_story(self, layer: int, expert: int, text: str) -> None:
         """Show one expert's lines."""
-        self.title.setText(f"layer {layer}, expert {expert}")
+        self.title.setText(layer_expert(layer, expert))
         if self.body.text() != text:
             self.body.setText(text)
         self.setVisible(True)

@@ -15,14 +15,20 @@ from operator import attrgetter
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from engine.telemetry import PHASES, TokenTimes
 from ui.inspector.common import Theme, fmt_ms, fmt_percent, live_plot, nice_ceil, style_plot, swatch_css
 from ui.inspector.data import Frame
 
-LABELS = {"attention": "attention", "dense": "dense matmuls", "experts": "expert matmuls",
-          "io_wait": "I/O wait", "sampling": "sampling", "other": "other"}
+# the phases' names, translated where shown
+LABELS = {"attention": QT_TRANSLATE_NOOP("TimeView", "attention"),
+          "dense": QT_TRANSLATE_NOOP("TimeView", "dense matmuls"),
+          "experts": QT_TRANSLATE_NOOP("TimeView", "expert matmuls"),
+          "io_wait": QT_TRANSLATE_NOOP("TimeView", "I/O wait"),
+          "sampling": QT_TRANSLATE_NOOP("TimeView", "sampling"),
+          "other": QT_TRANSLATE_NOOP("TimeView", "other")}
 _FIELDS = attrgetter("n", *PHASES)  # a record's token count and seconds per phase
 X_LABELS, Y_LABELS = 6, 5           # at most so many tick labels on each axis
 
@@ -52,7 +58,7 @@ class TimeView(QWidget):
         super().__init__(parent)
         self.plot = pg.PlotWidget()
         item = self.plot.getPlotItem()
-        live_plot(item, "ms per token", "recent records (oldest left)")
+        live_plot(item, self.tr("ms per token"), self.tr("recent records (oldest left)"))
         self.bars = {p: pg.BarGraphItem(x0=[], width=[], y0=[], height=[]) for p in PHASES}  # bottom to top
         for bar in self.bars.values():
             item.addItem(bar)
@@ -77,16 +83,16 @@ class TimeView(QWidget):
             self.swatches[p] = swatch
             self.averages[p], self.shares[p] = QLabel("—"), QLabel("")
             table.addWidget(swatch, row, 0)
-            table.addWidget(QLabel(LABELS[p]), row, 1)
+            table.addWidget(QLabel(QCoreApplication.translate("TimeView", LABELS[p])), row, 1)
             table.addWidget(self.averages[p], row, 2)
             table.addWidget(self.shares[p], row, 3)
         table.setColumnStretch(1, 1)
-        self.total = QLabel("no decoded tokens yet")
+        self.total = QLabel(self.tr("no decoded tokens yet"))
         self.total.setWordWrap(True)
         side = QWidget()
         col = QVBoxLayout(side)
         col.setContentsMargins(0, 0, 0, 0)
-        col.addWidget(QLabel("<b>Mean per decoded token</b>"))
+        col.addWidget(QLabel("<b>{}</b>".format(self.tr("Mean per decoded token"))))
         col.addLayout(table)
         col.addStretch(1)
         side.setMaximumWidth(360)
@@ -129,10 +135,11 @@ class TimeView(QWidget):
         if frame.plots:
             self._plot(snap.recent, wall)
         if wall > 0:
-            self.total.setText(f"mean {fmt_ms(wall)} per decoded token ({snap.tok_per_s:.1f} tok/s); "
-                               f"{len(snap.recent)} records shown, triangles mark prompt chunks" + self._clipped)
+            self.total.setText(self.tr("mean {time} per decoded token ({speed} tok/s); {n} records shown, triangles "
+                                       "mark prompt chunks").format(time=fmt_ms(wall), speed=f"{snap.tok_per_s:.1f}",
+                                                                    n=len(snap.recent)) + self._clipped)
         else:
-            self.total.setText("no decoded tokens yet")
+            self.total.setText(self.tr("no decoded tokens yet"))
 
     def _plot(self, recent: tuple[TokenTimes, ...], wall: float) -> None:
         """Stacked bars of the records (seconds per phase), the mean line at `wall` s (0: none)."""
@@ -153,8 +160,8 @@ class TimeView(QWidget):
         centres = x0 + width / 2
         self.prefill_marks.setData(x=centres[prefill], y=np.minimum(tops[prefill], self.scale))
         self.clip_marks.setData(x=centres[cut], y=np.full(int(cut.sum()), self.scale * 0.97))
-        self._clipped = (f"; {int(cut.sum())} bars cut at the top (arrows), the highest {fmt_ms(float(tops.max()) / 1e3)}"
-                         if cut.any() else "")
+        self._clipped = (self.tr("; {n} bars cut at the top (arrows), the highest {time}").format(
+            n=int(cut.sum()), time=fmt_ms(float(tops.max()) / 1e3)) if cut.any() else "")
         self.mean_line.setVisible(wall > 0)
         if wall > 0:
             self.mean_line.setPos(wall * 1e3)
