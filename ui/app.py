@@ -38,6 +38,7 @@ from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
 from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_at_start, prepared_default
+from ui.language import chosen_language, install_translation
 from ui.library import LibraryDialog
 from ui.models import ModelActions
 from ui.selftest import SelfTest, SelfTestRun
@@ -670,14 +671,17 @@ def remote_service(url: str, api_key: str | None = None) -> ServiceFactory:
 
 
 def run(model: str | None, options: LoadOptions = LoadOptions(), self_test: SelfTest | None = None,
-        remote: str | None = None, api_key: str | None = None) -> int:
+        remote: str | None = None, api_key: str | None = None, language: str | None = None) -> int:
     """Open the app (loading MODEL, else the most recent model, else offering the first-run choices) and run it
     until the window closes; with remote, on the Colibri server at that URL instead of a model here; with
-    self_test, load (or connect), answer once, print the report and quit."""
+    self_test, load (or connect), answer once, print the report and quit. language ("system", "en", "zh_CN")
+    overrides the one chosen in the settings for this run."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     service = remote_service(remote, api_key) if remote else None
     app = QApplication.instance() or QApplication(sys.argv[:1])
     configure(app)
+    shown = install_translation(app, chosen_language(QSettings(), language))    # before the first widget is built
+    log.info("user interface language: %s", shown)
     window = MainWindow(load_options=options, service=service)
     window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     window.show()

@@ -1,9 +1,10 @@
-"""The settings dialog (the models folder, compute threads, the sampling new chats start with, the theme) and the
-keyboard shortcuts page.
+"""The settings dialog (the models folder, compute threads, the sampling new chats start with, the theme, the
+language) and the keyboard shortcuts page.
 
 Settings live in the app's QSettings. The models folder is where the open and convert dialogs start and where the
 first-run dialog pulls to (unset: app.config.paths.models_dir); the compute threads go to the engine with the
-next model opened (`LoadOptions.threads`; automatic: the process's own, `--threads`). The shortcuts page lists
+next model opened (`LoadOptions.threads`; automatic: the process's own, `--threads`); the language (ui.language)
+at the next start. The shortcuts page lists
 the window's actions with their keys as they are bound, so that it cannot drift from them.
 """
 
@@ -35,6 +36,7 @@ from PySide6.QtWidgets import (
 )
 
 from ui.chat_options import ChatDefaults
+from ui.language import LANGUAGE_KEY, LANGUAGES, chosen_language, language_name
 from ui.theme import THEMES, theme_name
 
 MODELS_KEY = "paths/models"
@@ -73,18 +75,20 @@ class AppSettings:
     threads: int                    # 0: automatic
     defaults: ChatDefaults
     theme: str
+    language: str = "system"        # ui.language.LANGUAGES; applied at the next start
 
     @classmethod
     def load(cls, settings: QSettings) -> AppSettings:
         """The settings saved (the app's own where none are)."""
         theme = str(settings.value("view/theme", "system"))
         return cls(str(settings.value(MODELS_KEY, "") or ""), int(settings.value(THREADS_KEY, 0, type=int)),
-                   ChatDefaults.load(settings), theme if theme in THEMES else "system")
+                   ChatDefaults.load(settings), theme if theme in THEMES else "system", chosen_language(settings))
 
     def save(self, settings: QSettings) -> None:
         """Keep them (the theme and the chat's defaults are kept by those who apply them)."""
         settings.setValue(MODELS_KEY, self.models_folder)
         settings.setValue(THREADS_KEY, self.threads)
+        settings.setValue(LANGUAGE_KEY, self.language)
         settings.sync()
 
 
@@ -126,6 +130,16 @@ class SettingsDialog(QDialog):
         for choice in THEMES:
             self.theme.addItem(theme_name(choice), choice)
         self.theme.setCurrentIndex(self.theme.findData(current.theme))
+        self.language = QComboBox()
+        for choice in LANGUAGES:
+            self.language.addItem(language_name(choice), choice)
+        self.language.setCurrentIndex(self.language.findData(current.language))
+        self.language.setToolTip(self.tr("the language of the window; System follows the system's language"))
+        self.restart_note = QLabel(self.tr("The language changes when Colibri is next started."))
+        self.restart_note.setWordWrap(True)
+        self.restart_note.setVisible(False)
+        self.language.currentIndexChanged.connect(
+            lambda _i: self.restart_note.setVisible(self.language.currentData() != current.language))
         note = QLabel(self.tr("New chats start with this sampling; the chat's own fields change it for one chat."))
         note.setWordWrap(True)
         form = QFormLayout()
@@ -138,6 +152,8 @@ class SettingsDialog(QDialog):
         form.addRow("", self.stop_loops)
         form.addRow("", note)
         form.addRow(self.tr("Theme"), self.theme)
+        form.addRow(self.tr("Language"), self.language)
+        form.addRow("", self.restart_note)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
@@ -150,7 +166,8 @@ class SettingsDialog(QDialog):
         folder = self.folder.text().strip()
         defaults = ChatDefaults(self.temperature.value(), self.top_p.value(), self.penalty.value(),
                                 self.greedy.isChecked(), self.stop_loops.isChecked())
-        return AppSettings(folder, self.threads.value(), defaults, str(self.theme.currentData()))
+        return AppSettings(folder, self.threads.value(), defaults, str(self.theme.currentData()),
+                           str(self.language.currentData()))
 
     def accept(self) -> None:
         self.accepted_settings.emit(self.values())

@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "instead of opening a model here")
     parser.add_argument("--api-key", metavar="KEY", default=None,
                         help="with --remote: the key the server was started with (`colibri serve --api-key KEY`)")
+    parser.add_argument("--lang", choices=("system", "en", "zh_CN"), default=None,
+                        help="the language of the window for this run: system (the default: the system's), en, or "
+                        "zh_CN (Simplified Chinese); File > Settings > Language keeps a choice")
     add_memory_arguments(parser)
     add_speculative_argument(parser)
     parser.set_defaults(func=_run)
@@ -69,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the GUI's packages are runtime dependencies, but a broken install says so
         raise ColibriError(f"the desktop app cannot start ({exc}); reinstall Colibri: pip install -e .") from None
     check = SelfTest(args.self_test, args.self_test_tokens) if args.self_test is not None else None
-    return run(args.model, options, self_test=check, remote=args.remote, api_key=args.api_key)
+    return run(args.model, options, self_test=check, remote=args.remote, api_key=args.api_key, language=args.lang)
 
 
 def main() -> int:
