@@ -190,10 +190,14 @@ class SettingsDialog(QDialog):
 
 
 def input_keys() -> list[tuple[str, str]]:
-    """The keys of the chat's input, which are no actions: (what, key)."""
-    return [(QCoreApplication.translate("Shortcuts", "Send the question"), "Enter"),
-            (QCoreApplication.translate("Shortcuts", "New line in the question"), "Shift+Enter"),
-            (QCoreApplication.translate("Shortcuts", "Stop the answer, or leave the question being edited"), "Escape")]
+    """The keys of the chat's input, which are no actions: (what, key), the keys named as Qt names them in the
+    language of the UI."""
+    return [(QCoreApplication.translate("Shortcuts", "Send the question"),
+             QCoreApplication.translate("Shortcuts", "Enter")),
+            (QCoreApplication.translate("Shortcuts", "New line in the question"),
+             QCoreApplication.translate("Shortcuts", "Shift+Enter")),
+            (QCoreApplication.translate("Shortcuts", "Stop the answer, or leave the question being edited"),
+             QCoreApplication.translate("Shortcuts", "Escape"))]
 
 
 class ShortcutsDialog(QDialog):

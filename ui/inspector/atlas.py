@@ -43,41 +43,44 @@ NO_ATLAS = QT_TRANSLATE_NOOP("AtlasView", "This model has no atlas yet. Computin
 NO_MODEL = QT_TRANSLATE_NOOP("AtlasView", "The atlas maps the experts of a Mixture-of-Experts model: load one to see "
                              "or compute its atlas.")
 _NO_GL_WIDGETS = {"offscreen", "minimal", "linuxfb", "vnc"}  # Qt platforms without RasterGLSurface
-_gl_problem: list[str | None] = []  # the cached answer of gl_problem(), once asked
+_gl_problem: list[tuple[str, dict[str, str]] | None] = []  # gl_problem()'s answer once asked: (text, its fields)
 
 
 def gl_problem() -> str | None:
-    """Why vispy cannot draw in this process (None: it can); asked once, then cached."""
-    if _gl_problem:
-        return _gl_problem[0]
-    problem = None
+    """Why vispy cannot draw in this process (None: it can), in the language of the UI; asked once, then cached."""
+    if not _gl_problem:
+        _gl_problem.append(_ask_gl())
+    if _gl_problem[0] is None:
+        return None
+    text, fields = _gl_problem[0]
+    return QCoreApplication.translate("AtlasView", text).format(**fields)
+
+
+def _ask_gl() -> tuple[str, dict[str, str]] | None:
+    """gl_problem's answer as a text to translate (marked for lupdate) and its fields."""
     platform = QGuiApplication.platformName()
+    where = {"platform": platform}
     ctx = QOpenGLContext()
     if platform in _NO_GL_WIDGETS:  # they may make a context (offscreen does, given a DISPLAY) but no QOpenGLWidget
-        problem = QCoreApplication.translate("AtlasView", "the Qt platform '{platform}' cannot show OpenGL widgets"
-                                             ).format(platform=platform)
-    elif not ctx.create():
-        problem = QCoreApplication.translate("AtlasView", "no OpenGL context on the Qt platform '{platform}'").format(
-            platform=platform)
-    else:
-        surface = QOffscreenSurface()
-        surface.setFormat(ctx.format())
-        surface.create()
-        if not ctx.makeCurrent(surface):
-            problem = QCoreApplication.translate(
-                "AtlasView", "an OpenGL context exists on the Qt platform '{platform}' but cannot be made current"
-            ).format(platform=platform)
-        ctx.doneCurrent()
-        surface.destroy()
-    if problem is None:
-        try:
-            import vispy.app
+        return QT_TRANSLATE_NOOP("AtlasView", "the Qt platform '{platform}' cannot show OpenGL widgets"), where
+    if not ctx.create():
+        return QT_TRANSLATE_NOOP("AtlasView", "no OpenGL context on the Qt platform '{platform}'"), where
+    surface = QOffscreenSurface()
+    surface.setFormat(ctx.format())
+    surface.create()
+    current = ctx.makeCurrent(surface)
+    ctx.doneCurrent()
+    surface.destroy()
+    if not current:
+        return QT_TRANSLATE_NOOP("AtlasView", "an OpenGL context exists on the Qt platform '{platform}' but cannot be "
+                                 "made current"), where
+    try:
+        import vispy.app
 
-            vispy.app.use_app("pyside6")
-        except Exception as exc:  # vispy already bound to another toolkit, or missing
-            problem = QCoreApplication.translate("AtlasView", "vispy cannot draw with PySide6 ({why})").format(why=exc)
-    _gl_problem.append(problem)
-    return problem
+        vispy.app.use_app("pyside6")
+    except Exception as exc:  # vispy already bound to another toolkit, or missing
+        return QT_TRANSLATE_NOOP("AtlasView", "vispy cannot draw with PySide6 ({why})"), {"why": str(exc)}
+    return None
 
 
 class _Legend(QWidget):
