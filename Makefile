@@ -30,7 +30,7 @@ PIP_FLAGS := --no-compile
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: help run test test-fast lint system-deps venv clean package
+.PHONY: help run test test-fast lint system-deps venv clean package translations
 
 help: ## list the targets
 	@echo "Colibri: make TARGET"
@@ -66,6 +66,16 @@ lint: $(TEST_STAMP) ## check style (ruff), types of the engine's core (mypy) and
 
 package: system-deps $(RUNTIME_STAMP) ## build the desktop app into dist/colibri (PyInstaller); packaging/install.sh installs it
 	packaging/build.sh
+
+# The Chinese UI: lupdate gathers the translatable strings of ui/ into the .ts (new ones unfinished: translate them
+# there, by hand or in pyside6-linguist), lrelease compiles the .qm the app loads; both files are committed, and
+# tests/gui/test_gui_translation.py checks that every string is translated and the .qm is up to date.
+TS := ui/i18n/colibri_zh_CN.ts
+
+translations: $(RUNTIME_STAMP) ## update ui/i18n/colibri_zh_CN.ts from the strings in ui/ and compile its .qm
+	$(VENV)/bin/pyside6-lupdate -no-obsolete -locations relative -target-language zh_CN \
+		$(sort $(wildcard ui/*.py ui/*/*.py)) -ts $(TS)
+	$(VENV)/bin/pyside6-lrelease -nounfinished $(TS) -qm $(TS:.ts=.qm)
 
 venv: $(RUNTIME_STAMP) ## create .venv with the runtime dependencies only
 

@@ -97,6 +97,13 @@ def test_the_packaged_cli_runs_too(bundle, tmp_path):
     assert result.returncode == 0 and "colibri" in (result.stdout + result.stderr).lower()
 
 
+@pytest.mark.slow
+def test_the_bundle_carries_the_chinese_translation(bundle):
+    app, _ = bundle
+    assert (app / "_internal" / "ui" / "i18n" / "colibri_zh_CN.qm").is_file()      # where ui.language looks
+    assert list(app.rglob("qtbase_zh_CN.qm"))                                   # Qt's own, for its buttons
+
+
 def test_the_desktop_entry_is_valid():
     entry = PACKAGING / "colibri.desktop"
     validator = shutil.which("desktop-file-validate")
