@@ -69,10 +69,10 @@ def install_translation(app: QCoreApplication, choice: str) -> str:
     language = ui_language(choice)
     if language == "en":
         return language
-    ours = QTranslator(app)
+    ours = QTranslator()
     if not ours.load(str(catalogue_path(language))):
         return "en"
-    qt = QTranslator(app)       # Qt's own texts: standard buttons, file dialogs, key names
+    qt = QTranslator()          # Qt's own texts: standard buttons, file dialogs, key names
     if qt.load(f"qtbase_{language}", QLibraryInfo.path(QLibraryInfo.LibraryPath.TranslationsPath)):
         app.installTranslator(qt)
         _installed.append(qt)
