@@ -72,7 +72,7 @@ GROUP_OF = {module: group for group, modules in SHARED_COMPILES.items() for modu
 HEAVY_FIRST = (
     "kquant",
     "batch",
-    "tests/cli/test_warm.py",            # compiles the model's kernels into its own empty cache
+    "tests/cli/test_warm.py",            # after the batch group: its kernels are then in the shared cache
     "tests/offload/test_tenet.py",
     "tests/moefy/test_moefy.py",
     "tests/kernels/test_matmul.py",
