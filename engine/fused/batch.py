@@ -188,7 +188,8 @@ def decode_batch(threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
     """One token of each of B rows (embeddings x0 flat [B, hidden], row b at pos[b] of the cache blocks tables[b])
     through the layers -> logits flat [B, V] (see the module docstring)."""
     for tid in prange(threads):
-        _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
+        # int64: parfor types tid signed, then unsigned in its gufunc; one type compiles _worker once
+        _worker(np.int64(tid), threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
                 scr_size, logits, sync, done)
 
 

@@ -545,5 +545,6 @@ def decode_step(threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, 
     them while the call runs on, and flags may change meanwhile (`cur`, `set_flag`, `in_use`). kquant: True when
     a matrix of descs is a GGUF K-quant or IQ4, else None (a variant compiled and cached without their kernels)."""
     for tid in prange(threads):
-        _worker(tid, threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv,
+        # int64: parfor types tid signed, then unsigned in its gufunc; one type compiles _worker once
+        _worker(np.int64(tid), threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps, x0, shared, priv,
                 iscr, rids, rw, logits, sync, done, tcycles[4 * tid:4 * tid + 4], run, state, flags, post, cur)
