@@ -24,8 +24,8 @@ Each kernel walks a super-block in 16 groups of 16 weights in increasing order, 
 scales of up to 4 rows decoded once per super-block (one vector each) into a stack buffer. A dot product accumulates
 lane j over k = j, j + 16, ... with one fma each and reduces by `vsum`, the same sequence as
 engine/kernels/matmul.py's float tile, so decode (on the fly) and prefill (a dequantized tile run
-by `matmul.tile_rows`) give the same bits. Q4_K and Q5_K look weights up in a per-sub-block table
-(one permute per 16 weights, as the Q4_1 path does); Q6_K, Q3_K and Q2_K convert and fma.
+by `matmul.tile_rows`) give the same bits. On AVX-512 Q4_K and Q5_K look weights up in a per-sub-block table
+(one permute per 16 weights, as the Q4_1 path does); elsewhere they, like Q6_K, Q3_K and Q2_K, convert and fma.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from numba.extending import intrinsic
 from engine.kernels import iquant
 from engine.kernels.matmul import OTF_MAX_TOKENS, TILE, tile_rows
 from engine.kernels.simd import (
+    HAS_AVX512,
     U64,
     _elem_ptr,
     _load_vec,
@@ -311,29 +312,43 @@ def _dequant(kind, raw, K, r0, nr, dst):
 @njit(boundscheck=False)
 def _chunk(kind, raw, rs, c, buf, bo, iota, iota16, x0, x1, x2, x3, acc):
     """acc plus one row's 64-weight chunk c of a Q4_K/Q5_K super-block at byte rs (sub-blocks 2c, 2c + 1) times
-    x0 .. x3 (its 4 groups of 16 inputs); weights looked up in each sub-block's table of code values."""
+    x0 .. x3 (its 4 groups of 16 inputs); on AVX-512 weights looked up in each sub-block's table of code values."""
     qs = rs + U64(16 if kind == Q4_K else 48) + U64(32 * c)
     a0 = vsplat(buf[bo + U64(2 * c)])
     b0 = vsplat(buf[bo + U64(8 + 2 * c)])
     a1 = vsplat(buf[bo + U64(2 * c + 1)])
     b1 = vsplat(buf[bo + U64(9 + 2 * c)])
-    lo = vfma(iota, a0, b0)                                  # sub-block 2c: codes 0 .. 15
-    hi = vfma(iota, a1, b1)                                  # sub-block 2c + 1
     c0 = vcodes8(raw, qs, raw, U64(0), 0)
     c1 = vcodes8(raw, qs + U64(16), raw, U64(0), 0)
     if kind == Q4_K:
-        acc = vfma(vlookup16n(lo, c0), x0, acc)
-        acc = vfma(vlookup16n(lo, c1), x1, acc)
-        acc = vfma(vlookup16n(hi, vsrl4(c0)), x2, acc)
-        return vfma(vlookup16n(hi, vsrl4(c1)), x3, acc)
-    lo16 = vfma(iota16, a0, b0)                              # codes 16 .. 31
-    hi16 = vfma(iota16, a1, b1)
-    h0 = vcodes8(raw, rs + U64(16), raw, U64(0), 0)
-    h1 = vcodes8(raw, rs + U64(32), raw, U64(0), 0)
-    acc = vfma(vlookup(lo, lo16, vmerge(vfield(c0, 0, 15), vfield(h0, 2 * c, 1), 4)), x0, acc)
-    acc = vfma(vlookup(lo, lo16, vmerge(vfield(c1, 0, 15), vfield(h1, 2 * c, 1), 4)), x1, acc)
-    acc = vfma(vlookup(hi, hi16, vmerge(vfield(c0, 4, 15), vfield(h0, 2 * c + 1, 1), 4)), x2, acc)
-    return vfma(vlookup(hi, hi16, vmerge(vfield(c1, 4, 15), vfield(h1, 2 * c + 1, 1), 4)), x3, acc)
+        if HAS_AVX512:
+            lo = vfma(iota, a0, b0)                          # sub-block 2c: codes 0 .. 15
+            hi = vfma(iota, a1, b1)                          # sub-block 2c + 1
+            acc = vfma(vlookup16n(lo, c0), x0, acc)
+            acc = vfma(vlookup16n(lo, c1), x1, acc)
+            acc = vfma(vlookup16n(hi, vsrl4(c0)), x2, acc)
+            return vfma(vlookup16n(hi, vsrl4(c1)), x3, acc)
+        q0, q1, q2, q3 = vfield(c0, 0, 15), vfield(c1, 0, 15), vsrl4(c0), vsrl4(c1)
+    else:
+        h0 = vcodes8(raw, rs + U64(16), raw, U64(0), 0)
+        h1 = vcodes8(raw, rs + U64(32), raw, U64(0), 0)
+        q0 = vmerge(vfield(c0, 0, 15), vfield(h0, 2 * c, 1), 4)
+        q1 = vmerge(vfield(c1, 0, 15), vfield(h1, 2 * c, 1), 4)
+        q2 = vmerge(vfield(c0, 4, 15), vfield(h0, 2 * c + 1, 1), 4)
+        q3 = vmerge(vfield(c1, 4, 15), vfield(h1, 2 * c + 1, 1), 4)
+        if HAS_AVX512:
+            lo, hi = vfma(iota, a0, b0), vfma(iota, a1, b1)
+            lo16, hi16 = vfma(iota16, a0, b0), vfma(iota16, a1, b1)     # codes 16 .. 31
+            acc = vfma(vlookup(lo, lo16, q0), x0, acc)
+            acc = vfma(vlookup(lo, lo16, q1), x1, acc)
+            acc = vfma(vlookup(hi, hi16, q2), x2, acc)
+            return vfma(vlookup(hi, hi16, q3), x3, acc)
+    # AVX2's vpermps has 8 lanes: a 16-lane lookup falls back to scalar code (a spill of the table per lane, a
+    # branch per lane of two tables); convert and fma instead, the values the tables hold
+    acc = vfma(vfma(vtofloat(q0), a0, b0), x0, acc)
+    acc = vfma(vfma(vtofloat(q1), a0, b0), x1, acc)
+    acc = vfma(vfma(vtofloat(q2), a1, b1), x2, acc)
+    return vfma(vfma(vtofloat(q3), a1, b1), x3, acc)
 
 
 @njit(inline="always")
