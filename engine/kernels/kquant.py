@@ -307,48 +307,55 @@ def _dequant(kind, raw, K, r0, nr, dst):
                 vstore(dst, o + U64(16 * g), _group(kind, raw, so, g, a, b))
 
 
-# _chunk, _q6half, _q23half and _acc4 are calls, not inlined by numba: inlined, their IR was copied into every
-# caller and typed there for every kind (about a minute a kind); as calls each compiles once a kind, in seconds
-@njit(boundscheck=False)
-def _chunk(kind, raw, rs, c, buf, bo, iota, iota16, x0, x1, x2, x3, acc):
-    """acc plus one row's 64-weight chunk c of a Q4_K/Q5_K super-block at byte rs (sub-blocks 2c, 2c + 1) times
-    x0 .. x3 (its 4 groups of 16 inputs); on AVX-512 weights looked up in each sub-block's table of code values."""
-    qs = rs + U64(16 if kind == Q4_K else 48) + U64(32 * c)
-    a0 = vsplat(buf[bo + U64(2 * c)])
-    b0 = vsplat(buf[bo + U64(8 + 2 * c)])
-    a1 = vsplat(buf[bo + U64(2 * c + 1)])
-    b1 = vsplat(buf[bo + U64(9 + 2 * c)])
-    c0 = vcodes8(raw, qs, raw, U64(0), 0)
-    c1 = vcodes8(raw, qs + U64(16), raw, U64(0), 0)
+@njit(inline="always")
+def _k45w(kind, tab, tab16, q, a, b):
+    """16 Q4_K/Q5_K weights of codes q (Q4_K: their low 4 bits): fma(q, a, b), the value the sub-block's table holds
+    for q (tab: codes 0 .. 15, tab16: 16 .. 31). The table only on AVX-512, whose permute is one instruction; AVX2's
+    vpermps has 8 lanes, and a 16-lane lookup falls back to scalar code."""
     if kind == Q4_K:
         if HAS_AVX512:
-            lo = vfma(iota, a0, b0)                          # sub-block 2c: codes 0 .. 15
-            hi = vfma(iota, a1, b1)                          # sub-block 2c + 1
-            acc = vfma(vlookup16n(lo, c0), x0, acc)
-            acc = vfma(vlookup16n(lo, c1), x1, acc)
-            acc = vfma(vlookup16n(hi, vsrl4(c0)), x2, acc)
-            return vfma(vlookup16n(hi, vsrl4(c1)), x3, acc)
-        q0, q1, q2, q3 = vfield(c0, 0, 15), vfield(c1, 0, 15), vsrl4(c0), vsrl4(c1)
-    else:
-        h0 = vcodes8(raw, rs + U64(16), raw, U64(0), 0)
-        h1 = vcodes8(raw, rs + U64(32), raw, U64(0), 0)
-        q0 = vmerge(vfield(c0, 0, 15), vfield(h0, 2 * c, 1), 4)
-        q1 = vmerge(vfield(c1, 0, 15), vfield(h1, 2 * c, 1), 4)
-        q2 = vmerge(vfield(c0, 4, 15), vfield(h0, 2 * c + 1, 1), 4)
-        q3 = vmerge(vfield(c1, 4, 15), vfield(h1, 2 * c + 1, 1), 4)
-        if HAS_AVX512:
-            lo, hi = vfma(iota, a0, b0), vfma(iota, a1, b1)
-            lo16, hi16 = vfma(iota16, a0, b0), vfma(iota16, a1, b1)     # codes 16 .. 31
-            acc = vfma(vlookup(lo, lo16, q0), x0, acc)
-            acc = vfma(vlookup(lo, lo16, q1), x1, acc)
-            acc = vfma(vlookup(hi, hi16, q2), x2, acc)
-            return vfma(vlookup(hi, hi16, q3), x3, acc)
-    # AVX2's vpermps has 8 lanes: a 16-lane lookup falls back to scalar code (a spill of the table per lane, a
-    # branch per lane of two tables); convert and fma instead, the values the tables hold
-    acc = vfma(vfma(vtofloat(q0), a0, b0), x0, acc)
-    acc = vfma(vfma(vtofloat(q1), a0, b0), x1, acc)
-    acc = vfma(vfma(vtofloat(q2), a1, b1), x2, acc)
-    return vfma(vfma(vtofloat(q3), a1, b1), x3, acc)
+            return vlookup16n(tab, q)   # reads an index's low 4 bits: a widened byte indexes its low nibble as it is
+        return vfma(vtofloat(vfield(q, 0, 15)), a, b)
+    if HAS_AVX512:
+        return vlookup(tab, tab16, q)
+    return vfma(vtofloat(q), a, b)
+
+
+# _k45half, _q6half, _q23half and _acc4 are calls, not inlined by numba: inlined, their IR was copied into every
+# caller and typed there for every kind (about a minute a kind); as calls each compiles once a kind, in seconds
+@njit(boundscheck=False)
+def _k45half(kind, raw, so, h, buf, bo, x, xo, acc):
+    """acc plus one row's half h (weights 128h .., sub-blocks 4h .. 4h + 3) of a Q4_K/Q5_K super-block at byte so
+    times x[xo ...]: 64-weight chunk c takes the low then the high nibbles of code bytes 32c .. 32c + 31 (and
+    Q5_K bits 2c, 2c + 1 of the qh bytes)."""
+    iota = viota()
+    iota16 = vfma(iota, vsplat(F32(1.0)), vsplat(F32(16.0)))     # 16.0 .. 31.0: codes with the high bit
+    h0 = vcodes8(raw, so + U64(16), raw, U64(0), 0)          # Q5_K's qh (Q4_K: unused, dropped by LLVM)
+    h1 = vcodes8(raw, so + U64(32), raw, U64(0), 0)
+    for cc in range(2):
+        c = 2 * h + cc
+        qs = so + U64(16 if kind == Q4_K else 48) + U64(32 * c)
+        xc = xo + U64(64 * cc)
+        a0 = vsplat(buf[bo + U64(2 * c)])
+        b0 = vsplat(buf[bo + U64(8 + 2 * c)])
+        a1 = vsplat(buf[bo + U64(2 * c + 1)])
+        b1 = vsplat(buf[bo + U64(9 + 2 * c)])
+        lo, hi = vfma(iota, a0, b0), vfma(iota, a1, b1)             # the tables of sub-blocks 2c, 2c + 1
+        lo16, hi16 = vfma(iota16, a0, b0), vfma(iota16, a1, b1)
+        c0 = vcodes8(raw, qs, raw, U64(0), 0)
+        c1 = vcodes8(raw, qs + U64(16), raw, U64(0), 0)
+        if kind == Q4_K:
+            q0, q1, q2, q3 = c0, c1, vsrl4(c0), vsrl4(c1)
+        else:
+            q0 = vmerge(vfield(c0, 0, 15), vfield(h0, 2 * c, 1), 4)
+            q1 = vmerge(vfield(c1, 0, 15), vfield(h1, 2 * c, 1), 4)
+            q2 = vmerge(vfield(c0, 4, 15), vfield(h0, 2 * c + 1, 1), 4)
+            q3 = vmerge(vfield(c1, 4, 15), vfield(h1, 2 * c + 1, 1), 4)
+        acc = vfma(_k45w(kind, lo, lo16, q0, a0, b0), vload(x, xc), acc)
+        acc = vfma(_k45w(kind, lo, lo16, q1, a0, b0), vload(x, xc + U64(16)), acc)
+        acc = vfma(_k45w(kind, hi, hi16, q2, a1, b1), vload(x, xc + U64(32)), acc)
+        acc = vfma(_k45w(kind, hi, hi16, q3, a1, b1), vload(x, xc + U64(48)), acc)
+    return acc
 
 
 @njit(inline="always")
@@ -431,17 +438,12 @@ def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
             acc2 = _q23half(kind, raw, so + U64(2) * step, h, buf, U64(2) * st, x, xh, acc2)
             acc3 = _q23half(kind, raw, so + U64(3) * step, h, buf, U64(3) * st, x, xh, acc3)
         return acc0, acc1, acc2, acc3
-    iota = viota()
-    iota16 = vfma(iota, vsplat(F32(1.0)), vsplat(F32(16.0)))     # 16.0 .. 31.0: codes with the high bit
-    for c in range(4):
-        x0 = vload(x, xo + U64(64 * c))
-        x1 = vload(x, xo + U64(64 * c + 16))
-        x2 = vload(x, xo + U64(64 * c + 32))
-        x3 = vload(x, xo + U64(64 * c + 48))
-        acc0 = _chunk(kind, raw, so, c, buf, U64(0), iota, iota16, x0, x1, x2, x3, acc0)
-        acc1 = _chunk(kind, raw, so + step, c, buf, U64(16), iota, iota16, x0, x1, x2, x3, acc1)
-        acc2 = _chunk(kind, raw, so + U64(2) * step, c, buf, U64(32), iota, iota16, x0, x1, x2, x3, acc2)
-        acc3 = _chunk(kind, raw, so + U64(3) * step, c, buf, U64(48), iota, iota16, x0, x1, x2, x3, acc3)
+    for h in range(2):                  # 128-weight halves: 2 chunks of 64 weights
+        xh = xo + U64(128 * h)
+        acc0 = _k45half(kind, raw, so, h, buf, U64(0), x, xh, acc0)
+        acc1 = _k45half(kind, raw, so + step, h, buf, U64(16), x, xh, acc1)
+        acc2 = _k45half(kind, raw, so + U64(2) * step, h, buf, U64(32), x, xh, acc2)
+        acc3 = _k45half(kind, raw, so + U64(3) * step, h, buf, U64(48), x, xh, acc3)
     return acc0, acc1, acc2, acc3
 
 
