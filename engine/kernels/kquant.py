@@ -311,7 +311,7 @@ def _dequant(kind, raw, K, r0, nr, dst):
 def _k45w(kind, tab, tab16, q, a, b):
     """16 Q4_K/Q5_K weights of codes q (Q4_K: their low 4 bits): fma(q, a, b), the value the sub-block's table holds
     for q (tab: codes 0 .. 15, tab16: 16 .. 31). The table only on AVX-512, whose permute is one instruction; AVX2's
-    vpermps has 8 lanes, and a 16-lane lookup falls back to scalar code."""
+    lookup (8-lane permutes and blends) is slower than converting."""
     if kind == Q4_K:
         if HAS_AVX512:
             return vlookup16n(tab, q)   # reads an index's low 4 bits: a widened byte indexes its low nibble as it is

@@ -10,7 +10,8 @@ makes results bitwise identical whatever the batch size, tiling or thread count.
 The vector is LLVM's `<16 x float>`: AVX-512 keeps it in one register, AVX2 in two. Operations
 are generic LLVM IR (fma, masked loads, fp16 extension, prefetch), so the code compiles for any
 x86-64 or ARM CPU; the one exception, a table lookup by lane (vpermps), is used only when the CPU
-numba compiles for has AVX-512 (`HAS_AVX512`) and has a generic fallback giving the same values.
+numba compiles for has AVX-512 (`HAS_AVX512`: one permute) or AVX2 (`HAS_AVX2`: 8-lane permutes and
+blends) and has a generic fallback giving the same values.
 Code loaders (`vcodes*`) unpack one half (16 codes) of a 32-weight block of each packed layout
 (see `engine/kernels/layout.py`) into integer lanes.
 """
@@ -83,6 +84,7 @@ def _host_has(feature: str) -> bool:
 
 
 HAS_AVX512 = _host_has("avx512f")
+HAS_AVX2 = _host_has("avx2")    # 8-lane vpermps: a 16-lane lookup in two permutes per 8-entry piece of the table
 HAS_F16C = _host_has("f16c")    # fp16 <-> float32 conversion instructions (the KV cache's fp16 rows)
 
 
@@ -127,6 +129,22 @@ def _f16_bits_to_f32(builder, h):
     f = builder.bitcast(builder.or_(sign, mag), fty)
     scale = ir.Constant(_F32, 2.0 ** 112)
     return builder.fmul(f, ir.Constant(fty, [scale] * ty.count) if isinstance(ty, ir.VectorType) else scale)
+
+
+def _permute8(builder, table, ix):
+    """Lane j = table[ix[j] & 15] (16-lane table and indices) by AVX2's 8-lane vpermps, which reads an index's low 3
+    bits: each 8-lane half of ix permutes both halves of the table and bit 3 picks one."""
+    v8f, v8i = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f, v8i]), "llvm.x86.avx2.permps")
+    low = builder.shuffle_vector(table, table, _ivec(list(range(8))))
+    high = builder.shuffle_vector(table, table, _ivec(list(range(8, 16))))
+    out = []
+    for h in range(2):
+        i = builder.shuffle_vector(ix, ix, _ivec(list(range(8 * h, 8 * h + 8))))
+        bit3 = builder.icmp_unsigned("!=", builder.and_(i, ir.Constant(v8i, [ir.Constant(_I32, 8)] * 8)),
+                                     ir.Constant(v8i, [ir.Constant(_I32, 0)] * 8))
+        out.append(builder.select(bit3, builder.call(fn, [high, i]), builder.call(fn, [low, i])))
+    return builder.shuffle_vector(out[0], out[1], _ivec(list(range(LANES))))
 
 
 # -- float vectors ---------------------------------------------------------------------------
@@ -311,7 +329,8 @@ def vlookup(typingctx, low, high, idx):
     """Lane j = table[idx[j]] from a 32-entry table (entries 0-15 in `low`, 16-31 in `high`); idx < 32.
 
     On AVX-512 one two-table permute (vpermi2ps; LLVM uses a one-table vpermps when `high` is
-    unused); elsewhere a per-lane select, which gives the same values.
+    unused); on AVX2 8-lane permutes of each table and a select by bit 4; elsewhere a per-lane
+    select, which gives the same values.
     """
     def codegen(context, builder, sig, args):
         lo, hi, ix = args
@@ -319,6 +338,10 @@ def vlookup(typingctx, low, high, idx):
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_VF, [_VF, _VI, _VF]), "llvm.x86.avx512.vpermi2var.ps.512")
             return builder.call(fn, [lo, ix, hi])
+        if HAS_AVX2:
+            in_high = builder.icmp_unsigned("!=", builder.and_(ix, _splat_i32(builder, ir.Constant(_I32, LANES))),
+                                            _splat_i32(builder, ir.Constant(_I32, 0)))
+            return builder.select(in_high, _permute8(builder, hi, ix), _permute8(builder, lo, ix))
         out = ir.Constant(_VF, ir.Undefined)
         for j in range(LANES):
             k = builder.extract_element(ix, ir.Constant(_I32, j))
@@ -359,13 +382,16 @@ def vmul(typingctx, a, b):
 
 @intrinsic
 def vlookup16(typingctx, table, idx):
-    """Lane j = table[idx[j]] from a 16-entry table; idx < 16 (vpermps on AVX-512, a per-lane select elsewhere)."""
+    """Lane j = table[idx[j]] from a 16-entry table; idx < 16 (vpermps on AVX-512, `_permute8` on AVX2, a per-lane
+    select elsewhere)."""
     def codegen(context, builder, sig, args):
         tab, ix = args
         if HAS_AVX512:
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_VF, [_VF, _VI]), "llvm.x86.avx512.permvar.sf.512")
             return builder.call(fn, [tab, ix])
+        if HAS_AVX2:
+            return _permute8(builder, tab, ix)
         out = ir.Constant(_VF, ir.Undefined)
         for j in range(LANES):
             v = builder.extract_element(tab, builder.extract_element(ix, ir.Constant(_I32, j)))
@@ -507,6 +533,8 @@ def vlookup16n(typingctx, table, idx):
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_VF, [_VF, _VI]), "llvm.x86.avx512.permvar.sf.512")
             return builder.call(fn, [tab, ix])
+        if HAS_AVX2:
+            return _permute8(builder, tab, ix)
         ix = builder.and_(ix, _splat_i32(builder, ir.Constant(_I32, LANES - 1)))
         out = ir.Constant(_VF, ir.Undefined)
         for j in range(LANES):
