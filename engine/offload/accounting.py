@@ -142,6 +142,7 @@ class Accounting:
         history (unless `record` is False: the caller records its steps together)."""
         self.now += 1
         self.log.steps[layer] += 1
+        self.log.chose(layer, ids)
         self.log.routes.begin(self.tokens, layer, ids, self.missed)   # (a fused call's misses are counted before)
         self.read_ahead.score_step(layer, ids)
         step = (layer, tuple(ids))

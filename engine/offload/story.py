@@ -1,6 +1,6 @@
 """Each expert's story as the store lives it: requests served from memory and from disk, reads, read-ahead guesses
-used and wasted, and its tier changes with the token they happened at; and each decoded token's routing, layer by
-layer, with the experts it had to wait for from disk (`RouteLog`), for the inspector's replay.
+used and wasted, the last token that chose it, and its tier changes with the token they happened at; and each decoded
+token's routing, layer by layer, with the experts it had to wait for from disk (`RouteLog`), for the inspector's replay.
 
 Counters are numpy grids [L, E] and the tier changes one ring of fixed size, so tens of thousands of experts cost a
 few arrays, not an object each. The store's parts count into an `ExpertLog` on the engine thread; `frozen` copies it
@@ -124,6 +124,7 @@ class ExpertStory:
     ahead_used: int                     # reads ahead of it that a step then used
     ahead_wasted: int                   # reads ahead of it that left memory unused
     share: float                        # its share of its layer's steps (0 before any)
+    last: int                           # the last token whose step chose it (-1: none yet)
     changes: tuple[tuple[int, int], ...]   # (token, tier) of its tier changes kept, oldest first
 
     @property
@@ -142,6 +143,7 @@ class ExpertCounts:
     ahead_used: np.ndarray              # [L, E] int64
     ahead_wasted: np.ndarray            # [L, E] int64
     steps: np.ndarray                   # [L] int64 layer steps of each layer
+    last: np.ndarray                    # [L, E] int64 the last token whose step chose each expert, -1 none yet
     changes: np.ndarray                 # [K] CHANGE, oldest first
     tokens: int                         # tokens the store has seen end
     routes: Routes | None = None        # decoded tokens' routing (None: not recorded)
@@ -156,7 +158,13 @@ class ExpertCounts:
         return ExpertStory(layer, expert, int(self.hits[layer, expert]), int(self.misses[layer, expert]),
                            int(self.reads[layer, expert]), int(self.ahead_used[layer, expert]),
                            int(self.ahead_wasted[layer, expert]), requests / steps if steps else 0.0,
-                           tuple((int(c["token"]), int(c["tier"])) for c in mine))
+                           int(self.last[layer, expert]), tuple((int(c["token"]), int(c["tier"])) for c in mine))
+
+    def since_routed(self) -> np.ndarray:
+        """[L, E] int64: tokens each expert has gone unchosen since its last step, 0 for the latest token's experts
+        (and for the token under way); -1 for experts never chosen."""
+        latest = max(self.tokens - 1, 0)                                    # the last token that ended
+        return np.where(self.last >= 0, np.maximum(latest - self.last, 0), -1)
 
 
 class ExpertLog:
@@ -172,6 +180,7 @@ class ExpertLog:
         self.ahead_used = np.zeros(shape, np.int64)    # [L, E]
         self.ahead_wasted = np.zeros(shape, np.int64)  # [L, E]
         self.steps = np.zeros(n_layers, np.int64)      # [L]
+        self.last = np.full(shape, -1, np.int64)       # [L, E] the last token that chose each, -1 none yet
         self.ring = np.zeros(changes, CHANGE)          # [K] written round
         self.changed = 0                               # tier changes recorded in all
         self.tokens = 0
@@ -181,6 +190,12 @@ class ExpertLog:
         if keys:
             rows, cols = np.array(keys, np.int64).T     # [2, n]
             np.add.at(self.hits, (rows, cols), 1)
+
+    def chose(self, layer: int, ids: list[int]) -> None:
+        """A step of layer `layer` in the token under way (`tokens`) chose `ids`."""
+        row, token = self.last[layer], self.tokens
+        for e in ids:                                  # a few ids: cheaper than fancy indexing
+            row[e] = token
 
     def tier(self, key: Key, tier: int) -> None:
         """`key` moved to `tier` now (TIER_DISK when it left memory)."""
@@ -193,5 +208,5 @@ class ExpertLog:
         changes = (self.ring[:self.changed] if self.changed <= n
                    else np.roll(self.ring, -(self.changed % n)))   # oldest first
         return ExpertCounts(self.hits.copy(), self.misses.copy(), self.reads.copy(), self.ahead_used.copy(),
-                            self.ahead_wasted.copy(), self.steps.copy(), changes.copy(), self.tokens,
+                            self.ahead_wasted.copy(), self.steps.copy(), self.last.copy(), changes.copy(), self.tokens,
                             self.routes.frozen())

@@ -57,8 +57,11 @@ def test_counters_follow_a_scripted_run_of_known_requests(container):
     assert row(counts.ahead_used) == [0, 0, 0, 0, 1, 0, 0, 0]
     assert row(counts.ahead_wasted) == [0, 0, 0, 0, 0, 1, 0, 0]
     assert counts.hits[[0, 2]].sum() == counts.misses[[0, 2]].sum() == 0
+    assert row(counts.last) == [5, 1, 1, 2, 3, -1, 4, 5]                   # 5 only read ahead: never chosen
+    assert row(counts.since_routed()) == [0, 4, 4, 3, 2, -1, 1, 0]        # tokens unchosen since, after token 5
+    assert (counts.last[[0, 2]] == -1).all() and (counts.since_routed()[[0, 2]] == -1).all()
     one = counts.story(1, 1)
-    assert (one.hits, one.misses, one.reads, one.requests, one.share) == (1, 1, 1, 2, 2 / 6)
+    assert (one.hits, one.misses, one.reads, one.requests, one.share, one.last) == (1, 1, 1, 2, 2 / 6, 1)
     assert one.changes == ((0, TIER_CACHED), (2, TIER_DISK))       # read at token 0, pushed out at token 2
     assert counts.story(1, 0).changes == ((0, TIER_CACHED),)          # never left
     assert counts.story(1, 4).changes == ((2, TIER_CACHED), (4, TIER_DISK))
@@ -100,6 +103,22 @@ def test_the_ring_keeps_the_latest_changes_oldest_first():
     assert np.all(log.frozen().hits == log.hits)
 
 
+def test_the_last_token_to_choose_each_expert_and_the_tokens_since():
+    log = ExpertLog(2, 4, 2)
+    assert (log.frozen().last == -1).all() and (log.frozen().since_routed() == -1).all()
+    log.chose(0, [1, 2])                      # token 0
+    log.tokens = 1
+    log.chose(0, np.array([2, 3]))            # token 1 (ids as the router gives them, too)
+    log.chose(1, (0,))
+    log.tokens = 2
+    counts = log.frozen()
+    assert counts.last.tolist() == [[-1, 0, 1, 1], [1, -1, -1, -1]]
+    assert counts.since_routed().tolist() == [[-1, 1, 0, 0], [0, -1, -1, -1]]
+    log.chose(0, [1])                         # token 2, under way: as recent as the last token that ended
+    assert log.frozen().since_routed()[0].tolist() == [-1, 0, 0, 0]
+    assert counts.last[0, 1] == 0 and counts.story(0, 1).last == 0   # a copy: no later steps
+
+
 def test_the_counters_add_up_to_the_stores_own_over_a_generation(container):
     loaded = load_streamed(container, 5, policy="learned")
     try:
@@ -113,6 +132,8 @@ def test_the_counters_add_up_to_the_stores_own_over_a_generation(container):
     assert counts.reads.sum() == stats.reads
     assert (counts.ahead_used.sum(), counts.ahead_wasted.sum()) == (stats.prefetch_used, stats.prefetch_wasted)
     assert counts.steps.tolist() == [16] * LAYERS and counts.tokens == 16
+    assert counts.last.max(axis=1).tolist() == [15] * LAYERS          # the last token chose some in every layer
+    assert ((counts.last >= 0) == (counts.hits + counts.misses > 0)).all()   # chosen once at least: requested
     routes = counts.routes                    # every forward decoded one token: each step is kept
     assert routes.tokens().tolist() == list(range(16))
     assert [(int(layer), tuple(int(e) for e in ids if e >= 0)) for layer, ids in zip(routes.layer, routes.experts)] \
