@@ -30,10 +30,11 @@ RGB = tuple[int, int, int]
 REDRAW_HZ = 30  # figures (numbers, the Brain) redraw at most this often, whatever the token rate
 PLOT_HZ = 5     # plots (curves, bars) redraw at most this often: they cost several ms a frame
 
-# Categorical topic colours, chosen to stay apart on light and dark backgrounds.
+# Categorical topic colours, chosen to stay apart on light and dark backgrounds; none grey (`Theme.unused` is "no
+# topic") and none too dark for a dark background.
 _TOPICS: tuple[RGB, ...] = (
     (31, 119, 200), (235, 120, 20), (40, 160, 70), (210, 45, 50), (140, 90, 190), (150, 95, 70),
-    (220, 100, 180), (120, 130, 140), (20, 60, 120), (20, 180, 190), (95, 60, 140), (250, 160, 150),
+    (220, 100, 180), (150, 165, 30), (80, 85, 225), (20, 180, 190), (95, 60, 140), (250, 160, 150),
 )
 
 
