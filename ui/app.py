@@ -106,7 +106,8 @@ class MainWindow(QMainWindow):
                               remote=self.remote.url if self.remote is not None else None)
         self.conversations = ConversationList()
         self.controls = ControlsPanel(settings=self.settings)
-        self.inspector = Inspector() if Inspector is not None else InspectorPlaceholder(_INSPECTOR_MISSING)
+        self.inspector = (Inspector(settings=self.settings) if Inspector is not None
+                          else InspectorPlaceholder(_INSPECTOR_MISSING))
         self.models = ModelActions(self, self.settings)
         self.setCentralWidget(self.chat)
         self.setDockNestingEnabled(True)

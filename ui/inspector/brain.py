@@ -1,8 +1,10 @@
 """The Brain tab: every expert of every layer as one cell of a grid [layers x experts].
 
-Hue is the expert's tier, always visible; brightness is the heat (decayed routing count, log-scaled
+By default hue is the expert's tier, always visible; brightness is the heat (decayed routing count, log-scaled
 against the hottest), so "brighter = routed more lately" holds on light and dark themes alike. A
-cold expert in RAM keeps more brightness than a cold one on disk, so residency reads at a glance. The
+cold expert in RAM keeps more brightness than a cold one on disk, so residency reads at a glance. The legend
+(ui/inspector/brain_legend.py) offers other colour maps (ui/inspector/colours.py: atlas topic, recency, read-ahead
+outcome) and filters by tier and topic that dim the experts they leave out. The
 experts the current token routed to flash. The whole grid is one RGBA image built with numpy and handed to a
 single ImageItem per redraw, so 20,000 experts cost one array and one texture, not 20,000 items.
 Hovering a cell shows its tooltip; clicking selects it and opens its story beside the grid (ui/inspector/story.py),
@@ -15,57 +17,38 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPoint, QRectF, Qt, Signal
-from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtCore import QPoint, QRectF, QSettings, Qt, Signal
+from PySide6.QtWidgets import QGraphicsRectItem, QHBoxLayout, QToolTip, QVBoxLayout, QWidget
 
-from ui.inspector.common import Theme, describe_expert, layer_expert, style_plot, swatch_css, tier_name
-from ui.inspector.compare import CompareBar, difference_rgba
-from ui.inspector.data import (
-    TIER_CACHED,
-    TIER_DISK,
-    TIER_NONE,
-    TIER_PINNED,
-    TIER_RESIDENT,
-    TIER_UNKNOWN,
-    Frame,
+from engine.offload.story import ExpertCounts
+from ui.inspector.brain_legend import BrainLegend
+from ui.inspector.colours import (
+    MAP_AHEAD,
+    MAP_RECENCY,
+    MAP_TIERS,
+    dim,
+    filtered,
+    heat_level,
+    map_rgb,
+    tier_codes,
+    topic_grid,
 )
+from ui.inspector.common import Theme, describe_expert, layer_expert, style_plot, tier_name
+from ui.inspector.compare import CompareBar, difference_rgba
+from ui.inspector.data import TIER_NONE, AtlasData, Frame
 from ui.inspector.replay import ReplayBar
 from ui.inspector.story import StoryPanel, story_text
 
-_CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
-# The brightness of a never-routed cell, as a share of its tier's brightest colour: a cold expert in RAM
-# stays plainly coloured, a cold one on disk dims, and heat brightens both toward full.
-_FLOOR = np.array([0.0, 0.25, 0.6, 0.6, 0.6, 0.4], np.float32)
-
-
-def _brightest(rgb: tuple[int, int, int]) -> np.ndarray:
-    """The colour of rgb's hue and saturation at full brightness (its largest channel at 255), float32 [3]."""
-    c = np.array(rgb, np.float32)
-    return c * (255.0 / max(float(c.max()), 1.0))
-
-
-def _fit(a: np.ndarray | None, shape: tuple[int, int], fill: float, dtype: type) -> np.ndarray:
-    """`a` cropped or padded with `fill` to `shape` (a new array)."""
-    out = np.full(shape, fill, dtype)
-    if a is not None and a.ndim == 2:
-        rows, cols = min(shape[0], a.shape[0]), min(shape[1], a.shape[1])
-        out[:rows, :cols] = a[:rows, :cols]
-    return out
-
 
 def grid_rgba(theme: Theme, shape: tuple[int, int], tiers: np.ndarray | None, heat: np.ndarray | None,
-              current: tuple[tuple[int, tuple[int, ...]], ...]) -> np.ndarray:
-    """The Brain image [L, E, 4] uint8: tier hue, brighter with heat, the current token's experts in flash."""
+              current: tuple[tuple[int, tuple[int, ...]], ...], colour_map: str = MAP_TIERS,
+              topics: np.ndarray | None = None, counts: ExpertCounts | None = None) -> np.ndarray:
+    """The Brain image [L, E, 4] uint8: a colour map (ui/inspector/colours.py; by default tier hue, brighter with
+    heat), the current token's experts in flash."""
     bg = np.array(theme.background, np.float32)
     fg = np.array(theme.foreground, np.float32)
-    codes = _fit(tiers, shape, TIER_NONE, np.int8) if tiers is not None else np.full(shape, TIER_UNKNOWN, np.int8)
-    lut = np.array([_brightest(theme.tiers.get(c, theme.background)) for c in _CODES], np.float32)  # [6, 3]
-    h = _fit(heat, shape, 0.0, np.float32)                                                 # [L, E]
-    hmax = float(h.max()) if h.size else 0.0
-    level = np.log1p(h) / np.log1p(hmax) if hmax > 0 else h                                # 0..1
-    floor = _FLOOR[codes + 1]                                                              # [L, E]
-    value = floor + (1.0 - floor) * level                                                  # brightness: heat
-    rgb = lut[codes + 1] * value[..., None]                                                # [L, E, 3] the tier's hue
+    codes = tier_codes(tiers, shape)                                                       # [L, E]
+    rgb = map_rgb(colour_map, theme, codes, heat_level(heat, shape), topics, counts)      # [L, E, 3]
     rgb[codes == TIER_NONE] = bg + (fg - bg) * 0.06                                        # no expert: just off the background
     rgba = np.empty((*shape, 4), np.uint8)
     rgba[..., :3] = rgb
@@ -91,7 +74,7 @@ class BrainView(QWidget):
 
     selected = Signal(int, int)
 
-    def __init__(self, theme: Theme, parent: QWidget | None = None):
+    def __init__(self, theme: Theme, parent: QWidget | None = None, settings: QSettings | None = None):
         super().__init__(parent)
         self.view = pg.GraphicsLayoutWidget()
         self.plot = self.view.addPlot()
@@ -109,21 +92,9 @@ class BrainView(QWidget):
         self.view.scene().sigMouseMoved.connect(self._moved)
         self.view.scene().sigMouseClicked.connect(self._clicked)
 
-        self.legend = QHBoxLayout()
-        self._legend_swatches: list[tuple[QLabel, int | str]] = []
-        for key, text in ((TIER_PINNED, tier_name(TIER_PINNED)), (TIER_CACHED, tier_name(TIER_CACHED)),
-                          (TIER_DISK, tier_name(TIER_DISK)), (TIER_RESIDENT, tier_name(TIER_RESIDENT)),
-                          ("flash", self.tr("current token")), ("read", self.tr("read from disk (replay)"))):
-            swatch = QLabel()
-            swatch.setFixedSize(12, 12)
-            self._legend_swatches.append((swatch, key))
-            self.legend.addWidget(swatch)
-            self.legend.addWidget(QLabel(text))
-            self.legend.addSpacing(8)
-        self.legend.addWidget(QLabel(self.tr("brighter = routed more lately")))   # brightness is heat on either theme
-        self.legend.addStretch(1)
-        self.status = QLabel("")
-        self.legend.addWidget(self.status)
+        self.legend = BrainLegend(theme, settings)   # the colour map, its key and the filters
+        self.legend.changed.connect(lambda: self._replayed(0, 0))
+        self.status = self.legend.status
 
         self.story = StoryPanel()                  # the clicked expert's story
         self.story.closed.connect(lambda: self.set_selected(None))
@@ -138,13 +109,14 @@ class BrainView(QWidget):
         layout.addLayout(row, 1)
         layout.addWidget(self.replay)
         layout.addWidget(self.compare)
-        layout.addLayout(self.legend)
+        layout.addWidget(self.legend)
 
         self.rgba: np.ndarray | None = None    # [L, E, 4] the image last drawn
         self.shape = (0, 0)
         self.frame: Frame | None = None
         self.hovered: tuple[int, int] | None = None
         self.selected_cell: tuple[int, int] | None = None
+        self._topics: tuple[AtlasData | None, tuple[int, int], np.ndarray, tuple[int, ...]] | None = None
         self.set_theme(theme)
 
     def set_theme(self, theme: Theme) -> None:
@@ -155,10 +127,7 @@ class BrainView(QWidget):
         pen.setCosmetic(True)
         self.outline.setPen(pen)
         self.compare.set_theme(theme)
-        for swatch, key in self._legend_swatches:
-            rgb = (theme.flash if key == "flash" else theme.phases["io_wait"] if key == "read"
-                   else tuple(int(c) for c in _brightest(theme.tiers[key])))
-            swatch.setStyleSheet(swatch_css(rgb))   # a hot cell's colour: the legend's hues as the grid shows them
+        self.legend.set_theme(theme)
 
     def redraw(self, frame: Frame) -> None:
         """Rebuild and show the grid of the frame."""
@@ -173,27 +142,43 @@ class BrainView(QWidget):
         routes = frame.counts.routes if frame.counts is not None else None
         self.replay.set_routes(routes)
         self.compare.set_routes(routes)
+        legend = self.legend
+        legend.set_atlas(frame.atlas)
+        topics, present = self._topic_grid(frame.atlas, shape)
         if self.compare.active:
             a, b = self.compare.grids(shape)
             self.rgba = difference_rgba(self.theme, a, b)
             self.compare.summary.setText(self.tr("{a} experts chosen more in A, {b} in B, {same} as often").format(
                 a=int((a > b).sum()), b=int((b > a).sum()), same=int(((a == b) & (a > 0)).sum())))
-            self._show(shape, frame)
+            self._show(shape, frame, topics)
             return
         self.compare.summary.setText("")
         if self.replay.active:
             current, reads = self.replay.shown()
         else:
             current, reads = (snap.current if snap is not None else ()), []
-        self.rgba = grid_rgba(self.theme, shape, frame.tiers, snap.heat if snap is not None else None, current)
+        self.rgba = grid_rgba(self.theme, shape, frame.tiers, snap.heat if snap is not None else None, current,
+                              legend.colour_map, topics, frame.counts)
         read = np.array(self.theme.phases["io_wait"], np.uint8)
         for layer, ids in reads:                   # the experts the replayed token waited for
             if 0 <= layer < shape[0]:
                 self.rgba[layer, [e for e in ids if 0 <= e < shape[1]], :3] = read
-        self._show(shape, frame)
+        legend.show_key(present, frame.counts is not None)
+        self._show(shape, frame, topics)
 
-    def _show(self, shape: tuple[int, int], frame: Frame) -> None:
-        """Hand the built image to the plot; axes follow a new shape."""
+    def _topic_grid(self, atlas: AtlasData | None, shape: tuple[int, int]) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Each expert's strongest atlas topic [L, E] and the topics some expert has, kept while atlas and shape
+        stay."""
+        kept = self._topics
+        if kept is None or kept[0] is not atlas or kept[1] != shape:
+            grid = topic_grid(atlas, shape)
+            kept = self._topics = (atlas, shape, grid, tuple(int(t) for t in np.unique(grid[grid >= 0])))
+        return kept[2], kept[3]
+
+    def _show(self, shape: tuple[int, int], frame: Frame, topics: np.ndarray) -> None:
+        """Dim what the filters leave out, hand the built image to the plot; axes follow a new shape."""
+        dim(self.rgba, filtered(tier_codes(frame.tiers, shape), self.legend.shown_tiers, topics, self.legend.topic()),
+            self.theme)
         self.image.setImage(self.rgba, autoLevels=False)
         if shape != self.shape:
             self.shape = shape
@@ -264,6 +249,15 @@ class BrainView(QWidget):
                 heat=f"{snap.heat[layer, expert]:.1f}"))
         lines.append(describe_expert(frame.atlas, layer, expert) if frame.atlas is not None
                      else self.tr("atlas: none yet"))
+        counts, shown = frame.counts, self.legend.colour_map
+        if counts is not None and layer < counts.last.shape[0] and expert < counts.last.shape[1]:
+            if shown == MAP_RECENCY:
+                since = int(counts.since_routed()[layer, expert])
+                lines.append(self.tr("last chosen: never") if since < 0 else
+                             self.tr("last chosen: {n} tokens ago").format(n=since))
+            elif shown == MAP_AHEAD:
+                lines.append(self.tr("reads ahead: {used} used, {wasted} wasted").format(
+                    used=int(counts.ahead_used[layer, expert]), wasted=int(counts.ahead_wasted[layer, expert])))
         return "\n".join(lines)
 
     def _moved(self, scene_pos: pg.QtCore.QPointF) -> None:

@@ -20,7 +20,7 @@ import math
 import time
 
 import numpy as np
-from PySide6.QtCore import QEvent, QTimer, Signal
+from PySide6.QtCore import QEvent, QSettings, QTimer, Signal
 from PySide6.QtWidgets import QTabWidget, QToolTip, QVBoxLayout, QWidget
 
 from engine.offload.quality import CacheTrace
@@ -44,12 +44,12 @@ class Inspector(QWidget):
 
     INTERVAL_MS = math.ceil(1000 / REDRAW_HZ)
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, parent: QWidget | None = None, settings: QSettings | None = None):
         super().__init__(parent)
         theme = theme_for(self.palette())
         self.overview = OverviewView(theme)
         self.time = TimeView(theme)
-        self.brain = BrainView(theme)
+        self.brain = BrainView(theme, settings=settings)    # its colour map and filters are kept in settings
         self.atlas = AtlasView(theme)
         self.cache = CacheView(theme)
         self.tabs = QTabWidget()
