@@ -7,7 +7,8 @@ painted before the next one starts (a synchronous repaint, as if the inspector's
 and the frames per second of wall time are printed: the Brain's grid (pyqtgraph, a 76 x 256 image, with an
 expert's story retold beside it from counters at that scale) and the Atlas's 3D points (vispy, every frame a full
 GL draw of 19,456 markers and the 608 lit ones). The Brain is measured again while the Cache tab's replay of a
-trace of 4,096 layer steps runs on its worker thread, as it does while that tab is in view.
+trace of 4,096 layer steps runs on its worker thread, as it does while that tab is in view; with `--maps`, under each
+of its colour maps (ui/inspector/colours.py) with the disk tier and all atlas topics but one filtered out.
 
 The Atlas needs OpenGL: run it under a display; on a machine without a GPU that is Mesa's llvmpipe, in
 software (`xvfb-run -s "-screen 0 1280x1024x24" python -m ui.fps`). With QT_QPA_PLATFORM=offscreen only
@@ -17,6 +18,7 @@ the Brain is measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -63,6 +65,8 @@ def _counts(rng: np.random.Generator):
     for grid in (log.hits, log.misses, log.reads, log.ahead_used, log.ahead_wasted):
         grid[:] = rng.integers(0, 500, grid.shape)
     log.steps[:] = 10_000
+    log.tokens = 1000
+    log.last[:] = rng.integers(-1, log.tokens, log.last.shape)      # the token that last chose each, -1 never
     n = len(log.ring)
     log.ring["token"] = np.arange(n) // 64
     log.ring["layer"], log.ring["expert"] = rng.integers(0, LAYERS, n), rng.integers(0, EXPERTS, n)
@@ -98,15 +102,22 @@ def _atlas_data(seed: int = 0):
                      {(int(a), int(b)): i for i, (a, b) in enumerate(keys)})
 
 
-def brain_fps(app, frames: list, seconds: float) -> dict:
-    """Frames per second of the Brain redrawing and repainting one frame after another for about SECONDS."""
+def brain_fps(app, frames: list, seconds: float, colour_map: str | None = None) -> dict:
+    """Frames per second of the Brain redrawing and repainting one frame after another for about SECONDS; with a
+    colour map named, under that map with the disk tier and all topics but one filtered out (dimmed)."""
     from ui.inspector.brain import BrainView
     from ui.inspector.common import theme_for
+    from ui.inspector.data import TIER_DISK
 
     view = BrainView(theme_for(app.palette()))
     view.resize(1000, 640)
     view.show()
     app.processEvents()
+    if colour_map is not None:
+        view.legend.set_colour_map(colour_map)
+        view.legend.tier_boxes[TIER_DISK].setChecked(False)
+        view.legend.set_atlas(frames[0].atlas)
+        view.legend.topics.setCurrentIndex(1)
     view.redraw(frames[0])                  # the first frame sizes the axes: not timed
     view.view.viewport().repaint()
     drawn, t0 = 0, time.perf_counter()
@@ -201,14 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ui.fps", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="time each view is measured (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--maps", action="store_true",
+                        help="measure the Brain under each colour map too, with a tier and a topic filtered out")
     args = parser.parse_args(argv)
     from PySide6.QtWidgets import QApplication
+
+    from ui.inspector.colours import MAPS
 
     app = QApplication.instance() or QApplication(sys.argv[:1])
     frames = _frames(64)
     result = {"experts": LAYERS * EXPERTS, "brain": brain_fps(app, frames, args.seconds),
               "brain_replaying": brain_replaying_fps(app, frames, args.seconds),
               "atlas": atlas_fps(app, frames, args.seconds)}
+    if args.maps:
+        atlas = _atlas_data()
+        mapped = [dataclasses.replace(f, atlas=atlas) for f in frames]
+        result["brain_maps"] = {name: brain_fps(app, mapped, args.seconds, name) for name in MAPS}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -218,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Brain: {b['fps']:.1f} frames/s ({b['frames']} in {b['seconds']:.1f} s)")
     print(f"Brain while the Cache tab replays: {r['fps']:.1f} frames/s ({r['frames']} in {r['seconds']:.1f} s, "
           f"{r['replays']} replays ended)")
+    for name, m in result.get("brain_maps", {}).items():
+        print(f"Brain, {name} map, disk tier and all topics but one dimmed: {m['fps']:.1f} frames/s "
+              f"({m['frames']} in {m['seconds']:.1f} s)")
     if "skipped" in a:
         print(f"Atlas: not measured: {a['skipped']}")
     else:
