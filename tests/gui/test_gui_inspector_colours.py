@@ -200,7 +200,7 @@ def test_the_maps_on_the_inspector_follow_counters_and_atlas_and_the_key_follows
     assert tuple(image[2, 3]) == ramp_colour(AHEAD, 1.0) and tuple(image[2, 4]) == ramp_colour(AHEAD, 0.0)
     assert (image[0] == brain.theme.unused).all()
     assert key()[:4] == ["reads ahead all used", "half used", "all wasted", "no reads ahead"]
-    assert "reads ahead: 4 used, 0 wasted" in brain.hover_text(2, 3)
+    assert "read ahead: 4 used, 0 wasted" in brain.hover_text(2, 3)
 
     legend.set_colour_map(MAP_TOPIC)
     image = brain.rgba[..., :3]
@@ -215,7 +215,7 @@ def test_the_maps_on_the_inspector_follow_counters_and_atlas_and_the_key_follows
     inspector.set_expert_counts(None)
     legend.set_colour_map(MAP_RECENCY)
     redraw(qtbot, inspector)
-    assert key()[-3].startswith("no per-expert counters") and (brain.rgba[..., :3] == brain.theme.unused).all()
+    assert key()[-3] == "no expert cache counters: its experts are not streamed" and (brain.rgba[..., :3] == brain.theme.unused).all()
     inspector.set_atlas(None)
     legend.set_colour_map(MAP_TOPIC)
     redraw(qtbot, inspector)

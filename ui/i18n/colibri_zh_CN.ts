@@ -12,7 +12,7 @@
 <context>
     <name>Atlas</name>
     <message>
-        <location filename="../inspector/common.py" line="+138"/>
+        <location filename="../inspector/common.py" line="+139"/>
         <source>atlas: not mapped</source>
         <translation>图谱：未收录</translation>
     </message>
@@ -109,9 +109,138 @@
     </message>
 </context>
 <context>
+    <name>BrainLegend</name>
+    <message>
+        <location filename="../inspector/brain_legend.py" line="+45"/>
+        <source>Tier and heat</source>
+        <translation>层级与热度</translation>
+    </message>
+    <message>
+        <location line="+0"/>
+        <source>Topic</source>
+        <translation>话题</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>Recency</source>
+        <translation>距上次路由</translation>
+    </message>
+    <message>
+        <location line="+0"/>
+        <source>Read-ahead outcome</source>
+        <translation>预取结果</translation>
+    </message>
+    <message>
+        <location line="+2"/>
+        <source>What a cell&apos;s colour shows</source>
+        <translation>格子的颜色所表示的内容</translation>
+    </message>
+    <message>
+        <location line="+7"/>
+        <source>Unticked, the tier&apos;s experts are dimmed</source>
+        <translation>取消勾选后，该层级的专家会变暗</translation>
+    </message>
+    <message>
+        <location line="+2"/>
+        <source>Dim the experts whose strongest atlas topic is another</source>
+        <translation>将最强图谱话题不是此话题的专家变暗</translation>
+    </message>
+    <message>
+        <location line="+4"/>
+        <source>Colour:</source>
+        <translation>颜色：</translation>
+    </message>
+    <message>
+        <location line="+5"/>
+        <source>Show:</source>
+        <translation>显示：</translation>
+    </message>
+    <message>
+        <location line="+79"/>
+        <source>brighter = routed more lately</source>
+        <translation>越亮 = 最近被路由越多</translation>
+    </message>
+    <message>
+        <location line="+3"/>
+        <location line="+4"/>
+        <source>no atlas topic</source>
+        <translation>无图谱话题</translation>
+    </message>
+    <message>
+        <location line="-4"/>
+        <source>no atlas yet: compute one in the Atlas tab</source>
+        <translation>暂无图谱：可在“图谱”标签页中计算</translation>
+    </message>
+    <message>
+        <location line="+7"/>
+        <source>chosen by the latest token</source>
+        <translation>被最新的词元选中</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>a while ago</source>
+        <translation>一段时间之前</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>longest unchosen</source>
+        <translation>最久未被选中</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>never chosen</source>
+        <translation>从未被选中</translation>
+    </message>
+    <message>
+        <location line="+0"/>
+        <source>brighter = chosen more recently (log scale)</source>
+        <translation>越亮 = 越近被选中（对数刻度）</translation>
+    </message>
+    <message>
+        <location line="+2"/>
+        <source>reads ahead all used</source>
+        <translation>预取全部用到</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>half used</source>
+        <translation>用到一半</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>all wasted</source>
+        <translation>全部浪费</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>no reads ahead</source>
+        <translation>没有预取</translation>
+    </message>
+    <message>
+        <location line="+2"/>
+        <source>no expert cache counters: its experts are not streamed</source>
+        <translation>没有专家缓存计数：此模型的专家不是流式读取的</translation>
+    </message>
+    <message>
+        <location line="+3"/>
+        <source>current token</source>
+        <translation>当前词元</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>read from disk (replay)</source>
+        <translation>从磁盘读取（回放）</translation>
+    </message>
+    <message>
+        <location line="+30"/>
+        <source>all topics</source>
+        <translation>全部话题</translation>
+    </message>
+</context>
+<context>
     <name>BrainView</name>
     <message>
-        <location filename="../inspector/brain.py" line="+101"/>
+        <location filename="../inspector/brain.py" line="+84"/>
         <source>layer</source>
         <translation>层</translation>
     </message>
@@ -121,32 +250,17 @@
         <translation>专家</translation>
     </message>
     <message>
-        <location line="+14"/>
-        <source>current token</source>
-        <translation>当前词元</translation>
-    </message>
-    <message>
-        <location line="+0"/>
-        <source>read from disk (replay)</source>
-        <translation>从磁盘读取（回放）</translation>
-    </message>
-    <message>
-        <location line="+7"/>
-        <source>brighter = routed more lately</source>
-        <translation>越亮 = 最近被路由越多</translation>
-    </message>
-    <message>
-        <location line="+48"/>
+        <location line="+55"/>
         <source>no experts: a dense model, or no model loaded</source>
         <translation>没有专家：这是稠密模型，或尚未加载模型</translation>
     </message>
     <message>
-        <location line="+8"/>
+        <location line="+11"/>
         <source>{a} experts chosen more in A, {b} in B, {same} as often</source>
         <translation>{a} 个专家在 A 中被选得更多，{b} 个在 B 中更多，{same} 个一样多</translation>
     </message>
     <message>
-        <location line="+27"/>
+        <location line="+40"/>
         <source>tiers not reported</source>
         <translation>未报告存储层级</translation>
     </message>
@@ -174,6 +288,21 @@
         <location line="+3"/>
         <source>atlas: none yet</source>
         <translation>图谱：暂无</translation>
+    </message>
+    <message>
+        <location line="+5"/>
+        <source>last chosen: never</source>
+        <translation>上次被选中：从未</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>last chosen: {n} tokens ago</source>
+        <translation>上次被选中：{n} 个词元之前</translation>
+    </message>
+    <message>
+        <location line="+2"/>
+        <source>read ahead: {used} used, {wasted} wasted</source>
+        <translation>预取：已用 {used}，浪费 {wasted}</translation>
     </message>
 </context>
 <context>
@@ -1196,7 +1325,7 @@ double-click to rename</source>
 <context>
     <name>MainWindow</name>
     <message>
-        <location filename="../app.py" line="+50"/>
+        <location filename="../app.py" line="+51"/>
         <source>Conversations</source>
         <translation>对话</translation>
     </message>

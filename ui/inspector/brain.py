@@ -256,7 +256,7 @@ class BrainView(QWidget):
                 lines.append(self.tr("last chosen: never") if since < 0 else
                              self.tr("last chosen: {n} tokens ago").format(n=since))
             elif shown == MAP_AHEAD:
-                lines.append(self.tr("reads ahead: {used} used, {wasted} wasted").format(
+                lines.append(self.tr("read ahead: {used} used, {wasted} wasted").format(
                     used=int(counts.ahead_used[layer, expert]), wasted=int(counts.ahead_wasted[layer, expert])))
         return "\n".join(lines)
 

@@ -162,7 +162,7 @@ class BrainLegend(QWidget):
                         (ramp_colour(AHEAD, 0.0), self.tr("all wasted")),
                         (theme.unused, self.tr("no reads ahead"))]
             if not counted:
-                keys.append((None, self.tr("no per-expert counters: only a model with streamed experts has them")))
+                keys.append((None, self.tr("no expert cache counters: its experts are not streamed")))
         else:
             keys = [(_rgb(brightest(theme.tiers[code])), tier_name(code)) for code in TIERS] + [heat]
         return keys + [(theme.flash, self.tr("current token")),
