@@ -177,8 +177,10 @@ class BrainView(QWidget):
 
     def _show(self, shape: tuple[int, int], frame: Frame, topics: np.ndarray) -> None:
         """Dim what the filters leave out, hand the built image to the plot; axes follow a new shape."""
-        dim(self.rgba, filtered(tier_codes(frame.tiers, shape), self.legend.shown_tiers, topics, self.legend.topic()),
-            self.theme)
+        legend = self.legend
+        if legend.filtering:
+            dim(self.rgba, filtered(tier_codes(frame.tiers, shape), legend.shown_tiers, topics, legend.topic()),
+                self.theme)
         self.image.setImage(self.rgba, autoLevels=False)
         if shape != self.shape:
             self.shape = shape

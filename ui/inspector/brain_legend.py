@@ -105,6 +105,11 @@ class BrainLegend(QWidget):
         """The tier codes whose experts are drawn undimmed."""
         return frozenset(code for code, box in self.tier_boxes.items() if box.isChecked())
 
+    @property
+    def filtering(self) -> bool:
+        """Whether a filter leaves anything out (a tier unticked, one topic chosen)."""
+        return len(self.shown_tiers) < len(TIERS) or self.topic() is not None
+
     def topic(self) -> int | None:
         """The atlas topic (an index into its topics) whose experts alone are undimmed; None: all topics."""
         tid = self.topics.currentData()

@@ -149,7 +149,8 @@ def filtered(codes: np.ndarray, shown_tiers: frozenset[int], topics: np.ndarray 
              topic: int | None) -> np.ndarray:
     """[L, E] bool: the experts the filters leave out: of a tier not shown, or (topic not None) of another topic.
     Cells without an expert are never filtered; without tiers, the tier filter has nothing to go by."""
-    out = ~np.isin(codes, np.array(sorted(shown_tiers), np.int8)) & (codes != TIER_NONE) & (codes != TIER_UNKNOWN)
+    left_out = np.array([c not in shown_tiers and c not in (TIER_NONE, TIER_UNKNOWN) for c in _CODES])   # [6]
+    out = left_out[codes + 1]                                                                            # [L, E]
     if topic is not None:
         out |= (topics != topic) if topics is not None else True
         out &= codes != TIER_NONE
