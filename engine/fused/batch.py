@@ -135,7 +135,7 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
     end = g[fk.G_STEPS] * LINE                                        # set when the call is done
     for i in range(n_rows * hidden):
         x[i] = x0[i]
-    first = 0
+    first = np.int64(0)                                               # not a literal 0: _step compiles once
     for l in range(g[fk.G_LAYERS]):
         if atomic_load(sync, U64(end)) != 0:
             return
@@ -177,7 +177,7 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
     for b in range(n_rows):
         norm_row(x, U64(b * hidden), fpar[g[fk.G_NORM]:], eps, hidden, h, U64(b * hidden))
     n = g[fk.G_HEAD1] - g[fk.G_HEAD0]
-    _step(fk.S_HEAD, n, first, 0, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps,
+    _step(fk.S_HEAD, n, first, np.int64(0), tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps,
           shared[:0], h, scr, tile, rows, logits)
     atomic_store(sync, U64(end), 1)
 

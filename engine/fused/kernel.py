@@ -336,8 +336,8 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table,
     src = x0 if start == 0 and not resume else state
     for i in range(hidden):
         x[i] = src[i]
-    step = 0
-    first = 0
+    step = np.int64(0)                                  # int64, not a literal 0: one compile of each step
+    first = np.int64(0)
     mark = cycles()
     for l in range(start, g[G_LAYERS]):
         if atomic_load(sync, U64(end)) != 0:
@@ -527,7 +527,7 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, fpar, kvaddr, table,
         mark = now
     norm_row(x, U64(0), fpar[g[G_NORM]:], eps, hidden, h, U64(0))
     n = g[G_HEAD1] - g[G_HEAD0]
-    _step(S_HEAD, n, step, first, 0, sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
+    _step(S_HEAD, n, step, first, np.int64(0), sync, done, descs, kquant, items, lay, lf, g, fpar, kvaddr, table, pos, cs, eps,
           shared[:0], h, scr, ids, iscr, io, logits)
     run[RUN_EXIT] = g[G_LAYERS]
     atomic_store(sync, U64(end), 1)
