@@ -12,21 +12,7 @@ import numpy as np
 import pytest
 
 from engine.telemetry import NULL, PHASES, TIERS, Snapshot, Telemetry, TokenTimes
-
-MS = 1_000_000  # ns
-
-
-class FakeClock:
-    """A perf_counter_ns stand-in that moves only when told."""
-
-    def __init__(self) -> None:
-        self.ns = 0
-
-    def __call__(self) -> int:
-        return self.ns
-
-    def advance(self, ms: float) -> None:
-        self.ns += int(ms * MS)
+from support.clock import FakeClock
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Helpers of the inspector's GUI tests (tests/gui/test_gui_inspector*.py): a `Telemetry` driven like the engine
-drives it on a fake clock (`Generation`), a small atlas (`tiny_atlas`), waiting for a redraw, a Brain cell's pixel,
+drives it on a fake clock (`Generation`, `support.clock`), a small atlas (`tiny_atlas`), waiting for a redraw, a Brain cell's pixel,
 and the check that fails a test leaving a thread, a visible window or an Inspector behind.
 
 Import `no_leftovers` into a test module (pytest finds fixtures by name there).
@@ -18,24 +18,11 @@ from PySide6.QtWidgets import QApplication, QToolTip
 from app.atlas.build import build_atlas
 from app.atlas.probes import ProbeTopic
 from engine.telemetry import Telemetry
+from support.clock import FakeClock
 from ui.inspector import Inspector
 from ui.inspector.brain import BrainView
 
-MS = 1_000_000  # ns
 GB, MB = 10**9, 10**6  # decimal, as `--max-memory` and the app count
-
-
-class FakeClock:
-    """A perf_counter_ns stand-in that moves only when told."""
-
-    def __init__(self) -> None:
-        self.ns = 0
-
-    def __call__(self) -> int:
-        return self.ns
-
-    def advance(self, ms: float) -> None:
-        self.ns += int(ms * MS)
 
 
 class Generation:
