@@ -128,14 +128,16 @@ def server(served):
     from app.server.app import create_app
 
     live = Live(create_app(served, api_key=KEY))
-    whole_answer(live, MESSAGES, 2)   # the first decode starts the engine's own threads (its streamed model's
-    yield live                        # read-ahead): before the tests, which check that they leave none behind
+    # the first decode starts the engine's own threads (its streamed model's read-ahead): before the tests, which
+    # check that they leave none behind; on an empty Numba cache it also compiles the kernels, so it may take minutes
+    whole_answer(live, MESSAGES, 2, timeout=900)
+    yield live
     live.stop()
 
 
-def whole_answer(server, messages, max_tokens: int, repetition_penalty: float = 1.0) -> str:
+def whole_answer(server, messages, max_tokens: int, repetition_penalty: float = 1.0, timeout: float = 60) -> str:
     """The server's own, non-streamed, greedy answer."""
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=timeout,
                    json={"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                          "repetition_penalty": repetition_penalty})
     assert r.status_code == 200, r.text
@@ -302,7 +304,8 @@ def remote_window(qtbot, tmp_path):
     """remote_window(url, key) -> a shown MainWindow on the server at url; every one is closed at teardown."""
 
     from app.conversations import ConversationStore
-    from ui.app import MainWindow, configure, remote_service
+    from ui.app import MainWindow, configure
+    from ui.startup import remote_service
 
     configure(qtbot_app())
     made = []
