@@ -11,12 +11,10 @@ a model, the memory sliders, computing an atlas) is disabled, saying why.
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QSettings, Qt, QTimer
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QSettings, Qt
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
@@ -32,16 +30,14 @@ from PySide6.QtWidgets import (
 
 from app.conversations import ConversationStore
 from app.service.local import LoadFailed, LoadOptions, ModelInfo, ModelLoaded, SettingsApplied
-from app.service.remote import ConnectionChanged, Endpoint, RemoteService
+from app.service.remote import ConnectionChanged, RemoteService
 from ui.bridge import Bridge, ServiceFactory
 from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
-from ui.first_run import FirstRunDialog, bundled_models_dir, prepared_at_start, prepared_default
-from ui.language import chosen_language, install_translation
+from ui.first_run import FirstRunDialog, bundled_models_dir
 from ui.library import LibraryDialog
 from ui.models import ModelActions
-from ui.selftest import SelfTest, SelfTestRun
 from ui.settings_dialog import AppSettings, SettingsDialog, ShortcutsDialog, compute_threads, models_folder
 from ui.theme import THEMES, app_icon, apply_theme, theme_name
 from ui.widgets import ElidedLabel, InspectorPlaceholder
@@ -638,64 +634,3 @@ class MainWindow(QMainWindow):
         self.about_box = box
         box.open()
         return box
-
-
-def startup_model(model: str | None, window: MainWindow) -> str | None:
-    """What to open at start: MODEL, else the most recent model, else the demo model once prepared."""
-    if model:
-        return model
-    recent = next(iter(window.models.recent.paths()), None)
-    if recent:
-        return recent
-    demo = prepared_default(models_folder(window.settings))     # where the first-run dialog prepared it
-    return str(demo) if demo is not None else None
-
-
-def open_at_start(window: MainWindow, model: str | None, first_run: bool = True) -> None:
-    """Open what `startup_model` chooses; a catalogue name (`make run`'s smollm2-moe) is prepared first in the
-    window, with its progress shown, so that on a fresh machine the window opens at once and the first answer
-    waits for no compile; nothing to open offers the first-run choices (unless `first_run` is False: the
-    self-test)."""
-    target = window.remote.url if window.remote is not None else startup_model(model, window)
-    if target and window.remote is None and prepared_at_start(target):
-        window.prepare_model(target)
-    elif target:
-        window.open_model(target)
-    elif first_run:
-        window.show_first_run()
-
-
-def remote_service(url: str, api_key: str | None = None) -> ServiceFactory:
-    """The factory of a window on the Colibri server at url (ColibriError now for an address that cannot be one)."""
-    Endpoint.parse(url)
-    return lambda on_event: RemoteService(url, api_key, on_event=on_event)
-
-
-def run(model: str | None, options: LoadOptions = LoadOptions(), self_test: SelfTest | None = None,
-        remote: str | None = None, api_key: str | None = None, language: str | None = None) -> int:
-    """Open the app (loading MODEL, else the most recent model, else offering the first-run choices) and run it
-    until the window closes; with remote, on the Colibri server at that URL instead of a model here; with
-    self_test, load (or connect), answer once, print the report and quit. language ("system", "en", "zh_CN")
-    overrides the one chosen in the settings for this run."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    service = remote_service(remote, api_key) if remote else None
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    configure(app)
-    shown = install_translation(app, chosen_language(QSettings(), language))    # before the first widget is built
-    log.info("user interface language: %s", shown)
-    window = MainWindow(load_options=options, service=service)
-    window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-    window.show()
-    check = SelfTestRun(window, self_test) if self_test is not None else None
-    open_at_start(window, model, first_run=check is None)
-    # Ctrl-C in the terminal closes the window: Python sees the signal when the timer wakes it
-    signal.signal(signal.SIGINT, lambda *_: window.close())
-    wake = QTimer()
-    wake.timeout.connect(lambda: None)
-    wake.start(250)
-    try:
-        code = app.exec()
-        return check.exit_code if check is not None else code
-    finally:
-        wake.stop()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -67,8 +67,8 @@ def _run(args: argparse.Namespace) -> int:
         Endpoint.parse(args.remote)     # a malformed address is refused before any window opens
     options = load_options(args)
     try:
-        from ui.app import run
         from ui.selftest import SelfTest
+        from ui.startup import run
     except ImportError as exc:  # the GUI's packages are runtime dependencies, but a broken install says so
         raise ColibriError(f"the desktop app cannot start ({exc}); reinstall Colibri: pip install -e .") from None
     check = SelfTest(args.self_test, args.self_test_tokens) if args.self_test is not None else None

@@ -14,7 +14,7 @@ from support.qt import LOAD_TIMEOUT_MS
 
 
 def test_with_no_model_anywhere_the_first_run_choices_are_offered(qtbot, make_window, tmp_path, monkeypatch):
-    from ui.app import startup_model
+    from ui.startup import startup_model
 
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
     window = make_window()
@@ -28,7 +28,7 @@ def test_with_no_model_anywhere_the_first_run_choices_are_offered(qtbot, make_wi
 
 
 def test_a_prepared_demo_or_a_recent_model_opens_without_asking(make_window, tmp_path, monkeypatch, models):
-    from ui.app import startup_model
+    from ui.startup import startup_model
 
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
     window = make_window()
@@ -69,8 +69,8 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
 
 def test_a_catalogue_name_given_at_start_is_prepared_in_the_window_then_opens(qtbot, make_window, models, tmp_path,
                                                                                 monkeypatch):
-    from ui.app import open_at_start
     from ui.first_run import prepared_at_start
+    from ui.startup import open_at_start
 
     monkeypatch.setenv("COLIBRI_MODELS_DIR", str(tmp_path / "models"))
     calls = []
