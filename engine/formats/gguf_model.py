@@ -574,8 +574,8 @@ class GGUFModel:
                 and not name.endswith((".gate.weight", "shared_expert_gate.weight")))   # routers stay float32
 
     def _quantized(self, gname: str, keep: bool) -> QuantizedTensor | KQuantTensor:
-        """The GGUF tensor as one QuantizedTensor [rows, in] (an expert stack's rows laid end to end), or a
-        KQuantTensor over the file's own bytes (a view of the memory map)."""
+        """The GGUF tensor as one QuantizedTensor [rows, in] (an expert stack's rows laid end to end; a copy, so the
+        file's pages under it are given back), or a KQuantTensor over the file's own bytes (a view of the memory map)."""
         if gname not in self._cache:
             t = self._tensors[gname]
             shape = [int(d) for d in t.shape]                                    # ggml order: [in, out, ...]
@@ -583,7 +583,8 @@ class GGUFModel:
             if t.tensor_type in _KQUANTS:
                 q = kquant_blocks(t.data, t.tensor_type, rows, shape[0], f"{self.path} ({gname})")
             else:
-                q = native_blocks(t.data, t.tensor_type, rows, shape[0])
+                q = native_blocks(t.data, t.tensor_type, rows, shape[0])    # a copy: its stored bytes leave the RSS
+                release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
             if not keep:
                 return q
             self._cache[gname] = q
