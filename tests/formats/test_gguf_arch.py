@@ -415,10 +415,10 @@ def test_ernie_moe_routers_off_the_described_layers_are_refused(tmp_path):
     path, _, _ = _convert(tmp_path, "ernie4_5_moe", num_hidden_layers=2, moe_num_experts=4, moe_k=2,
                           moe_intermediate_size=32, moe_num_shared_experts=0, moe_layer_start_index=0,
                           moe_layer_interval=1, moe_layer_end_index=1)
-    from engine.formats.gguf_meta import gguf_metadata
+    from engine.formats.gguf_meta import gguf_metadata, open_gguf
     from engine.formats.gguf_model import gguf_config
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     meta = gguf_metadata(reader)
     meta["ernie4_5-moe.interleave_moe_layer_step"] = 2          # would put a router in block 1 only
     with pytest.raises(UnsupportedArchitectureError, match="describe MoE blocks"):
