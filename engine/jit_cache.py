@@ -70,16 +70,24 @@ def _scan(root: Path, path: Path) -> tuple[bool, set[Path]]:
 def kernel_sources(root: Path = ROOT) -> list[Path]:
     """The files a cached kernel can depend on: those that compile with numba and, at any depth, the
     engine files they import; this module and the package's version come along."""
-    scanned = {path: _scan(root, path) for path in root.rglob("*.py")}
-    todo = [path for path, (compiles, _) in scanned.items() if compiles]
+    files = set(root.rglob("*.py"))
+    scanned: dict[Path, tuple[bool, set[Path]]] = {}
+
+    def scan(path: Path) -> tuple[bool, set[Path]]:
+        if path not in scanned:
+            scanned[path] = _scan(root, path)
+        return scanned[path]
+    # parsing is most of the cost (about 1 s for every engine file at each start): only a file that names numba
+    # can compile with it, and the others are parsed only when a kernel source imports them
+    todo = [path for path in files if b"numba" in path.read_bytes() and scan(path)[0]]
     todo += [root / "__init__.py", root / "jit_cache.py"]
     seen: set[Path] = set()
     while todo:
         path = todo.pop()
-        if path in seen or path not in scanned:
+        if path in seen or path not in files:
             continue
         seen.add(path)
-        todo.extend(scanned[path][1])
+        todo.extend(scan(path)[1])
     return sorted(seen)
 
 
