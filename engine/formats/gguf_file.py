@@ -1,12 +1,11 @@
 """A GGUF file's header read lean: metadata decoded straight to Python values, tensors as views of one memory map.
 
-`gguf.GGUFReader` keeps a numpy view of every part of every field: a tokenizer's 49,152 tokens and 48,900 merges
-become some 300,000 small arrays, 166 MB and 4.7 s for SmolLM2's 105 MB file before a weight is touched (a
-128k-token vocabulary costs more). `GGUFFile` reads the same header with `struct` (string arrays element by
-element, numeric arrays with one `np.frombuffer` each) and exposes what Colibri uses of the reader: `tensors`
-(name, type, ggml-order shape, element and byte counts, absolute offset, and `data` shaped as the reader shapes
-it: float arrays for F16/F32/F64 and integer types, bytes [..., row bytes] for block types), `data` (the map)
-and `metadata` (key -> str, int, float, bool or list of them).
+`gguf.GGUFReader` keeps a numpy view of every part of every field, so a tokenizer's vocabulary and merges become
+hundreds of thousands of small arrays: seconds and hundreds of MB before a weight is touched. `GGUFFile` reads the
+same header with `struct` (string arrays element by element, numeric arrays with one `np.frombuffer` each) and
+exposes what Colibri uses of the reader: `tensors` (name, type, ggml-order shape, element and byte counts, absolute
+offset, and `data` shaped as the reader shapes it: float arrays for F16/F32/F64 and integer types, bytes
+[..., row bytes] for block types), `data` (the map) and `metadata` (key -> str, int, float, bool or lists of them).
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.data = np.memmap(self.path, mode="r")
+        self._bytes = memoryview(self.data)      # the header's parse slices this: a memmap slice costs far more
         self._end = self.data.shape[0]
         self._pos = 0
         if self._take("<I") != gguf.GGUF_MAGIC:
@@ -71,6 +71,7 @@ class GGUFFile:
             raise ValueError(f"general.alignment {alignment!r}: must be a power of two")
         self.data_offset = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(*info) for info in infos]
+        del self._bytes                           # only the header needed it
         if len({t.name for t in self.tensors}) != len(self.tensors):
             raise ValueError("a tensor name appears twice")
 
@@ -79,7 +80,7 @@ class GGUFFile:
         size = struct.calcsize(fmt)
         if self._pos + size > self._end:
             raise ValueError(f"the header runs past the end of the file (at byte {self._pos})")
-        (value,) = struct.unpack_from(fmt, self.data, self._pos)
+        (value,) = struct.unpack_from(fmt, self._bytes, self._pos)
         self._pos += size
         return value
 
@@ -87,7 +88,7 @@ class GGUFFile:
         n = self._take("Q")
         if self._pos + n > self._end:
             raise ValueError(f"a string runs past the end of the file (at byte {self._pos})")
-        text = bytes(self.data[self._pos : self._pos + n]).decode("utf-8")
+        text = str(self._bytes[self._pos : self._pos + n], "utf-8")
         self._pos += n
         return text
 
