@@ -13,6 +13,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -44,6 +45,8 @@ class BenchResult:
     roofline_fraction: float               # achieved_gb_s / ram_gb_s
     roofline_decode_tok_s: float           # ram_gb_s / bytes_per_token: decode if only reads cost
     kv_bits: int = 32                      # how the KV cache stored keys and values (32, 16 or 8)
+    rss: int = 0                           # the process's resident bytes after the timed runs, the largest (0: unknown)
+    model_bytes: int = 0                   # the model's bytes on disk (0: unknown)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values."""
@@ -235,14 +238,18 @@ def bench_model(
         raise ColibriError(f"--prompt {prompt} plus --gen {gen} is {prompt + gen} tokens but the model's context "
                            f"holds {limit}; ask for fewer tokens")
     ids = random_prompt(loaded, prompt, seed)
+    from app.plan.budget import process_rss
+
+    rss = 0
     with thread_limits(threads):
         speeds = []
         for r in range(runs + 1):
             if on_run is not None:
                 on_run(r, runs)
             speed = _one_run(loaded.model, ids, gen, kv_bits)
-            if r:  # run 0 is the warm-up: compiles kernels, fills caches
+            if r:  # run 0 is the warm-up: compiles kernels (the compiler's memory is not the model's), fills caches
                 speeds.append(speed)
+                rss = max(rss, process_rss())
         if ram_gb_s is None:
             ram_gb_s = measure_bandwidth()
     prompt_runs = tuple(p for p, _ in speeds)
@@ -258,4 +265,14 @@ def bench_model(
         weight_bytes=model_weight_bytes(loaded.model), bytes_per_token=per_token,
         achieved_gb_s=achieved, ram_gb_s=ram_gb_s, roofline_fraction=achieved / ram_gb_s,
         roofline_decode_tok_s=ram_gb_s * 1e9 / per_token, kv_bits=kv_bits,
+        rss=rss, model_bytes=model_file_bytes(loaded.path),
     )
+
+
+def model_file_bytes(path: Path) -> int:
+    """Bytes on disk of a model: the file, or a folder's weight files (safetensors, GGUF, Colibri's .bin)."""
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.suffix in (".safetensors", ".gguf", ".bin"))

@@ -67,8 +67,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ColibriError(f"--runs {args.runs}: at most 1000 runs")
 
 
-def format_table(r) -> str:
-    """The human-readable report of a BenchResult."""
+def format_table(r, baseline: int = 0) -> str:
+    """The human-readable report of a BenchResult (`baseline`: the process's RSS before loading, 0: not shown)."""
     runs = lambda values: " ".join(f"{v:.1f}" for v in values)  # noqa: E731
     return "\n".join([
         f"{r.model} ({r.architecture}), {r.threads} thread{'s' if r.threads != 1 else ''}, median of {r.runs} runs after a warm-up",
@@ -79,7 +79,8 @@ def format_table(r) -> str:
         f"  bandwidth {r.achieved_gb_s:9.2f} GB/s achieved of {r.ram_gb_s:.2f} GB/s RAM read measured "
         f"= {r.roofline_fraction * 100:.0f}% of the roofline",
         f"  roofline  {r.roofline_decode_tok_s:9.1f} tok/s decode if reading the weights were all it cost",
-    ])
+    ] + ([f"  memory    {r.rss / 1e6:9.0f} MB resident after the runs, for {r.model_bytes / 1e6:.0f} MB on disk"
+          + (f" ({baseline / 1e6:.0f} MB before loading)" if baseline else "")] if r.rss else []))
 
 
 def _defaults(args: argparse.Namespace, prompt: int, gen: int, runs: int) -> None:
@@ -110,6 +111,9 @@ def _run(args: argparse.Namespace) -> int:
         return _stream(args)
     _check(args)
     check_threads(args.threads)  # before loading anything
+    from app.plan.budget import process_rss
+
+    baseline = process_rss()
     loaded = load(args.model, quiet=args.json)
     live = sys.stderr.isatty() and not args.json
 
@@ -123,9 +127,9 @@ def _run(args: argparse.Namespace) -> int:
     if live:
         print("\r" + " " * 24 + "\r", end="", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        print(json.dumps(dict(result.as_dict(), baseline_rss=baseline)))
     else:
-        print(format_table(result))
+        print(format_table(result, baseline))
     return 0
 
 

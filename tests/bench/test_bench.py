@@ -49,11 +49,12 @@ def hand_bytes_per_token(spec) -> int:
 def test_json_report_has_every_field(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", str(tiny), "--json", *FAST]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == set(BenchResult.__dataclass_fields__)
+    assert set(report) == set(BenchResult.__dataclass_fields__) | {"baseline_rss"}
+    assert 0 < report["baseline_rss"] < report["rss"]
     assert (report["prompt_tokens"], report["gen_tokens"], report["runs"], report["threads"]) == (16, 4, 2, 2)
     assert report["architecture"] == "MixtralForCausalLM" and report["model"] == "mixtral-tiny"
     for key in ("prompt_tok_s", "decode_tok_s", "weight_bytes", "bytes_per_token", "achieved_gb_s",
-                "ram_gb_s", "roofline_fraction", "roofline_decode_tok_s"):
+                "ram_gb_s", "roofline_fraction", "roofline_decode_tok_s", "model_bytes"):
         assert report[key] > 0, key
     assert len(report["prompt_tok_s_runs"]) == len(report["decode_tok_s_runs"]) == 2
     assert report["bytes_per_token"] == hand_bytes_per_token(load_model(tiny).spec)
@@ -65,11 +66,14 @@ def test_json_report_has_every_field(tiny: Path, capsys: pytest.CaptureFixture[s
 def test_table_report(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", str(tiny), *FAST, "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    for word in ("prompt", "decode", "MB read per decoded token", "GB/s RAM read measured", "roofline", "1 thread,"):
+    for word in ("prompt", "decode", "MB read per decoded token", "GB/s RAM read measured", "roofline", "1 thread,",
+                 "MB resident after the runs", "MB before loading"):
         assert word in out
 
 
 def test_bench_model_reuses_a_given_bandwidth(tiny: Path) -> None:
+    from app.plan.budget import process_rss
+
     loaded = load_model(tiny)
     seen: list[tuple[int, int]] = []
     result = bench_model(loaded, prompt=8, gen=2, runs=2, ram_gb_s=10.0, on_run=lambda d, t: seen.append((d, t)))
@@ -77,6 +81,8 @@ def test_bench_model_reuses_a_given_bandwidth(tiny: Path) -> None:
     assert result.ram_gb_s == 10.0
     assert result.bytes_per_token == decode_bytes_per_token(loaded.model)
     assert result.weight_bytes == 4 * load_plan_params()
+    assert result.rss > 100e6 and abs(result.rss - process_rss()) < 50e6      # bytes, as the process holds now
+    assert result.model_bytes == sum(f.stat().st_size for f in tiny.glob("*.safetensors")) > 0
 
 
 def load_plan_params() -> int:
