@@ -52,6 +52,7 @@ from ui.context_meter import ContextMeter
 from ui.conversation_list import export_dialog
 from ui.presets import Preset, PresetPicker, PresetStore, presets_path
 from ui.transcript import LIVE, REDRAW_HZ, THINKING, Transcript, stats_line
+from ui.widgets import ElidedLabel
 
 __all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "loop_key",
            "stats_line"]
@@ -131,9 +132,8 @@ class ChatPanel(QWidget):
         edit_row.addWidget(self.edit_cancel)
         self.edit_bar.hide()
         self.context_meter = ContextMeter()
-        self.status = QLabel()
+        self.status = ElidedLabel()             # beside the buttons: elided, the whole text in its tooltip
         self.status.setObjectName("chatStatus")
-        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         self.system_toggle = QToolButton(text=self.tr("System prompt"), checkable=True)
         self.system_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
