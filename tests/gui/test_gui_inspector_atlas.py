@@ -156,3 +156,22 @@ def gl_atlas_survives_its_dock_floating(qtbot):
     image = insp.atlas.canvas.render()
     assert image[..., :3].std() > 5, "the atlas went blank when its dock floated"
     assert insp.atlas._points.visible and insp.atlas._lit.visible
+
+
+def gl_atlas_fits_a_tall_narrow_canvas(qtbot, inspector):
+    """(Xvfb child only) a canvas taller than wide (the inspector beside the chat) shows every expert, none cut."""
+    inspector.resize(560, 800)                       # the legend takes ~280 px: the canvas is ~270 x 780
+    inspector.set_model_info(8, 16, None)
+    inspector.set_atlas(tiny_atlas(8, 16, 5))
+    inspector.tabs.setCurrentWidget(inspector.atlas)
+    atlas = inspector.atlas
+    qtbot.waitUntil(lambda: atlas.canvas is not None and atlas.canvas.native.isVisible(), timeout=3000)
+    qtbot.waitUntil(lambda: atlas.canvas.native.height() > 1.5 * atlas.canvas.native.width(), timeout=3000)
+    atlas.canvas.render()                            # the camera takes the canvas's size at a draw
+    xy = atlas.screen_positions()                    # [N, 2] px
+    w, h = atlas.canvas.size
+    assert (xy[:, 0] >= 0).all() and (xy[:, 0] <= w).all(), f"experts cut at the sides: x {xy[:, 0].min():.0f}.." \
+        f"{xy[:, 0].max():.0f} of {w}"
+    assert (xy[:, 1] >= 0).all() and (xy[:, 1] <= h).all()
+    spread = xy[:, 0].max() - xy[:, 0].min()
+    assert spread > 0.3 * w, f"the experts span {spread:.0f} px of {w}: too far away to read"

@@ -36,6 +36,7 @@ from ui.inspector.data import AtlasData, Frame
 PICK_RADIUS = 8.0      # px: how near the pointer a point must be to be hovered or clicked
 CLICK_SLOP = 4.0       # px: a press and release further apart than this are a drag (rotation)
 DRAW_SHARE = 2.0       # routed experts are redrawn at most once per this many canvas draw times
+FRAME = 2.2            # scene units across the canvas's narrower side at first: the unit ball the experts lie in, and 10%
 # the offers of the empty page, translated where shown
 NO_ATLAS = QT_TRANSLATE_NOOP("AtlasView", "This model has no atlas yet. Computing it routes a set of probe prompts on "
                              "a dozen topics (Python, SQL, mathematics, law, French, ...) through the model and "
@@ -304,8 +305,9 @@ class AtlasView(QWidget):
         self.canvas.native.setMinimumSize(200, 200)
         self.canvas_host.addWidget(self.canvas.native, 1)
         self._view = self.canvas.central_widget.add_view()
+        # a scale factor, not a distance: vispy then backs off to fit the narrower side (a tall canvas cropped the sides)
         self._view.camera = scene.TurntableCamera(**(camera or {"fov": 40.0, "elevation": 20.0, "azimuth": 30.0,
-                                                                "distance": 3.4}))
+                                                                "scale_factor": FRAME}))
         self._points = scene.visuals.Markers(parent=self._view.scene)
         self._lit = scene.visuals.Markers(parent=self._view.scene)
         self._ring = scene.visuals.Markers(parent=self._view.scene)
@@ -344,7 +346,7 @@ class AtlasView(QWidget):
             return
         cam = self._view.camera
         camera = {"fov": cam.fov, "elevation": cam.elevation, "azimuth": cam.azimuth, "distance": cam.distance,
-                  "center": tuple(cam.center)}
+                  "scale_factor": cam.scale_factor, "center": tuple(cam.center)}
         self._drop_canvas()
         self._ensure_canvas(camera)
         self._draw_points()
