@@ -1,9 +1,12 @@
 """Screenshots of the real app for the README: `python -m ui.screenshots [--model PATH] [--out DIR]`.
 
 Runs the app under a virtual X display (re-running itself under `xvfb-run` when there is no
-display), loads a model, asks it a question, and grabs the main window, each inspector tab and
-the dark theme into assets/screenshots/. The default model is the derived MoE (`colibri pull
-smollm2-moe`), converted once to a 4-bit container so that its experts stream; without it, the
+display), warms the model's kernels up first (as the app does when it prepares a model, so the
+figures show decoding, not compiling), loads it as `colibri gui MODEL` does (the budget of its
+colibri.toml; a model held whole is given one that leaves some experts on disk), asks it a
+question with the Greedy preset (a 135 M model's sampled answers ramble), and grabs the main
+window, each inspector tab and the dark theme into assets/screenshots/. The default model is the
+derived MoE (`colibri pull smollm2-moe`), a 4-bit container whose experts stream; without it, the
 SmolLM2 GGUF. Settings and conversations go to a temporary folder: the user's are not touched.
 """
 
@@ -17,10 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.service.messages import LoadOptions
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "assets" / "screenshots"
-CACHE = REPO / ".cache" / "screenshots"
 SIZE = (1440, 900)
 QUESTION = "Write a short Python function that checks whether a word is a palindrome, and explain it in one sentence."
 
@@ -61,16 +67,19 @@ def shoot(model: Path, out: Path, tokens: int) -> int:
 
     from app.conversations import ConversationStore
     from app.service.local import SettingsChange
+    from app.service.warm import warm_up
     from ui.app import MainWindow, configure
     from ui.theme import follow_scheme
 
     out.mkdir(parents=True, exist_ok=True)
+    print(f"screenshots: warming {model.name}'s kernels up ...", file=sys.stderr)
+    print(f"  kernels ready in {warm_up(model):.0f} s", file=sys.stderr)
     app = QApplication.instance() or QApplication(["colibri"])
     configure(app)
     follow_scheme(app, Qt.ColorScheme.Light)
     tmp = Path(tempfile.mkdtemp(prefix="colibri-shots-"))
     window = MainWindow(QSettings(str(tmp / "settings.ini"), QSettings.Format.IniFormat),
-                        ConversationStore(tmp / "conversations"))
+                        ConversationStore(tmp / "conversations"), load_options=gui_options(model))
     try:
         window.resize(*SIZE)
         window.show()
@@ -81,10 +90,12 @@ def shoot(model: Path, out: Path, tokens: int) -> int:
             print(f"screenshots: {model} did not load: {window.error_dialog.text()}", file=sys.stderr)
             return 1
         info = window.info
-        if info.budget_range is not None:          # a budget between the least and all: some experts on disk
+        if info.budget_range is not None and (info.settings.memory_budget or 1 << 62) >= info.budget_range[1]:
+            # every expert held: a budget between the least and all, so that some stream from disk
             low, high = info.budget_range
             window.bridge.service.update_settings(SettingsChange(memory_budget=low + (high - low) // 3))
             _wait(app, lambda: window.info.settings.memory_budget != high, 60)   # the sliders follow
+        window.chat.preset_picker.choose("Greedy")
         window.chat.max_tokens.setValue(tokens)
         window.chat.send(QUESTION)
         _wait(app, lambda: not window.chat.generating, 900)
@@ -96,14 +107,17 @@ def shoot(model: Path, out: Path, tokens: int) -> int:
         follow_scheme(app, Qt.ColorScheme.Light)
         _settle(app, 0.5)
         tabs = getattr(window.inspector, "tabs", None)
-        for i in range(tabs.count() if tabs is not None else 0):
-            name = tabs.tabText(i)
+        names = [tabs.tabText(i) for i in range(tabs.count())] if tabs is not None else []
+        # the Atlas last: computing a container's atlas reopens its source folder (see _atlas)
+        for name in sorted(names, key=lambda name: name == "Atlas"):
             if name == "Atlas" and info.n_experts:
                 _atlas(app, window, model)
-            tabs.setCurrentIndex(i)
+            tabs.setCurrentIndex(names.index(name))
+            if name == "Cache" and info.n_experts:     # its replay runs on a worker thread
+                _wait(app, lambda: window.inspector.cache.replays > 0, 120)
             _settle(app, 1.0)
             _save(window.inspector, out / f"inspector-{name.lower()}.png")
-        dialog = window.models.show_convert(str(model))
+        dialog = window.models.show_convert(str(_source(model) or model))
         _settle(app, 0.5)
         _save(dialog, out / "convert.png")
         dialog.reject()
@@ -114,6 +128,19 @@ def shoot(model: Path, out: Path, tokens: int) -> int:
     return 0
 
 
+def gui_options(model: Path) -> LoadOptions:
+    """How `colibri gui MODEL` loads model: the flags' defaults under the settings files (its colibri.toml too)."""
+    from app.cli import build_parser
+    from app.commands._memory import load_options
+    from app.config import settings
+
+    parser = build_parser()
+    argv = ["gui", str(model)]
+    args = parser.parse_args(argv)
+    settings.configure(parser, args, argv, "gui")
+    return load_options(args)
+
+
 def _atlas(app, window, model: Path) -> None:
     """Compute the atlas of the loaded model; a container's atlas is its source folder's (app.atlas.build binds to those)."""
     failed = []
@@ -121,10 +148,8 @@ def _atlas(app, window, model: Path) -> None:
     window.error_dialog = None
     window.compute_atlas()
     _wait(app, lambda: window._atlas_request is None, 1800)
-    if failed and (model / "manifest.json").is_file():
-        import json
-
-        source = Path(json.loads((model / "manifest.json").read_text())["source"]["path"])
+    source = _source(model)
+    if failed and source is not None:
         if window.error_dialog is not None:
             window.error_dialog.accept()
         if source.is_dir():
@@ -133,6 +158,15 @@ def _atlas(app, window, model: Path) -> None:
             failed.clear()
             window.compute_atlas()
             _wait(app, lambda: window._atlas_request is None, 1800)
+
+
+def _source(model: Path) -> Path | None:
+    """The folder a container was converted from (None: model is not a container)."""
+    if not (model / "manifest.json").is_file():
+        return None
+    import json
+
+    return Path(json.loads((model / "manifest.json").read_text())["source"]["path"])
 
 
 def _wait(app, condition, seconds: float) -> None:
