@@ -327,9 +327,54 @@ def _finish(acc, w, wo, x, xo, k16, K):
 
 
 @njit(boundscheck=False)
+def _tile_pairs(w, wo0, K, x, xrows, orows, i0, i1, out, ldo, col0):
+    """tile_rows' 4 rows times several tokens where a vector register holds 8 lanes (AVX2): two rows times three
+    tokens at a time. The 4 x 4 tile's 16 accumulators need 32 such registers of the 16 there are, and spilled
+    ones cost more than loading each weight vector twice. Every output is the same sequence of operations."""
+    k16 = K // 16
+    for pair in range(2):
+        wa = wo0 + U64(2 * pair) * U64(K)
+        wb = wa + U64(K)
+        i = i0
+        while i < i1:
+            # a last, partial group repeats its last token: the same numbers, written twice to the same place
+            i_1 = min(i + 1, i1 - 1)
+            i_2 = min(i + 2, i1 - 1)
+            x0 = U64(xrows[i]) * U64(K)
+            x1 = U64(xrows[i_1]) * U64(K)
+            x2 = U64(xrows[i_2]) * U64(K)
+            c00 = vzero(); c01 = vzero(); c02 = vzero()
+            c10 = vzero(); c11 = vzero(); c12 = vzero()
+            for j in range(k16):
+                k = U64(j * 16)
+                w0 = vload(w, wa + k)
+                w1 = vload(w, wb + k)
+                v = vload(x, x0 + k)
+                c00 = vfma(w0, v, c00); c10 = vfma(w1, v, c10)
+                v = vload(x, x1 + k)
+                c01 = vfma(w0, v, c01); c11 = vfma(w1, v, c11)
+                v = vload(x, x2 + k)
+                c02 = vfma(w0, v, c02); c12 = vfma(w1, v, c12)
+            col = U64(col0 + 2 * pair)
+            o = U64(orows[i]) * U64(ldo) + col
+            out[o] = _finish(c00, w, wa, x, x0, k16, K)
+            out[o + U64(1)] = _finish(c10, w, wb, x, x0, k16, K)
+            o = U64(orows[i_1]) * U64(ldo) + col
+            out[o] = _finish(c01, w, wa, x, x1, k16, K)
+            out[o + U64(1)] = _finish(c11, w, wb, x, x1, k16, K)
+            o = U64(orows[i_2]) * U64(ldo) + col
+            out[o] = _finish(c02, w, wa, x, x2, k16, K)
+            out[o + U64(1)] = _finish(c12, w, wb, x, x2, k16, K)
+            i += 3
+
+
+@njit(boundscheck=False)
 def tile_rows(w, wo0, K, nr, x, xrows, orows, i0, i1, out, ldo, col0):
     """Float32 rows w[wo0 + j * K ...] (j < nr <= 4) times tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + j]."""
     k16 = K // 16
+    if nr == 4 and not HAS_AVX512 and i1 - i0 > 1:
+        _tile_pairs(w, wo0, K, x, xrows, orows, i0, i1, out, ldo, col0)
+        return
     if nr == 4:
         wo1 = wo0 + U64(K)
         wo2 = wo1 + U64(K)
