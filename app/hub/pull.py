@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -176,6 +177,10 @@ def _with_standin(name: str, upcycled: Derived, bits: int, root: Path, report: R
     return path
 
 
+QUIET_SECONDS = 5.0     # the longest the upcycling goes without a line, while it reports
+_clock = time.monotonic
+
+
 def _moefy(name: str, derived: Derived, source: Path, root: Path, report: Report) -> Path:
     """Run `colibri moefy` of SOURCE into the derived folder (called under the lock), reporting every tenth."""
     from app.moefy.upcycle import MoefyOptions, moefy
@@ -184,12 +189,15 @@ def _moefy(name: str, derived: Derived, source: Path, root: Path, report: Report
         shutil.rmtree(stale, ignore_errors=True)
     report(Note(f"preparing {name} once: {derived.source} upcycled into a Mixtral-style MoE of {derived.experts} "
                 "experts per layer (minutes: the first run also compiles its kernels) ..."))
-    shown = -1  # the last tenth reported
+    shown, said_at = -1, _clock()  # the last tenth reported, and when the last line was
 
     def progress(fraction: float, message: str) -> None:
-        nonlocal shown
-        if int(fraction * 10) > shown:
-            shown = int(fraction * 10)
+        # each new tenth, and between them a line at most every QUIET_SECONDS: the calibration's heartbeat
+        # ("... (40 s so far)") stays within one tenth for minutes, and Cancel is noticed only when a line goes out
+        nonlocal shown, said_at
+        now = _clock()
+        if int(fraction * 10) > shown or now - said_at >= QUIET_SECONDS:
+            shown, said_at = max(shown, int(fraction * 10)), now
             report(Progress("upcycle", fraction, 1.0, message, model=name))
 
     # not evaluated here: a user waits for this on a first run, and the held-out measurements took half its time

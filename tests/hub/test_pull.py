@@ -26,6 +26,7 @@ from engine.errors import ColibriError
 from engine.formats import container as container_mod
 from engine.loader import OffloadOptions, load_model
 from engine.offload.store import StoreSettings
+from support.clock import FakeClock
 from support.offload import greedy_logits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -358,6 +359,35 @@ def test_the_default_model_is_pulled_as_a_streaming_container_once(tmp_path: Pat
     lines.clear()
     assert pull(pull_mod.DEFAULT_MODEL, models_dir=models, log=lines.append) == path
     assert lines == ["smollm2-moe is already prepared"] and len(calls) == 1
+
+
+def test_the_upcycling_says_a_line_within_a_tenth_when_it_goes_on_for_long(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a fresh clone's first run sat at "0% loading SmolLM2-135M-Instruct.Q4_1.gguf" for minutes: the calibration's
+    # heartbeat stays within the first tenth, and the pull passed on only each new tenth
+    models = tmp_path / "models"
+    gguf_path = pull_mod.alias_gguf(UPCYCLED.source, models)
+    gguf_path.parent.mkdir(parents=True)
+    gguf_path.write_bytes(b"GGUF")
+    clock = FakeClock()
+    monkeypatch.setattr(pull_mod, "_clock", lambda: clock() / 1e9)
+
+    def fake_moefy(src, out, options, progress):
+        progress(0.0, "loading")
+        for seconds in (10, 20, 30):
+            clock.advance(1000 * pull_mod.QUIET_SECONDS)
+            progress(0.05, f"calibration chats: code ({seconds} s so far)")
+        progress(0.06, "calibration chats: code (31 s so far)")   # too soon after the last line: left out
+        progress(0.12, "calibration chats: maths")                 # a new tenth: always said
+        raise ColibriError("stopped by the test")
+
+    monkeypatch.setattr("app.moefy.upcycle.moefy", fake_moefy)
+    lines: list[str] = []
+    with pytest.raises(ColibriError, match="stopped by the test"):
+        pull(MOE.source, models_dir=models, log=lines.append)   # the upcycled model alone
+    said = [line.split(": ", 1)[1] for line in lines if line.startswith(f"  {MOE.source}:")]
+    assert said == ["  0% loading"] + [f"  5% calibration chats: code ({s} s so far)" for s in (10, 20, 30)] + [
+        " 12% calibration chats: maths"]
 
 
 def test_an_upcycled_folder_pulled_before_gets_its_container_without_moefy(tmp_path: Path, tiny_moe,
