@@ -119,11 +119,15 @@ def insert_markdown(cursor: QTextCursor, text: str) -> None:
         fix.movePosition(QTextCursor.MoveOperation.EndOfBlock)
         fix.movePosition(QTextCursor.MoveOperation.NextBlock, QTextCursor.MoveMode.KeepAnchor)
         list_of = block.next().textList()
+        # a list of one item dies with its block below: keep its format to make it anew
+        list_format = list_of.format() if list_of is not None and list_of.count() == 1 else None
         fix.removeSelectedText()        # the empty block goes; the list item's text joins it
         block = doc.findBlock(start)
         fmt = first.blockFormat()
         QTextCursor(block).setBlockFormat(fmt)
-        if list_of is not None and block.textList() is None:
+        if list_format is not None:
+            QTextCursor(block).createList(list_format)
+        elif list_of is not None and block.textList() is None:
             list_of.add(block)
         return
     QTextCursor(block).setBlockFormat(first.blockFormat())

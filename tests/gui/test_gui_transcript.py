@@ -195,3 +195,21 @@ def _quote_level():
     from PySide6.QtGui import QTextFormat
 
     return QTextFormat.Property.BlockQuoteLevel
+
+
+def test_a_list_streams_from_its_first_item_and_the_view_follows(qtbot, view):
+    # a fresh clone's first essay raised "Internal C++ object (QTextList) already deleted" at each flush while its
+    # list had one item, and the view stopped following the answer
+    view.show_conversation(Conversation.new().with_turn(Turn("user", "q")))
+    bar = view.verticalScrollBar()
+    view.begin_answer()
+    view.add_text("".join(f"Line {i} of a long answer.\n\n" for i in range(30)))
+    qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum())
+    for piece in ("- A paragraph", " of at least four sentences", "\n- The word"):
+        view.add_text(piece)
+        qtbot.waitUntil(lambda: not view._dirty)
+        qtbot.waitUntil(lambda: bar.value() == bar.maximum())                      # it kept following
+    by_text = {b.text(): b for b in blocks(view)}
+    first = by_text["A paragraph of at least four sentences"]
+    assert first.textList() is not None and first.textList() == by_text["The word"].textList()
+    view.end_answer(view.text, "stats")
