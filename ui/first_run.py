@@ -20,7 +20,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QObject, Qt, Signal
+from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QEvent, QObject, Qt, Signal
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QDialog,
     QHBoxLayout,
@@ -166,11 +167,21 @@ class FirstRunDialog(QDialog):
             (layout.addLayout if isinstance(item, QHBoxLayout) else layout.addWidget)(item)
         self.demo_button.clicked.connect(lambda: self.start_pull(pulls.DEFAULT_MODEL))
         self.pull_button.clicked.connect(lambda: self.start_pull(self.name_edit.text().strip()))
-        self.name_edit.returnPressed.connect(lambda: self.start_pull(self.name_edit.text().strip()))
+        self.name_edit.installEventFilter(self)     # Enter there pulls the name, and only that (eventFilter)
         self.folder_button.clicked.connect(lambda: self._choose(self.openFolderRequested))
         self.gguf_button.clicked.connect(lambda: self._choose(self.openGgufRequested))
         self.close_button.clicked.connect(self.reject)
         self.resize(520, self.sizeHint().height())
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        # Enter in the name field pulls that name and goes no further: the dialog would click its default button
+        # too, the demo's (with no name typed) or, once the pull disables the field and focus moves on, "Not now",
+        # which closed the dialog and cancelled the pull
+        if (watched is self.name_edit and event.type() == QEvent.Type.KeyPress
+                and isinstance(event, QKeyEvent) and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)):
+            self.start_pull(self.name_edit.text().strip())
+            return True
+        return super().eventFilter(watched, event)
 
     def start_pull(self, name: str) -> PullJob | None:
         """Pull (or prepare) model NAME behind a cancellable progress dialog; the dialog closes once it opens."""

@@ -146,3 +146,36 @@ def test_the_gguf_shipped_in_the_bundle_seeds_the_models_folder(tmp_path):
     assert pulls.pulled_alias(name, root) == root / name / gguf.name   # the pull finds it: no download
     assert not seed_from_bundle(bundle, root)                           # once only
     assert not seed_from_bundle(None, root)
+
+
+def test_enter_in_the_name_field_pulls_that_name_and_nothing_else(qtbot, make_window, tmp_path, monkeypatch):
+    # under X11, Enter there started the pull, disabling the field; focus went to "Not now", which became the
+    # default button and took the same key press: the dialog closed and cancelled the pull
+    from PySide6.QtCore import Qt
+
+    from engine.errors import ColibriError
+
+    names, release = [], threading.Event()
+
+    def slow_pull(name, models_dir=None, progress=None, warm_ahead=False):
+        names.append(name)
+        release.wait(10)
+        raise ColibriError("offline")
+
+    monkeypatch.setattr(pulls, "pull", slow_pull)
+    window = make_window()
+    dlg = window.show_first_run(models_dir=tmp_path / "models")
+    qtbot.waitExposed(dlg)
+    dlg.activateWindow()
+    dlg.name_edit.setFocus()
+    qtbot.keyClick(dlg.name_edit, Qt.Key.Key_Return)          # no name yet: says so, and prepares no demo
+    assert "type a model name" in dlg.error.text() and dlg.job is None and dlg.isVisible()
+    dlg.close_button.setDefault(True)                          # what focus arriving on "Not now" does
+    dlg.name_edit.setText("org/model")
+    qtbot.keyClick(dlg.name_edit, Qt.Key.Key_Return)
+    job = dlg.job
+    assert dlg.isVisible() and job is not None and job.running and not job.cancelled
+    with qtbot.waitSignal(job.failed, timeout=10_000) as failed:
+        release.set()
+    assert failed.args[1] is False and names == ["org/model"] and dlg.isVisible()
+    dlg.reject()
