@@ -113,6 +113,9 @@ class PullJob(BackgroundJob):
         return path
 
 
+PROGRESS_WIDTH = 520    # px: the preparation's progress dialog, whose lines wrap within it
+
+
 class FirstRunDialog(QDialog):
     """No model yet: prepare the demo, open a folder or GGUF, or pull a model by name."""
 
@@ -194,6 +197,12 @@ class FirstRunDialog(QDialog):
         self.job = PullJob(name, self.models_dir, self.bundle, self)
         dlg = QProgressDialog(self.tr("Getting {name}…").format(name=name), self.tr("Cancel"), 0, 0, self)
         dlg.setObjectName("firstRunProgress")
+        # the pull's lines run to 150 characters: a label that wraps, in a dialog as wide as this one, else
+        # QProgressDialog grows to each line's width and is drawn past the screen's edge
+        label = QLabel(dlg.labelText())
+        label.setWordWrap(True)
+        dlg.setLabel(label)
+        dlg.setFixedWidth(max(self.width(), PROGRESS_WIDTH))
         dlg.setWindowTitle(self.tr("Preparing the model"))
         dlg.setWindowModality(Qt.WindowModality.WindowModal)
         dlg.setMinimumDuration(0)

@@ -148,6 +148,39 @@ def test_the_gguf_shipped_in_the_bundle_seeds_the_models_folder(tmp_path):
     assert not seed_from_bundle(None, root)
 
 
+def test_a_long_progress_line_wraps_inside_a_dialog_that_keeps_its_width(qtbot, make_window, tmp_path, monkeypatch):
+    # on a fresh clone the dialog grew to its longest line and ran past a 1440 px screen's right edge
+    from PySide6.QtWidgets import QLabel
+
+    from app.hub.progress import Note
+    from engine.errors import ColibriError
+
+    shown, release = threading.Event(), threading.Event()
+    line = ("preparing smollm2-moe-bf16 once: smollm2-135m upcycled into a Mixtral-style MoE of 8 experts per layer "
+            "(minutes: the first run also compiles its kernels) ...")
+
+    def slow_pull(name, models_dir=None, progress=None, warm_ahead=False):
+        progress(Note(line, model=name))
+        shown.set()
+        release.wait(10)
+        raise ColibriError("stopped by the test")
+
+    monkeypatch.setattr(pulls, "pull", slow_pull)
+    window = make_window()
+    dlg = window.show_first_run(models_dir=tmp_path / "models")
+    job = dlg.start_pull(pulls.DEFAULT_MODEL)
+    assert shown.wait(10)
+    progress = dlg.progress_dialog
+    width = progress.width()
+    qtbot.waitUntil(lambda: line in progress.labelText(), timeout=10_000)
+    label = progress.findChild(QLabel)
+    assert progress.width() == width <= max(dlg.width(), 520)
+    assert label.wordWrap() and label.height() >= label.heightForWidth(label.width())  # every wrapped line shows
+    with qtbot.waitSignal(job.failed, timeout=10_000):
+        release.set()
+    dlg.reject()
+
+
 def test_enter_in_the_name_field_pulls_that_name_and_nothing_else(qtbot, make_window, tmp_path, monkeypatch):
     # under X11, Enter there started the pull, disabling the field; focus went to "Not now", which became the
     # default button and took the same key press: the dialog closed and cancelled the pull
