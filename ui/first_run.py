@@ -37,6 +37,7 @@ from app.hub import pull as pulls
 from app.hub.progress import HubEvent, Log, Progress, Report, noting, render
 from engine.errors import ColibriError
 from ui.models import BackgroundJob
+from ui.widgets import say_wrapped
 
 
 def bundled_models_dir() -> Path | None:
@@ -274,9 +275,7 @@ class FirstRunDialog(QDialog):
     def show_error(self, message: str) -> None:
         """Say what went wrong below the choices, wrapped, the dialog growing to hold it (never drawn over them)."""
         # a long URL or path has no space to wrap at: offer a break after each of its slashes
-        self.error.setText(re.sub(r"\S{48,}", lambda m: m.group().replace("/", "/\u200b"), message))
-        self.error.setMinimumHeight(self.error.heightForWidth(max(self.error.width(), self.width() - 40)))
-        self.adjustSize()
+        say_wrapped(self, self.error, re.sub(r"\S{48,}", lambda m: m.group().replace("/", "/\u200b"), message))
 
     def _set_busy(self, busy: bool) -> None:
         for w in (self.demo_button, self.pull_button, self.folder_button, self.gguf_button, self.name_edit):

@@ -39,6 +39,7 @@ from PySide6.QtWidgets import (
 from app.hub.convert import ConvertSettings, convert
 from app.hub.progress import HubEvent, Progress, Report, render
 from engine.errors import ColibriError
+from ui.widgets import say_wrapped
 
 RECENT_KEY = "models/recent"
 MAX_RECENT = 8
@@ -275,9 +276,9 @@ class ConvertDialog(QDialog):
                 raise ColibriError(self.tr("choose an output folder"))
             settings = self.settings()
         except ColibriError as exc:
-            self.error.setText(str(exc))
+            say_wrapped(self, self.error, str(exc))
             return
-        self.error.clear()
+        say_wrapped(self, self.error, "")
         self.job = ConvertJob(src, out, settings, self)
         dlg = QProgressDialog(self.tr("Converting {name}…").format(name=src.name), self.tr("Cancel"), 0, 0, self)
         dlg.setWindowTitle(self.tr("Converting"))
@@ -350,7 +351,7 @@ class ConvertDialog(QDialog):
         if not src.strip():
             return
         why = requantize_error(Path(src.strip()).expanduser())
-        self.error.setText(why or "")
+        say_wrapped(self, self.error, why or "")
         self.start_button.setEnabled(why is None)
         if why is None:
             self.output.setText(str(self.out_dir / output_name(src, self.bits.value())))

@@ -1,10 +1,20 @@
-"""Small widgets of the main window: a status label that elides, and the stand-in for a missing inspector."""
+"""Small widgets of the main window: a status label that elides, the stand-in for a missing inspector, and a
+dialog's wrapped message that makes room for itself."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QPainter, QPaintEvent
-from PySide6.QtWidgets import QLabel
+from PySide6.QtWidgets import QLabel, QWidget
+
+
+def say_wrapped(dialog: QWidget, label: QLabel, text: str) -> None:
+    """Show TEXT in LABEL (a word-wrapped line of DIALOG's layout), the dialog growing taller at its width to hold
+    every line: never drawn over its neighbours, and never narrowed as adjustSize would (to about 300 px)."""
+    label.setText(text)
+    label.setMinimumHeight(label.heightForWidth(max(label.width(), dialog.width() - 40)) if text else 0)
+    width = dialog.width()
+    dialog.resize(width, max(dialog.height(), dialog.heightForWidth(width), dialog.minimumSizeHint().height()))
 
 
 class ElidedLabel(QLabel):

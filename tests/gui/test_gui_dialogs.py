@@ -55,9 +55,15 @@ def test_convert_refuses_to_quantize_a_container_again_and_says_what_to_convert(
     window = make_window(container)                 # the loaded model is a container: not offered as a source
     dialog = window.models.show_convert()
     assert dialog.source.text() == ""
+    qtbot.waitExposed(dialog)
+    width = dialog.width()
     dialog.source.setText(str(container))
     assert not dialog.start_button.isEnabled()
     assert "quantized already" in dialog.error.text() and "Hugging Face folder or GGUF" in dialog.error.text()
+    # all of its three lines show, above the buttons (a fresh clone's dialog drew them in the room of one)
+    qtbot.waitUntil(lambda: dialog.error.height() >= dialog.error.heightForWidth(dialog.error.width()), timeout=3000)
+    assert dialog.error.geometry().bottom() < dialog.start_button.mapTo(dialog, dialog.start_button.rect().topLeft()).y()
+    assert dialog.width() == width
     dialog.start()                                  # even if asked: no job starts
     assert dialog.job is None
     dialog.source.setText(str(src))                 # its source converts, named from it
@@ -87,12 +93,14 @@ def test_an_offline_pulls_error_wraps_inside_the_dialog(qtbot, make_window, mode
     message = ("It did not work: the Hugging Face hub cannot be reached (offline?): https://huggingface.co/api/models/"
                "HuggingFaceTB/SmolLM2-135M-Instruct/revision/main/tree/with/a/long/path; connect to the internet, "
                "or open a model folder or GGUF file you already have")
+    width = dlg.width()
     dlg.show_error(message)
     qtbot.waitUntil(lambda: dlg.error.height() >= dlg.error.heightForWidth(dlg.error.width()), timeout=3000)
     error, close = dlg.error.geometry(), dlg.close_button.geometry()
     assert error.bottom() < close.top()             # below the choices, above the buttons: nothing drawn over
     assert error.right() <= dlg.width()             # wrapped, not cut at the dialog's edge
     assert dlg.error.text().replace("\u200b", "") == message
+    assert dlg.width() == width                      # it grows taller, not narrower (it fell from 520 to ~300 px)
     dlg.reject()
 
 
