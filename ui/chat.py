@@ -52,7 +52,6 @@ from ui.context_meter import ContextMeter
 from ui.conversation_list import export_dialog
 from ui.presets import Preset, PresetPicker, PresetStore, presets_path
 from ui.transcript import LIVE, REDRAW_HZ, THINKING, Transcript, stats_line
-from ui.widgets import ElidedLabel
 
 __all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "loop_key",
            "stats_line"]
@@ -132,8 +131,10 @@ class ChatPanel(QWidget):
         edit_row.addWidget(self.edit_cancel)
         self.edit_bar.hide()
         self.context_meter = ContextMeter()
-        self.status = ElidedLabel()             # beside the buttons: elided, the whole text in its tooltip
+        self.status = QLabel()
         self.status.setObjectName("chatStatus")
+        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status.setWordWrap(True)      # a line of its own under the buttons, wrapped: never cut to "D"
 
         self.system_toggle = QToolButton(text=self.tr("System prompt"), checkable=True)
         self.system_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
@@ -202,7 +203,7 @@ class ChatPanel(QWidget):
             settings.addLayout(line)
         buttons = QHBoxLayout()
         buttons.addWidget(self.system_toggle)
-        buttons.addWidget(self.status, 1)
+        buttons.addStretch(1)
         buttons.addWidget(self.regen_button)
         buttons.addWidget(self.stop_button)
         buttons.addWidget(self.send_button)
@@ -215,7 +216,8 @@ class ChatPanel(QWidget):
         layout.addWidget(self.edit_bar)
         layout.addWidget(self.input)
         layout.addLayout(buttons)
-        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        layout.addWidget(self.status)
+        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Minimum)
 
     # --- what the window calls ---
 

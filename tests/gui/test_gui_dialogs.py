@@ -115,6 +115,19 @@ def test_the_status_line_elides_its_model_name_instead_of_cutting_it(qtbot, make
     assert window.model_label.toolTip() == long     # and the whole text is one hover away
 
 
+def test_the_chat_status_has_a_line_of_its_own_at_1280x720(qtbot, make_window):
+    # beside System prompt, Regenerate, Stop and Send a fresh clone's chat showed "St" of "Stopped: TTFT ..."
+    window = make_window()
+    window.resize(1280, 720)
+    status, chat = window.chat.status, window.chat
+    text = "Stopped: TTFT 12.69 s · 12.0 tok/s · 318 tokens · stopped: it repeated itself · smollm2-135m-moe-e8-q4"
+    chat._set_status(text)
+    qtbot.waitUntil(lambda: status.height() >= status.heightForWidth(status.width()) > 0, timeout=3000)
+    assert status.width() >= chat.transcript.width() - 20          # the chat's whole width, wrapped within it
+    assert status.text() == text and status.wordWrap()
+    assert status.mapTo(chat, status.rect().bottomLeft()).y() <= chat.height()
+
+
 def test_the_about_box_names_version_licence_and_links(qtbot, make_window):
     from app import __version__
 
