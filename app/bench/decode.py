@@ -13,7 +13,6 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -238,6 +237,7 @@ def bench_model(
         raise ColibriError(f"--prompt {prompt} plus --gen {gen} is {prompt + gen} tokens but the model's context "
                            f"holds {limit}; ask for fewer tokens")
     ids = random_prompt(loaded, prompt, seed)
+    from app.library import disk_size
     from app.plan.budget import process_rss
 
     rss = 0
@@ -265,14 +265,6 @@ def bench_model(
         weight_bytes=model_weight_bytes(loaded.model), bytes_per_token=per_token,
         achieved_gb_s=achieved, ram_gb_s=ram_gb_s, roofline_fraction=achieved / ram_gb_s,
         roofline_decode_tok_s=ram_gb_s * 1e9 / per_token, kv_bits=kv_bits,
-        rss=rss, model_bytes=model_file_bytes(loaded.path),
+        rss=rss, model_bytes=disk_size(loaded.path),
     )
 
-
-def model_file_bytes(path: Path) -> int:
-    """Bytes on disk of a model: the file, or a folder's weight files (safetensors, GGUF, Colibri's .bin)."""
-    if path.is_file():
-        return path.stat().st_size
-    if not path.is_dir():
-        return 0
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.suffix in (".safetensors", ".gguf", ".bin"))
