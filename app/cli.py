@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     prepare_process()
     _replace_undecodable_input()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.command_line = argv        # `gui` resolves the settings again for each model the window opens later
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)

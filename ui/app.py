@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from PySide6.QtCore import QT_TRANSLATE_NOOP, QCoreApplication, QSettings, Qt
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
@@ -31,6 +32,7 @@ from PySide6.QtWidgets import (
 from app.conversations import ConversationStore
 from app.service.local import LoadFailed, LoadOptions, ModelInfo, ModelLoaded, SettingsApplied
 from app.service.remote import ConnectionChanged, RemoteService
+from engine.errors import ColibriError
 from ui.bridge import Bridge, ServiceFactory
 from ui.chat import ChatPanel
 from ui.controls import ControlsPanel
@@ -75,7 +77,8 @@ class MainWindow(QMainWindow):
     """Chat, conversations, controls and the inspector around one engine service."""
 
     def __init__(self, settings: QSettings | None = None, conversations: ConversationStore | None = None,
-                 load_options: LoadOptions = LoadOptions(), service: ServiceFactory | None = None):
+                 load_options: LoadOptions = LoadOptions(), service: ServiceFactory | None = None,
+                 options_for: Callable[[str], LoadOptions] | None = None):
         super().__init__()
         self.setObjectName("mainWindow")
         self.setWindowTitle(APP_NAME)
@@ -83,6 +86,8 @@ class MainWindow(QMainWindow):
         self.settings = settings if settings is not None else QSettings()
         self.store = conversations if conversations is not None else ConversationStore()
         self.load_options = load_options
+        self.options_for = options_for      # a model's own options (its colibri.toml), else load_options for all
+        self._loading_options = load_options    # those of the load in progress, or of the model loaded
         self.info: ModelInfo | None = None
         self.error_dialog: QMessageBox | None = None    # the last error shown (tests look at it)
         self.first_run: FirstRunDialog | None = None     # the "no model yet" choices, while shown
@@ -366,9 +371,18 @@ class MainWindow(QMainWindow):
     # --- models ---
 
     def open_model(self, path: str, options: LoadOptions | None = None) -> int:
-        """Load a model (folder, .gguf, container or pulled name) through the service (remote: connect)."""
+        """Load a model (folder, .gguf, container or pulled name) through the service (remote: connect), with
+        `options`, else those `colibri gui PATH` would use (PATH's colibri.toml under the command line's flags);
+        a settings file that cannot be read is shown and the model in use stays (-1)."""
+        if options is None and self.options_for is not None and self.remote is None:
+            try:
+                options = self.options_for(path)
+            except ColibriError as exc:
+                self.show_error(self.tr("The model could not be loaded"), str(exc))
+                return -1
         self.chat.stop()
         options = options or self.load_options
+        self._loading_options = options
         threads = compute_threads(self.settings)
         if threads is not None and options.threads is None and self.remote is None:   # the settings dialog's
             options = replace(options, threads=threads)
@@ -486,8 +500,9 @@ class MainWindow(QMainWindow):
             self.show_error(self.tr("The model could not be loaded"), event.message)
 
     def _given_settings(self) -> frozenset[str]:
-        """The live settings the window's load options set (from the command line): remembered ones yield to them."""
-        o, default = self.load_options, LoadOptions()
+        """The live settings this load's options set (the command line, settings files, the model's colibri.toml):
+        remembered ones yield to them."""
+        o, default = self._loading_options, LoadOptions()
         given = {"memory_budget": o.max_memory is not None, "context_length": o.context_length is not None,
                  "prefetch_depth": o.prefetch_depth != default.prefetch_depth,
                  "io_threads": o.io_threads != default.io_threads}

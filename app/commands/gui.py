@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Callable
 
 from app.commands._common import add_model_argument, add_speculative_argument
 from app.commands._memory import add_memory_arguments, load_options
 from app.config.runtime import display_problem
 from engine.errors import ColibriError
+
+if TYPE_CHECKING:
+    from app.service.local import LoadOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,7 +76,23 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the GUI's packages are runtime dependencies, but a broken install says so
         raise ColibriError(f"the desktop app cannot start ({exc}); reinstall Colibri: pip install -e .") from None
     check = SelfTest(args.self_test, args.self_test_tokens) if args.self_test is not None else None
-    return run(args.model, options, self_test=check, remote=args.remote, api_key=args.api_key, language=args.lang)
+    return run(args.model, options, self_test=check, remote=args.remote, api_key=args.api_key, language=args.lang,
+               options_for=_options_for(getattr(args, "command_line", None)))
+
+
+def _options_for(argv: list[str] | None) -> Callable[[str], LoadOptions] | None:
+    """How the window loads a model it opens after it started: as `colibri gui MODEL` would, with MODEL's
+    colibri.toml under the same flags (None without the command line: the start's options serve every model)."""
+    if argv is None:
+        return None
+
+    def options_for(model: str) -> LoadOptions:
+        from app.cli import build_parser
+        from app.config import settings
+
+        return load_options(settings.for_model(build_parser(), argv, "gui", model))
+
+    return options_for
 
 
 def main() -> int:

@@ -429,6 +429,19 @@ def resolve(command: str, parsers: Mapping[str, argparse.ArgumentParser], args: 
     return Resolved(command, MappingProxyType(merged), profile, tuple(path for path, _ in files), tuple(notices))
 
 
+def for_model(parser: argparse.ArgumentParser, argv: list[str], command: str, model: str) -> argparse.Namespace:
+    """The arguments of `colibri ARGV` with the settings of `command` merged as if MODEL had been given: how the
+    app opens a model after it started (MODEL's colibri.toml in its place, under the same flags, variables and
+    files). Quiet: no notices printed, the threads left as they are."""
+    args = parser.parse_args(argv)
+    args.model = model
+    parsers = command_parsers(parser)
+    resolved = resolve(command, parsers, args, explicit_dests(parser, argv, parsers[command]))
+    for setting in resolved.settings.values():
+        setattr(args, setting.key, setting.value)
+    return args
+
+
 def tuned_layer(path: Path, model: Path, parser: argparse.ArgumentParser, layers: list[Layer]) -> tuple[Layer, str]:
     """The [tuned] values of the model's colibri.toml for this command, and a notice; no values when the file
     has none or when its fingerprint differs from this machine's, model's and budget's (the notice says so)."""

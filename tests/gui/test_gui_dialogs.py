@@ -189,3 +189,26 @@ def test_settings_given_for_a_load_win_over_remembered_ones(qtbot, make_window, 
         window.open_model(str(models[1]))
     settings = applied.args[0].info.settings
     assert (settings.prefetch_depth, settings.io_threads) == (3, 1)
+
+
+def test_a_model_opened_from_the_app_reads_its_colibri_toml(qtbot, make_window, models, tmp_path, monkeypatch):
+    # `colibri gui` then File > Open: the model gets what `colibri gui MODEL` would give it (its colibri.toml under
+    # the command line's flags), not the options of the model the app started with
+    import shutil
+
+    from app.commands.gui import _options_for
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))       # no user file of this machine
+    folder = Path(shutil.copytree(models[1], tmp_path / "with-settings"))   # a container: its experts stream
+    (folder / "colibri.toml").write_text("prefetch_depth = 2\nio_threads = 3\n", encoding="utf-8")
+    window = make_window()
+    window.options_for = _options_for(["gui", "--io-threads", "1"])
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS) as loaded:
+        window.open_model(str(folder))
+    settings = loaded.args[0].info.settings
+    assert (settings.prefetch_depth, settings.io_threads) == (2, 1)         # the file's, under the flag
+
+    (folder / "colibri.toml").write_text("prefetch_depth = = 2\n", encoding="utf-8")
+    assert window.open_model(str(folder)) == -1                             # refused before unloading anything
+    assert window.info is not None and window.info.path == folder and window.chat.isEnabled()
+    assert "not valid TOML" in window.error_dialog.text() + window.error_dialog.informativeText()

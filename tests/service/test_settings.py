@@ -289,3 +289,14 @@ def test_a_bad_size_in_a_file_names_the_file_key_and_the_form(tmp_path, capsys):
     assert main(["run", "whatever", "--prompt", "hi", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert f"{config}: max_memory = 'lots': expected a size such as 9GB" in err
+
+
+def test_a_model_opened_later_gets_its_own_file_under_the_same_flags(tmp_path: Path) -> None:
+    # the app's File > Open: the settings `colibri gui OTHER` would give, whichever model the app started with
+    first = write(tmp_path / "first" / "colibri.toml", 'max_memory = "540MB"\nkv_bits = 8\n').parent
+    other = write(tmp_path / "other" / "colibri.toml", 'max_memory = "700MB"\n').parent
+    parser = cli.build_parser()
+    args = settings.for_model(parser, ["gui", str(first)], "gui", str(other))
+    assert (args.model, args.max_memory, args.kv_bits) == (str(other), "700MB", 32)   # nothing of the first's file
+    args = settings.for_model(parser, ["gui", "--max-memory", "1GB"], "gui", str(first))
+    assert (args.max_memory, args.kv_bits) == ("1GB", 8)                               # the flag still wins
