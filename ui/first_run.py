@@ -88,7 +88,7 @@ def seed_from_bundle(bundle: Path | None, models_dir: Path, log: Log = _quiet) -
 
 class PullJob(BackgroundJob):
     """app.hub.pull.pull(NAME) on a worker thread, after seeding the models folder from the bundle, then the
-    warm-up of the pulled model (its kernels compiled into Numba's cache)."""
+    warm-up of the pulled model (its kernels compiled into Numba's cache) in a child process."""
 
     thread_name = "colibri-pull"
     cancelled_message = QT_TRANSLATE_NOOP("BackgroundJob", "cancelled; asking again starts over where it can")
@@ -100,14 +100,14 @@ class PullJob(BackgroundJob):
 
     def _work(self, report: Report) -> Path:
         from app.config.paths import models_dir
-        from app.service.warm import warm_up
+        from app.service.warm import warm_up_apart
 
         root = self.models_dir or models_dir()
         if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
             seed_from_bundle(self.bundle, root, noting(report))
         path = pulls.pull(self.name, root, progress=report, warm_ahead=True)
         try:
-            warm_up(path, report)
+            warm_up_apart(path, report)      # the compiler's memory leaves with the child
         except ColibriError as exc:     # the model may still open with other settings: say so and go on
             noting(report)(QCoreApplication.translate(
                 "PullJob", "the warm-up failed ({why}); the first answer will compile its kernels").format(why=exc))

@@ -20,6 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="a model folder, container, GGUF file or pulled name (default: the demo model, "
                         "smollm2-moe)")
+    # the app's first run: each event as a JSON line on stdout, read back by app.service.warm.warm_up_apart
+    parser.add_argument("--events", action="store_true", help=argparse.SUPPRESS)
     parser.set_defaults(func=_run)
 
 
@@ -31,11 +33,14 @@ def _run(args: argparse.Namespace) -> int:
 
     from app.hub.progress import HubEvent, Progress, to_stderr
     from app.hub.pull import ALIASES, DEFAULT_MODEL, DERIVED, pull
-    from app.service.warm import warm_up
+    from app.service.warm import event_line, warm_up
 
     last: list = [None, 0.0]        # the step last printed, and when
 
     def report(event: HubEvent) -> None:
+        if args.events:
+            print(event_line(event), flush=True)
+            return
         now = time.monotonic()
         if isinstance(event, Progress) and event.done == last[0] and now - last[1] < EVERY:
             return

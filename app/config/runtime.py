@@ -28,3 +28,11 @@ def display_problem(env: dict[str, str] | None = None, platform: str | None = No
         return None
     return ("no display: neither DISPLAY nor WAYLAND_DISPLAY is set, so no window can open; chat in the terminal "
             "with `colibri chat`, or run the app under a virtual display: `xvfb-run colibri gui`")
+
+
+def colibri_command(*args: str) -> list[str]:
+    """The argv that runs `colibri ARGS` as a child process of this one: the packaged app's own program with --cli
+    when frozen (PyInstaller), else this interpreter on app.cli."""
+    if getattr(sys, "frozen", False):
+        return [sys.executable, "--cli", *args]
+    return [sys.executable, "-m", "app.cli", *args]

@@ -5,7 +5,8 @@ machine code in its cache (NUMBA_CACHE_DIR, else __pycache__ beside the modules)
 first answer waited for those compiles (153 s to SmolLM2's first token here, against 4 s warm). `warm_up`
 loads the model as the app does (EngineService, so the scheduler's batched forward and the fused step when
 the model takes it) and answers two short chat questions, greedy and sampled at the chat window's defaults,
-so every kernel of a prompt chunk, a decode step and the sampler is compiled into the cache.
+so every kernel of a prompt chunk, a decode step and the sampler is compiled into the cache. The app runs it in a
+child process (`warm_up_apart`), so that the compiler's memory is not kept in the app's.
 
 It runs the model itself rather than a tiny random one: the kernels' signatures follow the real tensors
 (GGUF block types or the container's widths and layouts, read-only memory maps), which a model made of fresh
@@ -18,12 +19,16 @@ a 104 s warm-up. A warm-up on a warm cache takes 3.6 s (the demo model) to 6.4 s
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
-from app.hub.progress import Note, Progress, Report
+from app.hub.progress import HubEvent, Note, Progress, Report
 from app.service.messages import Generation, LoadOptions
 from engine.errors import ColibriError
 from engine.events import DoneEvent, ErrorEvent
@@ -96,3 +101,49 @@ def warm_up(model: str | Path, report: Report = _quiet, options: LoadOptions = Q
     seconds = time.perf_counter() - t0
     report(Note(f"warm-up: kernels ready in {seconds:.1f} s"))
     return seconds
+
+
+def event_line(event: HubEvent) -> str:
+    """EVENT as the JSON line `colibri warm --events` prints (read back by `read_event`)."""
+    return json.dumps({"kind": type(event).__name__, **asdict(event)})
+
+
+def read_event(line: str) -> HubEvent | None:
+    """The event of a line of `colibri warm --events`; None for any other line (a library printing on stdout)."""
+    try:
+        data = json.loads(line)
+        kind = data.pop("kind")
+        return Note(**data) if kind == "Note" else Progress(**data) if kind == "Progress" else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def warm_up_apart(model: str | Path, report: Report = _quiet, command: list[str] | None = None) -> float:
+    """`warm_up` in a child process (`colibri warm --events MODEL`, or `command`), its events handed to `report`
+    (which may raise to stop it: the child is killed). Numba's compiler keeps the memory of a compile (hundreds of
+    MB for a model's kernels): in a child it goes back to the system when the child exits, instead of staying in
+    the app's resident memory, under the model's budget, for as long as the app runs. Returns the seconds taken;
+    ColibriError with the child's last lines when it fails."""
+    from app.config.runtime import colibri_command
+
+    t0 = time.perf_counter()
+    argv = command if command is not None else colibri_command("warm", "--events", str(model))
+    tail: deque[str] = deque(maxlen=5)
+    with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, errors="replace") as child:
+        drain = threading.Thread(target=lambda: tail.extend(line.rstrip() for line in child.stderr), daemon=True)
+        drain.start()       # stderr read meanwhile: a child that logs much must never block on a full pipe
+        try:
+            for line in child.stdout:
+                event = read_event(line)
+                if event is not None:
+                    report(event)
+        except BaseException:
+            child.kill()
+            raise
+        code = child.wait()
+        drain.join(5.0)
+    if code != 0:
+        said = "; ".join(line for line in tail if line) or f"exit status {code}"
+        raise ColibriError(f"the warm-up stopped: {said}")
+    return time.perf_counter() - t0

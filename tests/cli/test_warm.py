@@ -123,3 +123,53 @@ def test_warm_names_a_missing_model(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "nowhere" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_events_go_through_a_line_and_come_back_equal():
+    from app.hub.progress import Note, Progress
+    from app.service.warm import event_line, read_event
+
+    for event in (Note("warm-up: kernels ready in 3.2 s"), Progress("warm", 1, 3, "a greedy answer", model="m")):
+        assert read_event(event_line(event)) == event
+    assert read_event("numba says hello") is None and read_event('{"kind": "Other"}') is None
+
+
+# a child that says two events between other output, then fails or succeeds as argv[1] says
+FAKE_WARM = r"""
+import sys
+from app.hub.progress import Note, Progress
+from app.service.warm import event_line
+print("a library's own line")
+print(event_line(Progress("warm", 1, 3, "a greedy answer")), flush=True)
+print(event_line(Note("warm-up: kernels ready in 0.1 s")), flush=True)
+print("half of the story\nthe reason it failed", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_warm_up_apart_passes_the_childs_events_on_and_its_failure_with_its_last_lines():
+    from app.hub.progress import Note, Progress
+    from app.service.warm import warm_up_apart
+    from engine.errors import ColibriError
+
+    events = []
+    warm_up_apart("unused", events.append, [sys.executable, "-c", FAKE_WARM, "0"])
+    assert events == [Progress("warm", 1, 3, "a greedy answer"), Note("warm-up: kernels ready in 0.1 s")]
+    with pytest.raises(ColibriError, match="half of the story; the reason it failed"):
+        warm_up_apart("unused", events.append, [sys.executable, "-c", FAKE_WARM, "3"])
+
+
+def test_stopping_a_warm_up_apart_kills_the_child(tmp_path):
+    from app.service.warm import warm_up_apart
+
+    endless = "import time\nfrom app.hub.progress import Note\nfrom app.service.warm import event_line\n" \
+              "while True:\n    print(event_line(Note('compiling')), flush=True)\n    time.sleep(0.05)\n"
+
+    class Stop(Exception):
+        pass
+
+    def cancel(event):
+        raise Stop                      # as the first-run dialog's Cancel does at the next event
+
+    with pytest.raises(Stop):
+        warm_up_apart("unused", cancel, [sys.executable, "-c", endless])
