@@ -64,6 +64,11 @@ def prepared_at_start(name: str) -> bool:
     return name in pulls.DERIVED or name in pulls.ALIASES
 
 
+def is_demo(path: Path) -> bool:
+    """Whether PATH is the demo model as the first run prepares it (its folder in any models folder)."""
+    return path.name == pulls.DERIVED[pulls.DEFAULT_MODEL].folder
+
+
 def _quiet(message: str) -> None:
     pass
 
@@ -125,7 +130,7 @@ class FirstRunDialog(QDialog):
     openGgufRequested = Signal()
 
     def __init__(self, models_dir: Path | None = None, bundle: Path | None = None, parent: QWidget | None = None,
-                 current: str | None = None):
+                 current: str | None = None, demo_loaded: bool = False):
         super().__init__(parent)
         self.setObjectName("firstRun")
         self.setWindowTitle(self.tr("Welcome to Colibri") if current is None else self.tr("Get a model"))
@@ -139,7 +144,11 @@ class FirstRunDialog(QDialog):
         intro.setWordWrap(True)
         self.demo_button = QPushButton(self.tr("Prepare the demo model"))
         self.demo_button.setDefault(True)
-        if bundle is not None:
+        if demo_loaded:     # offering to prepare what is in use would only open it again
+            self.demo_button.setEnabled(False)
+            self.demo_button.setDefault(False)
+            demo_note = QLabel(self.tr("The demo model is the one loaded now."))
+        elif bundle is not None:
             demo_note = QLabel(self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, "
                                        "whose experts stream from disk; once, in about three minutes (shipped with the "
                                        "app: no download)."))

@@ -83,6 +83,20 @@ def test_get_a_model_with_a_model_loaded_does_not_say_no_model_yet(qtbot, make_w
     intro = dlg.findChild(type(dlg.error), "firstRunIntro")
     assert "No model yet" not in intro.text() and window.info.name in intro.text()
     assert dlg.windowTitle() == "Get a model"
+    assert dlg.demo_button.isEnabled()                   # another model is loaded: the demo is still on offer
+    dlg.reject()
+
+
+def test_get_a_model_with_the_demo_loaded_does_not_offer_to_prepare_it(qtbot, make_window, models, tmp_path):
+    import shutil
+
+    from app.hub.pull import DEFAULT_MODEL, DERIVED
+
+    demo = shutil.copytree(models[1], tmp_path / DERIVED[DEFAULT_MODEL].folder)   # where the first run puts it
+    window = make_window(demo)
+    dlg = window.show_first_run()
+    assert not dlg.demo_button.isEnabled()
+    assert any("demo model is the one loaded" in label.text() for label in dlg.findChildren(type(dlg.error)))
     dlg.reject()
 
 

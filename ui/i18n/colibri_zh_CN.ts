@@ -4,7 +4,7 @@
 <context>
     <name>About</name>
     <message>
-        <location filename="../app.py" line="+64"/>
+        <location filename="../app.py" line="+62"/>
         <source>The demo model: SmolLM2-135M-Instruct, Apache-2.0</source>
         <translation>演示模型：SmolLM2-135M-Instruct，Apache-2.0</translation>
     </message>
@@ -35,7 +35,7 @@
 <context>
     <name>AtlasView</name>
     <message>
-        <location filename="../inspector/atlas.py" line="+40"/>
+        <location filename="../inspector/atlas.py" line="+41"/>
         <source>This model has no atlas yet. Computing it routes a set of probe prompts on a dozen topics (Python, SQL, mathematics, law, French, ...) through the model and records which experts each topic uses.</source>
         <translation>此模型还没有图谱。计算图谱会让一组涵盖十余个话题（Python、SQL、数学、法律、法语……）的探针提示词流经模型，并记录每个话题用到哪些专家。</translation>
     </message>
@@ -85,7 +85,7 @@
         <translation>三维图谱需要 OpenGL：{why}。“大脑”标签页显示的是同样的专家，将鼠标悬停在其中的格子上即可看到它的图谱话题。</translation>
     </message>
     <message>
-        <location line="+97"/>
+        <location line="+98"/>
         <source>selected: {expert}</source>
         <translation>已选中：{expert}</translation>
     </message>
@@ -93,12 +93,12 @@
 <context>
     <name>BackgroundJob</name>
     <message>
-        <location filename="../first_run.py" line="+92"/>
+        <location filename="../first_run.py" line="+99"/>
         <source>cancelled; asking again starts over where it can</source>
         <translation>已取消；再次请求时会尽量从中断处继续</translation>
     </message>
     <message>
-        <location filename="../models.py" line="+125"/>
+        <location filename="../models.py" line="+126"/>
         <source>cancelled</source>
         <translation>已取消</translation>
     </message>
@@ -156,7 +156,7 @@
         <translation>显示：</translation>
     </message>
     <message>
-        <location line="+79"/>
+        <location line="+84"/>
         <source>brighter = routed more lately</source>
         <translation>越亮 = 最近被路由越多</translation>
     </message>
@@ -260,7 +260,7 @@
         <translation>{a} 个专家在 A 中被选得更多，{b} 个在 B 中更多，{same} 个一样多</translation>
     </message>
     <message>
-        <location line="+40"/>
+        <location line="+42"/>
         <source>tiers not reported</source>
         <translation>未报告存储层级</translation>
     </message>
@@ -464,7 +464,7 @@
         <translation>取消编辑</translation>
     </message>
     <message>
-        <location line="+13"/>
+        <location line="+14"/>
         <source>System prompt</source>
         <translation>系统提示词</translation>
     </message>
@@ -564,7 +564,7 @@
         <translation>最大词元数</translation>
     </message>
     <message>
-        <location line="+39"/>
+        <location line="+40"/>
         <source>Open a model to chat (File ▸ Open)</source>
         <translation>打开一个模型即可聊天（文件 ▸ 打开）</translation>
     </message>
@@ -1055,7 +1055,7 @@ double-click to rename</source>
 <context>
     <name>FirstRunDialog</name>
     <message>
-        <location filename="../first_run.py" line="+34"/>
+        <location filename="../first_run.py" line="+37"/>
         <source>Welcome to Colibri</source>
         <translation>欢迎使用 Colibri</translation>
     </message>
@@ -1080,7 +1080,12 @@ double-click to rename</source>
         <translation>准备演示模型</translation>
     </message>
     <message>
-        <location line="+3"/>
+        <location line="+5"/>
+        <source>The demo model is the one loaded now.</source>
+        <translation>当前加载的就是演示模型。</translation>
+    </message>
+    <message>
+        <location line="+2"/>
         <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk; once, in about three minutes (shipped with the app: no download).</source>
         <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取；只需准备一次，约三分钟（随应用附带：无需下载）。</translation>
     </message>
@@ -1125,7 +1130,7 @@ double-click to rename</source>
         <translation>或按名称拉取：</translation>
     </message>
     <message>
-        <location line="+13"/>
+        <location line="+23"/>
         <source>type a model name first</source>
         <translation>请先输入模型名称</translation>
     </message>
@@ -1140,7 +1145,7 @@ double-click to rename</source>
         <translation>取消</translation>
     </message>
     <message>
-        <location line="+2"/>
+        <location line="+8"/>
         <source>Preparing the model</source>
         <translation>正在准备模型</translation>
     </message>
@@ -1191,7 +1196,7 @@ double-click to rename</source>
 <context>
     <name>InspectorPlaceholder</name>
     <message>
-        <location filename="../widgets.py" line="+43"/>
+        <location filename="../widgets.py" line="+53"/>
         <source>The inspector is not available ({why}).</source>
         <translation>检查器不可用（{why}）。</translation>
     </message>
@@ -1325,7 +1330,7 @@ double-click to rename</source>
 <context>
     <name>MainWindow</name>
     <message>
-        <location filename="../app.py" line="+51"/>
+        <location filename="../app.py" line="+54"/>
         <source>Conversations</source>
         <translation>对话</translation>
     </message>
@@ -1421,23 +1426,23 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+3"/>
-        <location line="+443"/>
+        <location line="+454"/>
         <source>About Colibri</source>
         <translation>关于 Colibri</translation>
     </message>
     <message>
-        <location line="-387"/>
+        <location line="-398"/>
         <source>{label} · compute threads change when a model is next opened</source>
         <translation>{label} · 计算线程将在下次打开模型时更改</translation>
     </message>
     <message>
         <location line="+36"/>
-        <location line="+144"/>
+        <location line="+154"/>
         <source>No model</source>
         <translation>无模型</translation>
     </message>
     <message>
-        <location line="-138"/>
+        <location line="-148"/>
         <source>Cancel</source>
         <translation>取消</translation>
     </message>
@@ -1448,12 +1453,12 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+9"/>
-        <location line="+44"/>
+        <location line="+53"/>
         <source>Connecting to {url}…</source>
         <translation>正在连接 {url}…</translation>
     </message>
     <message>
-        <location line="-34"/>
+        <location line="-43"/>
         <source>the atlas of a served model is computed where it runs: `colibri atlas MODEL` on the machine of {url}, then reconnect</source>
         <translation>服务端模型的图谱在其运行的机器上计算：在 {url} 所在的机器上运行 `colibri atlas MODEL`，然后重新连接</translation>
     </message>
@@ -1463,12 +1468,12 @@ double-click to rename</source>
         <translation>● 已连接：{url}</translation>
     </message>
     <message>
-        <location line="+27"/>
+        <location line="+36"/>
         <source>Loading {name}…</source>
         <translation>正在加载 {name}…</translation>
     </message>
     <message>
-        <location line="+39"/>
+        <location line="+40"/>
         <source>Open a Mixture-of-Experts model before computing its atlas.</source>
         <translation>请先打开一个混合专家（MoE）模型，再计算它的图谱。</translation>
     </message>
@@ -1513,12 +1518,13 @@ double-click to rename</source>
         <translation>无模型（上一个模型加载失败）</translation>
     </message>
     <message>
-        <location line="+1"/>
+        <location line="-119"/>
+        <location line="+120"/>
         <source>The model could not be loaded</source>
         <translation>无法加载模型</translation>
     </message>
     <message>
-        <location line="+37"/>
+        <location line="+38"/>
         <source>The atlas cannot be shown</source>
         <translation>无法显示图谱</translation>
     </message>
@@ -1850,7 +1856,7 @@ double-click to rename</source>
 <context>
     <name>PullJob</name>
     <message>
-        <location filename="../first_run.py" line="-174"/>
+        <location filename="../first_run.py" line="-197"/>
         <source>copying {name} ({size:.0f} MB) from the app into {folder}</source>
         <translation>正在从应用中复制 {name}（{size:.0f} MB）到 {folder}</translation>
     </message>
@@ -2227,7 +2233,12 @@ double-click to rename</source>
         <translation>每个解码词元平均 {time}（{speed} tok/s）；显示 {n} 条记录，三角形标记提示词分块</translation>
     </message>
     <message>
-        <location line="+25"/>
+        <location line="+27"/>
+        <source>; 1 bar cut at the top (arrow), {time}</source>
+        <translation>；1 根柱子顶部被截断（箭头），{time}</translation>
+    </message>
+    <message>
+        <location line="+1"/>
         <source>; {n} bars cut at the top (arrows), the highest {time}</source>
         <translation>；{n} 根柱子顶部被截断（箭头），最高 {time}</translation>
     </message>
@@ -2235,7 +2246,7 @@ double-click to rename</source>
 <context>
     <name>Transcript</name>
     <message>
-        <location filename="../codeblocks.py" line="+197"/>
+        <location filename="../codeblocks.py" line="+201"/>
         <source>code</source>
         <translation>代码</translation>
     </message>
@@ -2328,7 +2339,7 @@ double-click to rename</source>
 <context>
     <name>_Legend</name>
     <message>
-        <location filename="../inspector/atlas.py" line="-301"/>
+        <location filename="../inspector/atlas.py" line="-302"/>
         <source>size: specialisation (bigger = fewer topics)
 bright: routed by the current token
 ring: selected expert
