@@ -150,12 +150,12 @@ class FirstRunDialog(QDialog):
             demo_note = QLabel(self.tr("The demo model is the one loaded now."))
         elif bundle is not None:
             demo_note = QLabel(self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, "
-                                       "whose experts stream from disk; once, in about three minutes (shipped with the "
-                                       "app: no download)."))
+                                       "whose experts stream from disk; once: 5 to 15 minutes on a small "
+                                       "two-core machine (shipped with the app: no download)."))
         else:
             demo_note = QLabel(self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, "
-                                       "whose experts stream from disk; once, in about three minutes (downloads about "
-                                       "100 MB)."))
+                                       "whose experts stream from disk; once: 5 to 15 minutes on a small "
+                                       "two-core machine (downloads about 100 MB)."))
         self.folder_button = QPushButton(self.tr("Open a model folder…"))
         self.gguf_button = QPushButton(self.tr("Open a GGUF file…"))
         self.name_edit = QLineEdit()

@@ -1086,13 +1086,13 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+2"/>
-        <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk; once, in about three minutes (shipped with the app: no download).</source>
-        <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取；只需准备一次，约三分钟（随应用附带：无需下载）。</translation>
+        <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk; once: 5 to 15 minutes on a small two-core machine (shipped with the app: no download).</source>
+        <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取；只需准备一次：在双核小型机器上约 5 到 15 分钟（随应用附带：无需下载）。</translation>
     </message>
     <message>
         <location line="+4"/>
-        <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk; once, in about three minutes (downloads about 100 MB).</source>
-        <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取；只需准备一次，约三分钟（需下载约 100 MB）。</translation>
+        <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk; once: 5 to 15 minutes on a small two-core machine (downloads about 100 MB).</source>
+        <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取；只需准备一次：在双核小型机器上约 5 到 15 分钟（需下载约 100 MB）。</translation>
     </message>
     <message>
         <location line="+3"/>
