@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from app.atlas.probes import ProbeTopic, load_probes
-from app.atlas.stats import PROJECTION, expert_stats, text_report
+from app.atlas.stats import PROJECTION, expert_stats, explained_variance, text_report
 from engine.blocks.ffn import Routing
 from engine.errors import ColibriError
 from engine.kv import KVCache
@@ -136,7 +136,9 @@ def build_atlas(model_path: Path, topics: list[ProbeTopic], counts: dict[int, np
     """The sidecar's content from routing counts."""
     names = [t.topic for t in topics]
     by_layer: dict[int, list[dict[str, Any]]] = {}
-    for s in expert_stats(counts, tokens):
+    stats = expert_stats(counts, tokens)
+    shares = explained_variance(np.array([s.distribution for s in stats]).reshape(len(stats), len(topics)))
+    for s in stats:
         by_layer.setdefault(s.layer, []).append({
             "expert": s.expert, "selections": s.selections, "topic_counts": list(s.topic_counts),
             "topic_distribution": [round(p, 6) for p in s.distribution],
@@ -155,7 +157,9 @@ def build_atlas(model_path: Path, topics: list[ProbeTopic], counts: dict[int, np
             "specialisation": "1 - entropy(topic_distribution) / log(topics)",
             "reproduces": "the top topic of the even-numbered prompts equals that of the odd-numbered ones",
             "position": PROJECTION,
+            "explained_variance": "each position axis's share of the squared distances' spread (PCA variance)",
         },
+        "explained_variance": [round(float(v), 6) for v in shares],
         "layers": [{"layer": layer, "experts": experts} for layer, experts in sorted(by_layer.items())],
     }
 

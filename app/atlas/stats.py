@@ -10,7 +10,8 @@ topic's prompts, the prompts split in halves (even and odd). From it, for every 
 - top topic, and whether it reproduces: the top topic of the even half equals that of the odd;
 - a 3D position: classical MDS of the Hellinger distance between distributions, which is PCA of
   the distributions' square roots (unit vectors), over every expert of every layer at once.
-  Experts never chosen sit at the uniform distribution's place.
+  Experts never chosen sit at the uniform distribution's place. Each axis's share of the spread (its
+  explained variance) says how much of the picture it carries.
 """
 
 from __future__ import annotations
@@ -53,14 +54,18 @@ def specialisation(p: np.ndarray) -> np.ndarray:
     return np.where(p.sum(axis=-1) > 0, 1.0 - entropy, 0.0)
 
 
+def _centred_roots(p: np.ndarray) -> np.ndarray:
+    """The square roots of distributions p [N, T], centred [N, T]; an all-zero row counts as uniform."""
+    t = p.shape[1]
+    unused = p.sum(axis=1) == 0
+    roots = np.sqrt(np.where(unused[:, None], 1.0 / t, p))                 # [N, T] unit vectors
+    return roots - roots.mean(axis=0)
+
+
 def positions_3d(p: np.ndarray) -> np.ndarray:
     """3D points [N, 3] for distributions p [N, T]: classical MDS on Hellinger distance (PCA of sqrt p)."""
-    n, t = p.shape
-    unused = p.sum(axis=1) == 0
-    p = np.where(unused[:, None], 1.0 / t, p)
-    roots = np.sqrt(p)                                                     # [N, T] unit vectors
-    centred = roots - roots.mean(axis=0)
-    u, s, vt = np.linalg.svd(centred, full_matrices=False)
+    n = p.shape[0]
+    u, s, vt = np.linalg.svd(_centred_roots(p), full_matrices=False)
     k = min(3, len(s))
     coords = u[:, :k] * s[:k]                                              # [N, k]
     for j in range(k):  # a fixed sign per axis: the topic weighing most on it points to +
@@ -68,6 +73,20 @@ def positions_3d(p: np.ndarray) -> np.ndarray:
             coords[:, j] = -coords[:, j]
     out = np.zeros((n, 3))
     out[:, :k] = coords
+    return out
+
+
+def explained_variance(p: np.ndarray) -> np.ndarray:
+    """The share (0..1) [3] of the squared Hellinger spread of distributions p [N, T] along each axis of
+    `positions_3d` (0 past the axes the data has; all 0 when every point is at the same place)."""
+    out = np.zeros(3)
+    if not p.size:
+        return out
+    s = np.linalg.svd(_centred_roots(p), compute_uv=False)                # [min(N, T)]
+    total = float((s**2).sum())
+    k = min(3, len(s))
+    if total > 0:
+        out[:k] = s[:k] ** 2 / total
     return out
 
 

@@ -20,7 +20,7 @@ from app.atlas.build import (
     run_atlas,
 )
 from app.atlas.probes import load_probes
-from app.atlas.stats import expert_stats, positions_3d, specialisation, topic_distribution
+from app.atlas.stats import expert_stats, explained_variance, positions_3d, specialisation, topic_distribution
 from engine.errors import ColibriError
 from support.moefy import add_char_tokenizer, tiny_probes
 from support.reference import build_checkpoint
@@ -78,6 +78,19 @@ def test_positions_keep_hellinger_distances():
     np.testing.assert_array_equal(positions_3d(q), pos)  # deterministic, signs included
 
 
+def test_explained_variance_is_each_axis_share_of_the_spread():
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(6) * 0.3, size=40)
+    p[5] = 0                                                    # never chosen: at the uniform place, as positioned
+    shares, pos = explained_variance(p), positions_3d(p)
+    roots = np.sqrt(np.where(p.sum(axis=1, keepdims=True) > 0, p, 1 / 6))
+    total = ((roots - roots.mean(axis=0)) ** 2).sum()
+    np.testing.assert_allclose(shares, (pos**2).sum(axis=0) / total, atol=1e-12)
+    assert 1 > shares[0] >= shares[1] >= shares[2] > 0 and shares.sum() < 1   # six topics: more than 3 axes
+    np.testing.assert_allclose(explained_variance(np.array([[0.5, 0.5], [0.9, 0.1]])), [1, 0, 0], atol=1e-12)
+    assert (explained_variance(np.full((3, 4), 0.25)) == 0).all() and (explained_variance(np.zeros((0, 4))) == 0).all()
+
+
 @pytest.mark.slow
 def test_model_hash(tmp_path):
     folder = build_checkpoint(tmp_path / "m", "mixtral", num_local_experts=4, num_experts_per_tok=2)
@@ -126,6 +139,8 @@ def test_atlas_of_a_tiny_moe_is_bound_to_its_model(tmp_path, moe, probes):
         assert [x["expert"] for x in experts] == [0, 1, 2, 3]
         assert sum(x["selections"] for x in experts) == 2 * tokens
         assert all(len(x["position"]) == 3 and len(x["topic_distribution"]) == 3 for x in experts)
+    shares = atlas["explained_variance"]                    # three topics: three axes carry all of the spread
+    assert len(shares) == 3 and sum(shares) == pytest.approx(1, abs=1e-5) and shares == sorted(shares, reverse=True)
     assert "most specialised experts per topic" in report_text(atlas)
     # another model: its atlas is refused, and run_atlas will not overwrite this one with it
     other = add_char_tokenizer(build_checkpoint(tmp_path / "other", "mixtral", seed=1, num_local_experts=4,
