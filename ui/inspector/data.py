@@ -68,6 +68,7 @@ class AtlasData:
     titles: tuple[str, ...]      # for people ("Python code")
     index: Mapping[tuple[int, int], int] = field(repr=False)  # (layer, expert) -> row
     distribution: np.ndarray | None = None   # [N, T] float32 each expert's probe selections shared among topics
+    explained_variance: tuple[float, ...] = ()  # [3] each position axis's share of the spread, 0..1 (() unknown)
 
     @classmethod
     def from_dict(cls, atlas: Mapping[str, Any]) -> AtlasData:
@@ -86,6 +87,7 @@ class AtlasData:
             selections = np.array([int(x["selections"]) for _, x in rows], np.int64)
             distribution = np.array([x.get("topic_distribution") or [0.0] * len(topics) for _, x in rows],
                                     np.float32).reshape(-1, len(topics))
+            explained = tuple(float(v) for v in atlas.get("explained_variance") or ())   # absent from older atlases
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a readable Colibri atlas ({type(exc).__name__}: {exc}); "
                              "run `colibri atlas MODEL` again") from None
@@ -95,7 +97,8 @@ class AtlasData:
             if radius > 0:
                 positions = positions / radius
         index = {(int(layer), int(e)): i for i, (layer, e) in enumerate(keys)}
-        return cls(keys, positions.astype(np.float32), top, spec, selections, topics, titles, index, distribution)
+        return cls(keys, positions.astype(np.float32), top, spec, selections, topics, titles, index, distribution,
+                   explained)
 
     def __len__(self) -> int:
         return len(self.keys)
