@@ -29,6 +29,8 @@ from support.inspector import (
     tiny_atlas,
 )
 from ui.inspector import Inspector
+from ui.inspector.atlas import marker_sizes
+from ui.inspector.data import AtlasData
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,6 +72,47 @@ def test_atlas_tracks_the_current_tokens_experts_without_gl(qtbot, inspector):
     redraw(qtbot, inspector)
     lit = {tuple(int(v) for v in inspector.atlas.data.keys[r]) for r in inspector.atlas.lit_rows}
     assert lit == {(layer, e) for layer, ids in gen.current() for e in ids}
+
+
+def test_atlas_gives_its_canvas_the_width_and_labels_the_axes_with_their_shares(qtbot, inspector):
+    inspector.resize(620, 800)                       # the inspector docked beside the chat
+    data = tiny_atlas(4, 8, 3)
+    inspector.set_atlas(data)
+    inspector.tabs.setCurrentWidget(inspector.atlas)
+    atlas = inspector.atlas
+    # the canvas's place (here the no-GL message) spans the pane; the legend sits under it, in columns
+    qtbot.waitUntil(lambda: atlas.stage.width() >= 580, timeout=3000)
+    assert atlas.stage.height() > 0.6 * atlas.height() > atlas.legend.height()
+    assert atlas.legend.geometry().top() >= atlas.stage.geometry().bottom()
+    assert atlas.legend.columns >= 3
+    assert len({row.geometry().left() for row in atlas.legend.rows}) == atlas.legend.columns
+
+    shares = data["explained_variance"]
+    assert len(shares) == 3 and 0 < sum(shares) <= 1 + 1e-6
+    names = [f"PC{i + 1} {100 * v:.0f}%" for i, v in enumerate(shares)]
+    assert atlas.legend.axes.text().startswith("axes: " + ", ".join(names))
+    assert "size: probe selections (bigger = more evidence)" in atlas.legend.notes.text()
+
+    # an atlas made before the shares were recorded still shows, its axes named without them
+    inspector.set_atlas({k: v for k, v in data.items() if k != "explained_variance"})
+    assert atlas.data.explained_variance == ()
+    assert atlas.legend.axes.text().startswith("axes: PC1, PC2, PC3 (this atlas does not record")
+
+
+def test_markers_grow_with_the_evidence_not_the_specialisation():
+    data = AtlasData.from_dict(tiny_atlas(4, 8, 3))
+    sizes = marker_sizes(data.selections)                          # [N] px
+    order = np.argsort(data.selections, kind="stable")
+    assert (np.diff(sizes[order]) >= 0).all()                      # more selections, never a smaller dot
+    most, never = int(np.argmax(data.selections)), data.row(0, 1)
+    assert data.selections[never] == 0 and sizes[never] == sizes.min() == 4.0 and sizes[most] == 16.0
+    # the expert most specialised on least evidence gets no big dot (specialisation once sized the dots)
+    sure = data.selections > 0
+    lone = np.flatnonzero(sure)[np.argmin(data.selections[sure])]
+    assert sizes[lone] < sizes[most]
+    # many experts: all smaller (less overlap), in the same order
+    many = np.tile(data.selections, 200)
+    assert marker_sizes(many).max() < 16.0 and (np.diff(marker_sizes(many)[np.argsort(many, kind="stable")]) >= 0).all()
 
 
 def test_set_atlas_names_an_unreadable_atlas(qtbot, inspector):
@@ -158,20 +201,34 @@ def gl_atlas_survives_its_dock_floating(qtbot):
     assert insp.atlas._points.visible and insp.atlas._lit.visible
 
 
-def gl_atlas_fits_a_tall_narrow_canvas(qtbot, inspector):
-    """(Xvfb child only) a canvas taller than wide (the inspector beside the chat) shows every expert, none cut."""
-    inspector.resize(560, 800)                       # the legend takes ~280 px: the canvas is ~270 x 780
+def gl_atlas_fills_the_pane_and_fits_every_expert(qtbot, inspector):
+    """(Xvfb child only) at 620 x 800 the canvas takes the width; there and in a tall narrow pane no expert is cut,
+    and the axes carry their shares."""
+    inspector.resize(620, 800)
+    data = tiny_atlas(8, 16, 5)
     inspector.set_model_info(8, 16, None)
-    inspector.set_atlas(tiny_atlas(8, 16, 5))
+    inspector.set_atlas(data)
     inspector.tabs.setCurrentWidget(inspector.atlas)
     atlas = inspector.atlas
     qtbot.waitUntil(lambda: atlas.canvas is not None and atlas.canvas.native.isVisible(), timeout=3000)
+    qtbot.waitUntil(lambda: atlas.canvas.native.width() >= 580, timeout=3000)
+    assert atlas.canvas.native.height() > 0.6 * atlas.height()
+    assert [t.text for t in atlas._axis_labels] == [f"PC{i + 1} {100 * v:.0f}%"
+                                                     for i, v in enumerate(data["explained_variance"])]
+    _assert_every_expert_shows(atlas)
+
+    inspector.resize(300, 1100)                      # as narrow as the inspector goes, and tall: the canvas is taller
     qtbot.waitUntil(lambda: atlas.canvas.native.height() > 1.5 * atlas.canvas.native.width(), timeout=3000)
+    _assert_every_expert_shows(atlas)
+
+
+def _assert_every_expert_shows(atlas) -> None:
     atlas.canvas.render()                            # the camera takes the canvas's size at a draw
     xy = atlas.screen_positions()                    # [N, 2] px
     w, h = atlas.canvas.size
     assert (xy[:, 0] >= 0).all() and (xy[:, 0] <= w).all(), f"experts cut at the sides: x {xy[:, 0].min():.0f}.." \
         f"{xy[:, 0].max():.0f} of {w}"
-    assert (xy[:, 1] >= 0).all() and (xy[:, 1] <= h).all()
+    assert (xy[:, 1] >= 0).all() and (xy[:, 1] <= h).all(), f"experts cut at the top or bottom: y " \
+        f"{xy[:, 1].min():.0f}..{xy[:, 1].max():.0f} of {h}"
     spread = xy[:, 0].max() - xy[:, 0].min()
-    assert spread > 0.3 * w, f"the experts span {spread:.0f} px of {w}: too far away to read"
+    assert spread > 0.3 * min(w, h), f"the experts span {spread:.0f} px of {w} x {h}: too far away to read"

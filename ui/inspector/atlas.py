@@ -1,6 +1,9 @@
 """The Atlas tab: the experts in 3D at their atlas positions (vispy), or an offer to compute the atlas.
 
-Points are coloured by top topic and sized by specialisation; a Qt legend sits beside the canvas.
+Points are coloured by top topic and sized by the evidence behind their place: their probe selections,
+log-scaled against the most chosen expert's. Three lines from the centre are the projection's axes,
+labelled with the share of the spread each carries (the atlas's explained variance, when it records it).
+The canvas takes the pane's width; a Qt legend under it lays the topics out in as many columns as fit.
 Three Markers visuals share one scene: the experts (set once per atlas), the experts the current
 token routed to (drawn over the rest, updated per redraw) and a ring on the selected expert.
 Hover and click pick the point nearest the pointer on screen, from positions projected through
@@ -24,6 +27,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QStackedWidget,
     QToolTip,
     QVBoxLayout,
@@ -37,6 +41,8 @@ PICK_RADIUS = 8.0      # px: how near the pointer a point must be to be hovered 
 CLICK_SLOP = 4.0       # px: a press and release further apart than this are a drag (rotation)
 DRAW_SHARE = 2.0       # routed experts are redrawn at most once per this many canvas draw times
 FRAME = 2.2            # scene units across the canvas's narrower side at first: the unit ball the experts lie in, and 10%
+AXIS = 0.8             # scene units: each drawn axis's length, short of the frame's edge so that its label fits too
+KEY_COLUMN = 150       # px: the width of one column of the legend's topics
 # the offers of the empty page, translated where shown
 NO_ATLAS = QT_TRANSLATE_NOOP("AtlasView", "This model has no atlas yet. Computing it routes a set of probe prompts on "
                              "a dozen topics (Python, SQL, mathematics, law, French, ...) through the model and "
@@ -84,47 +90,99 @@ def _ask_gl() -> tuple[str, dict[str, str]] | None:
     return None
 
 
+def marker_sizes(selections: np.ndarray) -> np.ndarray:
+    """Marker diameters [N] px of experts chosen `selections` [N] times by the probes: 4..16, log-scaled against the
+    most chosen (more evidence, a bigger dot), smaller when there are many points (less overlap, less fill)."""
+    crowd = float(np.clip(np.sqrt(2000 / max(len(selections), 1)), 0.45, 1.0))
+    most = float(selections.max()) if len(selections) else 0.0
+    evidence = np.log1p(selections) / np.log1p(most) if most > 0 else np.zeros(len(selections))
+    return (4.0 + 12.0 * evidence) * crowd
+
+
+def axis_labels(data: AtlasData) -> list[str]:
+    """The three axes' names, with their explained variance when the atlas records it: 'PC1 41%'."""
+    shares = data.explained_variance
+    return [f"PC{i + 1} {100 * shares[i]:.0f}%" if i < len(shares) else f"PC{i + 1}" for i in range(3)]
+
+
 class _Legend(QWidget):
-    """Topic colours with their expert counts, and what size, flash and ring mean."""
+    """Topic colours with their expert counts, in as many columns as the width holds; what size, axes, flash and
+    ring mean; the expert hovered or selected."""
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.grid = QGridLayout()
-        self.notes = QLabel(self.tr("size: specialisation (bigger = fewer topics)\nbright: routed by the current "
-                                    "token\nring: selected expert\ndrag: turn, wheel: zoom, shift+drag: pan"))
+        self.grid.setContentsMargins(0, 0, 0, 0)
+        self.grid.setHorizontalSpacing(6)
+        self.grid.setVerticalSpacing(2)
+        self.notes = QLabel(self.tr("size: probe selections (bigger = more evidence) · bright: routed by the current "
+                                    "token · ring: selected expert · drag: turn, wheel: zoom, shift+drag: pan"))
         self.notes.setWordWrap(True)
+        self.axes = QLabel("")
+        self.axes.setWordWrap(True)
         self.info = QLabel(self.tr("hover an expert"))
-        self.info.setWordWrap(True)
+        # two lines, whatever they say: a hover must not resize the canvas above
+        self.info.setFixedHeight(2 * self.info.fontMetrics().lineSpacing() + 4)
+        self.info.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 2, 4, 2)
+        layout.setSpacing(4)
         layout.addWidget(QLabel("<b>{}</b>".format(self.tr("Top topic"))))
         layout.addLayout(self.grid)
-        layout.addSpacing(8)
+        layout.addWidget(self.axes)
         layout.addWidget(self.notes)
-        layout.addSpacing(8)
         layout.addWidget(self.info)
-        layout.addStretch(1)
-        self.setMinimumWidth(200)
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
         self.rows: list[QLabel] = []
+        self.swatches: list[QLabel] = []
+        self.columns = 0                       # topic columns the grid is laid out in (0: not yet)
 
     def fill(self, data: AtlasData, theme: Theme) -> None:
-        """One row per topic (and one for experts never chosen)."""
-        while self.grid.count():
-            w = self.grid.takeAt(0).widget()
-            if w is not None:
-                w.deleteLater()
-        self.rows = []
+        """One entry per topic (and one for experts never chosen), and the axes' shares of the spread."""
+        for w in self.swatches + self.rows:
+            self.grid.removeWidget(w)
+            w.deleteLater()
+        self.rows, self.swatches = [], []
         counts = np.bincount(data.top + 1, minlength=len(data.topics) + 1)  # [topics + 1], slot 0 = never chosen
         entries = [(theme.topic(t), f"{data.titles[t]} ({counts[t + 1]})") for t in range(len(data.topics))]
         if counts[0]:
             entries.append((theme.unused, self.tr("never chosen ({n})").format(n=counts[0])))
-        for row, (rgb, text) in enumerate(entries):
+        for rgb, text in entries:
             swatch = QLabel()
             swatch.setFixedSize(12, 12)
             swatch.setStyleSheet(swatch_css(rgb))
             label = QLabel(text)
-            self.grid.addWidget(swatch, row, 0)
-            self.grid.addWidget(label, row, 1)
+            label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)  # the columns follow the width
+            self.swatches.append(swatch)
             self.rows.append(label)
+        self.columns = 0
+        self._flow()
+        names = ", ".join(axis_labels(data))
+        if data.explained_variance:
+            self.axes.setText(self.tr("axes: {names} of the spread between the experts' topic mixes").format(names=names))
+        else:
+            self.axes.setText(self.tr("axes: {names} (this atlas does not record their shares of the spread: compute "
+                                      "it again to see them)").format(names=names))
+
+    def resizeEvent(self, event: object) -> None:
+        super().resizeEvent(event)
+        self._flow()
+
+    def _flow(self) -> None:
+        """Lay the entries out top to bottom in as many columns of KEY_COLUMN px as the width holds."""
+        columns = max(1, min(self.width() // KEY_COLUMN, len(self.rows)))
+        if columns == self.columns or not self.rows:
+            return
+        self.columns = columns
+        for w in self.swatches + self.rows:
+            self.grid.removeWidget(w)
+        per_column = -(-len(self.rows) // columns)
+        for i, (swatch, label) in enumerate(zip(self.swatches, self.rows)):
+            row, col = i % per_column, i // per_column
+            self.grid.addWidget(swatch, row, 2 * col)
+            self.grid.addWidget(label, row, 2 * col + 1)
+        for col in range(self.grid.columnCount()):
+            self.grid.setColumnStretch(col, 1 if col % 2 and col // 2 < columns else 0)
 
 
 class AtlasView(QWidget):
@@ -164,9 +222,10 @@ class AtlasView(QWidget):
         col.addStretch(1)
         self.pages.addWidget(empty)
 
-        # page 1: the atlas (canvas or a message) and the legend
+        # page 1: the atlas (canvas or a message) over the legend
         shown = QWidget()
-        self.canvas_host = QVBoxLayout()
+        self.stage = QWidget()                   # holds the canvas (or the message without GL)
+        self.canvas_host = QVBoxLayout(self.stage)
         self.canvas_host.setContentsMargins(0, 0, 0, 0)
         self.no_gl = QLabel("")
         self.no_gl.setWordWrap(True)
@@ -174,8 +233,10 @@ class AtlasView(QWidget):
         self.no_gl.setVisible(False)
         self.canvas_host.addWidget(self.no_gl)
         self.legend = _Legend()
-        split = QHBoxLayout(shown)
-        split.addLayout(self.canvas_host, 1)
+        split = QVBoxLayout(shown)
+        split.setContentsMargins(0, 0, 0, 0)
+        split.setSpacing(2)
+        split.addWidget(self.stage, 1)
         split.addWidget(self.legend)
         self.pages.addWidget(shown)
 
@@ -185,7 +246,8 @@ class AtlasView(QWidget):
 
         self.data: AtlasData | None = None
         self.canvas = None                       # vispy SceneCanvas, made when an atlas arrives and GL works
-        self._view = self._points = self._lit = self._ring = None
+        self._view = self._points = self._lit = self._ring = self._axes = None
+        self._axis_labels: list = []             # vispy Text visuals at the axes' ends
         self.lit_rows = np.zeros(0, np.int64)    # [K] atlas rows routed by the current token
         self.selected_key: tuple[int, int] | None = None
         self.hovered: tuple[int, int] | None = None
@@ -207,6 +269,7 @@ class AtlasView(QWidget):
         if self.canvas is not None:
             self.canvas.bgcolor = np.array(theme.background) / 255
             self._draw_points()
+            self._draw_axes()
             self._draw_overlays()
 
     def set_progress(self, fraction: float | None) -> None:
@@ -235,6 +298,7 @@ class AtlasView(QWidget):
         self.legend.fill(data, self.theme)
         self._ensure_canvas()
         self._draw_points()
+        self._draw_axes()
         self._current = ()
         self.lit_rows = np.zeros(0, np.int64)
         self._draw_overlays()
@@ -308,10 +372,13 @@ class AtlasView(QWidget):
         # a scale factor, not a distance: vispy then backs off to fit the narrower side (a tall canvas cropped the sides)
         self._view.camera = scene.TurntableCamera(**(camera or {"fov": 40.0, "elevation": 20.0, "azimuth": 30.0,
                                                                 "scale_factor": FRAME}))
+        self._axes = scene.visuals.Line(parent=self._view.scene, connect="segments", width=1.0)
+        self._axis_labels = [scene.visuals.Text("", parent=self._view.scene, font_size=8, anchor_x="center",
+                                                anchor_y="bottom") for _ in range(3)]
         self._points = scene.visuals.Markers(parent=self._view.scene)
         self._lit = scene.visuals.Markers(parent=self._view.scene)
         self._ring = scene.visuals.Markers(parent=self._view.scene)
-        for overlay in (self._lit, self._ring):   # drawn after the points and over them
+        for overlay in (self._lit, self._ring, *self._axis_labels):   # drawn after the points and over them
             overlay.set_gl_state("translucent", depth_test=False)
             overlay.order = 1
         self.canvas.events.mouse_move.connect(self._on_move)
@@ -329,14 +396,15 @@ class AtlasView(QWidget):
         self.canvas.close()
         native.setParent(None)
         native.deleteLater()
-        self.canvas = self._view = self._points = self._lit = self._ring = None
+        self.canvas = self._view = self._points = self._lit = self._ring = self._axes = None
+        self._axis_labels = []
 
     def _on_initialize(self, event: object) -> None:
         self._inits += 1
         if self._inits > 1:
             # Qt gave the widget a new GL context (its dock floated or docked: a new window), and vispy's
             # GL objects died with the old one. Draw nothing until a new canvas replaces this one.
-            for visual in (self._points, self._lit, self._ring):
+            for visual in (self._points, self._lit, self._ring, self._axes, *self._axis_labels):
                 visual.visible = False
             QTimer.singleShot(0, self, self._rebuild_canvas)
 
@@ -350,12 +418,12 @@ class AtlasView(QWidget):
         self._drop_canvas()
         self._ensure_canvas(camera)
         self._draw_points()
+        self._draw_axes()
         self._draw_overlays()
 
     def _sizes(self) -> np.ndarray:
-        """Marker diameters [N] px: 4..16 by specialisation, smaller when there are many (less overlap, less fill)."""
-        crowd = float(np.clip(np.sqrt(2000 / max(len(self.data), 1)), 0.45, 1.0))
-        return (4.0 + 12.0 * self.data.specialisation) * crowd
+        """Marker diameters [N] px of the atlas's experts (`marker_sizes`)."""
+        return marker_sizes(self.data.selections)
 
     def _draw_points(self) -> None:
         if self._points is None or self.data is None:
@@ -365,6 +433,19 @@ class AtlasView(QWidget):
         faces = np.ones((len(data), 4), np.float32)
         faces[:, :3] = colours[data.top]           # row -1 (never chosen) is the last colour
         self._points.set_data(data.positions, face_color=faces, size=self._sizes(), edge_width=0)
+
+    def _draw_axes(self) -> None:
+        """The projection's three axes from the centre, each labelled with its share of the spread."""
+        if self._axes is None or self.data is None:
+            return
+        ends = np.eye(3, dtype=np.float32) * AXIS                                  # [3, 3] one axis a row
+        segments = np.zeros((6, 3), np.float32)                                    # [6, 3] origin, end, ...
+        segments[1::2] = ends
+        self._axes.set_data(pos=segments, color=(*(np.array(self.theme.muted) / 255), 1.0))
+        for text, end, name in zip(self._axis_labels, ends, axis_labels(self.data)):
+            text.text = name
+            text.pos = end * 1.04
+            text.color = (*(np.array(self.theme.foreground) / 255), 1.0)
 
     def _draw_overlays(self) -> None:
         if self._lit is None or self.data is None:
