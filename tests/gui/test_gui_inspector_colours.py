@@ -26,9 +26,9 @@ from support.inspector import (
     redraw,
     tiny_atlas,
 )
-from ui.inspector import TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, Inspector
+from ui.inspector import TIER_CACHED, TIER_DISK, TIER_NONE, TIER_PINNED, TIER_RESIDENT, Inspector
 from ui.inspector.brain import grid_rgba
-from ui.inspector.brain_legend import KEY_MAP, KEY_TIERS, KEY_TOPIC
+from ui.inspector.brain_legend import KEY_MAP, KEY_TIERS, KEY_TOPIC, TIERS, BrainLegend
 from ui.inspector.colours import (
     AHEAD,
     DIMMED,
@@ -40,7 +40,7 @@ from ui.inspector.colours import (
     ramp_colour,
     topic_grid,
 )
-from ui.inspector.common import theme_for
+from ui.inspector.common import theme_for, tier_name
 from ui.inspector.data import AtlasData
 
 LIGHT, DARK = theme_for(QPalette(QColor(250, 250, 250))), theme_for(QPalette(QColor(30, 30, 30)))
@@ -98,6 +98,31 @@ def test_each_map_colours_a_small_frame(theme):
     flashed = grid_rgba(theme, (1, 4), codes, heat, ((0, (1,)),), MAP_TOPIC, topics)[0]
     assert tuple(flashed[1, :3]) == theme.flash
     assert tuple(flashed[3, :3]) == tuple(grid_rgba(theme, (1, 4), codes, heat, (), MAP_TIERS)[0, 3, :3])
+
+
+@pytest.mark.parametrize("theme", [LIGHT, DARK], ids=["light", "dark"])
+def test_a_cold_disk_cell_keeps_its_hue_and_the_key_shows_cells_as_drawn(qtbot, theme):
+    codes = np.array([[TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT]], np.int8)
+    cold = grid_rgba(theme, (1, 4), codes, np.zeros((1, 4), np.float32), ())[0, :, :3]    # never routed
+    hot = grid_rgba(theme, (1, 4), codes, np.ones((1, 4), np.float32), ())[0, :, :3]      # the hottest
+    disk = cold[0].astype(int)
+    # a never-routed expert on disk is neither near black (it was rgb(51, 55, 63) on the light theme) nor lost in
+    # the background, and it has the hue of a hot one: a slate blue
+    assert _luma(cold[0]) > 80 and np.abs(disk - theme.background).sum() > 250
+    assert QColor(*disk).hsvSaturationF() > 0.2 and 0.5 < _hue(cold[0]) < 0.65
+    assert abs(_hue(cold[0]) - _hue(hot[0])) < 0.02 and _luma(hot[0]) > _luma(cold[0]) + 40
+    assert np.abs(disk - cold[3]).sum() > 60 and np.abs(hot[0].astype(int) - hot[3]).sum() > 100   # not resident
+
+    # the key's swatch of each tier is a cold cell beside a hot one, exactly as the grid draws them
+    legend = BrainLegend(theme)
+    qtbot.addWidget(legend)
+    legend.show_key((), False)
+    swatches = {text: colours for colours, text in legend.entries}
+    order = [TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT]
+    for code in TIERS:
+        i = order.index(code)
+        assert swatches[tier_name(code)] == (tuple(int(c) for c in cold[i]), tuple(int(c) for c in hot[i]))
+    assert f"rgb{tuple(int(c) for c in cold[0])}" in legend.key.text()
 
 
 def test_the_topic_grid_takes_each_experts_strongest_topic():
@@ -206,7 +231,7 @@ def test_the_maps_on_the_inspector_follow_counters_and_atlas_and_the_key_follows
     image = brain.rgba[..., :3]
     assert tuple(image[0, 1]) == brain.theme.unused                        # never chosen by the probes
     assert abs(_hue(image[1, 3]) - _hue(image[1, 4])) > 0.1                 # topics 0 and 1
-    assert [rgb for rgb, _ in legend.entries[:3]] == [brain.theme.topic(t) for t in range(3)]
+    assert [colours for colours, _ in legend.entries[:3]] == [(brain.theme.topic(t),) for t in range(3)]
     assert key()[:4] == ["Topic 0", "Topic 1", "Topic 2", "no atlas topic"]
     with pytest.raises(ValueError, match="no colour map"):
         legend.set_colour_map("rainbow")

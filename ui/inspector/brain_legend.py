@@ -3,7 +3,8 @@
 `BrainLegend` holds the user's choice (a map of ui/inspector/colours.py, the tiers shown, one topic or all) and keeps
 it in QSettings (`KEY_MAP`, `KEY_TIERS`, `KEY_TOPIC`) when given some, so a new Inspector opens as the last one was
 left; `changed` asks the Brain to draw its last frame again. The key is one rich-text label, set again only when
-what it says changes (a topic appears, the map or the theme changes), not at every frame.
+what it says changes (a topic appears, the map or the theme changes), not at every frame. A tier's swatch is a
+cold cell beside a hot one, both exactly as the grid draws them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from ui.inspector.colours import (
     MAP_TOPIC,
     MAPS,
     RECENCY,
-    brightest,
     ramp_colour,
+    tier_colour,
 )
 from ui.inspector.common import RGB, Theme, tier_name
 from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, TIER_RESIDENT, AtlasData
@@ -77,7 +78,7 @@ class BrainLegend(QWidget):
 
         self.theme = theme
         self.atlas: AtlasData | None = None
-        self.entries: list[tuple[RGB | None, str]] = []    # the key as shown: (swatch colour or None, words)
+        self.entries: list[tuple[tuple[RGB, ...], str]] = []   # the key as shown: (swatch colours, left to right; words)
         self._wanted_topic = ""                           # the topic id chosen (kept while no atlas offers it)
         self._shown: tuple = ()                           # what the key was built from
         self._restore()
@@ -139,39 +140,42 @@ class BrainLegend(QWidget):
         self._shown = shown
         self.entries = self._entries(topics, counted)
         parts = []
-        for rgb, text in self.entries:
-            words = escape(text).replace(" ", "&nbsp;") if rgb is not None else escape(text)
-            parts.append(words if rgb is None else
-                         f'<span style="background-color: rgb{tuple(rgb)};">&nbsp;&nbsp;&nbsp;&nbsp;</span>&nbsp;{words}')
+        for colours, text in self.entries:
+            words = escape(text).replace(" ", "&nbsp;") if colours else escape(text)
+            width = "&nbsp;" * (4 // max(len(colours), 1))      # a swatch of two colours is as wide as one of one
+            swatch = "".join(f'<span style="background-color: rgb{tuple(rgb)};">{width}</span>' for rgb in colours)
+            parts.append(f"{swatch}&nbsp;{words}" if colours else words)
         self.key.setText("&nbsp;&nbsp; ".join(parts))
 
-    def _entries(self, topics: tuple[int, ...], counted: bool) -> list[tuple[RGB | None, str]]:
+    def _entries(self, topics: tuple[int, ...], counted: bool) -> list[tuple[tuple[RGB, ...], str]]:
         theme, name = self.theme, self.colour_map
-        heat = (None, self.tr("brighter = routed more lately"))
+        heat = ((), self.tr("brighter = routed more lately"))
         if name == MAP_TOPIC:
             if self.atlas is None:
-                keys = [(theme.unused, self.tr("no atlas topic")), (None, self.tr("no atlas yet: compute one in the "
-                                                                                   "Atlas tab"))]
+                keys = [((theme.unused,), self.tr("no atlas topic")), ((), self.tr("no atlas yet: compute one in the "
+                                                                                  "Atlas tab"))]
             else:
-                keys = [(theme.topic(t), self.atlas.titles[t]) for t in topics]
-                keys += [(theme.unused, self.tr("no atlas topic")), heat]
+                keys = [((theme.topic(t),), self.atlas.titles[t]) for t in topics]
+                keys += [((theme.unused,), self.tr("no atlas topic")), heat]
         elif name in (MAP_RECENCY, MAP_AHEAD):
             if name == MAP_RECENCY:
-                keys = [(ramp_colour(RECENCY, 1.0), self.tr("chosen by the latest token")),
-                        (ramp_colour(RECENCY, 0.5), self.tr("a while ago")),
-                        (ramp_colour(RECENCY, 0.0), self.tr("longest unchosen")),
-                        (theme.unused, self.tr("never chosen")), (None, self.tr("brighter = chosen more recently (log scale)"))]
+                keys = [((ramp_colour(RECENCY, 1.0),), self.tr("chosen by the latest token")),
+                        ((ramp_colour(RECENCY, 0.5),), self.tr("a while ago")),
+                        ((ramp_colour(RECENCY, 0.0),), self.tr("longest unchosen")),
+                        ((theme.unused,), self.tr("never chosen")),
+                        ((), self.tr("brighter = chosen more recently (log scale)"))]
             else:
-                keys = [(ramp_colour(AHEAD, 1.0), self.tr("reads ahead all used")),
-                        (ramp_colour(AHEAD, 0.5), self.tr("half used")),
-                        (ramp_colour(AHEAD, 0.0), self.tr("all wasted")),
-                        (theme.unused, self.tr("no reads ahead"))]
+                keys = [((ramp_colour(AHEAD, 1.0),), self.tr("reads ahead all used")),
+                        ((ramp_colour(AHEAD, 0.5),), self.tr("half used")),
+                        ((ramp_colour(AHEAD, 0.0),), self.tr("all wasted")),
+                        ((theme.unused,), self.tr("no reads ahead"))]
             if not counted:
-                keys.append((None, self.tr("no expert cache counters: its experts are not streamed")))
-        else:
-            keys = [(_rgb(brightest(theme.tiers[code])), tier_name(code)) for code in TIERS] + [heat]
-        return keys + [(theme.flash, self.tr("current token")),
-                       (theme.phases["io_wait"], self.tr("read from disk (replay)"))]
+                keys.append(((), self.tr("no expert cache counters: its experts are not streamed")))
+        else:   # each tier cold, then hot: what its cells look like
+            keys = [((tier_colour(theme, code, 0.0), tier_colour(theme, code, 1.0)), tier_name(code)) for code in TIERS]
+            keys.append(heat)
+        return keys + [((theme.flash,), self.tr("current token")),
+                       ((theme.phases["io_wait"],), self.tr("read from disk (replay)"))]
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -217,8 +221,3 @@ class BrainLegend(QWidget):
     def _changed(self, *args: object) -> None:
         self._save()
         self.changed.emit()
-
-
-def _rgb(c: object) -> RGB:
-    r, g, b = (int(x) for x in c)  # type: ignore[attr-defined]
-    return r, g, b

@@ -3,7 +3,8 @@
 Each map makes one float32 image [L, E, 3] from whole grids, never a loop over experts, so 19,456 experts cost a few
 array operations a frame:
 
-- TIERS: hue is the expert's tier, brightness its heat (decayed routing count, log-scaled against the hottest).
+- TIERS: hue is the expert's tier, brightness its heat (decayed routing count, log-scaled against the hottest); a cold
+  expert keeps its tier's hue at a floor of brightness, so even a never-routed one on disk reads as disk, not black.
 - TOPIC: the expert's strongest atlas topic in the Atlas's categorical colours (`Theme.topic`), brightness its heat;
   an expert the atlas does not know, or its probes never chose, in the neutral grey.
 - RECENCY: the tokens since a step last chose the expert (`ExpertCounts.since_routed`), log-scaled against the
@@ -31,8 +32,9 @@ TOPIC_FLOOR = 0.5        # a never-routed expert's topic colour, as a share of i
 
 _CODES = (TIER_NONE, TIER_DISK, TIER_CACHED, TIER_PINNED, TIER_RESIDENT, TIER_UNKNOWN)  # LUT row = code + 1
 # The brightness of a never-routed cell, as a share of its tier's brightest colour: a cold expert in RAM stays
-# plainly coloured, a cold one on disk dims, and heat brightens both toward full.
-_FLOOR = np.array([0.0, 0.25, 0.6, 0.6, 0.6, 0.4], np.float32)
+# plainly coloured, a cold one on disk is a darker slate (its hue still plain on either background), and heat
+# brightens both toward full.
+_FLOOR = np.array([0.0, 0.5, 0.6, 0.6, 0.6, 0.4], np.float32)
 
 
 def _ramp(*stops: tuple[float, RGB], n: int = 256) -> np.ndarray:
@@ -97,6 +99,13 @@ def tier_rgb(theme: Theme, codes: np.ndarray, level: np.ndarray) -> np.ndarray:
     floor = _FLOOR[codes + 1]                                                                         # [L, E]
     value = floor + (1.0 - floor) * level
     return lut[codes + 1] * value[..., None]
+
+
+def tier_colour(theme: Theme, code: int, level: float) -> RGB:
+    """The colour the TIERS map draws for an expert of tier `code` at heat level 0 (cold) .. 1 (hottest)."""
+    rgb = tier_rgb(theme, np.array([[code]], np.int8), np.array([[level]], np.float32))[0, 0]
+    r, g, b = rgb.astype(np.uint8)      # as the Brain's image takes it
+    return int(r), int(g), int(b)
 
 
 def topic_rgb(theme: Theme, topics: np.ndarray, level: np.ndarray) -> np.ndarray:

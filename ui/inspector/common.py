@@ -46,7 +46,7 @@ class Theme:
     background: RGB          # plot and grid background (the palette's Base)
     foreground: RGB          # text, the selection outline (WindowText)
     muted: RGB               # axis lines (Mid)
-    tiers: dict[int, RGB]    # tier code -> colour at full heat
+    tiers: dict[int, RGB]    # tier code -> its colour (the Brain brightens it to full for the hottest experts)
     phases: dict[str, RGB]   # telemetry phase -> bar colour
     flash: RGB               # experts routed by the current token
     unused: RGB              # experts never chosen by the atlas probes
@@ -82,7 +82,7 @@ def theme_for(palette: QPalette) -> Theme:
     if dark:
         return Theme(
             dark=True, background=bg, foreground=fg, muted=muted,
-            tiers={TIER_DISK: (105, 115, 135), TIER_CACHED: (60, 200, 120), TIER_PINNED: (175, 125, 255),
+            tiers={TIER_DISK: (120, 150, 160), TIER_CACHED: (60, 200, 120), TIER_PINNED: (200, 110, 255),
                    TIER_RESIDENT: (80, 170, 235), TIER_UNKNOWN: (170, 170, 170)},
             phases={"attention": (80, 150, 235), "dense": (40, 185, 180), "experts": (170, 120, 250),
                     "io_wait": (235, 85, 80), "sampling": (240, 190, 60), "other": (130, 135, 145)},
@@ -90,7 +90,7 @@ def theme_for(palette: QPalette) -> Theme:
         )
     return Theme(
         dark=False, background=bg, foreground=fg, muted=muted,
-        tiers={TIER_DISK: (120, 130, 150), TIER_CACHED: (25, 150, 80), TIER_PINNED: (120, 65, 210),
+        tiers={TIER_DISK: (120, 150, 160), TIER_CACHED: (25, 150, 80), TIER_PINNED: (120, 65, 210),
                TIER_RESIDENT: (30, 110, 200), TIER_UNKNOWN: (110, 110, 110)},
         phases={"attention": (40, 110, 210), "dense": (20, 150, 145), "experts": (125, 80, 210),
                 "io_wait": (215, 55, 50), "sampling": (225, 160, 20), "other": (150, 155, 165)},
