@@ -35,7 +35,7 @@
 <context>
     <name>AtlasView</name>
     <message>
-        <location filename="../inspector/atlas.py" line="+41"/>
+        <location filename="../inspector/atlas.py" line="+47"/>
         <source>This model has no atlas yet. Computing it routes a set of probe prompts on a dozen topics (Python, SQL, mathematics, law, French, ...) through the model and records which experts each topic uses.</source>
         <translation>此模型还没有图谱。计算图谱会让一组涵盖十余个话题（Python、SQL、数学、法律、法语……）的探针提示词流经模型，并记录每个话题用到哪些专家。</translation>
     </message>
@@ -65,7 +65,7 @@
         <translation>vispy 无法通过 PySide6 绘图（{why}）</translation>
     </message>
     <message>
-        <location line="+64"/>
+        <location line="+116"/>
         <source>Compute atlas</source>
         <translation>计算图谱</translation>
     </message>
@@ -75,17 +75,17 @@
         <translation>取消</translation>
     </message>
     <message>
-        <location line="+68"/>
+        <location line="+73"/>
         <source>computing the atlas: {percent}%</source>
         <translation>正在计算图谱：{percent}%</translation>
     </message>
     <message>
-        <location line="+77"/>
+        <location line="+78"/>
         <source>The 3D atlas needs OpenGL: {why}. The Brain tab shows the same experts; hover a cell there for its atlas topic.</source>
         <translation>三维图谱需要 OpenGL：{why}。“大脑”标签页显示的是同样的专家，将鼠标悬停在其中的格子上即可看到它的图谱话题。</translation>
     </message>
     <message>
-        <location line="+98"/>
+        <location line="+115"/>
         <source>selected: {expert}</source>
         <translation>已选中：{expert}</translation>
     </message>
@@ -111,7 +111,7 @@
 <context>
     <name>BrainLegend</name>
     <message>
-        <location filename="../inspector/brain_legend.py" line="+45"/>
+        <location filename="../inspector/brain_legend.py" line="+46"/>
         <source>Tier and heat</source>
         <translation>层级与热度</translation>
     </message>
@@ -156,7 +156,7 @@
         <translation>显示：</translation>
     </message>
     <message>
-        <location line="+84"/>
+        <location line="+85"/>
         <source>brighter = routed more lately</source>
         <translation>越亮 = 最近被路由越多</translation>
     </message>
@@ -192,7 +192,7 @@
         <translation>从未被选中</translation>
     </message>
     <message>
-        <location line="+0"/>
+        <location line="+1"/>
         <source>brighter = chosen more recently (log scale)</source>
         <translation>越亮 = 越近被选中（对数刻度）</translation>
     </message>
@@ -222,7 +222,7 @@
         <translation>没有专家缓存计数：此模型的专家不是流式读取的</translation>
     </message>
     <message>
-        <location line="+3"/>
+        <location line="+4"/>
         <source>current token</source>
         <translation>当前词元</translation>
     </message>
@@ -2339,30 +2339,34 @@ double-click to rename</source>
 <context>
     <name>_Legend</name>
     <message>
-        <location filename="../inspector/atlas.py" line="-302"/>
-        <source>size: specialisation (bigger = fewer topics)
-bright: routed by the current token
-ring: selected expert
-drag: turn, wheel: zoom, shift+drag: pan</source>
-        <translation>大小：专精度（越大 = 话题越少）
-高亮：当前词元路由到的专家
-圆环：选中的专家
-拖动：旋转，滚轮：缩放，Shift+拖动：平移</translation>
+        <location filename="../inspector/atlas.py" line="-358"/>
+        <source>size: probe selections (bigger = more evidence) · bright: routed by the current token · ring: selected expert · drag: turn, wheel: zoom, shift+drag: pan</source>
+        <translation>大小：探针选中次数（越大 = 证据越多）· 高亮：当前词元路由到的专家 · 圆环：选中的专家 · 拖动：旋转，滚轮：缩放，Shift+拖动：平移</translation>
     </message>
     <message>
-        <location line="+3"/>
+        <location line="+5"/>
         <source>hover an expert</source>
         <translation>将鼠标悬停在专家上</translation>
     </message>
     <message>
-        <location line="+3"/>
+        <location line="+7"/>
         <source>Top topic</source>
         <translation>主要话题</translation>
     </message>
     <message>
-        <location line="+20"/>
+        <location line="+19"/>
         <source>never chosen ({n})</source>
         <translation>从未被选中（{n}）</translation>
+    </message>
+    <message>
+        <location line="+13"/>
+        <source>axes: {names} of the spread between the experts&apos; topic mixes</source>
+        <translation>坐标轴：{names}，即各轴在专家话题分布差异中所占的份额</translation>
+    </message>
+    <message>
+        <location line="+2"/>
+        <source>axes: {names} (this atlas does not record their shares of the spread: compute it again to see them)</source>
+        <translation>坐标轴：{names}（这份图谱没有记录各轴所占的差异份额：重新计算图谱即可看到）</translation>
     </message>
 </context>
 </TS>
