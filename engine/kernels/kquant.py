@@ -37,7 +37,7 @@ from numba import literally, njit, prange, types
 from numba.extending import intrinsic
 
 from engine.kernels import iquant
-from engine.kernels.matmul import OTF_MAX_TOKENS, TILE, tile_rows
+from engine.kernels.matmul import TILE, tile_rows
 from engine.kernels.simd import (
     HAS_AVX512,
     U64,
@@ -73,6 +73,9 @@ BLOCK_BYTES |= iquant.BLOCK_BYTES                    # IQ4_NL, IQ4_XS: run by en
 BLOCK_WEIGHTS = {kind: SUPER for kind in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)} | iquant.BLOCK_WEIGHTS
 IQ4_NL, IQ4_XS = iquant.IQ4_NL, iquant.IQ4_XS
 DESC_FIELDS = 5                   # kind, rows, cols, address, bytes: one matrix in a kernel table
+# at most this many tokens on the fly, as matmul's OTF_MAX_TOKENS; against its on-the-fly kernel a K-quant's tile path
+# costs more than a Colibri width's, so that on AVX2 two tokens on the fly tie with the tile (measured)
+KQ_OTF_MAX_TOKENS = 2
 # field 0 of a K-quant (or IQ4) matrix's 13-int descriptor, the shape of QuantizedTensor.descriptor, so that one table
 # of a fused step holds both (KQuantTensor.descriptor: flag, kind, weights per block, rows, cols, address, bytes, 0s);
 # no Colibri width or flag (bits | ROWS16_FLAG) equals it
@@ -514,7 +517,7 @@ def _otf(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
 @njit(boundscheck=False)
 def kq_rows(kind, raw, K, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scratch):
     """Rows r0 .. r1 - 1 times tokens i0 .. i1 - 1: on the fly for few tokens, else a dequantized 4-row tile."""
-    if i1 - i0 <= OTF_MAX_TOKENS:
+    if i1 - i0 <= KQ_OTF_MAX_TOKENS:
         kq_otf_rows(kind, raw, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
         return
     r = r0
@@ -547,7 +550,7 @@ def kq_run_items(table, items, pieces, x, xrows, orows, out):
         for j in range(pieces[p], pieces[p + 1]):
             kind, _, cols, raw = kq_matrix(table[items[j, 0]])
             r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
-            scratch = np.empty(TILE * cols if i1 - i0 > OTF_MAX_TOKENS else 0, np.float32)
+            scratch = np.empty(TILE * cols if i1 - i0 > KQ_OTF_MAX_TOKENS else 0, np.float32)
             kq_rows(kind, raw, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0, scratch)
 
 
