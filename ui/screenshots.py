@@ -1,7 +1,7 @@
 """Screenshots of the real app for the README: `python -m ui.screenshots [--model PATH] [--out DIR]`.
 
 Runs the app under a virtual X display (re-running itself under `xvfb-run` when there is no
-display), warms the model's kernels up first (as the app does when it prepares a model, so the
+display), warms the model's kernels up first in a child process (as the app does when it prepares a model, so the
 figures show decoding, not compiling), loads it as `colibri gui MODEL` does (the budget of its
 colibri.toml; a model held whole is given one that leaves some experts on disk), asks it a
 question with the Greedy preset (a 135 M model's sampled answers ramble), and grabs the main
@@ -67,13 +67,13 @@ def shoot(model: Path, out: Path, tokens: int) -> int:
 
     from app.conversations import ConversationStore
     from app.service.local import SettingsChange
-    from app.service.warm import warm_up
+    from app.service.warm import warm_up_apart
     from ui.app import MainWindow, configure
     from ui.theme import follow_scheme
 
     out.mkdir(parents=True, exist_ok=True)
     print(f"screenshots: warming {model.name}'s kernels up ...", file=sys.stderr)
-    print(f"  kernels ready in {warm_up(model):.0f} s", file=sys.stderr)
+    print(f"  kernels ready in {warm_up_apart(model):.0f} s", file=sys.stderr)     # in a child, as the app does
     app = QApplication.instance() or QApplication(["colibri"])
     configure(app)
     follow_scheme(app, Qt.ColorScheme.Light)
