@@ -1,7 +1,9 @@
 """The packaged app's program: the desktop app (`colibri gui [MODEL]`), or the CLI after `--cli`.
 
 `colibri` opens the window (on the last model, or the first-run choices); `colibri MODEL` opens
-MODEL; `colibri --cli run MODEL -p "Hi"` runs any `colibri` command without a window.
+MODEL; `colibri --cli run MODEL -p "Hi"` runs any `colibri` command without a window; `colibri -m MODULE ARGS`
+runs one of the bundle's modules as `python -m` would, for the child processes the app starts with
+`sys.executable -m ...` (the first run's stand-in, app.hub.standin).
 """
 
 import sys
@@ -12,6 +14,13 @@ def main() -> int:
     from app.config.runtime import prepare_process
 
     prepare_process()
+    if len(sys.argv) > 2 and sys.argv[1] == "-m":
+        import runpy
+
+        module = sys.argv[2]
+        sys.argv = [module, *sys.argv[3:]]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "--cli":
         from app.cli import main as cli_main
 

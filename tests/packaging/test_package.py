@@ -95,6 +95,13 @@ def test_the_packaged_cli_runs_too(bundle, tmp_path):
     result = subprocess.run([str(app / "colibri"), "--cli", "--version"], env=_user_env(tmp_path),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "colibri" in (result.stdout + result.stderr).lower()
+    # the child processes the app starts: the first run's stand-in (-m) and its warm-up (--cli warm)
+    standin = subprocess.run([str(app / "colibri"), "-m", "app.hub.standin", "--help"], env=_user_env(tmp_path),
+                             capture_output=True, text=True, timeout=120)
+    assert standin.returncode == 0 and "python -m app.hub.standin" in standin.stdout, standin.stderr
+    warm = subprocess.run([str(app / "colibri"), "--cli", "warm", "--help"], env=_user_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert warm.returncode == 0 and "compile" in warm.stdout, warm.stderr
 
 
 @pytest.mark.slow
