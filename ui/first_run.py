@@ -3,12 +3,12 @@
 The demo is the derived MoE (`colibri pull smollm2-moe`: SmolLM2-135M upcycled into 8 experts,
 then converted into a 4-bit container whose experts stream; made once). The packaged app
 ships the SmolLM2 GGUF it is derived from in its `models/` folder, copied into the user's models
-folder first, so no network is needed. A pull runs app.hub.pull.pull on a worker thread behind a
-progress dialog that shows the pull's typed events (app.hub.progress), then the warm-up that
-compiles the model's kernels (app.service.warm), so the first answer does not wait for them; Cancel
-raises from the progress callback at its next event (the upcycling reports every tenth, the
-conversion every 64 tensors, the warm-up every second), and the worker is always joined before the
-dialog goes away. Half-made models
+folder first, so no network is needed. A pull runs `colibri warm NAME` in a child process (`prepare`:
+app.hub.pull.pull, then the warm-up that compiles the model's kernels, app.service.warm, so the first answer
+does not wait for them; the compiler's memory leaves with the child) from a worker thread, behind a progress
+dialog that shows the child's typed events (app.hub.progress); Cancel raises from the progress callback at its
+next event (the upcycling reports at least every 5 s, the conversion every 64 tensors, the warm-up every
+second), which kills the child, and the worker is always joined before the dialog goes away. Half-made models
 are cleaned, or resumed, by the next pull.
 """
 
@@ -91,9 +91,30 @@ def seed_from_bundle(bundle: Path | None, models_dir: Path, log: Log = _quiet) -
     return copied
 
 
+def prepare(name: str, root: Path, report: Report) -> Path:
+    """Pull or make model NAME into root and compile its kernels, in a child process (`colibri warm`: the
+    upcycling's calibration and the warm-up compile kernels, and the compiler's memory must not stay in the app's),
+    then find it here. A failed warm-up of a model that is here is only said: the first answer compiles what it
+    lacks."""
+    from app.config.catalog import find_model
+    from app.service.warm import warm_up_apart
+
+    try:
+        warm_up_apart(name, report, models_dir=root)
+    except ColibriError as exc:
+        try:
+            path = find_model(name, root)
+        except ColibriError:
+            raise exc from None
+        noting(report)(QCoreApplication.translate(
+            "PullJob", "the warm-up failed ({why}); the first answer will compile its kernels").format(why=exc))
+        return path
+    return find_model(name, root)
+
+
 class PullJob(BackgroundJob):
-    """app.hub.pull.pull(NAME) on a worker thread, after seeding the models folder from the bundle, then the
-    warm-up of the pulled model (its kernels compiled into Numba's cache) in a child process."""
+    """`prepare(NAME)` on a worker thread, after seeding the models folder from the bundle: the model pulled or
+    made, then its kernels compiled into Numba's cache, in a child process."""
 
     thread_name = "colibri-pull"
     cancelled_message = QT_TRANSLATE_NOOP("BackgroundJob", "cancelled; asking again starts over where it can")
@@ -105,18 +126,11 @@ class PullJob(BackgroundJob):
 
     def _work(self, report: Report) -> Path:
         from app.config.paths import models_dir
-        from app.service.warm import warm_up_apart
 
         root = self.models_dir or models_dir()
         if self.name in pulls.DERIVED or self.name in pulls.ALIASES:
             seed_from_bundle(self.bundle, root, noting(report))
-        path = pulls.pull(self.name, root, progress=report, warm_ahead=True)
-        try:
-            warm_up_apart(path, report)      # the compiler's memory leaves with the child
-        except ColibriError as exc:     # the model may still open with other settings: say so and go on
-            noting(report)(QCoreApplication.translate(
-                "PullJob", "the warm-up failed ({why}); the first answer will compile its kernels").format(why=exc))
-        return path
+        return prepare(self.name, root, report)
 
 
 PROGRESS_WIDTH = 520    # px: the preparation's progress dialog, whose lines wrap within it

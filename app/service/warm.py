@@ -20,6 +20,8 @@ a 104 s warm-up. A warm-up on a warm cache takes 3.6 s (the demo model) to 6.4 s
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -118,19 +120,22 @@ def read_event(line: str) -> HubEvent | None:
         return None
 
 
-def warm_up_apart(model: str | Path, report: Report = _quiet, command: list[str] | None = None) -> float:
-    """`warm_up` in a child process (`colibri warm --events MODEL`, or `command`), its events handed to `report`
-    (which may raise to stop it: the child is killed). Numba's compiler keeps the memory of a compile (hundreds of
-    MB for a model's kernels): in a child it goes back to the system when the child exits, instead of staying in
-    the app's resident memory, under the model's budget, for as long as the app runs. Returns the seconds taken;
-    ColibriError with the child's last lines when it fails."""
+def warm_up_apart(model: str | Path, report: Report = _quiet, command: list[str] | None = None,
+                  models_dir: Path | None = None) -> float:
+    """`colibri warm --events MODEL` (or `command`) in a child process: MODEL pulled or prepared into `models_dir`
+    when it is a name not here yet, then warmed up; its events handed to `report`, which may raise to stop it (the
+    child and the processes it started, the stand-in, are killed). Numba's compiler keeps the memory of a compile
+    (hundreds of MB for a model's kernels, and the upcycling's calibration compiles too): in a child it goes back to
+    the system when the child exits, instead of staying in the app's resident memory, under the model's budget, for
+    as long as the app runs. Returns the seconds taken; ColibriError with the child's last lines when it fails."""
     from app.config.runtime import colibri_command
 
     t0 = time.perf_counter()
-    argv = command if command is not None else colibri_command("warm", "--events", str(model))
+    where = ["--models-dir", str(models_dir)] if models_dir is not None else []
+    argv = command if command is not None else colibri_command("warm", "--events", *where, str(model))
     tail: deque[str] = deque(maxlen=5)
     with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, errors="replace") as child:
+                          text=True, errors="replace", start_new_session=True) as child:
         drain = threading.Thread(target=lambda: tail.extend(line.rstrip() for line in child.stderr), daemon=True)
         drain.start()       # stderr read meanwhile: a child that logs much must never block on a full pipe
         try:
@@ -139,7 +144,7 @@ def warm_up_apart(model: str | Path, report: Report = _quiet, command: list[str]
                 if event is not None:
                     report(event)
         except BaseException:
-            child.kill()
+            _kill_group(child)
             raise
         code = child.wait()
         drain.join(5.0)
@@ -147,3 +152,11 @@ def warm_up_apart(model: str | Path, report: Report = _quiet, command: list[str]
         said = "; ".join(line for line in tail if line) or f"exit status {code}"
         raise ColibriError(f"the warm-up stopped: {said}")
     return time.perf_counter() - t0
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """Kill the child and what it started (its own session: the stand-in it may be waiting for goes too)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, AttributeError):     # gone already, or no process groups here
+        child.kill()

@@ -173,3 +173,15 @@ def test_stopping_a_warm_up_apart_kills_the_child(tmp_path):
 
     with pytest.raises(Stop):
         warm_up_apart("unused", cancel, [sys.executable, "-c", endless])
+
+
+def test_a_warm_up_apart_of_a_hub_name_pulls_it_first_and_says_why_it_cannot(tmp_path):
+    # the first run's "pull by name": the child pulls into the models folder it is given, then warms up
+    from app.hub.progress import Note
+    from app.service.warm import warm_up_apart
+    from engine.errors import ColibriError
+
+    events = []
+    with pytest.raises(ColibriError, match="cannot reach the Hugging Face hub for org/model"):
+        warm_up_apart("org/model", events.append, models_dir=tmp_path / "models")
+    assert events == [Note("asking the Hugging Face hub for org/model ...")]

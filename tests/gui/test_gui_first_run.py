@@ -7,11 +7,19 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from app.hub import pull as pulls
 from app.hub.progress import Progress, render
-from app.service import warm
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
 from support.qt import LOAD_TIMEOUT_MS
+from ui import first_run
+
+
+def preparing_with(monkeypatch, fake) -> None:
+    """The first run's preparation done here by `fake` (a pull's signature) instead of by `colibri warm` in a
+    child process."""
+    monkeypatch.setattr(first_run, "prepare", lambda name, root, report: fake(name, root, report, True))
 
 
 def test_with_no_model_anywhere_the_first_run_choices_are_offered(qtbot, make_window, tmp_path, monkeypatch):
@@ -52,11 +60,7 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
             time.sleep(0.05)
         return models[0]
 
-    def in_this_process(*args, **kwargs):
-        raise AssertionError("the warm-up must run in a child process: the compiler's memory leaves with it")
-
-    monkeypatch.setattr(pulls, "pull", fake_pull)
-    monkeypatch.setattr(warm, "warm_up", in_this_process)
+    preparing_with(monkeypatch, fake_pull)
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     lines = []
@@ -65,9 +69,8 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
         dlg.job.progress.connect(lambda event: lines.append(render(event)))
         assert dlg.progress_dialog is not None and dlg.progress_dialog.isVisible()
         assert not dlg.demo_button.isEnabled()
-    assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models", True)]     # its kernels compile meanwhile
-    # the pulled model's kernels were compiled behind the same dialog, before it opened
-    assert any("warm-up: kernels ready" in line for line in lines), lines
+    assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models", True)]
+    assert any("writing experts" in line for line in lines), lines
     assert window.info.name == models[0].name and not dlg.isVisible() and dlg.progress_dialog is None
     assert not dlg.job.running
 
@@ -85,7 +88,7 @@ def test_a_catalogue_name_given_at_start_is_prepared_in_the_window_then_opens(qt
         progress(Progress("upcycle", 0.5, 1.0, "routers: layer 3/30", model=name))
         return models[0]
 
-    monkeypatch.setattr(pulls, "pull", fake_pull)
+    preparing_with(monkeypatch, fake_pull)
     assert prepared_at_start(pulls.DEFAULT_MODEL) and not prepared_at_start(str(models[0]))
     window = make_window()
     # `make run` is `colibri gui smollm2-moe`: on a fresh machine the window shows the preparation, then the model
@@ -105,7 +108,7 @@ def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_win
             progress(Progress("upcycle", 0.1, 1.0, "calibrating", model=name))
             time.sleep(0.02)
 
-    monkeypatch.setattr(pulls, "pull", endless_pull)
+    preparing_with(monkeypatch, endless_pull)
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     job = dlg.start_pull(pulls.DEFAULT_MODEL)
@@ -126,7 +129,7 @@ def test_a_failed_pull_by_name_shows_why_and_the_dialog_stays(qtbot, make_window
     def failing_pull(name, models_dir=None, progress=None, warm_ahead=False):
         raise ColibriError(f"{name}: the hub cannot be reached; pull it where there is a network")
 
-    monkeypatch.setattr(pulls, "pull", failing_pull)
+    preparing_with(monkeypatch, failing_pull)
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     dlg.pull_button.click()
@@ -170,7 +173,7 @@ def test_a_long_progress_line_wraps_inside_a_dialog_that_keeps_its_width(qtbot, 
         release.wait(10)
         raise ColibriError("stopped by the test")
 
-    monkeypatch.setattr(pulls, "pull", slow_pull)
+    preparing_with(monkeypatch, slow_pull)
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     job = dlg.start_pull(pulls.DEFAULT_MODEL)
@@ -200,7 +203,7 @@ def test_enter_in_the_name_field_pulls_that_name_and_nothing_else(qtbot, make_wi
         release.wait(10)
         raise ColibriError("offline")
 
-    monkeypatch.setattr(pulls, "pull", slow_pull)
+    preparing_with(monkeypatch, slow_pull)
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     qtbot.waitExposed(dlg)
@@ -217,3 +220,31 @@ def test_enter_in_the_name_field_pulls_that_name_and_nothing_else(qtbot, make_wi
         release.set()
     assert failed.args[1] is False and names == ["org/model"] and dlg.isVisible()
     dlg.reject()
+
+
+def test_prepare_runs_the_child_and_finds_the_model_here(tmp_path, monkeypatch):
+    # `colibri warm --events --models-dir ROOT NAME` in a child; the model it left is then found in this process
+    from app.service import warm
+    from engine.errors import ColibriError
+
+    model = tmp_path / "models" / "tiny"
+    asked, lines = [], []
+
+    def child(name, report, models_dir=None):
+        asked.append((name, models_dir))
+        model.mkdir(parents=True, exist_ok=True)
+        report(Progress("warm", 1, 3, "warm-up: a greedy answer"))
+
+    monkeypatch.setattr(warm, "warm_up_apart", child)
+    assert first_run.prepare(str(model), tmp_path / "models", lines.append) == model
+    assert asked == [(str(model), tmp_path / "models")] and lines[0].message == "warm-up: a greedy answer"
+
+    def failing(name, report, models_dir=None):
+        raise ColibriError("the warm-up stopped: out of memory")
+
+    monkeypatch.setattr(warm, "warm_up_apart", failing)
+    lines.clear()
+    assert first_run.prepare(str(model), tmp_path / "models", lines.append) == model     # here: the warm-up only
+    assert "the first answer will compile its kernels" in lines[-1].message
+    with pytest.raises(ColibriError, match="out of memory"):                            # not here: the pull failed
+        first_run.prepare(str(tmp_path / "nowhere"), tmp_path / "models", lines.append)

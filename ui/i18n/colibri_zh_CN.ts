@@ -93,7 +93,7 @@
 <context>
     <name>BackgroundJob</name>
     <message>
-        <location filename="../first_run.py" line="+99"/>
+        <location filename="../first_run.py" line="+120"/>
         <source>cancelled; asking again starts over where it can</source>
         <translation>已取消；再次请求时会尽量从中断处继续</translation>
     </message>
@@ -1055,7 +1055,7 @@ double-click to rename</source>
 <context>
     <name>FirstRunDialog</name>
     <message>
-        <location filename="../first_run.py" line="+37"/>
+        <location filename="../first_run.py" line="+30"/>
         <source>Welcome to Colibri</source>
         <translation>欢迎使用 Colibri</translation>
     </message>
@@ -1856,12 +1856,12 @@ double-click to rename</source>
 <context>
     <name>PullJob</name>
     <message>
-        <location filename="../first_run.py" line="-197"/>
+        <location filename="../first_run.py" line="-211"/>
         <source>copying {name} ({size:.0f} MB) from the app into {folder}</source>
         <translation>正在从应用中复制 {name}（{size:.0f} MB）到 {folder}</translation>
     </message>
     <message>
-        <location line="+33"/>
+        <location line="+25"/>
         <source>the warm-up failed ({why}); the first answer will compile its kernels</source>
         <translation>预热失败（{why}）；第一次回答时会编译内核</translation>
     </message>
