@@ -271,6 +271,9 @@ class FirstRunDialog(QDialog):
         if isinstance(event, Progress):
             dlg.setRange(0, 100)
             dlg.setValue(round(100 * event.fraction))
+        elif dlg.maximum() > 0 and dlg.value() >= dlg.maximum():
+            # news after a finished stage is a wait with no measure (the stand-in's compile): a busy bar, not a full one
+            dlg.setRange(0, 0)
         dlg.setLabelText(render(event).strip())
 
     def _close_progress(self) -> None:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.hub import pull as pulls
-from app.hub.progress import Progress, render
+from app.hub.progress import Note, Progress, render
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
 from support.qt import LOAD_TIMEOUT_MS
 from ui import first_run
@@ -51,13 +51,15 @@ def test_a_prepared_demo_or_a_recent_model_opens_without_asking(make_window, tmp
 
 
 def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_window, models, tmp_path, monkeypatch):
-    calls = []
+    calls, shown = [], threading.Event()
 
     def fake_pull(name, models_dir=None, progress=None, warm_ahead=False):
         calls.append((name, models_dir, warm_ahead))
-        for percent in (0, 40, 90):
+        for percent in (0, 40, 100):
             progress(Progress("write", percent, 100, "writing experts", model=name))
             time.sleep(0.05)
+        progress(Note("compiling kernels on a small stand-in of the model (15 s so far)"))
+        shown.wait(10)
         return models[0]
 
     preparing_with(monkeypatch, fake_pull)
@@ -69,6 +71,10 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
         dlg.job.progress.connect(lambda event: lines.append(render(event)))
         assert dlg.progress_dialog is not None and dlg.progress_dialog.isVisible()
         assert not dlg.demo_button.isEnabled()
+        # a wait after a finished stage shows as busy, not as a full bar
+        qtbot.waitUntil(lambda: "stand-in" in dlg.progress_dialog.labelText(), timeout=10_000)
+        assert dlg.progress_dialog.maximum() == 0
+        shown.set()
     assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models", True)]
     assert any("writing experts" in line for line in lines), lines
     assert window.info.name == models[0].name and not dlg.isVisible() and dlg.progress_dialog is None
