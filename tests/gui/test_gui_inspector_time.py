@@ -80,3 +80,16 @@ def test_time_axes_carry_a_few_round_tick_labels(qtbot, inspector):
         low, high = axis.range
         labelled = axis.tickValues(low, high, axis.height() if name == "left" else axis.width())[0][1]
         assert 2 <= len(labelled) <= most + 1, (name, labelled)
+
+
+def test_time_with_no_records_says_so_after_a_model_with_some(qtbot, inspector):
+    # a model opened after another, its Time tab shown before any question: no bars, no stale mean, no error
+    gen = Generation()
+    gen.decode(5)
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    assert inspector.time.bar_count() == 5
+    inspector.set_snapshot(Generation().tel.snapshot())
+    qtbot.waitUntil(lambda: inspector.time.bar_count() == 0, timeout=3000)     # the next tick that plots
+    assert inspector.time.total.text() == "no decoded tokens yet"

@@ -160,7 +160,8 @@ class TimeView(QWidget):
         centres = x0 + width / 2
         self.prefill_marks.setData(x=centres[prefill], y=np.minimum(tops[prefill], self.scale))
         self.clip_marks.setData(x=centres[cut], y=np.full(int(cut.sum()), self.scale * 0.97))
-        n_cut, highest = int(cut.sum()), fmt_ms(float(tops.max()) / 1e3)
+        n_cut = int(cut.sum())
+        highest = fmt_ms(float(tops.max()) / 1e3) if n_cut else ""      # (no records: no bar, no maximum)
         self._clipped = ("" if n_cut == 0
                          else self.tr("; 1 bar cut at the top (arrow), {time}").format(time=highest) if n_cut == 1
                          else self.tr("; {n} bars cut at the top (arrows), the highest {time}").format(
