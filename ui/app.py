@@ -35,9 +35,10 @@ from app.service.remote import ConnectionChanged, RemoteService
 from engine.errors import ColibriError
 from ui.bridge import Bridge, ServiceFactory
 from ui.chat import ChatPanel
+from ui.chat_options import is_demo
 from ui.controls import ControlsPanel
 from ui.conversation_list import ConversationList
-from ui.first_run import FirstRunDialog, bundled_models_dir, is_demo
+from ui.first_run import FirstRunDialog, bundled_models_dir
 from ui.library import LibraryDialog
 from ui.models import ModelActions
 from ui.settings_dialog import AppSettings, SettingsDialog, ShortcutsDialog, compute_threads, models_folder
@@ -409,7 +410,7 @@ class MainWindow(QMainWindow):
         models_dir = models_dir if models_dir is not None else models_folder(self.settings)
         dlg = self.first_run = FirstRunDialog(models_dir, bundle if bundle is not None else bundled_models_dir(),
                                               self, current=self.info.name if self.info is not None else None,
-                                              demo_loaded=self.info is not None and is_demo(self.info.path))
+                                              demo_loaded=self.info is not None and is_demo(self.info))
         dlg.openRequested.connect(self.open_model)
         dlg.openFolderRequested.connect(self.models.open_folder.trigger)
         dlg.openGgufRequested.connect(self.models.open_gguf.trigger)

@@ -225,7 +225,7 @@ class ChatPanel(QWidget):
         """The model answers come from (None: none loaded, nothing can be sent)."""
         self.info = info
         demo = info is not None and is_demo(info)
-        self.transcript.setPlaceholderText(QCoreApplication.translate("ChatPanel", DEMO_NOTE) if demo else "")
+        self.transcript.set_note(QCoreApplication.translate("ChatPanel", DEMO_NOTE) if demo else "")
         self.context_meter.set_total(info.settings.context_length if info is not None else None)
         self.drafting.set_model(info, self.remote)
         if info is None:

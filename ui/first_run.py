@@ -64,11 +64,6 @@ def prepared_at_start(name: str) -> bool:
     return name in pulls.DERIVED or name in pulls.ALIASES
 
 
-def is_demo(path: Path) -> bool:
-    """Whether PATH is the demo model as the first run prepares it (its folder in any models folder)."""
-    return path.name == pulls.DERIVED[pulls.DEFAULT_MODEL].folder
-
-
 def _quiet(message: str) -> None:
     pass
 

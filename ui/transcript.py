@@ -22,6 +22,8 @@ from PySide6.QtCore import QCoreApplication, QEvent, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
     QFont,
     QGuiApplication,
+    QPainter,
+    QPaintEvent,
     QPalette,
     QTextBlockFormat,
     QTextCharFormat,
@@ -91,12 +93,35 @@ class Transcript(QTextBrowser):
         self._answer_index: int | None = None   # the turn index of the answer being written
         self._answer_codes = 0                  # the first code block number of the streaming answer
         self._tail_codes = 0                    # and of its unfinished part
+        self._empty_note = ""                   # shown in an empty transcript, wrapped (set_note)
         self._dirty = False
         self.redraws = 0                        # answer draws (tests check they stay below the token count)
         self.segments_drawn = 0                 # segments drawn for good (each once)
         self._timer = QTimer(self)
         self._timer.setInterval(1000 // REDRAW_HZ)
         self._timer.timeout.connect(self._flush)
+
+    # --- the note of an empty transcript ---
+
+    def set_note(self, text: str) -> None:
+        """Text shown, wrapped to the width, while the transcript is empty ("" for none). Qt's placeholder text
+        draws on one line, cut at the right edge."""
+        self._empty_note = text
+        self.viewport().update()
+
+    def note(self) -> str:
+        """The note shown while the transcript is empty."""
+        return self._empty_note
+
+    def paintEvent(self, event: QPaintEvent) -> None:
+        super().paintEvent(event)
+        if self._empty_note and self.document().isEmpty():
+            margin = int(self.document().documentMargin())
+            painter = QPainter(self.viewport())
+            painter.setPen(self.palette().color(QPalette.ColorRole.PlaceholderText))
+            painter.drawText(self.viewport().rect().adjusted(margin, margin, -margin, -margin),
+                             int(Qt.AlignmentFlag.AlignTop | Qt.TextFlag.TextWordWrap), self._empty_note)
+            painter.end()
 
     # --- whole turns ---
 

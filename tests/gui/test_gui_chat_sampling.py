@@ -142,11 +142,11 @@ def test_the_demo_model_says_what_it_is(qtbot, make_window, models, tmp_path):
     demo.symlink_to(models[1], target_is_directory=True)
     window = make_window(demo)
     chat = window.chat
-    assert "demo model" in chat.transcript.placeholderText() and "135M" in chat.transcript.placeholderText()
+    assert "demo model" in chat.transcript.note() and "135M" in chat.transcript.note()
     assert "demo" in chat.status.text()
     with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
         window.open_model(str(models[1]))
-    assert chat.transcript.placeholderText() == "" and "demo" not in chat.status.text()
+    assert chat.transcript.note() == "" and "demo" not in chat.status.text()
 
 
 def test_a_servers_tokens_seen_only_as_text_are_told_apart_by_their_text():

@@ -213,3 +213,21 @@ def test_a_list_streams_from_its_first_item_and_the_view_follows(qtbot, view):
     first = by_text["A paragraph of at least four sentences"]
     assert first.textList() is not None and first.textList() == by_text["The word"].textList()
     view.end_answer(view.text, "stats")
+
+
+def test_the_note_of_an_empty_transcript_wraps_to_its_width(view):
+    # Qt's placeholder text drew the demo model's note on one line, cut at the right edge
+    import numpy as np
+    from PySide6.QtGui import QFontMetrics
+
+    view.resize(320, 300)
+    view.set_note("This is the demo model: a small model upcycled into experts to show them streaming from disk. "
+                  "Expect simple answers.")
+    image = view.viewport().grab().toImage()
+    pixels = np.array([[image.pixelColor(x, y).lightness() for x in range(image.width())]
+                       for y in range(image.height())])
+    inked = np.flatnonzero((pixels < pixels.max() - 40).any(axis=1))      # rows where the note left ink
+    assert inked.size and inked[-1] - inked[0] > 2.5 * QFontMetrics(view.font()).height()   # three lines or more
+    view.set_note("")
+    view.show_conversation(answer("Hello."))
+    assert view.note() == "" and "Hello." in view.toPlainText()
