@@ -146,6 +146,7 @@ class FirstRunDialog(QDialog):
         self.models_dir, self.bundle = models_dir, bundle
         self.job: PullJob | None = None
         self.progress_dialog: QProgressDialog | None = None
+        self._expect = ""     # how long the preparation takes, under each of its lines (the demo's)
         intro = QLabel(self.tr("<b>No model yet.</b> Colibri needs a language model to chat with.") if current is None
                        else self.tr("<b>Get another model.</b> {name} stays loaded until the new one opens.").format(
                            name=html.escape(current)))
@@ -214,7 +215,11 @@ class FirstRunDialog(QDialog):
             return self.job
         self.error.clear()
         self.job = PullJob(name, self.models_dir, self.bundle, self)
-        dlg = QProgressDialog(self.tr("Getting {name}…").format(name=name), self.tr("Cancel"), 0, 0, self)
+        # the welcome text's estimate is under this dialog: it goes with every line (made models only)
+        self._expect = ("\n" + self.tr("Once: 5 to 15 minutes on a small two-core machine.")
+                        if name in pulls.DERIVED else "")
+        dlg = QProgressDialog(self.tr("Getting {name}…").format(name=name) + self._expect, self.tr("Cancel"), 0, 0,
+                              self)
         dlg.setObjectName("firstRunProgress")
         # the pull's lines run to 150 characters: a label that wraps, in a dialog as wide as this one, else
         # QProgressDialog grows to each line's width and is drawn past the screen's edge
@@ -269,7 +274,7 @@ class FirstRunDialog(QDialog):
         elif dlg.maximum() > 0 and dlg.value() >= dlg.maximum():
             # news after a finished stage is a wait with no measure (the stand-in's compile): a busy bar, not a full one
             dlg.setRange(0, 0)
-        dlg.setLabelText(render(event).strip())
+        dlg.setLabelText(render(event).strip() + self._expect)
 
     def _close_progress(self) -> None:
         if self.progress_dialog is not None:

@@ -74,6 +74,7 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
         # a wait after a finished stage shows as busy, not as a full bar
         qtbot.waitUntil(lambda: "stand-in" in dlg.progress_dialog.labelText(), timeout=10_000)
         assert dlg.progress_dialog.maximum() == 0
+        assert "5 to 15 minutes" in dlg.progress_dialog.labelText()     # the estimate the dialog covers
         shown.set()
     assert calls == [(pulls.DEFAULT_MODEL, tmp_path / "models", True)]
     assert any("writing experts" in line for line in lines), lines

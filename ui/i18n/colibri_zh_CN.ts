@@ -4,7 +4,7 @@
 <context>
     <name>About</name>
     <message>
-        <location filename="../app.py" line="+62"/>
+        <location filename="../app.py" line="+63"/>
         <source>The demo model: SmolLM2-135M-Instruct, Apache-2.0</source>
         <translation>演示模型：SmolLM2-135M-Instruct，Apache-2.0</translation>
     </message>
@@ -93,7 +93,7 @@
 <context>
     <name>BackgroundJob</name>
     <message>
-        <location filename="../first_run.py" line="+120"/>
+        <location filename="../first_run.py" line="+115"/>
         <source>cancelled; asking again starts over where it can</source>
         <translation>已取消；再次请求时会尽量从中断处继续</translation>
     </message>
@@ -1065,7 +1065,7 @@ double-click to rename</source>
         <translation>获取模型</translation>
     </message>
     <message>
-        <location line="+4"/>
+        <location line="+5"/>
         <source>&lt;b&gt;No model yet.&lt;/b&gt; Colibri needs a language model to chat with.</source>
         <translation>&lt;b&gt;还没有模型。&lt;/b&gt;Colibri 需要一个语言模型才能聊天。</translation>
     </message>
@@ -1135,7 +1135,12 @@ double-click to rename</source>
         <translation>请先输入模型名称</translation>
     </message>
     <message>
-        <location line="+6"/>
+        <location line="+7"/>
+        <source>Once: 5 to 15 minutes on a small two-core machine.</source>
+        <translation>只需一次：在双核小型机器上约 5 到 15 分钟。</translation>
+    </message>
+    <message>
+        <location line="+2"/>
         <source>Getting {name}…</source>
         <translation>正在获取 {name}…</translation>
     </message>
@@ -1145,7 +1150,7 @@ double-click to rename</source>
         <translation>取消</translation>
     </message>
     <message>
-        <location line="+8"/>
+        <location line="+9"/>
         <source>Preparing the model</source>
         <translation>正在准备模型</translation>
     </message>
@@ -1155,7 +1160,7 @@ double-click to rename</source>
         <translation>将在下一步取消…</translation>
     </message>
     <message>
-        <location line="+31"/>
+        <location line="+34"/>
         <source>Cancelled: {why}</source>
         <translation>已取消：{why}</translation>
     </message>
@@ -1856,7 +1861,7 @@ double-click to rename</source>
 <context>
     <name>PullJob</name>
     <message>
-        <location filename="../first_run.py" line="-211"/>
+        <location filename="../first_run.py" line="-219"/>
         <source>copying {name} ({size:.0f} MB) from the app into {folder}</source>
         <translation>正在从应用中复制 {name}（{size:.0f} MB）到 {folder}</translation>
     </message>
@@ -2233,7 +2238,7 @@ double-click to rename</source>
         <translation>每个解码词元平均 {time}（{speed} tok/s）；显示 {n} 条记录，三角形标记提示词分块</translation>
     </message>
     <message>
-        <location line="+27"/>
+        <location line="+28"/>
         <source>; 1 bar cut at the top (arrow), {time}</source>
         <translation>；1 根柱子顶部被截断（箭头），{time}</translation>
     </message>
@@ -2261,7 +2266,7 @@ double-click to rename</source>
         <translation>复制</translation>
     </message>
     <message>
-        <location filename="../transcript.py" line="+51"/>
+        <location filename="../transcript.py" line="+53"/>
         <source>{n} tokens</source>
         <translation>{n} 个词元</translation>
     </message>
@@ -2281,7 +2286,7 @@ double-click to rename</source>
         <translation>已停止：回答在自我重复</translation>
     </message>
     <message>
-        <location line="+292"/>
+        <location line="+315"/>
         <source>You</source>
         <translation>你</translation>
     </message>
