@@ -14,7 +14,10 @@ def say_wrapped(dialog: QWidget, label: QLabel, text: str) -> None:
     label.setText(text)
     label.setMinimumHeight(label.heightForWidth(max(label.width(), dialog.width() - 40)) if text else 0)
     width = dialog.width()
+    layout = dialog.layout()
     dialog.resize(width, max(dialog.height(), dialog.heightForWidth(width), dialog.minimumSizeHint().height()))
+    if layout is not None:
+        layout.activate()       # now, not at the next event: until then the old spacing overlapped the buttons
 
 
 class ElidedLabel(QLabel):
