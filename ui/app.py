@@ -79,7 +79,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, settings: QSettings | None = None, conversations: ConversationStore | None = None,
                  load_options: LoadOptions = LoadOptions(), service: ServiceFactory | None = None,
-                 options_for: Callable[[str], LoadOptions] | None = None):
+                 options_for: Callable[[str], LoadOptions] | None = None, asked: frozenset[str] | None = None):
         super().__init__()
         self.setObjectName("mainWindow")
         self.setWindowTitle(APP_NAME)
@@ -89,6 +89,7 @@ class MainWindow(QMainWindow):
         self.load_options = load_options
         self.options_for = options_for      # a model's own options (its colibri.toml), else load_options for all
         self._loading_options = load_options    # those of the load in progress, or of the model loaded
+        self.asked = asked          # live settings the command line set (None: those the load options set)
         self.info: ModelInfo | None = None
         self.error_dialog: QMessageBox | None = None    # the last error shown (tests look at it)
         self.first_run: FirstRunDialog | None = None     # the "no model yet" choices, while shown
@@ -502,8 +503,10 @@ class MainWindow(QMainWindow):
             self.show_error(self.tr("The model could not be loaded"), event.message)
 
     def _given_settings(self) -> frozenset[str]:
-        """The live settings this load's options set (the command line, settings files, the model's colibri.toml):
-        remembered ones yield to them."""
+        """The live settings the remembered sliders yield to: those the command line set by flag or variable
+        (`asked`), else (no command line: tests, the self-test) all that this load's options set."""
+        if self.asked is not None:
+            return self.asked
         o, default = self._loading_options, LoadOptions()
         given = {"memory_budget": o.max_memory is not None, "context_length": o.context_length is not None,
                  "prefetch_depth": o.prefetch_depth != default.prefetch_depth,

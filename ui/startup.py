@@ -55,19 +55,20 @@ def remote_service(url: str, api_key: str | None = None) -> ServiceFactory:
 
 def run(model: str | None, options: LoadOptions = LoadOptions(), self_test: SelfTest | None = None,
         remote: str | None = None, api_key: str | None = None, language: str | None = None,
-        options_for: Callable[[str], LoadOptions] | None = None) -> int:
+        options_for: Callable[[str], LoadOptions] | None = None, asked: frozenset[str] | None = None) -> int:
     """Open the app (loading MODEL, else the most recent model, else offering the first-run choices) and run it
     until the window closes; with remote, on the Colibri server at that URL instead of a model here; with
     self_test, load (or connect), answer once, print the report and quit. language ("system", "en", "zh_CN")
     overrides the one chosen in the settings for this run. options_for(path) gives the options of each model
-    opened (its colibri.toml read as `colibri gui MODEL` reads it); without it every model gets `options`."""
+    opened (its colibri.toml read as `colibri gui MODEL` reads it); without it every model gets `options`. asked
+    names the live settings the command line set by flag or variable: only those win over remembered sliders."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     service = remote_service(remote, api_key) if remote else None
     app = QApplication.instance() or QApplication(sys.argv[:1])
     configure(app)
     shown = install_translation(app, chosen_language(QSettings(), language))    # before the first widget is built
     log.info("user interface language: %s", shown)
-    window = MainWindow(load_options=options, service=service, options_for=options_for)
+    window = MainWindow(load_options=options, service=service, options_for=options_for, asked=asked)
     window.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
     window.show()
     check = SelfTestRun(window, self_test) if self_test is not None else None

@@ -76,8 +76,25 @@ def _run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # the GUI's packages are runtime dependencies, but a broken install says so
         raise ColibriError(f"the desktop app cannot start ({exc}); reinstall Colibri: pip install -e .") from None
     check = SelfTest(args.self_test, args.self_test_tokens) if args.self_test is not None else None
+    argv = getattr(args, "command_line", None)
     return run(args.model, options, self_test=check, remote=args.remote, api_key=args.api_key, language=args.lang,
-               options_for=_options_for(getattr(args, "command_line", None)))
+               options_for=_options_for(argv), asked=_asked(argv))
+
+
+# the options the window's sliders set, by dest, and the names of the live settings they set there
+SLIDERS = {"max_memory": "memory_budget", "ctx": "context_length", "prefetch_depth": "prefetch_depth",
+           "io_threads": "io_threads"}
+
+
+def _asked(argv: list[str] | None) -> frozenset[str] | None:
+    """The sliders' settings the command line asks for by flag or COLIBRI_* variable: they win over the sliders'
+    remembered positions, which win over settings files (a model's colibri.toml); None without the command line."""
+    if argv is None:
+        return None
+    from app.cli import build_parser
+    from app.config import settings
+
+    return frozenset(SLIDERS[d] for d in settings.asked_for(build_parser(), argv, "gui") if d in SLIDERS)
 
 
 def _options_for(argv: list[str] | None) -> Callable[[str], LoadOptions] | None:

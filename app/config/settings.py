@@ -442,6 +442,13 @@ def for_model(parser: argparse.ArgumentParser, argv: list[str], command: str, mo
     return args
 
 
+def asked_for(parser: argparse.ArgumentParser, argv: list[str], command: str) -> set[str]:
+    """The dests of `command` that `colibri ARGV` sets explicitly for this run: its flags and COLIBRI_* variables
+    (not the settings files, which hold defaults a window's remembered sliders may override)."""
+    parsers = command_parsers(parser)
+    return explicit_dests(parser, argv, parsers[command]) | set(env_layer(parsers[command], os.environ))
+
+
 def tuned_layer(path: Path, model: Path, parser: argparse.ArgumentParser, layers: list[Layer]) -> tuple[Layer, str]:
     """The [tuned] values of the model's colibri.toml for this command, and a notice; no values when the file
     has none or when its fingerprint differs from this machine's, model's and budget's (the notice says so)."""

@@ -226,3 +226,29 @@ def test_a_model_opened_from_the_app_reads_its_colibri_toml(qtbot, make_window, 
     assert window.open_model(str(folder)) == -1                             # refused before unloading anything
     assert window.info is not None and window.info.path == folder and window.chat.isEnabled()
     assert "not valid TOML" in window.error_dialog.text() + window.error_dialog.informativeText()
+
+
+def test_remembered_sliders_win_over_a_models_file_and_yield_to_flags(qtbot, make_window, models, tmp_path,
+                                                                      monkeypatch):
+    # the walkthrough moved the demo's budget, restarted, and found its colibri.toml's budget again: a slider the
+    # user moved is kept over a settings file, and only the command line's own flags and variables beat it
+    import shutil
+
+    from app.commands.gui import _asked, _options_for
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    folder = Path(shutil.copytree(models[1], tmp_path / "with-settings"))
+    (folder / "colibri.toml").write_text("prefetch_depth = 2\nio_threads = 3\n", encoding="utf-8")
+    settings_file = tmp_path / "kept.ini"
+    kept = QSettings(str(settings_file), QSettings.Format.IniFormat)
+    kept.setValue("controls/prefetch_depth", 3)
+    kept.setValue("controls/io_threads", 4)
+    kept.sync()
+    window = make_window(settings_file=settings_file)
+    argv = ["gui", "--io-threads", "1"]
+    window.options_for, window.asked = _options_for(argv), _asked(argv)
+    assert window.asked == frozenset({"io_threads"})
+    with qtbot.waitSignal(window.bridge.settingsApplied, timeout=LOAD_TIMEOUT_MS) as applied:
+        window.open_model(str(folder))
+    settings = applied.args[0].info.settings
+    assert (settings.prefetch_depth, settings.io_threads) == (3, 1)       # remembered over the file; the flag over both
