@@ -191,12 +191,26 @@ def test_the_sliders_are_remembered_for_the_next_model(qtbot, make_window, model
     assert again.controls.prefetch.slider.value() == 3 and again.controls.io_threads.slider.value() == 4
 
 
-def test_settings_given_for_a_load_win_over_remembered_ones(qtbot, make_window, models, tmp_path):
-    settings_file = tmp_path / "kept.ini"
-    kept = QSettings(str(settings_file), QSettings.Format.IniFormat)
-    kept.setValue("controls/prefetch_depth", 3)
-    kept.setValue("controls/io_threads", 4)
+def remembered(path: Path, **controls: int) -> Path:
+    """A settings file holding the sliders' remembered positions (as a window's last run left them)."""
+    kept = QSettings(str(path), QSettings.Format.IniFormat)
+    for name, value in controls.items():
+        kept.setValue(f"controls/{name}", value)
     kept.sync()
+    return path
+
+
+def with_settings(container: Path, tmp_path: Path, toml: str) -> Path:
+    """A copy of the tiny container (its experts stream) with a colibri.toml of its own."""
+    import shutil
+
+    folder = Path(shutil.copytree(container, tmp_path / "with-settings"))
+    (folder / "colibri.toml").write_text(toml, encoding="utf-8")
+    return folder
+
+
+def test_settings_given_for_a_load_win_over_remembered_ones(qtbot, make_window, models, tmp_path):
+    settings_file = remembered(tmp_path / "kept.ini", prefetch_depth=3, io_threads=4)
     window = make_window(settings_file=settings_file)
     window.load_options = LoadOptions(io_threads=1)   # as `colibri gui --io-threads 1` would
     with qtbot.waitSignal(window.bridge.settingsApplied, timeout=LOAD_TIMEOUT_MS) as applied:
@@ -208,13 +222,10 @@ def test_settings_given_for_a_load_win_over_remembered_ones(qtbot, make_window, 
 def test_a_model_opened_from_the_app_reads_its_colibri_toml(qtbot, make_window, models, tmp_path, monkeypatch):
     # `colibri gui` then File > Open: the model gets what `colibri gui MODEL` would give it (its colibri.toml under
     # the command line's flags), not the options of the model the app started with
-    import shutil
-
     from app.commands.gui import _options_for
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))       # no user file of this machine
-    folder = Path(shutil.copytree(models[1], tmp_path / "with-settings"))   # a container: its experts stream
-    (folder / "colibri.toml").write_text("prefetch_depth = 2\nio_threads = 3\n", encoding="utf-8")
+    folder = with_settings(models[1], tmp_path, "prefetch_depth = 2\nio_threads = 3\n")
     window = make_window()
     window.options_for = _options_for(["gui", "--io-threads", "1"])
     with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS) as loaded:
@@ -232,18 +243,11 @@ def test_remembered_sliders_win_over_a_models_file_and_yield_to_flags(qtbot, mak
                                                                       monkeypatch):
     # the walkthrough moved the demo's budget, restarted, and found its colibri.toml's budget again: a slider the
     # user moved is kept over a settings file, and only the command line's own flags and variables beat it
-    import shutil
-
     from app.commands.gui import _asked, _options_for
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    folder = Path(shutil.copytree(models[1], tmp_path / "with-settings"))
-    (folder / "colibri.toml").write_text("prefetch_depth = 2\nio_threads = 3\n", encoding="utf-8")
-    settings_file = tmp_path / "kept.ini"
-    kept = QSettings(str(settings_file), QSettings.Format.IniFormat)
-    kept.setValue("controls/prefetch_depth", 3)
-    kept.setValue("controls/io_threads", 4)
-    kept.sync()
+    folder = with_settings(models[1], tmp_path, "prefetch_depth = 2\nio_threads = 3\n")
+    settings_file = remembered(tmp_path / "kept.ini", prefetch_depth=3, io_threads=4)
     window = make_window(settings_file=settings_file)
     argv = ["gui", "--io-threads", "1"]
     window.options_for, window.asked = _options_for(argv), _asked(argv)
