@@ -105,6 +105,9 @@ def warm_up(model: str | Path, report: Report = _quiet, options: LoadOptions = Q
     return seconds
 
 
+ERROR = "colibri: error: "      # how the command line says what went wrong: the reason the child gives
+
+
 def event_line(event: HubEvent) -> str:
     """EVENT as the JSON line `colibri warm --events` prints (read back by `read_event`)."""
     return json.dumps({"kind": type(event).__name__, **asdict(event)})
@@ -127,7 +130,8 @@ def warm_up_apart(model: str | Path, report: Report = _quiet, command: list[str]
     child and the processes it started, the stand-in, are killed). Numba's compiler keeps the memory of a compile
     (hundreds of MB for a model's kernels, and the upcycling's calibration compiles too): in a child it goes back to
     the system when the child exits, instead of staying in the app's resident memory, under the model's budget, for
-    as long as the app runs. Returns the seconds taken; ColibriError with the child's last lines when it fails."""
+    as long as the app runs. Returns the seconds taken; ColibriError with the error the child gave (else its last
+    lines) when it fails."""
     from app.config.runtime import colibri_command
 
     t0 = time.perf_counter()
@@ -149,8 +153,9 @@ def warm_up_apart(model: str | Path, report: Report = _quiet, command: list[str]
         code = child.wait()
         drain.join(5.0)
     if code != 0:
-        said = "; ".join(line for line in tail if line) or f"exit status {code}"
-        raise ColibriError(f"the warm-up stopped: {said}")
+        errors = [line.removeprefix(ERROR) for line in tail if line.startswith(ERROR)]
+        said = errors[-1] if errors else "; ".join(line for line in tail if line) or f"exit status {code}"
+        raise ColibriError(f"preparing {model} stopped: {said}")
     return time.perf_counter() - t0
 
 

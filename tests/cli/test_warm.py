@@ -182,6 +182,6 @@ def test_a_warm_up_apart_of_a_hub_name_pulls_it_first_and_says_why_it_cannot(tmp
     from engine.errors import ColibriError
 
     events = []
-    with pytest.raises(ColibriError, match="cannot reach the Hugging Face hub for org/model"):
+    with pytest.raises(ColibriError, match="^preparing org/model stopped: cannot reach the Hugging Face hub for org/"):
         warm_up_apart("org/model", events.append, models_dir=tmp_path / "models")
     assert events == [Note("asking the Hugging Face hub for org/model ...")]
