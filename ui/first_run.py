@@ -158,14 +158,11 @@ class FirstRunDialog(QDialog):
             self.demo_button.setEnabled(False)
             self.demo_button.setDefault(False)
             demo_note = QLabel(self.tr("The demo model is the one loaded now."))
-        elif bundle is not None:
-            demo_note = QLabel(self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, "
-                                       "whose experts stream from disk; once: 5 to 15 minutes on a small "
-                                       "two-core machine (shipped with the app: no download)."))
         else:
-            demo_note = QLabel(self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, "
-                                       "whose experts stream from disk; once: 5 to 15 minutes on a small "
-                                       "two-core machine (downloads about 100 MB)."))
+            source = (self.tr("Shipped with the app: no download.") if bundle is not None
+                      else self.tr("Downloads about 100 MB."))
+            demo_note = QLabel(" ".join((self.tr("SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 "
+                                                 "bits, whose experts stream from disk."), self._estimate(), source)))
         self.folder_button = QPushButton(self.tr("Open a model folder…"))
         self.gguf_button = QPushButton(self.tr("Open a GGUF file…"))
         self.name_edit = QLineEdit()
@@ -196,6 +193,10 @@ class FirstRunDialog(QDialog):
         self.close_button.clicked.connect(self.reject)
         self.resize(520, self.sizeHint().height())
 
+    def _estimate(self) -> str:
+        """How long preparing a made model (the demo) takes, said once for the welcome text and the progress lines."""
+        return self.tr("Once: 5 to 15 minutes on a small two-core machine.")
+
     def eventFilter(self, watched: QObject, event: QEvent) -> bool:
         # Enter in the name field pulls that name and goes no further: the dialog would click its default button
         # too, the demo's (with no name typed) or, once the pull disables the field and focus moves on, "Not now",
@@ -216,8 +217,7 @@ class FirstRunDialog(QDialog):
         self.error.clear()
         self.job = PullJob(name, self.models_dir, self.bundle, self)
         # the welcome text's estimate is under this dialog: it goes with every line (made models only)
-        self._expect = ("\n" + self.tr("Once: 5 to 15 minutes on a small two-core machine.")
-                        if name in pulls.DERIVED else "")
+        self._expect = "\n" + self._estimate() if name in pulls.DERIVED else ""
         dlg = QProgressDialog(self.tr("Getting {name}…").format(name=name) + self._expect, self.tr("Cancel"), 0, 0,
                               self)
         dlg.setObjectName("firstRunProgress")

@@ -213,7 +213,7 @@ def gl_atlas_fills_the_pane_and_fits_every_expert(qtbot, inspector):
     qtbot.waitUntil(lambda: atlas.canvas is not None and atlas.canvas.native.isVisible(), timeout=3000)
     qtbot.waitUntil(lambda: atlas.canvas.native.width() >= 580, timeout=3000)
     assert atlas.canvas.native.height() > 0.6 * atlas.height()
-    assert list(atlas._axis_labels[0].text) == [f"PC{i + 1} {100 * v:.0f}%"
+    assert list(atlas._axis_text.text) == [f"PC{i + 1} {100 * v:.0f}%"
                                                 for i, v in enumerate(data["explained_variance"])]
     _assert_every_expert_shows(atlas)
 

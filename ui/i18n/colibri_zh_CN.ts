@@ -85,7 +85,7 @@
         <translation>三维图谱需要 OpenGL：{why}。“大脑”标签页显示的是同样的专家，将鼠标悬停在其中的格子上即可看到它的图谱话题。</translation>
     </message>
     <message>
-        <location line="+115"/>
+        <location line="+114"/>
         <source>selected: {expert}</source>
         <translation>已选中：{expert}</translation>
     </message>
@@ -1085,17 +1085,7 @@ double-click to rename</source>
         <translation>当前加载的就是演示模型。</translation>
     </message>
     <message>
-        <location line="+2"/>
-        <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk; once: 5 to 15 minutes on a small two-core machine (shipped with the app: no download).</source>
-        <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取；只需准备一次：在双核小型机器上约 5 到 15 分钟（随应用附带：无需下载）。</translation>
-    </message>
-    <message>
-        <location line="+4"/>
-        <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk; once: 5 to 15 minutes on a small two-core machine (downloads about 100 MB).</source>
-        <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取；只需准备一次：在双核小型机器上约 5 到 15 分钟（需下载约 100 MB）。</translation>
-    </message>
-    <message>
-        <location line="+3"/>
+        <location line="+6"/>
         <source>Open a model folder…</source>
         <translation>打开模型文件夹…</translation>
     </message>
@@ -1130,17 +1120,32 @@ double-click to rename</source>
         <translation>或按名称拉取：</translation>
     </message>
     <message>
-        <location line="+23"/>
+        <location line="+27"/>
         <source>type a model name first</source>
         <translation>请先输入模型名称</translation>
     </message>
     <message>
-        <location line="+7"/>
+        <location line="-15"/>
         <source>Once: 5 to 15 minutes on a small two-core machine.</source>
         <translation>只需一次：在双核小型机器上约 5 到 15 分钟。</translation>
     </message>
     <message>
-        <location line="+2"/>
+        <location line="-36"/>
+        <source>Shipped with the app: no download.</source>
+        <translation>随应用附带：无需下载。</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>Downloads about 100 MB.</source>
+        <translation>需下载约 100 MB。</translation>
+    </message>
+    <message>
+        <location line="+1"/>
+        <source>SmolLM2-135M turned into an 8-expert Mixture-of-Experts stored at 4 bits, whose experts stream from disk.</source>
+        <translation>将 SmolLM2-135M 转成 8 个专家的混合专家模型，以 4 位存储，专家从磁盘流式读取。</translation>
+    </message>
+    <message>
+        <location line="+57"/>
         <source>Getting {name}…</source>
         <translation>正在获取 {name}…</translation>
     </message>
@@ -1201,7 +1206,7 @@ double-click to rename</source>
 <context>
     <name>InspectorPlaceholder</name>
     <message>
-        <location filename="../widgets.py" line="+53"/>
+        <location filename="../widgets.py" line="+56"/>
         <source>The inspector is not available ({why}).</source>
         <translation>检查器不可用（{why}）。</translation>
     </message>
@@ -1335,7 +1340,7 @@ double-click to rename</source>
 <context>
     <name>MainWindow</name>
     <message>
-        <location filename="../app.py" line="+54"/>
+        <location filename="../app.py" line="+55"/>
         <source>Conversations</source>
         <translation>对话</translation>
     </message>
@@ -1431,12 +1436,12 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+3"/>
-        <location line="+454"/>
+        <location line="+456"/>
         <source>About Colibri</source>
         <translation>关于 Colibri</translation>
     </message>
     <message>
-        <location line="-398"/>
+        <location line="-400"/>
         <source>{label} · compute threads change when a model is next opened</source>
         <translation>{label} · 计算线程将在下次打开模型时更改</translation>
     </message>
@@ -1529,7 +1534,7 @@ double-click to rename</source>
         <translation>无法加载模型</translation>
     </message>
     <message>
-        <location line="+38"/>
+        <location line="+40"/>
         <source>The atlas cannot be shown</source>
         <translation>无法显示图谱</translation>
     </message>
@@ -2238,7 +2243,7 @@ double-click to rename</source>
         <translation>每个解码词元平均 {time}（{speed} tok/s）；显示 {n} 条记录，三角形标记提示词分块</translation>
     </message>
     <message>
-        <location line="+28"/>
+        <location line="+30"/>
         <source>; 1 bar cut at the top (arrow), {time}</source>
         <translation>；1 根柱子顶部被截断（箭头），{time}</translation>
     </message>
@@ -2344,7 +2349,7 @@ double-click to rename</source>
 <context>
     <name>_Legend</name>
     <message>
-        <location filename="../inspector/atlas.py" line="-358"/>
+        <location filename="../inspector/atlas.py" line="-357"/>
         <source>size: probe selections (bigger = more evidence) · bright: routed by the current token · ring: selected expert · drag: turn, wheel: zoom, shift+drag: pan</source>
         <translation>大小：探针选中次数（越大 = 证据越多）· 高亮：当前词元路由到的专家 · 圆环：选中的专家 · 拖动：旋转，滚轮：缩放，Shift+拖动：平移</translation>
     </message>

@@ -247,7 +247,7 @@ class AtlasView(QWidget):
         self.data: AtlasData | None = None
         self.canvas = None                       # vispy SceneCanvas, made when an atlas arrives and GL works
         self._view = self._points = self._lit = self._ring = self._axes = None
-        self._axis_labels: list = []             # vispy Text visuals at the axes' ends
+        self._axis_text = None                   # one vispy Text visual: the three labels at the axes' ends
         self.lit_rows = np.zeros(0, np.int64)    # [K] atlas rows routed by the current token
         self.selected_key: tuple[int, int] | None = None
         self.hovered: tuple[int, int] | None = None
@@ -374,12 +374,12 @@ class AtlasView(QWidget):
                                                                 "scale_factor": FRAME}))
         self._axes = scene.visuals.Line(parent=self._view.scene, connect="segments", width=1.0)
         # the three labels in one visual: one draw call, not three (each costs on a software renderer)
-        self._axis_labels = [scene.visuals.Text(["", "", ""], pos=np.zeros((3, 3), np.float32), parent=self._view.scene,
-                                                font_size=8, anchor_x="center", anchor_y="bottom")]
+        self._axis_text = scene.visuals.Text(["", "", ""], pos=np.zeros((3, 3), np.float32), parent=self._view.scene,
+                                             font_size=8, anchor_x="center", anchor_y="bottom")
         self._points = scene.visuals.Markers(parent=self._view.scene)
         self._lit = scene.visuals.Markers(parent=self._view.scene)
         self._ring = scene.visuals.Markers(parent=self._view.scene)
-        for overlay in (self._lit, self._ring, *self._axis_labels):   # drawn after the points and over them
+        for overlay in (self._lit, self._ring, self._axis_text):   # drawn after the points and over them
             overlay.set_gl_state("translucent", depth_test=False)
             overlay.order = 1
         self.canvas.events.mouse_move.connect(self._on_move)
@@ -397,15 +397,14 @@ class AtlasView(QWidget):
         self.canvas.close()
         native.setParent(None)
         native.deleteLater()
-        self.canvas = self._view = self._points = self._lit = self._ring = self._axes = None
-        self._axis_labels = []
+        self.canvas = self._view = self._points = self._lit = self._ring = self._axes = self._axis_text = None
 
     def _on_initialize(self, event: object) -> None:
         self._inits += 1
         if self._inits > 1:
             # Qt gave the widget a new GL context (its dock floated or docked: a new window), and vispy's
             # GL objects died with the old one. Draw nothing until a new canvas replaces this one.
-            for visual in (self._points, self._lit, self._ring, self._axes, *self._axis_labels):
+            for visual in (self._points, self._lit, self._ring, self._axes, self._axis_text):
                 visual.visible = False
             QTimer.singleShot(0, self, self._rebuild_canvas)
 
@@ -443,10 +442,9 @@ class AtlasView(QWidget):
         segments = np.zeros((6, 3), np.float32)                                    # [6, 3] origin, end, ...
         segments[1::2] = ends
         self._axes.set_data(pos=segments, color=(*(np.array(self.theme.muted) / 255), 1.0))
-        for text in self._axis_labels:
-            text.text = axis_labels(self.data)
-            text.pos = ends * 1.04
-            text.color = (*(np.array(self.theme.foreground) / 255), 1.0)
+        self._axis_text.text = axis_labels(self.data)
+        self._axis_text.pos = ends * 1.04
+        self._axis_text.color = (*(np.array(self.theme.foreground) / 255), 1.0)
 
     def _draw_overlays(self) -> None:
         if self._lit is None or self.data is None:

@@ -161,11 +161,13 @@ class TimeView(QWidget):
         self.prefill_marks.setData(x=centres[prefill], y=np.minimum(tops[prefill], self.scale))
         self.clip_marks.setData(x=centres[cut], y=np.full(int(cut.sum()), self.scale * 0.97))
         n_cut = int(cut.sum())
-        highest = fmt_ms(float(tops.max()) / 1e3) if n_cut else ""      # (no records: no bar, no maximum)
-        self._clipped = ("" if n_cut == 0
-                         else self.tr("; 1 bar cut at the top (arrow), {time}").format(time=highest) if n_cut == 1
-                         else self.tr("; {n} bars cut at the top (arrows), the highest {time}").format(
-                             n=n_cut, time=highest))
+        if n_cut == 0:                          # (also no records: no bar, no maximum)
+            self._clipped = ""
+        else:
+            highest = fmt_ms(float(tops.max()) / 1e3)
+            self._clipped = (self.tr("; 1 bar cut at the top (arrow), {time}").format(time=highest) if n_cut == 1 else
+                             self.tr("; {n} bars cut at the top (arrows), the highest {time}").format(n=n_cut,
+                                                                                                     time=highest))
         self.mean_line.setVisible(wall > 0)
         if wall > 0:
             self.mean_line.setPos(wall * 1e3)
