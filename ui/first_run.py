@@ -268,7 +268,11 @@ class FirstRunDialog(QDialog):
         dlg = self.progress_dialog
         if dlg is None or (self.job is not None and self.job.cancelled):
             return
-        if isinstance(event, Progress):
+        if isinstance(event, Progress) and event.waiting:
+            # a step that reports nothing (the first chat's compile) is minutes at one fraction: a moving busy bar,
+            # the fraction reached stays in the line's "NN%"
+            dlg.setRange(0, 0)
+        elif isinstance(event, Progress):
             dlg.setRange(0, 100)
             dlg.setValue(round(100 * event.fraction))
         elif dlg.maximum() > 0 and dlg.value() >= dlg.maximum():

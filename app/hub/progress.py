@@ -33,6 +33,7 @@ class Progress:
     total: float
     message: str
     model: str = ""         # as in Note
+    waiting: bool = False   # said during a step that reports nothing (a compile): DONE is where it stands, not stuck
 
     @property
     def fraction(self) -> float:

@@ -183,7 +183,7 @@ _clock = time.monotonic
 
 def _moefy(name: str, derived: Derived, source: Path, root: Path, report: Report) -> Path:
     """Run `colibri moefy` of SOURCE into the derived folder (called under the lock), reporting every tenth."""
-    from app.moefy.upcycle import MoefyOptions, moefy
+    from app.moefy.upcycle import MoefyOptions, Waiting, moefy
 
     for stale in root.glob(f".{derived.folder}.*.partial"):  # left by a killed preparation
         shutil.rmtree(stale, ignore_errors=True)
@@ -198,7 +198,7 @@ def _moefy(name: str, derived: Derived, source: Path, root: Path, report: Report
         now = _clock()
         if int(fraction * 10) > shown or now - said_at >= QUIET_SECONDS:
             shown, said_at = max(shown, int(fraction * 10)), now
-            report(Progress("upcycle", fraction, 1.0, message, model=name))
+            report(Progress("upcycle", fraction, 1.0, str(message), model=name, waiting=isinstance(message, Waiting)))
 
     # not evaluated here: a user waits for this on a first run, and the held-out measurements took half its time
     # (tests/moefy measures this recipe; `colibri moefy` reports it)

@@ -42,6 +42,12 @@ from engine.spec import AttentionSpec, MLPSpec, ModelSpec
 # these into app.hub.progress events
 MoefyProgress = Callable[[float, str], "bool | None"]
 
+
+class Waiting(str):
+    """A progress message said while a step that reports nothing goes on (a cold chat in numba's compiler): the
+    fraction cannot move, so a front end shows a busy bar rather than a stopped one. A plain str to callers
+    that do not ask."""
+
 REPORT_FILE = "moefy_report.json"
 PPL_BOUND = 0.02               # the MoE's perplexity may exceed the dense model's by at most this
 SHARE_BOUNDS = (0.25, 4.0)     # every expert's share of a layer's tokens, times E, within these
@@ -197,7 +203,8 @@ HEARTBEAT = 10.0    # seconds between two lines of one long step
 
 @contextmanager
 def heartbeat(say: Callable[[str], None], doing: str, every: float = HEARTBEAT) -> Iterator[None]:
-    """Say DOING, then say it again with the seconds so far every EVERY seconds until the body ends.
+    """Say DOING, then say it again with the seconds so far every EVERY seconds until the body ends (as `Waiting`
+    lines, so that a front end knows the step's fraction is not moving).
 
     A cold first calibration chat spends a minute or more in numba's compiler, which reports nothing; without
     this the terminal and the first-run dialog sit silent for that minute. SAY runs on a helper thread; if it
@@ -209,7 +216,7 @@ def heartbeat(say: Callable[[str], None], doing: str, every: float = HEARTBEAT) 
     def beat() -> None:
         while not done.wait(every):
             try:
-                say(f"{doing} ({time.monotonic() - t0:.0f} s so far)")
+                say(Waiting(f"{doing} ({time.monotonic() - t0:.0f} s so far)"))
             except BaseException as exc:  # handed to the caller's thread below
                 failed.append(exc)
                 return

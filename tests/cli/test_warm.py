@@ -129,7 +129,8 @@ def test_events_go_through_a_line_and_come_back_equal():
     from app.hub.progress import Note, Progress
     from app.service.warm import event_line, read_event
 
-    for event in (Note("warm-up: kernels ready in 3.2 s"), Progress("warm", 1, 3, "a greedy answer", model="m")):
+    for event in (Note("warm-up: kernels ready in 3.2 s"), Progress("warm", 1, 3, "a greedy answer", model="m"),
+                  Progress("upcycle", 0.05, 1.0, "calibration chats: code (40 s so far)", model="m", waiting=True)):
         assert read_event(event_line(event)) == event
     assert read_event("numba says hello") is None and read_event('{"kind": "Other"}') is None
 

@@ -82,6 +82,33 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
     assert not dlg.job.running
 
 
+def test_a_step_that_reports_nothing_shows_a_busy_bar_until_it_measures_again(qtbot, make_window, models, tmp_path,
+                                                                             monkeypatch):
+    # the walkthrough's first run sat at a still 5% for three minutes while the first calibration chat compiled
+    go_on, done = threading.Event(), threading.Event()
+
+    def fake_pull(name, models_dir=None, progress=None, warm_ahead=False):
+        progress(Progress("upcycle", 0.05, 1.0, "calibration chats: code", model=name))
+        progress(Progress("upcycle", 0.05, 1.0, "calibration chats: code (10 s so far)", model=name, waiting=True))
+        go_on.wait(10)
+        progress(Progress("upcycle", 0.52, 1.0, "calibration chats: poetry", model=name))
+        done.wait(10)
+        return models[0]
+
+    preparing_with(monkeypatch, fake_pull)
+    window = make_window()
+    dlg = window.show_first_run(models_dir=tmp_path / "models")
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+        dlg.demo_button.click()
+        bar = dlg.progress_dialog
+        qtbot.waitUntil(lambda: "10 s so far" in bar.labelText(), timeout=10_000)
+        assert bar.maximum() == 0 and "5% calibration chats" in bar.labelText()   # moving, and where it stands
+        go_on.set()
+        qtbot.waitUntil(lambda: "poetry" in bar.labelText(), timeout=10_000)
+        assert (bar.maximum(), bar.value()) == (100, 52)
+        done.set()
+
+
 def test_a_catalogue_name_given_at_start_is_prepared_in_the_window_then_opens(qtbot, make_window, models, tmp_path,
                                                                                 monkeypatch):
     from ui.first_run import prepared_at_start

@@ -21,7 +21,9 @@ import pytest
 from app.bench.synth import corpus_lines, write_checkpoint
 from app.hub import pull as pull_mod
 from app.hub.convert import ConvertSettings, convert
+from app.hub.progress import HubEvent, Progress, render
 from app.hub.pull import pull, resolve_model
+from app.moefy.upcycle import Waiting
 from engine.errors import ColibriError
 from engine.formats import container as container_mod
 from engine.loader import OffloadOptions, load_model
@@ -376,18 +378,21 @@ def test_the_upcycling_says_a_line_within_a_tenth_when_it_goes_on_for_long(
         progress(0.0, "loading")
         for seconds in (10, 20, 30):
             clock.advance(1000 * pull_mod.QUIET_SECONDS)
-            progress(0.05, f"calibration chats: code ({seconds} s so far)")
-        progress(0.06, "calibration chats: code (31 s so far)")   # too soon after the last line: left out
-        progress(0.12, "calibration chats: maths")                 # a new tenth: always said
+            progress(0.05, Waiting(f"calibration chats: code ({seconds} s so far)"))
+        progress(0.06, Waiting("calibration chats: code (31 s so far)"))   # too soon after the last line: left out
+        progress(0.12, "calibration chats: maths")                          # a new tenth: always said
         raise ColibriError("stopped by the test")
 
     monkeypatch.setattr("app.moefy.upcycle.moefy", fake_moefy)
-    lines: list[str] = []
+    events: list[HubEvent] = []
     with pytest.raises(ColibriError, match="stopped by the test"):
-        pull(MOE.source, models_dir=models, log=lines.append)   # the upcycled model alone
-    said = [line.split(": ", 1)[1] for line in lines if line.startswith(f"  {MOE.source}:")]
+        pull(MOE.source, models_dir=models, progress=events.append)   # the upcycled model alone
+    said = [render(e).split(": ", 1)[1] for e in events if isinstance(e, Progress)]
     assert said == ["  0% loading"] + [f"  5% calibration chats: code ({s} s so far)" for s in (10, 20, 30)] + [
         " 12% calibration chats: maths"]
+    # the heartbeat's lines are marked as a wait without a measure (the dialog's busy bar), the others not
+    assert [e.waiting for e in events if isinstance(e, Progress)] == [False, True, True, True, False]
+    assert all(type(e.message) is str for e in events)   # plain text through the child's JSON lines
 
 
 def test_an_upcycled_folder_pulled_before_gets_its_container_without_moefy(tmp_path: Path, tiny_moe,

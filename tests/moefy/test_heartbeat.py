@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from app.moefy.upcycle import MoefyCancelled, heartbeat
+from app.moefy.upcycle import MoefyCancelled, Waiting, heartbeat
 
 
 def test_a_long_step_is_said_again_with_the_time_so_far_until_it_ends():
@@ -22,6 +22,8 @@ def test_a_long_step_is_said_again_with_the_time_so_far_until_it_ends():
         assert beaten.wait(10.0), said   # the body outlasts two beats
     assert said[0] == "calibration chats: chinese"
     assert all(line.startswith("calibration chats: chinese (") and line.endswith(" s so far)") for line in said[1:3])
+    # the lines after the first say that the step goes on without a measure (a front end's busy bar)
+    assert not isinstance(said[0], Waiting) and all(isinstance(line, Waiting) for line in said[1:3])
     assert not [t for t in threading.enumerate() if t.name == "colibri-heartbeat"]   # silent once it ended
 
 
