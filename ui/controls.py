@@ -249,6 +249,10 @@ class ControlsPanel(QWidget):
                 self.budget.value_label.setText(format_bytes(s.memory_budget or high))
             else:
                 self._budget_range = (0, 0)
+                # no range to place it in: the far end, where a streamed model holds every expert (left where the
+                # last model put it, a model held whole read as one under a budget halfway)
+                self.budget.slider.setRange(0, BUDGET_STEPS)
+                self.budget.slider.setValue(BUDGET_STEPS)
                 self.budget.set_enabled(False, fixed.get("memory_budget", self.tr("this model has no memory budget")))
                 self.budget.value_label.setText(format_bytes(s.memory_budget) if s.memory_budget
                                                 else self.tr("whole model"))

@@ -116,6 +116,19 @@ def test_a_model_held_whole_disables_its_budget_with_the_reason(qtbot, make_wind
     assert applied.args[0].info.settings.context_length == 256
 
 
+def test_a_model_held_whole_puts_the_budget_slider_at_its_end_after_a_budgeted_one(qtbot, make_window, models):
+    # the walkthrough opened a GGUF after the demo at 540 MB: "whole model" under a slider left halfway
+    window = make_window(models[1])
+    slider = window.controls.budget.slider
+    with qtbot.waitSignal(window.bridge.settingsApplied, timeout=30_000):
+        slider.setValue(slider.minimum())
+    assert slider.value() == slider.minimum() < slider.maximum()
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+        window.open_model(str(models[0]))
+    assert not slider.isEnabled() and slider.value() == slider.maximum()
+    assert window.controls.budget.value_label.text() == "whole model" and "held whole" in slider.toolTip()
+
+
 def test_the_layout_and_recent_models_are_kept_between_runs(qtbot, make_window, models, tmp_path):
     from PySide6.QtWidgets import QDockWidget
 
