@@ -93,3 +93,25 @@ def test_time_with_no_records_says_so_after_a_model_with_some(qtbot, inspector):
     inspector.set_snapshot(Generation().tel.snapshot())
     qtbot.waitUntil(lambda: inspector.time.bar_count() == 0, timeout=3000)     # the next tick that plots
     assert inspector.time.total.text() == "no decoded tokens yet"
+
+
+def test_time_before_any_record_shows_axes_of_whole_ms_and_records(qtbot, inspector):
+    # a fresh Time tab showed pyqtgraph's 0..1: "0.1 ... 0.9 ms per token" over fractions of a record
+    view = inspector.time
+    inspector.tabs.setCurrentWidget(view)
+    item = view.plot.getPlotItem()
+    left, bottom = item.getAxis("left"), item.getAxis("bottom")
+    qtbot.waitUntil(lambda: left.height() > 0 and bottom.width() > 0, timeout=3000)
+
+    def check() -> None:
+        x_range, y_range = item.getViewBox().viewRange()
+        assert y_range == pytest.approx([0.0, 100.0]) and x_range == pytest.approx([0.0, 10.0])
+        for axis, length in ((left, left.height()), (bottom, bottom.width())):
+            labelled = axis.tickValues(*axis.range, length)[0][1]
+            assert len(labelled) >= 2 and all(float(v).is_integer() for v in labelled), labelled
+        assert view.bar_count() == 0 and view.total.text() == "no decoded tokens yet"
+
+    check()
+    inspector.set_snapshot(Generation().tel.snapshot())     # a model loaded, nothing asked yet
+    redraw(qtbot, inspector)
+    check()

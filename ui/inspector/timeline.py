@@ -31,17 +31,18 @@ LABELS = {"attention": QT_TRANSLATE_NOOP("TimeView", "attention"),
           "other": QT_TRANSLATE_NOOP("TimeView", "other")}
 _FIELDS = attrgetter("n", *PHASES)  # a record's token count and seconds per phase
 X_LABELS, Y_LABELS = 6, 5           # at most so many tick labels on each axis
+EMPTY_MS, EMPTY_RECORDS = 100.0, 10  # the axes with no records yet: room for a typical token, not 0..1 ms
 
 
 def scale_ms(tops: np.ndarray, prefill: np.ndarray, mean_ms: float) -> float:
     """The plot's height in ms: room for nearly every decoded bar and twice the mean, not for outliers.
 
     `tops` [R] are the bars' heights, `prefill` [R] marks prompt chunks. The 95th percentile of the
-    decoded bars (all bars when none is decoded) sets it; bars above are drawn cut.
+    decoded bars (all bars when none is decoded) sets it; bars above are drawn cut. No bars: EMPTY_MS.
     """
     decoded = tops[~prefill] if (~prefill).any() else tops
     if decoded.size == 0:
-        return 1.0
+        return EMPTY_MS
     return nice_ceil(1.1 * max(float(np.percentile(decoded, 95)), 2.0 * mean_ms))
 
 
@@ -105,6 +106,7 @@ class TimeView(QWidget):
         layout.addWidget(self.plot, 1)
         layout.addLayout(under)
         self.set_theme(theme)
+        self._plot((), 0.0)     # the empty axes now: pyqtgraph's own 0..1 read as "0.1 to 0.9 ms per token"
 
     def set_theme(self, theme: Theme) -> None:
         """Recolour bars and swatches."""
@@ -172,9 +174,10 @@ class TimeView(QWidget):
         if wall > 0:
             self.mean_line.setPos(wall * 1e3)
         item = self.plot.getPlotItem()
-        item.getViewBox().setRange(xRange=(0, max(r, 1)), yRange=(0, self.scale), padding=0)
+        records = r if r else EMPTY_RECORDS     # (whole records on the axis, not fractions of one)
+        item.getViewBox().setRange(xRange=(0, records), yRange=(0, self.scale), padding=0)
         # a few labels whatever the width: pyqtgraph's own spacing crowds a narrow axis (24 labels were seen)
-        spacing = (tick_spacing(max(r, 1), X_LABELS), tick_spacing(self.scale, Y_LABELS))
+        spacing = (tick_spacing(records, X_LABELS), tick_spacing(self.scale, Y_LABELS))
         if spacing != self._spacing:
             self._spacing = spacing
             item.getAxis("bottom").setTickSpacing(*spacing[0])
