@@ -20,6 +20,7 @@ from support.inspector import (
     no_leftovers,  # noqa: F401 - an autouse fixture
     redraw,
 )
+from ui.inspector import TIER_DISK
 from ui.inspector.common import nice_ceil
 
 
@@ -183,3 +184,24 @@ def test_a_long_history_keeps_its_latest_samples_and_is_plotted_with_its_peaks()
     assert len(plotted) <= POINTS and plotted[-1, T] == samples[-1, T]
     assert plotted[:, PINNED].max() == 7.5e9        # a one-sample spike survives
     assert np.nanmax(plotted[:, MODEL]) == 1e9 and np.isnan(plotted[:, MODEL]).any()  # gaps stay gaps
+
+
+@pytest.mark.parametrize("dark", [False, True])
+def test_overview_fills_the_disk_in_the_colour_of_the_brains_disk_cells(qtbot, inspector, dark):
+    # the walkthrough saw "MB on disk" grey beside the Brain's slate disk cells
+    from ui.theme import palette
+
+    inspector.setPalette(palette(dark))
+    inspector.set_model_info(4, 8, 2 * GB)
+    inspector.set_tiers(np.full((4, 8), TIER_DISK, np.int8))       # an untouched model: every expert on disk, cold
+    gen = Generation(4, 8)
+    gen.tel.set_occupancy("disk", GB)
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    brain = inspector.brain
+    qtbot.waitUntil(lambda: brain.rgba is not None, timeout=3000)
+    cells = {tuple(int(c) for c in px) for px in brain.rgba[..., :3].reshape(-1, 3)}
+    assert len(cells) == 1 and inspector.overview.theme.dark == dark
+    fill = inspector.overview.disk_curve.opts["fillBrush"].color()
+    assert (fill.red(), fill.green(), fill.blue()) == cells.pop()

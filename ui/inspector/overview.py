@@ -22,6 +22,7 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
 
 from engine.telemetry import Snapshot
 from ui.inspector.budget import BudgetBar, memory_parts, model_memory
+from ui.inspector.colours import tier_colour
 from ui.inspector.common import Theme, fmt_bytes, fmt_ms, fmt_percent, live_plot, nice_ceil, style_plot, tier_name
 from ui.inspector.data import TIER_CACHED, TIER_DISK, TIER_PINNED, Frame
 
@@ -145,10 +146,13 @@ class OverviewView(QWidget):
         self.theme = theme
         style_plot(self.memory_plot, [self.memory_plot.getPlotItem()], theme)
         style_plot(self.disk_plot, [self.disk_plot.getPlotItem()], theme)
-        for curve, tier in ((self.cached_curve, TIER_CACHED), (self.pinned_curve, TIER_PINNED),
-                            (self.disk_curve, TIER_DISK)):
+        for curve, tier in ((self.cached_curve, TIER_CACHED), (self.pinned_curve, TIER_PINNED)):
             curve.setPen(pg.mkPen(theme.qcolor(theme.tiers[tier]), width=1))
             curve.setBrush(pg.mkBrush(theme.over_background(theme.tiers[tier], 0.6)))
+        # the disk's slate, faded like those, read as grey beside the Brain: it takes a cold disk cell's colour
+        disk = theme.qcolor(tier_colour(theme, TIER_DISK, 0.0))
+        self.disk_curve.setPen(pg.mkPen(disk, width=1))
+        self.disk_curve.setBrush(pg.mkBrush(disk))
         self.legend.setLabelTextColor(theme.qcolor(theme.foreground))
         self.model_curve.setPen(pg.mkPen(theme.qcolor(theme.foreground), width=1))
         self.budget_curve.setPen(pg.mkPen(theme.qcolor(theme.phases["io_wait"]), width=1,
