@@ -178,3 +178,46 @@ def test_tiers_from_a_store_and_for_a_resident_model():
                               [TIER_PINNED, TIER_DISK, TIER_CACHED, TIER_DISK],
                               [TIER_DISK, TIER_DISK, TIER_DISK, TIER_CACHED]]
     assert resident_tiers(spec).tolist() == [[TIER_NONE] * 4, [TIER_RESIDENT] * 4, [TIER_RESIDENT] * 4]
+
+
+def test_the_answer_pickers_show_whole_answers_and_no_key_entry_breaks(qtbot, inspector):
+    # the walkthrough saw the A/B pickers cut to "answer 2" / "answer 3" and the key wrap "brighter =" / "routed
+    # more lately", in a pane about 600 px wide
+    from PySide6.QtGui import QTextDocument
+
+    from engine.offload.story import ExpertLog
+
+    log = ExpertLog(4, 8, 2)
+    for first in (3, 300, 1030):                       # three answers, a prompt between each
+        for token in (first, first + 1):
+            for layer in range(4):
+                log.routes.begin(token, layer, [0, 5])
+    inspector.resize(600, 700)
+    inspector.set_model_info(4, 8, 2 * GB)
+    inspector.set_tiers(np.full((4, 8), TIER_DISK, np.int8))
+    inspector.set_expert_counts(log.frozen())
+    inspector.tabs.setCurrentWidget(inspector.brain)
+    redraw(qtbot, inspector)
+    bar, legend = inspector.brain.compare, inspector.brain.legend
+    assert bar.first.count() == 3 and bar.first.itemText(2) == "answer 3: tokens 1030-1031"
+    for box in (bar.first, bar.second):
+        longest = max(box.fontMetrics().horizontalAdvance(box.itemText(i)) for i in range(box.count()))
+        qtbot.waitUntil(lambda box=box: box.width() >= box.sizeHint().width(), timeout=3000)
+        assert box.sizeHint().width() > longest
+
+    doc = QTextDocument()
+    doc.setDefaultFont(legend.key.font())
+    doc.setHtml(legend.key.text())
+    doc.setTextWidth(legend.key.contentsRect().width())
+    text = doc.toRawText().replace("\u00a0", " ")      # positions as the document's
+
+    def line(pos: int) -> tuple[int, int]:
+        block = doc.findBlock(pos)
+        return block.blockNumber(), block.layout().lineForTextPosition(pos - block.position()).lineNumber()
+
+    assert doc.size().height() > 1.5 * legend.key.fontMetrics().lineSpacing()     # the key does wrap here
+    entries = [words for _colours, words in legend.entries]
+    assert "brighter = routed more lately" in entries
+    for words in entries:
+        start = text.index(words)
+        assert line(start) == line(start + len(words) - 1), f"{words!r} breaks across lines"

@@ -141,7 +141,8 @@ class BrainLegend(QWidget):
         self.entries = self._entries(topics, counted)
         parts = []
         for colours, text in self.entries:
-            words = escape(text).replace(" ", "&nbsp;") if colours else escape(text)
+            # an entry never breaks across lines ("brighter =" / "routed more lately"); lines break between entries
+            words = escape(text).replace(" ", "&nbsp;")
             width = "&nbsp;" * (4 // max(len(colours), 1))      # a swatch of two colours is as wide as one of one
             swatch = "".join(f'<span style="background-color: rgb{tuple(rgb)};">{width}</span>' for rgb in colours)
             parts.append(f"{swatch}&nbsp;{words}" if colours else words)

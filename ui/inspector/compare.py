@@ -46,6 +46,9 @@ class CompareBar(QWidget):
         self.on = QCheckBox(self.tr("Compare answers"))
         self.on.setToolTip(self.tr("draw two answers' routing on the Brain as a difference"))
         self.first, self.second = QComboBox(), QComboBox()
+        for box in (self.first, self.second):
+            # as wide as its longest answer: sized to the empty list it was first shown with, it showed "answer 2" alone
+            box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
         self.swatch_a, self.swatch_b = QLabel(), QLabel()
         self.summary = QLabel("")
         layout = QHBoxLayout(self)
