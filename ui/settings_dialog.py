@@ -29,6 +29,8 @@ from PySide6.QtWidgets import (
     QLineEdit,
     QPushButton,
     QSpinBox,
+    QStyle,
+    QStyleOptionFrame,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -41,6 +43,7 @@ from ui.theme import THEMES, theme_name
 
 MODELS_KEY = "paths/models"
 THREADS_KEY = "engine/threads"          # 0: automatic (the process's count)
+LINE_EDIT_MARGIN = 2                    # px: QLineEdit's own space each side of its text, inside the contents rect
 
 
 def models_folder(settings: QSettings | None) -> Path:
@@ -103,8 +106,10 @@ class SettingsDialog(QDialog):
         self.setWindowTitle(self.tr("Settings"))
         self.folder = QLineEdit(current.models_folder)
         self.folder.setPlaceholderText(str(models_folder(None)))
-        self.folder.setToolTip(self.tr("where models are opened, converted and downloaded to (empty: Colibri's "
-                                       "own folder)"))
+        self._folder_note = self.tr("where models are opened, converted and downloaded to (empty: Colibri's own "
+                                    "folder)")
+        self.folder.textChanged.connect(self._fit_folder)
+        self._fit_folder()
         browse = QPushButton(self.tr("Browse…"))
         browse.clicked.connect(self._browse)
         self.folder_dialog: QFileDialog | None = None
@@ -177,6 +182,20 @@ class SettingsDialog(QDialog):
         if self.folder_dialog is not None:
             self.folder_dialog.reject()
         super().done(result)
+
+    def _fit_folder(self) -> None:
+        """Widen the folder field to show its whole path (or the default one it shows greyed), at most 2/3 of the
+        screen; the path leads its tooltip too. The dialog's own width elided the default to "/tmp/walk-home/.lo…"."""
+        path = self.folder.text() or self.folder.placeholderText()
+        opt = QStyleOptionFrame()
+        self.folder.initStyleOption(opt)
+        inside = self.style().subElementRect(QStyle.SubElement.SE_LineEditContents, opt, self.folder)
+        margins = self.folder.textMargins()
+        frame = opt.rect.width() - inside.width() + margins.left() + margins.right() + 2 * LINE_EDIT_MARGIN
+        screen = self.screen().availableGeometry().width() if self.screen() is not None else 1280
+        width = min(self.folder.fontMetrics().horizontalAdvance(path) + frame + 1, 2 * screen // 3)
+        self.folder.setMinimumWidth(max(width, self.folder.sizeHint().width()))
+        self.folder.setToolTip(f"{path}\n{self._folder_note}")
 
     def _browse(self) -> None:
         dlg = self.folder_dialog = QFileDialog(self, self.tr("Models folder"), self.folder.text() or

@@ -144,6 +144,40 @@ def test_the_settings_persist_and_take_effect(qtbot, make_window, tmp_path, monk
         apply_theme(QApplication.instance(), "system")
 
 
+def test_the_settings_show_the_whole_models_folder(qtbot, make_window, monkeypatch):
+    # the walkthrough's 382 px dialog showed its default folder as "/tmp/walk-home/.local/s..."
+    from PySide6.QtWidgets import QStyle, QStyleOptionFrame
+
+    default = "/tmp/walk-home/.local/share/colibri/models"      # paths only shown, never made
+    monkeypatch.setenv("COLIBRI_MODELS_DIR", default)
+    window = make_window()
+    window.resize(1280, 720)
+    dlg = window.show_settings()
+    qtbot.waitExposed(dlg)
+    field = dlg.folder
+
+    def room() -> int:
+        """The px the field has for its text (QLineEdit draws it 2 px inside its contents rect, each side)."""
+        opt = QStyleOptionFrame()
+        field.initStyleOption(opt)
+        inside = field.style().subElementRect(QStyle.SubElement.SE_LineEditContents, opt, field)
+        return inside.width() - field.textMargins().left() - field.textMargins().right() - 4
+
+    assert field.text() == "" and field.placeholderText() == default
+    qtbot.waitUntil(lambda: room() >= field.fontMetrics().horizontalAdvance(default), timeout=3000)
+    assert default in field.toolTip()
+    longer = "/home/someone/Documents/language models for colibri/converted this week"
+    field.setText(longer)
+    qtbot.waitUntil(lambda: room() >= field.fontMetrics().horizontalAdvance(longer), timeout=3000)
+    assert field.toolTip().startswith(longer + "\n")
+    # a path wider than the screen: the field stops at 2/3 of it, the path whole in the tooltip
+    field.setText("/very" * 200)
+    screen = dlg.screen().availableGeometry().width()
+    qtbot.waitUntil(lambda: dlg.width() >= field.minimumWidth() > screen // 2, timeout=3000)
+    assert dlg.width() <= screen and field.toolTip().startswith("/very" * 200)
+    dlg.reject()
+
+
 def test_the_engine_runs_with_the_compute_threads_chosen(qtbot, make_window, models, tmp_path):
     import app.config.settings as config
 
