@@ -50,6 +50,23 @@ def palette(dark: bool) -> QPalette:
     return p
 
 
+def set_palette(app: QApplication, dark: bool) -> None:
+    """Give the app the light or dark palette; in the dark one, check boxes and radio buttons get a visible edge.
+
+    Fusion outlines an indicator in the window colour darkened, which on the dark window is the box's own fill:
+    an unchecked "Greedy" was a dark square on a dark background. These widgets paint no background of their own,
+    so a lighter window colour for them alone changes only that outline (setting the app palette drops it again).
+    """
+    p = palette(dark)
+    app.setPalette(p)
+    if dark:
+        edge = QColor(120, 126, 138)
+        indicators = QPalette(p)
+        indicators.setColor(QPalette.ColorRole.Window, edge.lighter(127))   # Fusion: window.darker(140).lighter(110)
+        for name in ("QCheckBox", "QRadioButton"):
+            app.setPalette(indicators, name)
+
+
 THEMES = ("system", "light", "dark")   # the View > Theme choices
 THEME_NAMES = {"system": QT_TRANSLATE_NOOP("Theme", "System"), "light": QT_TRANSLATE_NOOP("Theme", "Light"),
                "dark": QT_TRANSLATE_NOOP("Theme", "Dark")}
@@ -69,7 +86,7 @@ def apply_theme(app: QApplication, choice: str = "system") -> None:
     if choice == "system":
         follow_scheme(app, app.styleHints().colorScheme())
     else:
-        app.setPalette(palette(choice == "dark"))
+        set_palette(app, choice == "dark")
     if not app.property("colibriThemed"):
         app.styleHints().colorSchemeChanged.connect(lambda scheme: follow_scheme(app, scheme))
         app.setProperty("colibriThemed", True)
@@ -79,7 +96,7 @@ def follow_scheme(app: QApplication, scheme: Qt.ColorScheme) -> None:
     """Take the palette of a colour scheme (Unknown counts as light) unless the user chose a theme; every widget
     repaints with it."""
     if app.property("colibriTheme") in (None, "system"):
-        app.setPalette(palette(scheme == Qt.ColorScheme.Dark))
+        set_palette(app, scheme == Qt.ColorScheme.Dark)
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,40 @@ def test_the_theme_follows_the_system_scheme(qtbot, make_window):
         follow_scheme(app, app.styleHints().colorScheme())
 
 
+def test_an_unchecked_box_has_a_visible_edge_in_the_dark_theme(qtbot, make_window):
+    # the walkthrough's unchecked "Greedy" and "Compare answers" were dark squares on the dark background
+    from PySide6.QtGui import QColor
+    from PySide6.QtWidgets import QApplication, QStyle, QStyleOptionButton
+
+    from ui.theme import apply_theme
+
+    window = make_window()
+    chat, app = window.chat, QApplication.instance()
+    box = chat.greedy
+    box.setChecked(False)
+
+    def edge_and_background() -> tuple[QColor, QColor]:
+        """The indicator's left edge, and the background 2 px above it, as the chat panel draws them."""
+        opt = QStyleOptionButton()
+        box.initStyleOption(opt)
+        r = box.style().subElementRect(QStyle.SubElement.SE_CheckBoxIndicator, opt, box)
+        image = chat.grab().toImage()
+        left, middle = box.mapTo(chat, r.topLeft()), box.mapTo(chat, r.center())
+        return QColor(image.pixel(left.x(), middle.y())), QColor(image.pixel(middle.x(), left.y() - 2))
+
+    try:
+        for choice in ("dark", "light", "dark"):        # and back: the light theme keeps Fusion's own edge
+            window.theme_actions[choice].trigger()
+            # the app's palette reaches the widgets with the next events
+            qtbot.waitUntil(lambda: (chat.palette().color(chat.backgroundRole()).lightness() < 128) == (choice == "dark"),
+                            timeout=3000)
+            edge, background = edge_and_background()
+            assert (background.lightness() < 128) == (choice == "dark")
+            assert abs(edge.lightness() - background.lightness()) >= 40, (choice, edge.getRgb(), background.getRgb())
+    finally:
+        apply_theme(app, "system")
+
+
 def test_convert_runs_behind_a_progress_dialog_and_opens_the_result(qtbot, make_window, models, tmp_path):
     window = make_window()
     dialog = window.models.show_convert(str(models[0]))
