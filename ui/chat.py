@@ -52,6 +52,7 @@ from ui.context_meter import ContextMeter
 from ui.conversation_list import export_dialog
 from ui.presets import Preset, PresetPicker, PresetStore, presets_path
 from ui.transcript import LIVE, REDRAW_HZ, THINKING, Transcript, stats_line
+from ui.widgets import ElidedLabel
 
 __all__ = ["ChatDefaults", "ChatPanel", "LIVE", "REDRAW_HZ", "THINKING", "Transcript", "is_demo", "loop_key",
            "stats_line"]
@@ -131,10 +132,10 @@ class ChatPanel(QWidget):
         edit_row.addWidget(self.edit_cancel)
         self.edit_bar.hide()
         self.context_meter = ContextMeter()
-        self.status = QLabel()
+        # a line of its own under the buttons, elided (the whole text in its tooltip): wrapped, a long status broke
+        # the model's name and pushed the input up a line
+        self.status = ElidedLabel()
         self.status.setObjectName("chatStatus")
-        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.status.setWordWrap(True)      # a line of its own under the buttons, wrapped: never cut to "D"
 
         self.system_toggle = QToolButton(text=self.tr("System prompt"), checkable=True)
         self.system_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
@@ -217,7 +218,7 @@ class ChatPanel(QWidget):
         layout.addWidget(self.input)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
-        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Minimum)
+        self.status.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Fixed)
 
     # --- what the window calls ---
 
@@ -538,8 +539,10 @@ class ChatPanel(QWidget):
                             "or the repeat penalty, or uncheck Stop loops to let it run."))
             self.transcript.add_note(note.format(repeats=loop.repeats, period=loop.period))
         stopped = done.finish_reason in ("cancelled", "loop")
-        self._set_status((self.tr("Stopped: {stats}") if stopped else self.tr("Done: {stats}")).format(
-            stats=stats_line(stats)))
+        status = self.tr("Stopped: {stats}") if stopped else self.tr("Done: {stats}")
+        # the model's name only in the tooltip: the window's status bar and the answer's own line name it already
+        self._set_status(status.format(stats=stats_line({k: v for k, v in stats.items() if k != "model"})),
+                         status.format(stats=stats_line(stats)))
         self._update_buttons()
 
     def _on_settings(self, applied: SettingsApplied) -> None:
@@ -624,9 +627,10 @@ class ChatPanel(QWidget):
         self.system_edit.setVisible(on)
         self.system_toggle.setArrowType(Qt.ArrowType.DownArrow if on else Qt.ArrowType.RightArrow)
 
-    def _set_status(self, text: str) -> None:
+    def _set_status(self, text: str, tip: str = "") -> None:
+        """Say text on the status line (tip: its tooltip, when it says more than the line)."""
         self.status.setText(text)
-        self.status.setToolTip(text)
+        self.status.setToolTip(tip or text)
 
     def _update_buttons(self) -> None:
         busy = self._request is not None

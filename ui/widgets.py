@@ -20,6 +20,9 @@ def say_wrapped(dialog: QWidget, label: QLabel, text: str) -> None:
         layout.activate()       # now, not at the next event: until then the old spacing overlapped the buttons
 
 
+TALL_TEXT = "Ag中"      # Latin ascenders and descenders, and a CJK character from whichever font has it
+
+
 class ElidedLabel(QLabel):
     """A one-line label that elides its text to the width it gets (the whole text in its tooltip), so a status
     line never shows a cut word and never pushes its neighbours away."""
@@ -28,8 +31,14 @@ class ElidedLabel(QLabel):
         super().setText(text)
         self.setToolTip(text)
 
+    def sizeHint(self) -> QSize:
+        # as tall for any text: a Chinese one (drawn in a taller fallback font) made the line, and all below it, move
+        hint, m = super().sizeHint(), self.contentsMargins()
+        tallest = self.fontMetrics().boundingRect(TALL_TEXT).height() + m.top() + m.bottom() + 2 * self.margin()
+        return QSize(hint.width(), max(hint.height(), tallest))
+
     def minimumSizeHint(self) -> QSize:
-        return QSize(self.fontMetrics().horizontalAdvance("…") * 4, super().minimumSizeHint().height())
+        return QSize(self.fontMetrics().horizontalAdvance("…") * 4, self.sizeHint().height())
 
     def elided(self) -> str:
         """The text as drawn at the current width."""

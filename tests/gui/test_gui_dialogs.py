@@ -129,16 +129,40 @@ def test_the_status_line_elides_its_model_name_instead_of_cutting_it(qtbot, make
     assert window.model_label.toolTip() == long     # and the whole text is one hover away
 
 
-def test_the_chat_status_has_a_line_of_its_own_at_1280x720(qtbot, make_window):
-    # beside System prompt, Regenerate, Stop and Send a fresh clone's chat showed "St" of "Stopped: TTFT ..."
-    window = make_window()
+def test_the_chat_status_keeps_one_line_and_names_the_model_in_its_tooltip_at_1280x720(qtbot, make_window, models,
+                                                                                     monkeypatch):
+    # beside the buttons it was cut to "St"; wrapped under them, "... · smollm2-135m-" / "moe-e8-q4" pushed the input
+    # up a line (the walkthrough at 1440x900 and 1280x720)
+    from engine.events import DoneEvent, GenerationStats
+
+    window = make_window(models[1])
     window.resize(1280, 720)
-    status, chat = window.chat.status, window.chat
-    text = "Stopped: TTFT 12.69 s · 12.0 tok/s · 318 tokens · stopped: it repeated itself · smollm2-135m-moe-e8-q4"
-    chat._set_status(text)
-    qtbot.waitUntil(lambda: status.height() >= status.heightForWidth(status.width()) > 0, timeout=3000)
-    assert status.width() >= chat.transcript.width() - 20          # the chat's whole width, wrapped within it
-    assert status.text() == text and status.wordWrap()
+    chat, status = window.chat, window.chat.status
+    qtbot.waitUntil(lambda: window.width() == 1280 and status.width() >= chat.transcript.width() - 20, timeout=3000)
+
+    def layout() -> tuple[int, int]:
+        """The status line's height and where the input sits in the chat."""
+        chat.layout().activate()                        # laid out now, not at some later event
+        return status.height(), chat.input.mapTo(chat, chat.input.rect().topLeft()).y()
+
+    before = layout()
+    assert before[0] == status.sizeHint().height() < 2 * status.fontMetrics().lineSpacing()
+    # the answer's end as the engine reports it, stopped after 261 tokens (no decoding: the layout is under test)
+    monkeypatch.setattr(window.bridge.service, "generate", lambda **_kw: 4242)
+    assert chat.send("Write a Python function that checks for primes")
+    stats = GenerationStats(prompt_tokens=40, generated_tokens=261, prompt_s=0.3, decode_s=17.8, ttft_s=0.86)
+    window.bridge.generation.emit(4242, DoneEvent("cancelled", tuple(range(261)), "def is_prime(n):", stats))
+    name = window.info.name
+    shown, tip = status.text(), status.toolTip()
+    assert shown.startswith("Stopped: TTFT 0.86 s") and "261 tokens · stopped" in shown and name not in shown
+    assert tip == f"{shown} · {name}"                  # the whole line, the model too, one hover away
+    assert layout() == before
+    long = "Stopped: TTFT 12.69 s · 12.0 tok/s · 318 tokens · stopped: it repeated itself " + "and more " * 20
+    chat._set_status(long)
+    assert status.elided().endswith("…") and status.toolTip() == long
+    assert layout() == before                           # the input never moves for the status
+    chat._set_status("就绪：" + name)                    # nor for a status in Chinese, in a taller fallback font
+    assert layout() == before
     assert status.mapTo(chat, status.rect().bottomLeft()).y() <= chat.height()
 
 
