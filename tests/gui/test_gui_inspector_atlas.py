@@ -9,6 +9,7 @@ Snapshots come from a real `Telemetry` driven by a fake clock; atlases from `app
 
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before pytest-qt makes the QApplication
@@ -220,6 +221,46 @@ def gl_atlas_fills_the_pane_and_fits_every_expert(qtbot, inspector):
     inspector.resize(300, 1100)                      # as narrow as the inspector goes, and tall: the canvas is taller
     qtbot.waitUntil(lambda: atlas.canvas.native.height() > 1.5 * atlas.canvas.native.width(), timeout=3000)
     _assert_every_expert_shows(atlas)
+
+
+def gl_atlas_centres_a_lopsided_cloud_and_labels_its_axes_clear_of_it(qtbot, inspector):
+    """(Xvfb child only) a far cluster does not pull the view aside: the experts' extent sits mid-canvas, and the axis
+    labels at the axes' ends cover no expert."""
+    inspector.resize(620, 800)
+    inspector.set_model_info(8, 16, None)
+    inspector.set_atlas(_lopsided(tiny_atlas(8, 16, 5)))
+    inspector.tabs.setCurrentWidget(inspector.atlas)
+    atlas = inspector.atlas
+    qtbot.waitUntil(lambda: atlas.canvas is not None and atlas.canvas.native.width() >= 580, timeout=3000)
+    _assert_every_expert_shows(atlas)
+    xy = atlas.screen_positions()                                        # [N, 2] px
+    w, h = atlas.canvas.size
+    middle = (xy.min(axis=0) + xy.max(axis=0)) / 2
+    assert abs(middle[0] - w / 2) < 0.05 * w and abs(middle[1] - h / 2) < 0.05 * h, (middle, (w, h))
+    assert xy[:, 0].max() - xy[:, 0].min() > 0.5 * w                     # and it fills the width, not a third of it
+
+    text = atlas._axis_text
+    anchors = text.get_transform("visual", "canvas").map(text.pos)      # [3, 4] homogeneous
+    anchors = anchors[:, :2] / anchors[:, 3:4]                           # [3, 2] px: each label's bottom centre
+    radius = atlas._sizes() / 2                                          # [N] px
+    line = 1.5 * text.font_size * atlas.canvas.dpi / 72                 # px: a label's height, generously
+    for (x, y), label in zip(anchors, text.text):
+        half = 0.4 * line * len(label)                                   # px: half a label's width, generously
+        dx = np.maximum(np.abs(xy[:, 0] - x) - half, 0)                  # [N] from the label's box
+        dy = np.maximum(np.maximum(y - line - xy[:, 1], xy[:, 1] - y), 0)
+        covered = np.hypot(dx, dy) < radius
+        assert not covered.any(), f"{label} is drawn over {int(covered.sum())} experts"
+
+
+def _lopsided(atlas: dict) -> dict:
+    """The atlas with a fifth of its experts moved far along the first axis, as the walkthrough's one far topic."""
+    rng = np.random.default_rng(0)
+    out = copy.deepcopy(atlas)
+    for layer in out["layers"]:
+        for x in layer["experts"]:
+            if x["expert"] % 5 == 0:
+                x["position"] = [3.0 + 0.3 * rng.standard_normal(), *(0.3 * rng.standard_normal(2))]
+    return out
 
 
 def _assert_every_expert_shows(atlas) -> None:

@@ -1,8 +1,10 @@
 """The Atlas tab: the experts in 3D at their atlas positions (vispy), or an offer to compute the atlas.
 
 Points are coloured by top topic and sized by the evidence behind their place: their probe selections,
-log-scaled against the most chosen expert's. Three lines from the centre are the projection's axes,
-labelled with the share of the spread each carries (the atlas's explained variance, when it records it).
+log-scaled against the most chosen expert's. Three lines from the origin are the projection's axes, each reaching
+past the farthest expert on its side and labelled there with the share of the spread it carries (the atlas's
+explained variance, when it records it). The camera looks at the middle of the experts' bounding box, from where
+all of them and the labels fit.
 The canvas takes the pane's width; a Qt legend under it lays the topics out in as many columns as fit.
 Three Markers visuals share one scene: the experts (set once per atlas), the experts the current
 token routed to (drawn over the rest, updated per redraw) and a ring on the selected expert.
@@ -40,8 +42,9 @@ from ui.inspector.data import AtlasData, Frame
 PICK_RADIUS = 8.0      # px: how near the pointer a point must be to be hovered or clicked
 CLICK_SLOP = 4.0       # px: a press and release further apart than this are a drag (rotation)
 DRAW_SHARE = 2.0       # routed experts are redrawn at most once per this many canvas draw times
-FRAME = 2.2            # scene units across the canvas's narrower side at first: the unit ball the experts lie in, and 10%
-AXIS = 0.8             # scene units: each drawn axis's length, short of the frame's edge so that its label fits too
+FRAME = 1.2            # the canvas's narrower side over the diameter of the sphere holding the experts and axis labels
+AXIS_BEYOND = 0.12     # each axis reaches past the farthest expert on its side by this share of the cloud's size
+LABEL_BEYOND = 0.04    # ... and its label past the axis's end by this share: at the end, clear of the dots
 KEY_COLUMN = 150       # px: the width of one column of the legend's topics
 # the offers of the empty page, translated where shown
 NO_ATLAS = QT_TRANSLATE_NOOP("AtlasView", "This model has no atlas yet. Computing it routes a set of probe prompts on "
@@ -97,6 +100,34 @@ def marker_sizes(selections: np.ndarray) -> np.ndarray:
     most = float(selections.max()) if len(selections) else 0.0
     evidence = np.log1p(selections) / np.log1p(most) if most > 0 else np.zeros(len(selections))
     return (4.0 + 12.0 * evidence) * crowd
+
+
+def extent(positions: np.ndarray) -> float:
+    """The cloud's size: the longest side of its bounding box (1 without experts)."""
+    return max(float(np.ptp(positions, axis=0).max()), 1e-6) if len(positions) else 1.0
+
+
+def axis_ends(positions: np.ndarray) -> np.ndarray:
+    """How far [3] each axis reaches from the origin along its positive side: past the farthest expert there."""
+    high = positions.max(axis=0) if len(positions) else np.zeros(3)                 # [3]
+    return (np.maximum(high, 0.0) + AXIS_BEYOND * extent(positions)).astype(np.float32)
+
+
+def label_positions(positions: np.ndarray) -> np.ndarray:
+    """Where [3, 3] the three axis labels sit, one a row: on each axis, past its end."""
+    return np.diag(axis_ends(positions) + LABEL_BEYOND * extent(positions)).astype(np.float32)
+
+
+def framing(positions: np.ndarray) -> tuple[tuple[float, float, float], float]:
+    """The turntable's centre and scale factor for positions [N, 3]: the middle of their bounding box (not their
+    mean, which a far cluster pulls aside), and a view of the sphere round it that holds every expert and label."""
+    if not len(positions):
+        return (0.0, 0.0, 0.0), 2.0 * FRAME
+    centre = (positions.min(axis=0) + positions.max(axis=0)) / 2                     # [3]
+    seen = np.concatenate([positions, label_positions(positions), np.zeros((1, 3))])  # [N + 4, 3] the origin too
+    radius = max(float(np.linalg.norm(seen - centre, axis=1).max()), 1e-3)
+    x, y, z = (float(v) for v in centre)
+    return (x, y, z), 2.0 * radius * FRAME
 
 
 def axis_labels(data: AtlasData) -> list[str]:
@@ -297,6 +328,7 @@ class AtlasView(QWidget):
         self.pages.setCurrentIndex(1)
         self.legend.fill(data, self.theme)
         self._ensure_canvas()
+        self._frame()
         self._draw_points()
         self._draw_axes()
         self._current = ()
@@ -369,9 +401,7 @@ class AtlasView(QWidget):
         self.canvas.native.setMinimumSize(200, 200)
         self.canvas_host.addWidget(self.canvas.native, 1)
         self._view = self.canvas.central_widget.add_view()
-        # a scale factor, not a distance: vispy then backs off to fit the narrower side (a tall canvas cropped the sides)
-        self._view.camera = scene.TurntableCamera(**(camera or {"fov": 40.0, "elevation": 20.0, "azimuth": 30.0,
-                                                                "scale_factor": FRAME}))
+        self._view.camera = scene.TurntableCamera(**(camera or {"fov": 40.0, "elevation": 20.0, "azimuth": 30.0}))
         self._axes = scene.visuals.Line(parent=self._view.scene, connect="segments", width=1.0)
         # the three labels in one visual: one draw call, not three (each costs on a software renderer)
         self._axis_text = scene.visuals.Text(["", "", ""], pos=np.zeros((3, 3), np.float32), parent=self._view.scene,
@@ -421,6 +451,15 @@ class AtlasView(QWidget):
         self._draw_axes()
         self._draw_overlays()
 
+    def _frame(self) -> None:
+        """Point the camera at the atlas's experts, all in view (the turn the user gave it stays)."""
+        if self._view is None or self.data is None:
+            return
+        centre, scale = framing(self.data.positions)
+        # a scale factor, not a distance: vispy then backs off to fit the narrower side (a tall canvas cropped the sides)
+        camera = self._view.camera
+        camera.center, camera.scale_factor, camera.distance = centre, scale, None
+
     def _sizes(self) -> np.ndarray:
         """Marker diameters [N] px of the atlas's experts (`marker_sizes`)."""
         return marker_sizes(self.data.selections)
@@ -435,15 +474,15 @@ class AtlasView(QWidget):
         self._points.set_data(data.positions, face_color=faces, size=self._sizes(), edge_width=0)
 
     def _draw_axes(self) -> None:
-        """The projection's three axes from the centre, each labelled with its share of the spread."""
+        """The projection's three axes from the origin past the experts, each labelled with its share of the spread."""
         if self._axes is None or self.data is None:
             return
-        ends = np.eye(3, dtype=np.float32) * AXIS                                  # [3, 3] one axis a row
+        positions = self.data.positions
         segments = np.zeros((6, 3), np.float32)                                    # [6, 3] origin, end, ...
-        segments[1::2] = ends
+        segments[1::2] = np.diag(axis_ends(positions))
         self._axes.set_data(pos=segments, color=(*(np.array(self.theme.muted) / 255), 1.0))
         self._axis_text.text = axis_labels(self.data)
-        self._axis_text.pos = ends * 1.04
+        self._axis_text.pos = label_positions(positions)
         self._axis_text.color = (*(np.array(self.theme.foreground) / 255), 1.0)
 
     def _draw_overlays(self) -> None:
