@@ -35,7 +35,7 @@
 <context>
     <name>AtlasView</name>
     <message>
-        <location filename="../inspector/atlas.py" line="+47"/>
+        <location filename="../inspector/atlas.py" line="+50"/>
         <source>This model has no atlas yet. Computing it routes a set of probe prompts on a dozen topics (Python, SQL, mathematics, law, French, ...) through the model and records which experts each topic uses.</source>
         <translation>此模型还没有图谱。计算图谱会让一组涵盖十余个话题（Python、SQL、数学、法律、法语……）的探针提示词流经模型，并记录每个话题用到哪些专家。</translation>
     </message>
@@ -65,7 +65,7 @@
         <translation>vispy 无法通过 PySide6 绘图（{why}）</translation>
     </message>
     <message>
-        <location line="+116"/>
+        <location line="+144"/>
         <source>Compute atlas</source>
         <translation>计算图谱</translation>
     </message>
@@ -80,12 +80,12 @@
         <translation>正在计算图谱：{percent}%</translation>
     </message>
     <message>
-        <location line="+78"/>
+        <location line="+79"/>
         <source>The 3D atlas needs OpenGL: {why}. The Brain tab shows the same experts; hover a cell there for its atlas topic.</source>
         <translation>三维图谱需要 OpenGL：{why}。“大脑”标签页显示的是同样的专家，将鼠标悬停在其中的格子上即可看到它的图谱话题。</translation>
     </message>
     <message>
-        <location line="+114"/>
+        <location line="+121"/>
         <source>selected: {expert}</source>
         <translation>已选中：{expert}</translation>
     </message>
@@ -156,7 +156,7 @@
         <translation>显示：</translation>
     </message>
     <message>
-        <location line="+85"/>
+        <location line="+86"/>
         <source>brighter = routed more lately</source>
         <translation>越亮 = 最近被路由越多</translation>
     </message>
@@ -459,7 +459,7 @@
 <context>
     <name>ChatPanel</name>
     <message>
-        <location filename="../chat.py" line="+125"/>
+        <location filename="../chat.py" line="+126"/>
         <source>Cancel edit</source>
         <translation>取消编辑</translation>
     </message>
@@ -680,12 +680,12 @@
         <translation>完成：{stats}</translation>
     </message>
     <message>
-        <location line="+79"/>
+        <location line="+81"/>
         <source>The conversation could not be saved: {why}</source>
         <translation>无法保存对话：{why}</translation>
     </message>
     <message>
-        <location line="+21"/>
+        <location line="+22"/>
         <source>open a model first</source>
         <translation>请先打开一个模型</translation>
     </message>
@@ -718,7 +718,7 @@
         <translation>在“大脑”上以差异方式显示两个回答的路由</translation>
     </message>
     <message>
-        <location line="+43"/>
+        <location line="+46"/>
         <source>answer {n}: tokens {first}-{last}</source>
         <translation>回答 {n}：词元 {first}-{last}</translation>
     </message>
@@ -829,7 +829,7 @@
         <translation>最少 {low}；{high} 时可容纳全部专家</translation>
     </message>
     <message>
-        <location line="+5"/>
+        <location line="+9"/>
         <source>this model has no memory budget</source>
         <translation>此模型没有内存预算</translation>
     </message>
@@ -1206,7 +1206,7 @@ double-click to rename</source>
 <context>
     <name>InspectorPlaceholder</name>
     <message>
-        <location filename="../widgets.py" line="+56"/>
+        <location filename="../widgets.py" line="+65"/>
         <source>The inspector is not available ({why}).</source>
         <translation>检查器不可用（{why}）。</translation>
     </message>
@@ -1610,7 +1610,7 @@ double-click to rename</source>
 <context>
     <name>OverviewView</name>
     <message>
-        <location filename="../inspector/overview.py" line="+36"/>
+        <location filename="../inspector/overview.py" line="+37"/>
         <source>Decode speed</source>
         <translation>解码速度</translation>
     </message>
@@ -1711,18 +1711,18 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+58"/>
-        <location line="+108"/>
+        <location line="+111"/>
         <source>{unit} in memory</source>
         <translation>内存中（{unit}）</translation>
     </message>
     <message>
-        <location line="-107"/>
-        <location line="+108"/>
+        <location line="-110"/>
+        <location line="+111"/>
         <source>{unit} on disk</source>
         <translation>磁盘上（{unit}）</translation>
     </message>
     <message>
-        <location line="-108"/>
+        <location line="-111"/>
         <source>seconds ago</source>
         <translation>秒前</translation>
     </message>
@@ -1737,7 +1737,7 @@ double-click to rename</source>
         <translation>预算</translation>
     </message>
     <message>
-        <location line="+79"/>
+        <location line="+82"/>
         <source>{rate} ({n} tokens)</source>
         <translation>{rate}（{n} 个词元）</translation>
     </message>
@@ -1928,7 +1928,7 @@ double-click to rename</source>
 <context>
     <name>SettingsDialog</name>
     <message>
-        <location filename="../settings_dialog.py" line="+103"/>
+        <location filename="../settings_dialog.py" line="+106"/>
         <source>Settings</source>
         <translation>设置</translation>
     </message>
@@ -1938,7 +1938,7 @@ double-click to rename</source>
         <translation>打开、转换和下载模型所用的文件夹（留空：使用 Colibri 自己的文件夹）</translation>
     </message>
     <message>
-        <location line="+2"/>
+        <location line="+4"/>
         <source>Browse…</source>
         <translation>浏览…</translation>
     </message>
@@ -1979,12 +1979,12 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+3"/>
-        <location line="+36"/>
+        <location line="+50"/>
         <source>Models folder</source>
         <translation>模型文件夹</translation>
     </message>
     <message>
-        <location line="-35"/>
+        <location line="-49"/>
         <source>Compute threads</source>
         <translation>计算线程</translation>
     </message>
@@ -2017,7 +2017,7 @@ double-click to rename</source>
 <context>
     <name>Shortcuts</name>
     <message>
-        <location line="+40"/>
+        <location line="+54"/>
         <source>Send the question</source>
         <translation>发送问题</translation>
     </message>
@@ -2136,7 +2136,7 @@ double-click to rename</source>
 <context>
     <name>Theme</name>
     <message>
-        <location filename="../theme.py" line="+54"/>
+        <location filename="../theme.py" line="+71"/>
         <source>System</source>
         <translation>跟随系统</translation>
     </message>
@@ -2217,7 +2217,7 @@ double-click to rename</source>
         <translation>其他</translation>
     </message>
     <message>
-        <location line="+30"/>
+        <location line="+31"/>
         <source>ms per token</source>
         <translation>每词元毫秒数</translation>
     </message>
@@ -2228,17 +2228,17 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+29"/>
-        <location line="+52"/>
+        <location line="+53"/>
         <source>no decoded tokens yet</source>
         <translation>尚无解码词元</translation>
     </message>
     <message>
-        <location line="-47"/>
+        <location line="-48"/>
         <source>Mean per decoded token</source>
         <translation>每个解码词元的平均耗时</translation>
     </message>
     <message>
-        <location line="+43"/>
+        <location line="+44"/>
         <source>mean {time} per decoded token ({speed} tok/s); {n} records shown, triangles mark prompt chunks</source>
         <translation>每个解码词元平均 {time}（{speed} tok/s）；显示 {n} 条记录，三角形标记提示词分块</translation>
     </message>
@@ -2349,7 +2349,7 @@ double-click to rename</source>
 <context>
     <name>_Legend</name>
     <message>
-        <location filename="../inspector/atlas.py" line="-357"/>
+        <location filename="../inspector/atlas.py" line="-365"/>
         <source>size: probe selections (bigger = more evidence) · bright: routed by the current token · ring: selected expert · drag: turn, wheel: zoom, shift+drag: pan</source>
         <translation>大小：探针选中次数（越大 = 证据越多）· 高亮：当前词元路由到的专家 · 圆环：选中的专家 · 拖动：旋转，滚轮：缩放，Shift+拖动：平移</translation>
     </message>
