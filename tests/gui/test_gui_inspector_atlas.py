@@ -63,6 +63,30 @@ def test_atlas_offers_to_compute_with_progress_and_cancel(qtbot, inspector):
     assert atlas.pages.currentIndex() == 0
 
 
+def test_atlas_progress_says_the_time_left_at_its_pace(inspector, monkeypatch):
+    # the walkthrough's atlas took 1 min 53 s with a bare percentage and no estimate
+    import ui.inspector.atlas as atlas_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(atlas_mod, "_clock", lambda: clock[0])
+    bar = inspector.atlas.progress
+    inspector.set_atlas_progress(0.0)
+    assert bar.format() == "computing the atlas: 0%"
+    clock[0] = 101.0
+    inspector.set_atlas_progress(0.01)
+    assert bar.format() == "computing the atlas: 1%"                       # no pace yet
+    clock[0] = 130.0
+    inspector.set_atlas_progress(0.25)
+    assert bar.format() == "computing the atlas: 25%, about 1 min 30 s left"   # 30 s for a quarter
+    clock[0] = 150.0
+    inspector.set_atlas_progress(0.8)
+    assert bar.format() == "computing the atlas: 80%, about 10 s left"
+    inspector.set_atlas_progress(None)
+    clock[0] = 500.0
+    inspector.set_atlas_progress(0.5)                                        # a new computation: a new pace
+    assert bar.format() == "computing the atlas: 50%"
+
+
 def test_atlas_tracks_the_current_tokens_experts_without_gl(qtbot, inspector):
     gen = Generation(4, 8)
     gen.decode(3)

@@ -35,7 +35,7 @@
 <context>
     <name>AtlasView</name>
     <message>
-        <location filename="../inspector/atlas.py" line="+50"/>
+        <location filename="../inspector/atlas.py" line="+51"/>
         <source>This model has no atlas yet. Computing it routes a set of probe prompts on a dozen topics (Python, SQL, mathematics, law, French, ...) through the model and records which experts each topic uses.</source>
         <translation>此模型还没有图谱。计算图谱会让一组涵盖十余个话题（Python、SQL、数学、法律、法语……）的探针提示词流经模型，并记录每个话题用到哪些专家。</translation>
     </message>
@@ -70,17 +70,27 @@
         <translation>计算图谱</translation>
     </message>
     <message>
-        <location line="+5"/>
+        <location line="+6"/>
         <source>Cancel</source>
         <translation>取消</translation>
     </message>
     <message>
-        <location line="+73"/>
+        <location line="+80"/>
         <source>computing the atlas: {percent}%</source>
         <translation>正在计算图谱：{percent}%</translation>
     </message>
     <message>
-        <location line="+79"/>
+        <location line="+2"/>
+        <source>computing the atlas: {percent}%, about {s} s left</source>
+        <translation>正在计算图谱：{percent}%，约剩 {s} 秒</translation>
+    </message>
+    <message>
+        <location line="+3"/>
+        <source>computing the atlas: {percent}%, about {m} min {s} s left</source>
+        <translation>正在计算图谱：{percent}%，约剩 {m} 分 {s} 秒</translation>
+    </message>
+    <message>
+        <location line="+89"/>
         <source>The 3D atlas needs OpenGL: {why}. The Brain tab shows the same experts; hover a cell there for its atlas topic.</source>
         <translation>三维图谱需要 OpenGL：{why}。“大脑”标签页显示的是同样的专家，将鼠标悬停在其中的格子上即可看到它的图谱话题。</translation>
     </message>
@@ -1165,7 +1175,7 @@ double-click to rename</source>
         <translation>将在下一步取消…</translation>
     </message>
     <message>
-        <location line="+34"/>
+        <location line="+38"/>
         <source>Cancelled: {why}</source>
         <translation>已取消：{why}</translation>
     </message>
@@ -1866,7 +1876,7 @@ double-click to rename</source>
 <context>
     <name>PullJob</name>
     <message>
-        <location filename="../first_run.py" line="-219"/>
+        <location filename="../first_run.py" line="-223"/>
         <source>copying {name} ({size:.0f} MB) from the app into {folder}</source>
         <translation>正在从应用中复制 {name}（{size:.0f} MB）到 {folder}</translation>
     </message>
@@ -2349,7 +2359,7 @@ double-click to rename</source>
 <context>
     <name>_Legend</name>
     <message>
-        <location filename="../inspector/atlas.py" line="-365"/>
+        <location filename="../inspector/atlas.py" line="-388"/>
         <source>size: probe selections (bigger = more evidence) · bright: routed by the current token · ring: selected expert · drag: turn, wheel: zoom, shift+drag: pan</source>
         <translation>大小：探针选中次数（越大 = 证据越多）· 高亮：当前词元路由到的专家 · 圆环：选中的专家 · 拖动：旋转，滚轮：缩放，Shift+拖动：平移</translation>
     </message>

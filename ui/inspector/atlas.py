@@ -45,6 +45,7 @@ DRAW_SHARE = 2.0       # routed experts are redrawn at most once per this many c
 FRAME = 1.2            # the canvas's narrower side over the diameter of the sphere holding the experts and axis labels
 AXIS_BEYOND = 0.12     # each axis reaches past the farthest expert on its side by this share of the cloud's size
 LABEL_BEYOND = 0.04    # ... and its label past the axis's end by this share: at the end, clear of the dots
+_clock = time.monotonic  # the time-left estimate's clock (tests set their own)
 KEY_COLUMN = 150       # px: the width of one column of the legend's topics
 # the offers of the empty page, translated where shown
 NO_ATLAS = QT_TRANSLATE_NOOP("AtlasView", "This model has no atlas yet. Computing it routes a set of probe prompts on "
@@ -238,6 +239,7 @@ class AtlasView(QWidget):
         self.compute_button.setEnabled(False)
         self.progress = QProgressBar()
         self.progress.setRange(0, 1000)
+        self._since: tuple[float, float] | None = None  # (monotonic time, fraction) of the computation's first news
         self.cancel_button = QPushButton(self.tr("Cancel"))
         self.cancel_button.clicked.connect(self.cancelRequested)
         row = QHBoxLayout()
@@ -304,14 +306,36 @@ class AtlasView(QWidget):
             self._draw_overlays()
 
     def set_progress(self, fraction: float | None) -> None:
-        """Show the computing progress with a Cancel button; None hides them."""
+        """Show the computing progress with a Cancel button and, once it has a pace, the time left; None hides
+        them."""
         busy = fraction is not None
         self.progress.setVisible(busy)
         self.cancel_button.setVisible(busy)
         self.compute_button.setVisible(not busy)
-        if busy:
-            self.progress.setValue(int(min(max(fraction, 0.0), 1.0) * 1000))
-            self.progress.setFormat(self.tr("computing the atlas: {percent}%").format(percent=f"{100 * fraction:.0f}"))
+        if not busy:
+            self._since = None
+            return
+        fraction = min(max(fraction, 0.0), 1.0)
+        self.progress.setValue(int(fraction * 1000))
+        percent = f"{100 * fraction:.0f}"
+        left = self._seconds_left(fraction, _clock())
+        if left is None:
+            self.progress.setFormat(self.tr("computing the atlas: {percent}%").format(percent=percent))
+        elif left < 60:
+            self.progress.setFormat(self.tr("computing the atlas: {percent}%, about {s} s left").format(
+                percent=percent, s=left))
+        else:
+            self.progress.setFormat(self.tr("computing the atlas: {percent}%, about {m} min {s} s left").format(
+                percent=percent, m=left // 60, s=left % 60))
+
+    def _seconds_left(self, fraction: float, now: float) -> int | None:
+        """The time left at the pace since the first news, to 5 s; None until there is a pace to go by."""
+        if self._since is None:
+            self._since = (now, fraction)
+        t0, f0 = self._since
+        if now - t0 < 3.0 or fraction - f0 < 0.02:    # the first prompts' pace says little (a cold compile)
+            return None
+        return 5 * round((now - t0) * (1.0 - fraction) / (fraction - f0) / 5)
 
     def set_has_experts(self, has_experts: bool) -> None:
         """Offer to compute an atlas only for a model with routed experts."""
