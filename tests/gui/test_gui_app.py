@@ -17,7 +17,7 @@ import pytest
 from app.service.local import TIER_CACHED, TIER_DISK, SettingsChange
 from engine.events import DoneEvent
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS, ask, wait_until
+from support.qt import EVENT_TIMEOUT_MS, LOAD_TIMEOUT_MS, ask, wait_until
 
 
 def test_a_model_that_fails_to_load_shows_its_error_and_the_app_stays_up(qtbot, make_window, models, tmp_path):
@@ -75,7 +75,7 @@ def test_a_slider_change_reaches_the_engine_and_the_overview_budget_follows(qtbo
     if overview is not None and hasattr(overview, "budget_bar"):
         from ui.inspector.common import fmt_bytes
 
-        qtbot.waitUntil(lambda: fmt_bytes(settings.memory_budget) in overview.budget_bar.format(), timeout=10_000)
+        qtbot.waitUntil(lambda: fmt_bytes(settings.memory_budget) in overview.budget_bar.format(), timeout=EVENT_TIMEOUT_MS)
     # a smaller budget moves experts to disk: the next answer reads them back
     snaps, grids = [], []
     window.bridge.snapshot.connect(snaps.append)
@@ -304,7 +304,7 @@ def test_an_answer_reaches_the_cache_meter_the_story_and_the_replay(qtbot, windo
     wait_until(qtbot, lambda: inspector.cache.replays > 0, 60_000)
     assert inspector.cache.figures["optimum"].text().endswith("%")
     inspector.tabs.setCurrentWidget(inspector.brain)
-    wait_until(qtbot, lambda: len(inspector.brain.replay.tokens) > 0, 10_000)
+    wait_until(qtbot, lambda: len(inspector.brain.replay.tokens) > 0, EVENT_TIMEOUT_MS)
     layer, ids, _ = counts[-1].routes.of(int(counts[-1].routes.tokens()[-1]))[0]
     inspector.brain.set_selected((layer, ids[0]))
     assert inspector.brain.story.isVisible()

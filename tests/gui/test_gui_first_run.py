@@ -12,7 +12,7 @@ import pytest
 from app.hub import pull as pulls
 from app.hub.progress import Note, Progress, render
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS
+from support.qt import EVENT_TIMEOUT_MS, LOAD_TIMEOUT_MS
 from ui import first_run
 
 
@@ -59,7 +59,7 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
             progress(Progress("write", percent, 100, "writing experts", model=name))
             time.sleep(0.05)
         progress(Note("compiling kernels on a small stand-in of the model (15 s so far)"))
-        shown.wait(10)
+        shown.wait(EVENT_TIMEOUT_MS / 1e3)
         return models[0]
 
     preparing_with(monkeypatch, fake_pull)
@@ -72,7 +72,7 @@ def test_the_demo_is_prepared_behind_a_progress_dialog_and_opens(qtbot, make_win
         assert dlg.progress_dialog is not None and dlg.progress_dialog.isVisible()
         assert not dlg.demo_button.isEnabled()
         # a wait after a finished stage shows as busy, not as a full bar
-        qtbot.waitUntil(lambda: "stand-in" in dlg.progress_dialog.labelText(), timeout=10_000)
+        qtbot.waitUntil(lambda: "stand-in" in dlg.progress_dialog.labelText(), timeout=EVENT_TIMEOUT_MS)
         assert dlg.progress_dialog.maximum() == 0
         assert "5 to 15 minutes" in dlg.progress_dialog.labelText()     # the estimate the dialog covers
         shown.set()
@@ -90,9 +90,9 @@ def test_a_step_that_reports_nothing_shows_a_busy_bar_until_it_measures_again(qt
     def fake_pull(name, models_dir=None, progress=None, warm_ahead=False):
         progress(Progress("upcycle", 0.05, 1.0, "calibration chats: code", model=name))
         progress(Progress("upcycle", 0.05, 1.0, "calibration chats: code (10 s so far)", model=name, waiting=True))
-        go_on.wait(10)
+        go_on.wait(EVENT_TIMEOUT_MS / 1e3)
         progress(Progress("upcycle", 0.52, 1.0, "calibration chats: poetry", model=name))
-        done.wait(10)
+        done.wait(EVENT_TIMEOUT_MS / 1e3)
         return models[0]
 
     preparing_with(monkeypatch, fake_pull)
@@ -101,10 +101,10 @@ def test_a_step_that_reports_nothing_shows_a_busy_bar_until_it_measures_again(qt
     with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
         dlg.demo_button.click()
         bar = dlg.progress_dialog
-        qtbot.waitUntil(lambda: "10 s so far" in bar.labelText(), timeout=10_000)
+        qtbot.waitUntil(lambda: "10 s so far" in bar.labelText(), timeout=EVENT_TIMEOUT_MS)
         assert bar.maximum() == 0 and "5% calibration chats" in bar.labelText()   # moving, and where it stands
         go_on.set()
-        qtbot.waitUntil(lambda: "poetry" in bar.labelText(), timeout=10_000)
+        qtbot.waitUntil(lambda: "poetry" in bar.labelText(), timeout=EVENT_TIMEOUT_MS)
         assert (bar.maximum(), bar.value()) == (100, 52)
         done.set()
 
@@ -146,10 +146,10 @@ def test_cancelling_the_preparation_stops_the_worker_and_says_so(qtbot, make_win
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     job = dlg.start_pull(pulls.DEFAULT_MODEL)
-    assert started.wait(10)
-    qtbot.waitUntil(lambda: dlg.progress_dialog.value() == 10, timeout=10_000)    # the bar follows the events
+    assert started.wait(EVENT_TIMEOUT_MS / 1e3)
+    qtbot.waitUntil(lambda: dlg.progress_dialog.value() == 10, timeout=EVENT_TIMEOUT_MS)    # the bar follows the events
     assert "calibrating" in dlg.progress_dialog.labelText()
-    with qtbot.waitSignal(job.failed, timeout=10_000) as failed:
+    with qtbot.waitSignal(job.failed, timeout=EVENT_TIMEOUT_MS) as failed:
         dlg.progress_dialog.canceled.emit()     # what its Cancel button does
     assert failed.args[1] is True and "Cancelled" in dlg.error.text()
     assert not job.running and dlg.progress_dialog is None and dlg.demo_button.isEnabled()
@@ -171,7 +171,7 @@ def test_a_failed_pull_by_name_shows_why_and_the_dialog_stays(qtbot, make_window
     dlg.name_edit.setText("org/model")
     dlg.pull_button.click()
     job = dlg.job
-    qtbot.waitUntil(lambda: not job.running and "hub cannot be reached" in dlg.error.text(), timeout=10_000)
+    qtbot.waitUntil(lambda: not job.running and "hub cannot be reached" in dlg.error.text(), timeout=EVENT_TIMEOUT_MS)
     assert dlg.isVisible() and dlg.demo_button.isEnabled()
     dlg.reject()
 
@@ -204,21 +204,21 @@ def test_a_long_progress_line_wraps_inside_a_dialog_that_keeps_its_width(qtbot, 
     def slow_pull(name, models_dir=None, progress=None, warm_ahead=False):
         progress(Note(line, model=name))
         shown.set()
-        release.wait(10)
+        release.wait(EVENT_TIMEOUT_MS / 1e3)
         raise ColibriError("stopped by the test")
 
     preparing_with(monkeypatch, slow_pull)
     window = make_window()
     dlg = window.show_first_run(models_dir=tmp_path / "models")
     job = dlg.start_pull(pulls.DEFAULT_MODEL)
-    assert shown.wait(10)
+    assert shown.wait(EVENT_TIMEOUT_MS / 1e3)
     progress = dlg.progress_dialog
     width = progress.width()
-    qtbot.waitUntil(lambda: line in progress.labelText(), timeout=10_000)
+    qtbot.waitUntil(lambda: line in progress.labelText(), timeout=EVENT_TIMEOUT_MS)
     label = progress.findChild(QLabel)
     assert progress.width() == width <= max(dlg.width(), 520)
     assert label.wordWrap() and label.height() >= label.heightForWidth(label.width())  # every wrapped line shows
-    with qtbot.waitSignal(job.failed, timeout=10_000):
+    with qtbot.waitSignal(job.failed, timeout=EVENT_TIMEOUT_MS):
         release.set()
     dlg.reject()
 
@@ -234,7 +234,7 @@ def test_enter_in_the_name_field_pulls_that_name_and_nothing_else(qtbot, make_wi
 
     def slow_pull(name, models_dir=None, progress=None, warm_ahead=False):
         names.append(name)
-        release.wait(10)
+        release.wait(EVENT_TIMEOUT_MS / 1e3)
         raise ColibriError("offline")
 
     preparing_with(monkeypatch, slow_pull)
@@ -250,7 +250,7 @@ def test_enter_in_the_name_field_pulls_that_name_and_nothing_else(qtbot, make_wi
     qtbot.keyClick(dlg.name_edit, Qt.Key.Key_Return)
     job = dlg.job
     assert dlg.isVisible() and job is not None and job.running and not job.cancelled
-    with qtbot.waitSignal(job.failed, timeout=10_000) as failed:
+    with qtbot.waitSignal(job.failed, timeout=EVENT_TIMEOUT_MS) as failed:
         release.set()
     assert failed.args[1] is False and names == ["org/model"] and dlg.isVisible()
     dlg.reject()

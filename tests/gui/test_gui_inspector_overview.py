@@ -20,6 +20,7 @@ from support.inspector import (
     no_leftovers,  # noqa: F401 - an autouse fixture
     redraw,
 )
+from support.qt import EVENT_TIMEOUT_MS
 from ui.inspector import TIER_DISK
 from ui.inspector.common import nice_ceil
 
@@ -139,7 +140,7 @@ def test_the_history_is_sampled_on_a_timer_as_steps_so_idle_time_stays_flat(qtbo
     inspector.set_snapshot(gen.tel.snapshot())
     overview = inspector.overview
     # no new data: the timer keeps sampling, at SAMPLE_HZ, the same value
-    qtbot.waitUntil(lambda: len(overview.history) >= 4, timeout=10_000)
+    qtbot.waitUntil(lambda: len(overview.history) >= 4, timeout=EVENT_TIMEOUT_MS)
     h = overview.history.samples()
     assert np.all(h[:, 2] == 100 * MB)
     gaps = np.diff(h[1:, 0])                          # (the first sample came with the first tick)
@@ -149,8 +150,8 @@ def test_the_history_is_sampled_on_a_timer_as_steps_so_idle_time_stays_flat(qtbo
     gen.decode(1)
     inspector.set_snapshot(gen.tel.snapshot())
     n = len(overview.history)
-    qtbot.waitUntil(lambda: len(overview.history) >= n + 3, timeout=10_000)
-    qtbot.waitUntil(lambda: len(overview.cached_curve.getData()[0]) >= n + 3, timeout=10_000)
+    qtbot.waitUntil(lambda: len(overview.history) >= n + 3, timeout=EVENT_TIMEOUT_MS)
+    qtbot.waitUntil(lambda: len(overview.cached_curve.getData()[0]) >= n + 3, timeout=EVENT_TIMEOUT_MS)
     assert overview.cached_curve.opts["stepMode"] == "right"
     path = overview.cached_curve.curve.getPath()      # the drawn path: vertical at the change, no slope
     x, y = (np.array([getattr(path.elementAt(i), a) for i in range(path.elementCount())]) for a in "xy")

@@ -33,7 +33,7 @@ from engine.events import DoneEvent, ErrorEvent, TokenEvent
 from engine.generation.sampling import SamplingParams
 from engine.telemetry import Snapshot
 from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autouse)
-from support.qt import LOAD_TIMEOUT_MS, qtbot_app, test_settings
+from support.qt import EVENT_TIMEOUT_MS, LOAD_TIMEOUT_MS, qtbot_app, test_settings
 from support.server import paced
 
 KEY = "remote-test-key-0123"
@@ -356,7 +356,7 @@ def test_the_window_chats_through_the_server_and_its_inspector_watches_it(qtbot,
                         and inspector._tiers is not None, timeout=20_000)
         assert inspector._tiers.shape == (info.n_layers, info.n_experts)
         assert inspector._snapshot.heat.shape == (info.n_layers, info.n_experts)
-        qtbot.waitUntil(lambda: inspector.redraws > 0, timeout=10_000)
+        qtbot.waitUntil(lambda: inspector.redraws > 0, timeout=EVENT_TIMEOUT_MS)
         assert "live" in window.connection_label.text()
         # Stop in the window ends the answer
         window.chat.new_conversation()
@@ -366,7 +366,7 @@ def test_the_window_chats_through_the_server_and_its_inspector_watches_it(qtbot,
         assert window.chat.send("A long answer please")
         qtbot.waitUntil(lambda: bool(tokens), timeout=30_000)
         window.chat.stop()
-        qtbot.waitUntil(lambda: not window.chat.generating, timeout=10_000)
+        qtbot.waitUntil(lambda: not window.chat.generating, timeout=EVENT_TIMEOUT_MS)
         assert "Stopped" in window.chat.status.text()
     finally:
         window.close()

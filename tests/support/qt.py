@@ -20,6 +20,9 @@ from support.tiny_chat import tiny_models
 __all__ = ["no_leftovers", "models", "make_window", "window", "wait_until", "test_settings"]   # fixtures and helpers
 
 LOAD_TIMEOUT_MS = 180_000
+# a worker thread's news reaching the window: a wait ends as soon as it comes, so a long limit costs nothing, and a
+# loaded two-core machine took more than 10 s for four queued events
+EVENT_TIMEOUT_MS = 60_000
 
 
 @pytest.fixture(autouse=True)
