@@ -196,6 +196,10 @@ def test_two_answers_routing_is_drawn_as_a_difference(qtbot, inspector):
     assert tuple(brain.rgba[0, 1, :3]) != tuple(b) and tuple(brain.rgba[0, 2, :3]) != tuple(b)   # half its tokens
     assert not {(layer, 5) for layer in range(4)} & (_flashed(brain, a) | _flashed(brain, b))   # both, as often
     assert "4 experts chosen more in A, 5 in B, 4 as often" in bar.summary.text()
+    # the summary keeps to the bar's width: it elides, the whole of it in its tooltip
+    bar.summary.setText(bar.summary.text() * 6)
+    assert bar.minimumSizeHint().width() < bar.summary.fontMetrics().horizontalAdvance(bar.summary.text())
+    assert bar.summary.toolTip() == bar.summary.text()
     with qtbot.waitSignal(bar.changed, timeout=3000):
         bar.second.setCurrentIndex(0)                  # an answer against itself: no difference
     assert not _flashed(brain, a) and not _flashed(brain, b)

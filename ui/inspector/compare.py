@@ -14,6 +14,7 @@ from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QWidget
 
 from engine.offload.story import Routes
 from ui.inspector.common import Theme, swatch_css
+from ui.widgets import ElidedLabel
 
 EQUAL_MARK = 0.25       # how far towards the foreground an expert both answers chose equally is drawn
 
@@ -50,7 +51,7 @@ class CompareBar(QWidget):
             # as wide as its longest answer: sized to the empty list it was first shown with, it showed "answer 2" alone
             box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
         self.swatch_a, self.swatch_b = QLabel(), QLabel()
-        self.summary = QLabel("")
+        self.summary = ElidedLabel("")   # one line at any width: a long difference widened the whole pane
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.on)
