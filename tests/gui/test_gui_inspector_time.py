@@ -82,6 +82,19 @@ def test_time_axes_carry_a_few_round_tick_labels(qtbot, inspector):
         assert 2 <= len(labelled) <= most + 1, (name, labelled)
 
 
+def test_a_few_records_are_counted_in_whole_records(qtbot, inspector):
+    # three decoded tokens were labelled 0, 0.5, 1, 1.5 ... records
+    gen = Generation()
+    gen.decode(3)
+    inspector.tabs.setCurrentWidget(inspector.time)
+    inspector.set_snapshot(gen.tel.snapshot())
+    redraw(qtbot, inspector)
+    qtbot.waitUntil(lambda: inspector.time.bar_count() == 3, timeout=3000)
+    bottom = inspector.time.plot.getPlotItem().getAxis("bottom")
+    levels = bottom.tickValues(*bottom.range, bottom.width())
+    assert levels and all(float(v).is_integer() for _, values in levels for v in values), levels
+
+
 def test_time_with_no_records_says_so_after_a_model_with_some(qtbot, inspector):
     # a model opened after another, its Time tab shown before any question: no bars, no stale mean, no error
     gen = Generation()

@@ -46,9 +46,12 @@ def scale_ms(tops: np.ndarray, prefill: np.ndarray, mean_ms: float) -> float:
     return nice_ceil(1.1 * max(float(np.percentile(decoded, 95)), 2.0 * mean_ms))
 
 
-def tick_spacing(span: float, most: int) -> tuple[float, float]:
-    """(major, minor) tick spacing for an axis of `span` with at most `most` labels: round steps (1, 2, 5 ...)."""
+def tick_spacing(span: float, most: int, whole: bool = False) -> tuple[float, float]:
+    """(major, minor) tick spacing for an axis of `span` with at most `most` labels: round steps (1, 2, 5 ...);
+    `whole`: no step below 1 (an axis of records, where three records were labelled 0, 0.5, 1 ...)."""
     major = nice_ceil(span / most)
+    if whole and major < 2:
+        return 1.0, 1.0
     return major, major / 5 if major >= 5 else major / 2
 
 
@@ -177,7 +180,7 @@ class TimeView(QWidget):
         records = r if r else EMPTY_RECORDS     # (whole records on the axis, not fractions of one)
         item.getViewBox().setRange(xRange=(0, records), yRange=(0, self.scale), padding=0)
         # a few labels whatever the width: pyqtgraph's own spacing crowds a narrow axis (24 labels were seen)
-        spacing = (tick_spacing(records, X_LABELS), tick_spacing(self.scale, Y_LABELS))
+        spacing = (tick_spacing(records, X_LABELS, whole=True), tick_spacing(self.scale, Y_LABELS))
         if spacing != self._spacing:
             self._spacing = spacing
             item.getAxis("bottom").setTickSpacing(*spacing[0])
