@@ -465,8 +465,7 @@ class MainWindow(QMainWindow):
             self.inspector.set_atlas(dict(event.atlas) if event.atlas is not None else None)
         except ValueError as exc:
             log.warning("the atlas of %s is not shown: %s", info.name, exc)
-        how = {"experts": self.tr("experts stream from disk"), "layers": self.tr("layers stream from disk")}.get(
-            info.streaming, self.tr("held in memory"))
+        how = self._how(info)
         if self.remote is not None:
             self._remote_atlas_offer()
             self.model_label.setText(self.tr("{name} · {architecture} · {how} · served by {url}").format(
@@ -475,7 +474,7 @@ class MainWindow(QMainWindow):
             self.setWindowTitle(f"{info.name} @ {self.remote.endpoint.host} — {APP_NAME}")
             return
         self.models.add_recent(info.path)
-        self.model_label.setText(f"{info.name} · {info.architecture} · {how}")
+        self.model_label.setText(self._model_line(info))
         log.info("loaded %s (%s, %s)", info.path, info.architecture, how)
         self.setWindowTitle(f"{info.name} — {APP_NAME}")
 
@@ -483,6 +482,9 @@ class MainWindow(QMainWindow):
         if event.request != self._load_request:
             return
         self._end_load()
+        if event.kept is not None and self.remote is None:
+            self._kept(event)
+            return
         self.info = None
         self.chat.set_model(None)
         self.controls.set_model(None)
@@ -501,6 +503,27 @@ class MainWindow(QMainWindow):
             log.warning("the model did not load: %s", event.message)
             self.model_label.setText(self.tr("No model (the last one failed to load)"))
             self.show_error(self.tr("The model could not be loaded"), event.message)
+
+    def _kept(self, event: LoadFailed) -> None:
+        """A model that could not open left the one in use loaded: it answers again, and the error says so."""
+        info = self.info = event.kept
+        self.chat.set_model(info)
+        self.controls.set_model(info)
+        self.model_label.setText(self._model_line(info))
+        if event.cancelled:
+            return
+        log.warning("the model did not load, %s stays: %s", info.name, event.message)
+        self.show_error(self.tr("The model could not be loaded"),
+                        self.tr("{why}\n\n{name} is still loaded.").format(why=event.message, name=info.name))
+
+    def _how(self, info: ModelInfo) -> str:
+        """How the model's weights are held, in words."""
+        return {"experts": self.tr("experts stream from disk"), "layers": self.tr("layers stream from disk")}.get(
+            info.streaming, self.tr("held in memory"))
+
+    def _model_line(self, info: ModelInfo) -> str:
+        """The status bar's line for a loaded local model."""
+        return f"{info.name} · {info.architecture} · {self._how(info)}"
 
     def _given_settings(self) -> frozenset[str]:
         """The live settings the remembered sliders yield to: those the command line set by flag or variable

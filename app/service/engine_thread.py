@@ -95,6 +95,7 @@ class EngineThread:
         self._last_tiers = None                 # see EngineService.tiers()
         self._closed = False
         self._model: Engaged | None = None      # engine thread only, like the two below
+        self._baseline: int | None = None       # RSS before the model in use loaded (what closing it gives back)
         self._backlog: deque[Request] = deque()  # requests taken from the queue that wait for the batch to end
         self._live: dict[int, _Running] = {}    # scheduler sequence id -> its generation
 
@@ -208,9 +209,11 @@ class EngineThread:
     # --- loading ---
 
     def _load(self, req: LoadRequest, cancel: threading.Event) -> None:
+        """Plan the load (files read, budget chosen, a GGUF to stream converted) with the model in use still
+        loaded, so that a model that cannot open leaves it as it was; then close it (memory is what this engine is
+        short of) and load."""
         from engine.loader import LoadCancelled, load_model
 
-        self._close_model()   # first: memory is what this engine is short of
         last = [0.0]
 
         def progress(fraction: float, message: str) -> bool:
@@ -224,11 +227,22 @@ class EngineThread:
             if cancel.is_set():
                 raise LoadCancelled("loading cancelled")
             progress(0.0, f"opening {Path(req.path).name}")
+            plan = self._plan_load(req.path, req.options, progress)
+        except LoadCancelled:
+            self._emit(LoadFailed(req.id, f"loading {Path(req.path).name} was cancelled", cancelled=True,
+                                  kept=self._info))
+            return
+        except (ColibriError, OSError, ValueError) as exc:
+            self._emit(LoadFailed(req.id, _message(exc), kept=self._info))
+            return
+        self._close_model()
+        try:
+            if cancel.is_set():
+                raise LoadCancelled("loading cancelled")
             if req.options.threads is not None:     # numba's count is per thread: this one runs the model
                 from app.config.settings import apply_threads
 
                 apply_threads(req.options.threads, "the app's compute threads setting")
-            plan = self._plan_load(req.path, req.options, progress)
             telemetry = Telemetry(plan.spec.n_layers, n_experts(plan.spec))
             baseline = rss()     # the interpreter and libraries: outside the budget, reported apart
             loaded = load_model(plan.path, progress, plan.offload, telemetry)
@@ -241,7 +255,7 @@ class EngineThread:
         settings = EngineSettings(plan.budget, req.options.prefetch_depth if plan.offload is not None else 0,
                                   req.options.io_threads, plan.context_length)
         model = Engaged.open(loaded, telemetry, settings, req.options)
-        self._model = model
+        self._model, self._baseline = model, baseline
         with self._lock:
             self._telemetry = telemetry
             self._follow(telemetry)
@@ -286,7 +300,11 @@ class EngineThread:
         else:
             spec = peek_spec(path)
         # exact KV rows in the budget's split, as the live settings (app.service.model) divide it again
-        return plan_load(replace(options, kv_bits=32), path, spec, container, available=available_memory(),
+        available = available_memory()
+        if available is not None and self._model is not None and self._baseline is not None:
+            now = rss()    # the model in use is closed before this one loads: its memory counts as free
+            available += max(now - self._baseline, 0) if now is not None else 0
+        return plan_load(replace(options, kv_bits=32), path, spec, container, available=available,
                          history_dir=usage_dir() if options.history else None)
 
     def _close_model(self) -> None:

@@ -179,11 +179,13 @@ class ModelLoaded:
 
 @dataclass(frozen=True)
 class LoadFailed:
-    """A load ended without a model; the message names the problem and the fix."""
+    """A load ended without its model; the message names the problem and the fix. `kept`: the model in use, still
+    loaded (the new one failed or was cancelled before anything was closed), else None."""
 
     request: int
     message: str
     cancelled: bool = False
+    kept: ModelInfo | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,25 @@ def test_a_model_that_fails_to_load_shows_its_error_and_the_app_stays_up(qtbot, 
     assert window.models.recent.paths()[0] == str(models[0])
 
 
+def test_a_model_that_cannot_open_leaves_the_one_in_use_loaded(qtbot, make_window, models, tmp_path):
+    # the walkthrough's first complaint: the working model was unloaded before the new one was known to open
+    window = make_window()
+    with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
+        window.open_model(str(models[0]))
+    info, line = window.info, window.model_label.text()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ not json")
+    with qtbot.waitSignal(window.bridge.loadFailed, timeout=LOAD_TIMEOUT_MS):
+        window.open_model(str(broken))
+    box = window.error_dialog
+    assert box is not None and "config.json" in box.text() and f"{info.name} is still loaded" in box.text()
+    assert window.info == info and window.chat.info == info and window.model_label.text() == line
+    window.chat.input.setPlainText("Hello")                                       # and it takes a question
+    assert window.chat.send_button.isEnabled()
+    box.accept()
+
+
 def test_a_load_can_be_cancelled_from_the_status_bar(qtbot, make_window, models, monkeypatch):
     from app.service.engine_thread import EngineThread
 

@@ -162,6 +162,20 @@ def test_a_model_that_fails_to_load_is_reported_and_the_engine_stays_up(service,
     _load(service, hf)     # the next load works
 
 
+def test_a_model_that_cannot_open_leaves_the_one_in_use_answering(service, hf, tmp_path):
+    _load(service, hf)
+    tokens, _ = _generate(service, messages=MESSAGES, max_tokens=8)
+    broken = tmp_path / "broken"
+    shutil.copytree(hf, broken)
+    (broken / "config.json").write_text("{ not json")
+    i = service.load(broken)
+    failed = service.events.wait(lambda e: isinstance(e, LoadFailed) and e.request == i)
+    assert "config.json" in failed.message
+    assert failed.kept is not None and failed.kept == service.info and failed.kept.name == hf.name   # still loaded
+    again, _ = _generate(service, messages=MESSAGES, max_tokens=8)
+    assert [t.token_id for t in again] == [t.token_id for t in tokens]                        # and answers alike
+
+
 def test_loading_can_be_cancelled(service, hf):
     service.events.hooks.append(lambda e: isinstance(e, LoadProgress) and service.cancel(e.request))
     i = service.load(hf)

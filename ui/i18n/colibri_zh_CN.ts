@@ -718,7 +718,7 @@
 <context>
     <name>CompareBar</name>
     <message>
-        <location filename="../inspector/compare.py" line="+46"/>
+        <location filename="../inspector/compare.py" line="+47"/>
         <source>Compare answers</source>
         <translation>比较回答</translation>
     </message>
@@ -1446,12 +1446,12 @@ double-click to rename</source>
     </message>
     <message>
         <location line="+3"/>
-        <location line="+456"/>
+        <location line="+479"/>
         <source>About Colibri</source>
         <translation>关于 Colibri</translation>
     </message>
     <message>
-        <location line="-400"/>
+        <location line="-423"/>
         <source>{label} · compute threads change when a model is next opened</source>
         <translation>{label} · 计算线程将在下次打开模型时更改</translation>
     </message>
@@ -1498,7 +1498,16 @@ double-click to rename</source>
         <translation>请先打开一个混合专家（MoE）模型，再计算它的图谱。</translation>
     </message>
     <message>
-        <location line="+31"/>
+        <location line="+80"/>
+        <source>{why}
+
+{name} is still loaded.</source>
+        <translation>{why}
+
+{name} 仍然处于加载状态。</translation>
+    </message>
+    <message>
+        <location line="+4"/>
         <source>experts stream from disk</source>
         <translation>专家从磁盘流式读取</translation>
     </message>
@@ -1513,12 +1522,12 @@ double-click to rename</source>
         <translation>全部在内存中</translation>
     </message>
     <message>
-        <location line="+3"/>
+        <location line="-51"/>
         <source>{name} · {architecture} · {how} · served by {url}</source>
         <translation>{name} · {architecture} · {how} · 由 {url} 提供</translation>
     </message>
     <message>
-        <location line="+22"/>
+        <location line="+25"/>
         <source>Loading cancelled</source>
         <translation>已取消加载</translation>
     </message>
@@ -1538,13 +1547,14 @@ double-click to rename</source>
         <translation>无模型（上一个模型加载失败）</translation>
     </message>
     <message>
-        <location line="-119"/>
-        <location line="+120"/>
+        <location line="-121"/>
+        <location line="+122"/>
+        <location line="+11"/>
         <source>The model could not be loaded</source>
         <translation>无法加载模型</translation>
     </message>
     <message>
-        <location line="+40"/>
+        <location line="+50"/>
         <source>The atlas cannot be shown</source>
         <translation>无法显示图谱</translation>
     </message>
@@ -2227,7 +2237,7 @@ double-click to rename</source>
         <translation>其他</translation>
     </message>
     <message>
-        <location line="+31"/>
+        <location line="+34"/>
         <source>ms per token</source>
         <translation>每词元毫秒数</translation>
     </message>
