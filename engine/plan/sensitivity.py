@@ -9,9 +9,10 @@ the planner then compares scale * error, an estimate of the KL each choice adds.
 
 One measurement per matrix of each decoder layer (routed experts of one layer and kind together)
 and per matrix outside the layers: linear in depth. Each runs only from the matrix's own layer on,
-from the reference's stored hidden states. Fitting a layer factor times a kind factor from far
-fewer measurements (n_layers + n_kinds groups) was tried and misjudged single matrices by up to
-45x (layer 0's v_proj), so every matrix is measured.
+from the reference's stored hidden states; the measurements of one layer run the layers after it
+together, as one batch of rows (small matrices multiply far faster many rows at a time). Fitting a
+layer factor times a kind factor from far fewer measurements (n_layers + n_kinds groups) was tried
+and misjudged single matrices by up to 45x (layer 0's v_proj), so every matrix is measured.
 """
 
 from __future__ import annotations
@@ -176,21 +177,35 @@ def forward_from(model: Transformer, x: np.ndarray, start: int, keep: list[np.nd
     The steps of Transformer.forward, resumable at any layer (the layers before `start` are not
     run); `keep` collects each layer's input and the final hidden state (n_layers + 1 arrays).
     """
+    return model.head(run_from(model, x, [x.shape[0]], start, keep=keep))
+
+
+def run_from(model: Transformer, x: np.ndarray, lengths: Sequence[int], start: int, stop: int | None = None,
+             keep: list[np.ndarray] | None = None) -> np.ndarray:
+    """The hidden states [R, hidden] after layers start .. stop - 1 of sequences stacked in x [R, hidden].
+
+    Each sequence (`lengths`: its rows, in order) starts at position 0 on a fresh cache; the
+    projections run once for all rows, attention per sequence. `keep` collects each layer's input
+    and the last output.
+    """
     eps, residual = model.spec.rms_eps, np.float32(model.spec.residual_multiplier)   # Granite scales block outputs
-    cache = KVCache(model.spec, x.shape[0])
-    positions = cache.positions(x.shape[0])
-    for i in range(start, model.spec.n_layers):
+    stop = model.spec.n_layers if stop is None else stop
+    caches = [KVCache(model.spec, n) for n in lengths]
+    positions = np.concatenate([c.positions(n) for c, n in zip(caches, lengths)])     # [R]
+    bounds = np.cumsum([0, *lengths])
+    rows = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    for i in range(start, stop):
         if keep is not None:
             keep.append(x)
         layer = model.layers[i]
-        x = x + residual * layer.attn_output(
-            layer.attn(layer.attn_input(x, eps), positions, [(slice(None), cache.layers[i])]), eps)
+        segments = [(r, c.layers[i]) for r, c in zip(rows, caches)]
+        x = x + residual * layer.attn_output(layer.attn(layer.attn_input(x, eps), positions, segments), eps)
         h = layer.ffn_input(x, eps)
         x = x + residual * layer.ffn_output(
             layer.ffn(h, model.experts)[0] if isinstance(layer.ffn, MoE) else layer.ffn(h), eps)
     if keep is not None:
         keep.append(x)
-    return model.head(x)
+    return x
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -230,6 +245,24 @@ class Reference:
             cross += float(np.einsum("tv,tv->", p, log_softmax(forward_from(model, x, start)), dtype=np.float64))
         return (self.neg_entropy - cross) / sum(len(s) for s in self.seqs)
 
+    def kl_stacked(self, model: Transformer, variants: Sequence[Transformer], layer: int) -> list[float]:
+        """`kl` of each variant, whose weights differ from `model`'s in decoder layer `layer` only.
+
+        Each variant runs that layer; the layers after it run once for all variants' rows (one larger
+        product per matrix instead of one per variant), then the head per sequence.
+        """
+        lengths = [len(s) for s in self.seqs]
+        x = np.concatenate([h[layer] for h in self.hidden])                                  # [T, hidden]
+        x = np.concatenate([run_from(v, x, lengths, layer, layer + 1) for v in variants])   # [n * T, hidden]
+        x = run_from(model, x, lengths * len(variants), layer + 1)
+        cross = np.zeros(len(variants))
+        bounds = np.cumsum([0, *lengths * len(variants)])
+        for k in range(len(bounds) - 1):
+            v, s = divmod(k, len(lengths))
+            lp = log_softmax(model.head(x[bounds[k] : bounds[k + 1]]))                       # [T_s, V]
+            cross[v] += float(np.einsum("tv,tv->", self.probs[s], lp, dtype=np.float64))
+        return [float(c) for c in (self.neg_entropy - cross) / sum(lengths)]
+
 
 def measure_sensitivity(spec: ModelSpec, source: TensorSource, names: Sequence[str], probe: Probe,
                         sequences: Sequence[Sequence[int]], log: Log = print,
@@ -238,28 +271,47 @@ def measure_sensitivity(spec: ModelSpec, source: TensorSource, names: Sequence[s
     seqs = pick_tokens(sequences, min(n_tokens, max(2, REFERENCE_BYTES // (4 * spec.vocab_size))))
     tokens = sum(len(s) for s in seqs)
     t0 = time.perf_counter()
-    reference = Reference.measure(Transformer(spec, source), seqs)
+    base = Transformer(spec, source)
+    reference = Reference.measure(base, seqs)
     plan = probe_groups(names)
-    log(f"sensitivity: {len(plan)} matrices quantized to {PROBE_BITS} bits one at a time, KL on {tokens} tokens ...")
+    log(f"sensitivity: {len(plan)} matrices quantized to {PROBE_BITS} bits each alone, KL on {tokens} tokens ...")
     measured, scales = [], {}
     # a measurement runs the layers from its own on and the head: its share of the pass's time
     layer_weights = [0] * (spec.n_layers + 1)
     for n in names:
         layer_weights[min(first_layer(n, spec), spec.n_layers)] += int(np.prod(source.shape(n)))
     after = np.cumsum(layer_weights[::-1])[::-1]           # [n_layers + 1]: weights run from layer i on
-    work = [int(after[min(first_layer(n, spec) for n in members)]) for members in plan.values()]
+    work = {label: int(after[min(first_layer(n, spec) for n in members)]) for label, members in plan.items()}
+    total = sum(work.values())
+    # the groups inside one decoder layer are measured together (kl_stacked); the others (the embedding, tied to
+    # the head, and the head) one at a time
+    batches: dict[int | str, list[str]] = {}
+    for label, members in plan.items():
+        layers = {layer_and_kind(n)[0] for n in members}
+        key = layers.pop() if len(layers) == 1 and None not in layers else label
+        batches.setdefault(key, []).append(label)
+    kls: dict[str, float] = {}
+    errors: dict[str, float] = {}
     done = 0
-    for k, (label, members) in enumerate(plan.items()):
-        replaced, error = {}, 0.0
-        for n in members:
-            replaced[n], e = probe(n)
-            error += e
-        start = min(first_layer(n, spec) for n in members)
-        g = GroupKL(label, members, reference.kl(Transformer(spec, Overlay(source, replaced)), start), error)
+    for key, labels in batches.items():
+        variants = []
+        for label in labels:
+            replaced = {}
+            errors[label] = 0.0
+            for n in plan[label]:
+                replaced[n], e = probe(n)
+                errors[label] += e
+            variants.append(Transformer(spec, Overlay(source, replaced)))
+        if isinstance(key, int):
+            kls.update(zip(labels, reference.kl_stacked(base, variants, key)))
+        else:
+            kls[key] = reference.kl(variants[0], min(first_layer(n, spec) for n in plan[key]))
+        done += sum(work[label] for label in labels)
+        if len(kls) // 25 > (len(kls) - len(labels)) // 25 or len(kls) == len(plan):
+            elapsed = time.perf_counter() - t0
+            log(f"sensitivity: measured {len(kls)}/{len(plan)} ({elapsed:.0f} s{time_left(elapsed, done, total)})")
+    for label, members in plan.items():
+        g = GroupKL(label, members, kls[label], errors[label])
         measured.append(g)
         scales.update(dict.fromkeys(members, g.scale))
-        done += work[k]
-        if (k + 1) % 25 == 0 or k + 1 == len(plan):
-            elapsed = time.perf_counter() - t0
-            log(f"sensitivity: measured {k + 1}/{len(plan)} ({elapsed:.0f} s{time_left(elapsed, done, sum(work))})")
     return Sensitivity(scales, tuple(measured), tokens)

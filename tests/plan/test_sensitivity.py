@@ -42,6 +42,25 @@ def test_forward_from_any_layer_is_the_model_forward(tmp_path, model_type, extra
     assert np.array_equal(forward_from(model, keep[2], 2), expected)
 
 
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2})])
+def test_stacked_variants_give_each_ones_kl(tmp_path, model_type, extra):
+    """Variants of one layer run the later layers together: each KL is the one it gets alone."""
+    ckpt = open_checkpoint(build_checkpoint(tmp_path, model_type, **extra))
+    source = Resident(ckpt.source)
+    base = Transformer(ckpt.spec, source)
+    rng = np.random.default_rng(0)
+    ref = Reference.measure(base, [rng.integers(0, ckpt.spec.vocab_size, n).tolist() for n in (9, 14)])
+    names = [n for n in classify(ckpt).planned if n.startswith("model.layers.1.")]
+    assert len(names) >= 7
+    variants = []
+    for n in names:
+        w = source.load(n)
+        variants.append(Transformer(ckpt.spec, Overlay(source, {n: w + 0.05 * rng.standard_normal(w.shape, np.float32)})))
+    alone = [ref.kl(v, 1) for v in variants]
+    assert min(alone) > 0
+    assert ref.kl_stacked(base, variants, 1) == pytest.approx(alone, rel=1e-4)
+
+
 def test_scale_is_kl_per_unit_of_error():
     assert GroupKL("a", ("a",), 0.02, 4.0).scale == pytest.approx(0.005)
     assert GroupKL("a", ("a",), -1e-12, 4.0).scale > 0      # rounding below zero: tiny, never negative
