@@ -17,6 +17,8 @@ from engine.generation.prefill import PREFILL_CHUNK
 from engine.kv import KVCache
 from engine.models.transformer import Transformer
 
+BATCH_ROWS = 2048       # calibration tokens run together at most (bounds the activations and score arrays)
+
 
 @dataclass
 class ActivationStats:
@@ -69,24 +71,41 @@ def collect_stats(
     sequences: Sequence[Sequence[int]],
     progress: Callable[[int, int], None] | None = None,
     max_len: int = 2048,
+    rows: int = BATCH_ROWS,
 ) -> ActivationStats:
-    """Run each token sequence through the model (fresh cache each) and collect activation stats."""
+    """Run each token sequence through the model (fresh cache each) and collect activation stats.
+
+    Sequences run several at a time (up to `rows` tokens, chunk by chunk): one product per matrix for
+    all their rows, which small matrices need to keep the cores busy.
+    """
     stats = ActivationStats()
-    total = sum(min(len(s), max_len) for s in sequences)
-    done = 0
-    for seq in sequences:
-        seq = list(seq)[:max_len]
-        if not seq:
-            continue
-        cache = KVCache(model.spec, len(seq))
-        for start in range(0, len(seq), PREFILL_CHUNK):
-            part = seq[start : start + PREFILL_CHUNK]
-            # only the last position reaches the output head here, so a tied embedding's usage is
+    seqs = [list(s)[:max_len] for s in sequences]
+    seqs = [s for s in seqs if s]
+    total, done = sum(len(s) for s in seqs), 0
+    for group in _groups(seqs, rows):
+        caches = [KVCache(model.spec, len(s)) for s in group]
+        for start in range(0, max(len(s) for s in group), PREFILL_CHUNK):
+            items = [(s[start : start + PREFILL_CHUNK], c) for s, c in zip(group, caches) if len(s) > start]
+            # only each chunk's last position reaches the output head here, so a tied embedding's usage is
             # understated (~1/chunk); counting every position made the planner starve all other
             # matrices (perplexity 42.5 vs 30.4, see the closing note); the planner's rework is pending
-            model.forward(part, cache, probe=stats)
-            stats.tokens += len(part)
-            done += len(part)
+            model.forward_batch(items, probe=stats)
+            n = sum(len(part) for part, _ in items)
+            stats.tokens += n
+            done += n
             if progress is not None:
                 progress(done, total)
     return stats
+
+
+def _groups(seqs: list[list[int]], rows: int) -> list[list[list[int]]]:
+    """Consecutive sequences of at most `rows` tokens in all (a longer sequence alone)."""
+    groups: list[list[list[int]]] = []
+    size = 0
+    for s in seqs:
+        if not groups or size + len(s) > rows:
+            groups.append([])
+            size = 0
+        groups[-1].append(s)
+        size += len(s)
+    return groups

@@ -87,6 +87,18 @@ def tiny(tmp_path_factory):
     return ckpt, calib, heldout
 
 
+def test_calibration_runs_sequences_together_as_alone(tiny):
+    """Several sequences per pass, chunk by chunk: the statistics of one sequence at a time."""
+    ckpt, calib, _ = tiny
+    model = Transformer(ckpt.spec, ckpt.source)
+    seqs = calib[:3] + [list(range(256)) + list(range(60))]             # one longer than a prefill chunk
+    together, alone = collect_stats(model, seqs), collect_stats(model, seqs, rows=1)
+    assert together.tokens == alone.tokens == sum(len(s) for s in seqs)
+    assert together.rows == alone.rows and together.energy.keys() == alone.energy.keys()
+    for name in alone.energy:
+        assert np.allclose(together.energy[name], alone.energy[name], rtol=1e-5), name
+
+
 def _output_kl(ckpt, plan, stats, heldout) -> float:
     """Measured KL of the planned model (dequantized) from the float32 model on held-out tokens."""
     from engine.quant import quantize
