@@ -20,14 +20,19 @@ from support.qt import *  # noqa: F403 - the GUI fixtures (no_leftovers is autou
 from support.qt import EVENT_TIMEOUT_MS, LOAD_TIMEOUT_MS, ask, wait_until
 
 
-def test_a_model_that_fails_to_load_shows_its_error_and_the_app_stays_up(qtbot, make_window, models, tmp_path):
-    window = make_window()
-    assert not window.chat.send_button.isEnabled() and "open a model" in window.chat.send_button.toolTip()
+def _broken(tmp_path):
+    """A model folder whose config.json is not JSON."""
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{ not json")
+    return broken
+
+
+def test_a_model_that_fails_to_load_shows_its_error_and_the_app_stays_up(qtbot, make_window, models, tmp_path):
+    window = make_window()
+    assert not window.chat.send_button.isEnabled() and "open a model" in window.chat.send_button.toolTip()
     with qtbot.waitSignal(window.bridge.loadFailed, timeout=LOAD_TIMEOUT_MS):
-        window.open_model(str(broken))
+        window.open_model(str(_broken(tmp_path)))
     box = window.error_dialog
     assert box is not None and box.isVisible() and "config.json" in box.text()
     assert window.info is None and not window.controls.budget.slider.isEnabled()
@@ -45,11 +50,8 @@ def test_a_model_that_cannot_open_leaves_the_one_in_use_loaded(qtbot, make_windo
     with qtbot.waitSignal(window.bridge.modelLoaded, timeout=LOAD_TIMEOUT_MS):
         window.open_model(str(models[0]))
     info, line = window.info, window.model_label.text()
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text("{ not json")
     with qtbot.waitSignal(window.bridge.loadFailed, timeout=LOAD_TIMEOUT_MS):
-        window.open_model(str(broken))
+        window.open_model(str(_broken(tmp_path)))
     box = window.error_dialog
     assert box is not None and "config.json" in box.text() and f"{info.name} is still loaded" in box.text()
     assert window.info == info and window.chat.info == info and window.model_label.text() == line

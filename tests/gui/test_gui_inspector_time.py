@@ -82,13 +82,18 @@ def test_time_axes_carry_a_few_round_tick_labels(qtbot, inspector):
         assert 2 <= len(labelled) <= most + 1, (name, labelled)
 
 
-def test_a_few_records_are_counted_in_whole_records(qtbot, inspector):
-    # three decoded tokens were labelled 0, 0.5, 1, 1.5 ... records
+def _decoded(qtbot, inspector, n: int) -> None:
+    """The Time tab shown with N decoded tokens' records."""
     gen = Generation()
-    gen.decode(3)
+    gen.decode(n)
     inspector.tabs.setCurrentWidget(inspector.time)
     inspector.set_snapshot(gen.tel.snapshot())
     redraw(qtbot, inspector)
+
+
+def test_a_few_records_are_counted_in_whole_records(qtbot, inspector):
+    # three decoded tokens were labelled 0, 0.5, 1, 1.5 ... records
+    _decoded(qtbot, inspector, 3)
     qtbot.waitUntil(lambda: inspector.time.bar_count() == 3, timeout=3000)
     bottom = inspector.time.plot.getPlotItem().getAxis("bottom")
     levels = bottom.tickValues(*bottom.range, bottom.width())
@@ -97,11 +102,7 @@ def test_a_few_records_are_counted_in_whole_records(qtbot, inspector):
 
 def test_time_with_no_records_says_so_after_a_model_with_some(qtbot, inspector):
     # a model opened after another, its Time tab shown before any question: no bars, no stale mean, no error
-    gen = Generation()
-    gen.decode(5)
-    inspector.tabs.setCurrentWidget(inspector.time)
-    inspector.set_snapshot(gen.tel.snapshot())
-    redraw(qtbot, inspector)
+    _decoded(qtbot, inspector, 5)
     assert inspector.time.bar_count() == 5
     inspector.set_snapshot(Generation().tel.snapshot())
     qtbot.waitUntil(lambda: inspector.time.bar_count() == 0, timeout=3000)     # the next tick that plots
