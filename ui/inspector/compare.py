@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QWidget
+from PySide6.QtWidgets import QCheckBox, QComboBox, QHBoxLayout, QLabel, QSizePolicy, QWidget
 
 from engine.offload.story import Routes
 from ui.inspector.common import Theme, swatch_css
@@ -50,6 +50,8 @@ class CompareBar(QWidget):
         for box in (self.first, self.second):
             # as wide as its longest answer: sized to the empty list it was first shown with, it showed "answer 2" alone
             box.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToContents)
+            # and never squeezed below that by a narrow pane or a wider font: the summary beside them elides instead
+            box.setSizePolicy(QSizePolicy.Policy.Fixed, QSizePolicy.Policy.Fixed)
         self.swatch_a, self.swatch_b = QLabel(), QLabel()
         self.summary = ElidedLabel("")   # one line at any width: a long difference widened the whole pane
         layout = QHBoxLayout(self)
