@@ -629,8 +629,9 @@ class ChatPanel(QWidget):
 
     def _set_status(self, text: str, tip: str = "") -> None:
         """Say text on the status line (tip: its tooltip, when it says more than the line)."""
-        self.status.setText(text)
-        self.status.setToolTip(tip or text)
+        self.status.setText(text)     # (an ElidedLabel: its tooltip is the text, unless tip says more)
+        if tip:
+            self.status.setToolTip(tip)
 
     def _update_buttons(self) -> None:
         busy = self._request is not None

@@ -228,12 +228,8 @@ class EngineThread:
                 raise LoadCancelled("loading cancelled")
             progress(0.0, f"opening {Path(req.path).name}")
             plan = self._plan_load(req.path, req.options, progress)
-        except LoadCancelled:
-            self._emit(LoadFailed(req.id, f"loading {Path(req.path).name} was cancelled", cancelled=True,
-                                  kept=self._info))
-            return
         except (ColibriError, OSError, ValueError) as exc:
-            self._emit(LoadFailed(req.id, _message(exc), kept=self._info))
+            self._emit(_load_failed(req, exc, kept=self._info))
             return
         self._close_model()
         try:
@@ -246,11 +242,8 @@ class EngineThread:
             telemetry = Telemetry(plan.spec.n_layers, n_experts(plan.spec))
             baseline = rss()     # the interpreter and libraries: outside the budget, reported apart
             loaded = load_model(plan.path, progress, plan.offload, telemetry)
-        except LoadCancelled:
-            self._emit(LoadFailed(req.id, f"loading {Path(req.path).name} was cancelled", cancelled=True))
-            return
         except (ColibriError, OSError, ValueError) as exc:
-            self._emit(LoadFailed(req.id, _message(exc)))
+            self._emit(_load_failed(req, exc))
             return
         settings = EngineSettings(plan.budget, req.options.prefetch_depth if plan.offload is not None else 0,
                                   req.options.io_threads, plan.context_length)
@@ -501,6 +494,15 @@ class EngineThread:
         self._emit(AtlasProgress(req.id, 1.0, "done"))
         self._emit(AtlasReady(req.id, sidecar, atlas))
 
+
+
+def _load_failed(req: LoadRequest, exc: BaseException, kept: ModelInfo | None = None) -> LoadFailed:
+    """What a load that raised EXC answers (a cancel said as such); KEPT: the model still loaded."""
+    from engine.loader import LoadCancelled
+
+    if isinstance(exc, LoadCancelled):
+        return LoadFailed(req.id, f"loading {Path(req.path).name} was cancelled", cancelled=True, kept=kept)
+    return LoadFailed(req.id, _message(exc), kept=kept)
 
 
 def _message(exc: BaseException) -> str:
