@@ -13,7 +13,8 @@ class FasterChoice:
     """Which of two ways of running a step comes next: the `preferred` one, or the `other` when recent steps run
     that way were faster. Now and then a step tries the way not chosen, so the choice follows the machine: PROBE
     steps after the choice last changed, then twice as long after each try that did not change it, up to
-    MAX_PROBE. The answer is the same either way; only the time differs."""
+    MAX_PROBE. The answer is the same either way; only the time differs. `tries` counts the steps picked to
+    measure the way not chosen (a caller timing a larger step around this one leaves those out)."""
 
     FIRST = 3       # steps measured each way before the first choice
     PROBE = 16      # steps from a change of choice to the first try of the other way
@@ -27,6 +28,7 @@ class FasterChoice:
         self.best = 0
         self.interval = self.PROBE
         self.next_try = 0
+        self.tries = 0
 
     def pick(self, preferred: int, other: int) -> int:
         """The way of the next step (`preferred` until both ways are measured)."""
@@ -36,6 +38,7 @@ class FasterChoice:
         if len(self.walls.get(preferred, ())) < self.FIRST:
             return preferred
         if len(self.walls.get(other, ())) < self.FIRST:       # both ways measured before choosing
+            self.tries += 1
             return other
         median = {n: sorted(self.walls[n])[len(self.walls[n]) // 2] for n in (preferred, other)}
         best = min(median, key=median.get)
@@ -45,6 +48,7 @@ class FasterChoice:
         if self.steps >= self.next_try:
             self.interval = min(2 * self.interval, self.MAX_PROBE)
             self.next_try = self.steps + self.interval
+            self.tries += 1
             return other if best == preferred else preferred
         return best
 

@@ -37,6 +37,9 @@ class KVReport:
     ideal_fraction: float = 0.0          # prefilled tokens cached / uncached
     ttft_runs: list[tuple[float, float]] = field(default_factory=list)    # each run's (uncached, cached) TTFT
     batch: dict[int, tuple[float, float]] = field(default_factory=dict)   # chats -> (sequential, batched) tok/s
+    # chats -> the union's bound (experts): one sequence's decoded weight bytes times n over a batched step's, with
+    # dense weights read once and each expert the step's rows chose once (the experts its steps chose, measured)
+    batch_bound: dict[int, float] = field(default_factory=dict)
     blocks: dict[int, tuple[float, float]] = field(default_factory=dict)  # block size -> (decode us, prefill ms)
     int8_kl: float | None = None
     int8_top1: float | None = None
@@ -62,8 +65,10 @@ class KVReport:
                        f"(medians); ideal {self.ttft_ideal_s:.3f} s (prefill ratio {self.ideal_fraction:.3f}): "
                        f"{share * 100:.0f}% of the ideal; each run {runs}")
         for n, (seq, bat) in sorted(self.batch.items()):
+            bound = self.batch_bound.get(n)
+            against = f"; the union's bound {bound:.2f}x ({bat / seq / bound * 100:.0f}%)" if bound else ""
             out.append(f"batching      {n} chats: {seq:6.1f} tok/s one after another, {bat:6.1f} tok/s together "
-                       f"= {bat / seq:.2f}x (prompt and answer)")
+                       f"= {bat / seq:.2f}x (prompt and answer){against}")
         for b, (dec, pre) in sorted(self.blocks.items()):
             out.append(f"block size    {b:4d}: decode attention {dec:8.1f} us/layer, prefill chunk {pre:7.2f} ms/layer")
         if self.int8_kl is not None:
@@ -116,11 +121,12 @@ def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, ge
     """Throughput (prompt and answer tokens) of n chats together against one after another (greedy, distinct
     prompts of `prompt` tokens, `gen` tokens each)."""
     ctx = prompt + gen + 8
-    warm = Scheduler(loaded.model, KVPool(loaded.spec, 2 * (blocks_for(ctx) + 2), prefix_cache=False), max_len=ctx,
-                     max_batch=2)
-    for seed in (98, 99):                   # compile every kernel shape and fill caches before timing
-        warm.submit(GenerationRequest(prompt=tuple(random_prompt(loaded, prompt, seed=seed)), max_tokens=4))
-    warm.run()
+    for batch in (1, 2):                    # compile every kernel shape (one chat's and a batch's steps) and fill
+        warm = Scheduler(loaded.model, KVPool(loaded.spec, 2 * (blocks_for(ctx) + 2), prefix_cache=False),  # caches
+                         max_len=ctx, max_batch=batch)
+        for seed in (98, 99):
+            warm.submit(GenerationRequest(prompt=tuple(random_prompt(loaded, prompt, seed=seed)), max_tokens=4))
+        warm.run()
     for n in counts:
         prompts = [random_prompt(loaded, prompt, seed=100 + i) for i in range(n)]
         rates = []
@@ -133,7 +139,27 @@ def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, ge
             sched.run()
             rates.append(n * (prompt + gen) / (time.perf_counter() - t0))
         report.batch[n] = (rates[0], rates[1])
+        bound = _union_bound(loaded.model, n)
+        if bound is not None:
+            report.batch_bound[n] = bound
         log(report.lines()[-1])
+
+
+def _union_bound(model, n: int) -> float | None:
+    """For a model of routed experts whose batched steps of n ran: n sequences' decoded weight bytes over those a
+    step of all n reads, dense weights once and each expert the rows chose once (the mean of the steps run)."""
+    from app.bench.decode import _routed_expert_bytes, decode_bytes_per_token
+    from engine.blocks.ffn import MoE
+
+    batched = model.context.batched
+    steps, experts = batched.reads.get(n, (0, 0)) if batched is not None else (0, 0)
+    if not steps:
+        return None
+    solo = decode_bytes_per_token(model)
+    moe = [(i, layer.ffn.spec) for i, layer in enumerate(model.layers) if isinstance(layer.ffn, MoE)]
+    per = sum(_routed_expert_bytes(model, i, s.n_experts) for i, s in moe) / len(moe)    # one expert, on average
+    dense = solo - sum(s.top_k for _, s in moe) * per
+    return n * solo / (dense + experts / steps * per)
 
 
 def block_sizes(loaded, report: KVReport, sizes=(8, 16, 32, 64, 128), context: int = 2048, chunk: int = 256,

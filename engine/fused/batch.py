@@ -7,11 +7,16 @@ attention runs per row on its own cache rows and position, and each thread keeps
 hidden state, as the single step does for one. It runs on all of numba's threads or on one, whichever ran steps of
 the batch's size faster (as the single step chooses its threads).
 
+A layer of routed experts reads each expert the batch chose once (the seeds' "Union"): every thread routes
+every row, sorts the rows' slots by expert (the same order in each thread), and the expert steps' chunks are
+an expert's rows times the rows that chose it, the slots' outputs then weighted per row in slot order as the
+single step weighs them.
+
 Every number is computed by the functions the single step and the blocks call, on the same inputs (each product
 element by the one fixed sequence of float32 operations the matmul contract gives for any count of tokens), so
-each row's logits are bitwise those of its own single step. Taken: resident models of dense (SiLU-gated MLP)
-layers that the single step runs; the others decode their sequences one fused step each, or in one pass of the
-blocks.
+each row's logits are bitwise those of its own single step. Taken: resident models whose layers the single step
+runs (SiLU-gated MLPs, routed experts in memory); streamed models decode their sequences one fused step each, or
+in one pass of the blocks.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from engine.blocks.ffn import Routing
 from engine.fused import kernel as fk
 from engine.fused.kernel import attend_chunk
 from engine.fused.sync import LINE, atomic_load, atomic_store, spin_pause
 from engine.kernels.experts import silu_rows
 from engine.kernels.kquant import KQUANT_FLAG, kq_desc_rows
-from engine.kernels.matmul import TILE, planes, quant_rows
-from engine.kernels.rows import norm_row
-from engine.kernels.simd import U64
+from engine.kernels.matmul import TILE, planes, quant_rows, tile_rows
+from engine.kernels.rows import norm_row, route_row
+from engine.kernels.simd import U64, fma32
 from engine.kv import KVCache
 from engine.tuning import BySize, ThreadChoice
 
@@ -39,76 +45,101 @@ if TYPE_CHECKING:
 
 F32 = np.float32
 # offsets of a layer's buffers in its slab of `shared` (bo [N_BO] int64), each holding B rows: q/k/v projections,
-# attention heads, attention output, gate and up, their SiLU product, the MLP output; then the slab's size
-BO_QKV, BO_ATT, BO_O, BO_GU, BO_HB, BO_Y, BO_LAYER, N_BO = range(8)
+# attention heads, attention output, gate and up, their SiLU product, the MLP output (of each row's K slots in a
+# layer of experts: slot b * K + k), router logits; then the slab's size. Then the offsets in a thread's int64
+# scratch `iv` (an expert layer's union; at 0 the start of each expert's run of slots, [E + 1]): the experts
+# chosen ascending [E], each slot's expert [B * K], and per place in the runs the slot's row and the slot [B * K].
+BO_QKV, BO_ATT, BO_O, BO_GU, BO_HB, BO_Y, BO_RL, BO_LAYER, BO_I_ACT, BO_I_IDS, BO_I_XS, BO_I_OS, BO_I_SIZE, N_BO = \
+    range(14)
 
 
 @njit(boundscheck=False)
-def _product(desc, kquant, r0, r1, x, rows, out, ldo, col0, scratch):
-    """Rows r0 .. r1 - 1 of the matrix `desc` describes times the B rows of x (flat [B, cols]) ->
-    out[b * ldo + col0 + r - r0]: each weight tile read once for all rows, by the kernels the single step runs
-    (kquant None: no matrix is a K-quant, and their kernels are not compiled)."""
+def _product(desc, kquant, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scratch):
+    """Rows r0 .. r1 - 1 of the matrix `desc` describes times rows xrows[i0:i1] of x (flat [., cols]) ->
+    out[orows[i] * ldo + col0 + r - r0]: each weight tile read once for all rows, by the kernels the single step
+    runs (kquant None: no matrix is a K-quant, and their kernels are not compiled)."""
     if kquant is not None:
         if desc[0] == KQUANT_FLAG:
-            kq_desc_rows(desc, r0, r1 - r0, x, rows, rows, 0, rows.shape[0], out, ldo, col0)
+            kq_desc_rows(desc, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
             return
     bits, asym, group, _, cols, a, b, sc, mn = planes(desc)
-    quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, rows, rows, 0, rows.shape[0], out, ldo, col0,
-                   scratch)
+    quant_rows(bits, asym, group, a, b, sc, mn, cols, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scratch)
 
 
 @njit(boundscheck=False)
 def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows,
-           logits):
-    """Chunk c of step `kind` of layer l for the batch (lb: the layer's slab; h, scr, tile: the thread's own)."""
+           iv, logits):
+    """Chunk c of step `kind` of layer l for the batch (lb: the layer's slab; h, scr, tile, iv: the thread's own)."""
     hidden, n_rows = g[fk.G_HIDDEN], rows.shape[0]
     d, dv = lay[l, fk.L_D], lay[l, fk.L_DV]
     qs = lay[l, fk.L_H] * d + lay[l, fk.L_HKV] * (d + dv)        # a row's q, k, v features
     att = lay[l, fk.L_H] * dv                                    # and attention heads
     if kind == fk.S_QKV:
         i = lay[l, fk.L_QKV0] + c
-        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], h, rows, lb[bo[BO_QKV]:], qs, items[i, 3] + items[i, 1],
-                 tile)
+        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], h, rows, rows, 0, n_rows, lb[bo[BO_QKV]:], qs,
+                 items[i, 3] + items[i, 1], tile)
     elif kind == fk.S_O:
         i = lay[l, fk.L_O0] + c
-        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], lb[bo[BO_ATT]:], rows, lb[bo[BO_O]:], hidden,
-                 items[i, 3] + items[i, 1], tile)
+        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], lb[bo[BO_ATT]:], rows, rows, 0, n_rows,
+                 lb[bo[BO_O]:], hidden, items[i, 3] + items[i, 1], tile)
     elif kind == fk.S_HEAD:
         i = g[fk.G_HEAD0] + c
-        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], h, rows, logits, logits.shape[0] // n_rows,
-                 items[i, 3] + items[i, 1], tile)
+        _product(descs[items[i, 0]], kquant, items[i, 1], items[i, 2], h, rows, rows, 0, n_rows, logits,
+                 logits.shape[0] // n_rows, items[i, 3] + items[i, 1], tile)
     elif kind == fk.S_KV or kind == fk.S_HEADS:     # kv or query head c % heads of row c // heads
         heads = lay[l, fk.L_HKV] if kind == fk.S_KV else lay[l, fk.L_H]
         b = c // heads
         attend_chunk(kind, c % heads, l, lay, lf, fpar, kvaddr, tables[b], pos[b], cs[b], eps,
                      lb[bo[BO_QKV] + b * qs:], lb[bo[BO_ATT] + b * att:], scr)
+    elif kind == fk.S_ROUTER:                       # 16 router rows per chunk, 4 at a time, for every row
+        n_exp = lay[l, fk.L_E]
+        r = c * 16
+        while r < min(n_exp, c * 16 + 16):
+            tile_rows(fpar[lay[l, fk.L_ROUTER]:], U64(r) * U64(hidden), hidden, min(TILE, n_exp - r), h, rows, rows, 0,
+                      n_rows, lb[bo[BO_RL]:], n_exp, r)
+            r += TILE
     elif kind == fk.S_GATE_UP:
+        # rows r0 .. r1 of a gate and an up matrix times the rows that use it (the dense MLP: all, each in its row;
+        # expert act[u]: those whose slots chose it, each in its slot), then their SiLU products
         inter_ff, per_rows = lay[l, fk.L_I], lay[l, fk.L_ROWS_IN]
-        r0 = c * per_rows
+        per = (inter_ff + per_rows - 1) // per_rows
+        r0 = (c % per) * per_rows
         r1 = min(inter_ff, r0 + per_rows)
-        m0 = lay[l, fk.L_GATE]
-        gu = lb[bo[BO_GU]:]
+        gu, hb = lb[bo[BO_GU]:], lb[bo[BO_HB]:]
+        if lay[l, fk.L_MOE] != 0:
+            e = iv[bo[BO_I_ACT] + c // per]
+            m0, i0, i1 = lay[l, fk.L_EXP0] + 3 * e, iv[e], iv[e + 1]
+            xs, os = iv[bo[BO_I_XS]:], iv[bo[BO_I_OS]:]
+        else:
+            m0, i0, i1, xs, os = lay[l, fk.L_GATE], 0, n_rows, rows, rows
         for m in range(2):
-            _product(descs[m0 + m], kquant, r0, r1, h, rows, gu, 2 * inter_ff, m * inter_ff + r0, tile)
-        for b in range(n_rows):
-            silu_rows(gu, U64(2 * b * inter_ff + r0), gu, U64((2 * b + 1) * inter_ff + r0), lb[bo[BO_HB]:],
-                      U64(b * inter_ff + r0), r1 - r0)
-    else:  # S_DOWN
+            _product(descs[m0 + m], kquant, r0, r1, h, xs, os, i0, i1, gu, 2 * inter_ff, m * inter_ff + r0, tile)
+        for i in range(i0, i1):
+            s = os[i]
+            silu_rows(gu, U64(2 * s * inter_ff + r0), gu, U64((2 * s + 1) * inter_ff + r0), hb, U64(s * inter_ff + r0),
+                      r1 - r0)
+    else:  # S_DOWN: rows r0 .. r1 of the down matrix times the SiLU products of the rows (slots) that use it
         per_rows = lay[l, fk.L_ROWS_DOWN]
-        r0 = c * per_rows
+        per = (hidden + per_rows - 1) // per_rows
+        r0 = (c % per) * per_rows
         r1 = min(hidden, r0 + per_rows)
-        _product(descs[lay[l, fk.L_DOWN]], kquant, r0, r1, lb[bo[BO_HB]:], rows, lb[bo[BO_Y]:], hidden, r0, tile)
+        if lay[l, fk.L_MOE] != 0:
+            e = iv[bo[BO_I_ACT] + c // per]
+            m, i0, i1, os = lay[l, fk.L_EXP0] + 3 * e + 2, iv[e], iv[e + 1], iv[bo[BO_I_OS]:]
+        else:
+            m, i0, i1, os = lay[l, fk.L_DOWN], 0, n_rows, rows
+        _product(descs[m], kquant, r0, r1, lb[bo[BO_HB]:], os, os, i0, i1, lb[bo[BO_Y]:], hidden, r0, tile)
 
 
 @njit(boundscheck=False)
 def _step(kind, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb,
-          h, scr, tile, rows, logits):
+          h, scr, tile, rows, iv, logits):
     """Run step `kind` of layer l (n chunks, flags done[first:first + n]) with the other threads, as the single
     step's `_step` does: own chunks first, then wait for the others', computing one whose owner is off the core."""
     for c in range(n * tid // threads, n * (tid + 1) // threads):
         if atomic_load(done, U64(first + c)) == 0:
             _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows,
-                   logits)
+                   iv, logits)
             atomic_store(done, U64(first + c), 1)
     for c in range(n - 1, -1, -1):
         spins = 0
@@ -118,13 +149,53 @@ def _step(kind, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, 
                 spins += 1
             else:  # the same chunk again, the same bits
                 _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile,
-                       rows, logits)
+                       rows, iv, logits)
                 atomic_store(done, U64(first + c), 1)
 
 
 @njit(boundscheck=False)
+def _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h,
+           scr, tile, rows, iv, w, rids, rw, logits):
+    """Layer l's experts: every row's router logits (a step with the other threads), then this thread routes every
+    row (ids into iv, weights w [B * K]; reported in rids/rw [l]) and lays out their union in iv: each chosen
+    expert's run of slots, rows ascending, and the experts chosen, ascending. Returns how many experts were chosen."""
+    n_rows, n_exp, top_k = pos.shape[0], lay[l, fk.L_E], lay[l, fk.L_K]
+    _step(fk.S_ROUTER, (n_exp + 15) // 16, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar,
+          kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
+    bias = fpar[lay[l, fk.L_BIAS]:lay[l, fk.L_BIAS] + n_exp] if lay[l, fk.L_BIAS] >= 0 else fpar[:0]
+    ids, act = iv[bo[BO_I_IDS]:], iv[bo[BO_I_ACT]:]
+    xs, os = iv[bo[BO_I_XS]:], iv[bo[BO_I_OS]:]
+    for b in range(n_rows):
+        route_row(lb[bo[BO_RL]:], U64(b * n_exp), n_exp, top_k, lay[l, fk.L_SCORING], bias, lay[l, fk.L_NORM_TOPK] != 0,
+                  lf[l, 1], scr, ids, U64(b * top_k), w, U64(b * top_k))
+    n = n_rows * top_k
+    for s in range(n):
+        rids[l, s] = ids[s]
+        rw[l, s] = w[s]
+    for e in range(n_exp + 1):                                        # iv[e]: where expert e's run starts
+        iv[e] = 0
+    for s in range(n):
+        iv[ids[s] + 1] += 1
+    for e in range(n_exp):
+        iv[e + 1] += iv[e]
+    for e in range(n_exp):                                            # (act as each run's cursor)
+        act[e] = iv[e]
+    for s in range(n):                                                # slots ascending: rows ascending in a run
+        e = ids[s]
+        xs[act[e]] = s // top_k
+        os[act[e]] = s
+        act[e] += 1
+    chosen = 0
+    for e in range(n_exp):
+        if iv[e + 1] > iv[e]:
+            act[chosen] = e
+            chosen += 1
+    return chosen
+
+
+@njit(boundscheck=False)
 def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-            scr_size, logits, sync, done):
+            scr_size, iv, w, rids, rw, logits, sync, done):
     hidden, n_rows = g[fk.G_HIDDEN], pos.shape[0]
     po = tid * per
     x = priv[po:po + n_rows * hidden]                                 # this thread's copy of the hidden states
@@ -144,53 +215,71 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
             norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_IN_NORM]:], eps, hidden, h, U64(b * hidden))
         n = lay[l, fk.L_QKV1] - lay[l, fk.L_QKV0]
         _step(fk.S_QKV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, logits)
+              eps, lb, h, scr, tile, rows, iv, logits)
         first += n
         n = n_rows * lay[l, fk.L_HKV]
         _step(fk.S_KV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, logits)
+              eps, lb, h, scr, tile, rows, iv, logits)
         first += n
         n = n_rows * lay[l, fk.L_H]
         _step(fk.S_HEADS, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
-              cs, eps, lb, h, scr, tile, rows, logits)
+              cs, eps, lb, h, scr, tile, rows, iv, logits)
         first += n
         n = lay[l, fk.L_O1] - lay[l, fk.L_O0]
         _step(fk.S_O, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, logits)
+              eps, lb, h, scr, tile, rows, iv, logits)
         first += n
         o = lb[bo[BO_O]:]
         for i in range(n_rows * hidden):
             x[i] = x[i] + o[i]
         for b in range(n_rows):
             norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_POST_NORM]:], eps, hidden, h, U64(b * hidden))
-        n = (lay[l, fk.L_I] + lay[l, fk.L_ROWS_IN] - 1) // lay[l, fk.L_ROWS_IN]
+        slots = 1                                                     # per row: 1, or K in a layer of experts
+        if lay[l, fk.L_MOE] != 0:
+            slots = _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
+                           cs, eps, lb, h, scr, tile, rows, iv, w, rids, rw, logits)
+            first += (lay[l, fk.L_E] + 15) // 16
+        n = slots * ((lay[l, fk.L_I] + lay[l, fk.L_ROWS_IN] - 1) // lay[l, fk.L_ROWS_IN])
         _step(fk.S_GATE_UP, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
-              cs, eps, lb, h, scr, tile, rows, logits)
+              cs, eps, lb, h, scr, tile, rows, iv, logits)
         first += n
-        n = (hidden + lay[l, fk.L_ROWS_DOWN] - 1) // lay[l, fk.L_ROWS_DOWN]
+        n = slots * ((hidden + lay[l, fk.L_ROWS_DOWN] - 1) // lay[l, fk.L_ROWS_DOWN])
         _step(fk.S_DOWN, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, logits)
+              eps, lb, h, scr, tile, rows, iv, logits)
         first += n
         y = lb[bo[BO_Y]:]
-        for i in range(n_rows * hidden):
-            x[i] = x[i] + y[i]
+        if lay[l, fk.L_MOE] != 0:
+            top_k = lay[l, fk.L_K]
+            for b in range(n_rows):                                   # each row's slots weighted in slot order,
+                for i in range(hidden):                               # as the single step weighs them
+                    acc = F32(0.0)
+                    for k in range(top_k):
+                        acc = fma32(w[b * top_k + k], y[(b * top_k + k) * hidden + i], acc)
+                    x[b * hidden + i] = x[b * hidden + i] + acc
+        else:
+            for i in range(n_rows * hidden):
+                x[i] = x[i] + y[i]
     for b in range(n_rows):
         norm_row(x, U64(b * hidden), fpar[g[fk.G_NORM]:], eps, hidden, h, U64(b * hidden))
     n = g[fk.G_HEAD1] - g[fk.G_HEAD0]
     _step(fk.S_HEAD, n, first, np.int64(0), tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps,
-          shared[:0], h, scr, tile, rows, logits)
+          shared[:0], h, scr, tile, rows, iv, logits)
     atomic_store(sync, U64(end), 1)
 
 
 @njit(parallel=True, nogil=True, cache=True, boundscheck=False)
 def decode_batch(threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-                 scr_size, logits, sync, done):  # pragma: no cover - compiled
+                 scr_size, ivs, ws, rids, rw, logits, sync, done):  # pragma: no cover - compiled
     """One token of each of B rows (embeddings x0 flat [B, hidden], row b at pos[b] of the cache blocks tables[b])
-    through the layers -> logits flat [B, V] (see the module docstring)."""
+    through the layers -> logits flat [B, V], each expert layer's routing in rids/rw [L, B * K] (see the module
+    docstring). ivs and ws: per thread, bo[BO_I_SIZE] int64 and B * K float32 of scratch."""
     for tid in prange(threads):
         # int64: parfor types tid signed, then unsigned in its gufunc; one type compiles _worker once
-        _worker(np.int64(tid), threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-                scr_size, logits, sync, done)
+        t = np.int64(tid)
+        nw = ws.shape[0] // threads
+        _worker(t, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
+                scr_size, ivs[t * bo[BO_I_SIZE]:(t + 1) * bo[BO_I_SIZE]], ws[t * nw:(t + 1) * nw], rids, rw, logits,
+                sync, done)
 
 
 class BatchedDecode:
@@ -204,17 +293,26 @@ class BatchedDecode:
                            for i in range(lay.shape[0])))
         self.att = int(max(lay[i, fk.L_H] * lay[i, fk.L_DV] for i in range(lay.shape[0])))
         self.inter = int(lay[:, fk.L_I].max())
+        moe = lay[:, fk.L_MOE] != 0
+        self.slots = int(lay[moe, fk.L_K].max()) if moe.any() else 1     # a row's outputs of an MLP step: K slots
+        self.experts = int(lay[moe, fk.L_E].max()) if moe.any() else 0
         self.cols = int(plan.descs[:, 4].max())                         # the widest matrix's columns
         self._shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # rows -> (bo, shared)
         # all of numba's threads, or one when steps with one were faster (other programs on the cores), per batch size
         self._threads: BySize[ThreadChoice] = BySize(ThreadChoice)
+        # per batch size: steps run, and the experts they read (each layer's union, summed over layers and steps)
+        self.reads: dict[int, list[int]] = {}
 
     @classmethod
     def for_plan(cls, plan: "FusedDecode | None") -> "BatchedDecode | None":
-        """The batched step of a single step's plan, or None when some layer is not dense (experts) or streamed."""
-        if plan is None or (plan.lay[:, fk.L_MOE] != 0).any() or plan.streamed_layers:
+        """The batched step of a single step's plan, or None when some layer's experts are streamed."""
+        if plan is None or plan.streamed_layers:
             return None
         return cls(plan)
+
+    def tries(self, n: int) -> int:
+        """Steps of n sequences run on the thread count not chosen, to measure it (see FasterChoice.tries)."""
+        return self._threads[n].tries
 
     def accepts(self, caches: list[KVCache]) -> bool:
         """Whether these sequences' caches can run together: one pool of plain attention layers, no retention."""
@@ -225,20 +323,24 @@ class BatchedDecode:
         held = self._shared.get(n)
         if held is None:
             hidden = self.plan.hidden
-            sizes = [self.qkv, self.att, hidden, 2 * self.inter, self.inter, hidden]
+            k = self.slots
+            sizes = [self.qkv, self.att, hidden, 2 * self.inter * k, self.inter * k, hidden * k, self.experts]
             bo = np.zeros(N_BO, np.int64)
             offset = 0
-            for k, size in enumerate(sizes):
-                bo[k] = offset
+            for j, size in enumerate(sizes):
+                bo[j] = offset
                 offset += -(-n * size // 16) * 16
             bo[BO_LAYER] = offset
+            e = self.experts
+            bo[BO_I_ACT], bo[BO_I_IDS] = e + 1, 2 * e + 1
+            bo[BO_I_XS], bo[BO_I_OS], bo[BO_I_SIZE] = 2 * e + 1 + n * k, 2 * e + 1 + 2 * n * k, 2 * e + 1 + 3 * n * k
             held = (bo, np.zeros(offset * self.plan.lay.shape[0], np.float32))
             self._shared = {n: held}       # one batch size at a time: a batch changes its size rarely
         return held
 
-    def run(self, x0: np.ndarray, caches: list[KVCache], positions: np.ndarray) -> np.ndarray:
+    def run(self, x0: np.ndarray, caches: list[KVCache], positions: np.ndarray) -> tuple[np.ndarray, list[Routing]]:
         """The logits [B, V] of B tokens (embeddings x0 [B, hidden]), row b at positions[b] of caches[b] (prepared,
-        not yet committed)."""
+        not yet committed), and each expert layer's routing of the B rows, as the blocks report it."""
         plan, n = self.plan, len(caches)
         bo, shared = self._buffers(n)
         choice = self._threads[n]
@@ -257,20 +359,32 @@ class BatchedDecode:
         per = 2 * n * plan.hidden + scr + TILE * self.cols
         priv = np.empty(threads * per, np.float32)
         logits = np.empty((n, plan.vocab), np.float32)
-        steps = 1 + plan.lay.shape[0] * 6
+        ivs = np.empty(threads * int(bo[BO_I_SIZE]), np.int64)
+        ws = np.empty(threads * n * self.slots, np.float32)
+        rids = np.zeros((plan.lay.shape[0], n * self.slots), np.int64)
+        rw = np.zeros((plan.lay.shape[0], n * self.slots), np.float32)
+        steps = 1 + plan.lay.shape[0] * 7
         sync = np.zeros((steps + 1) * LINE, np.int64)
         g = plan.g.copy()
         g[fk.G_STEPS] = steps
         lay = plan.lay
+        # an expert layer's steps run the experts chosen: at most E, at most B * K
+        uses = [min(n * lay[i, fk.L_K], lay[i, fk.L_E]) if lay[i, fk.L_MOE] else 1 for i in range(lay.shape[0])]
         chunks = int(sum(lay[i, fk.L_QKV1] - lay[i, fk.L_QKV0] + n * (lay[i, fk.L_HKV] + lay[i, fk.L_H])
-                         + lay[i, fk.L_O1] - lay[i, fk.L_O0] + -(-lay[i, fk.L_I] // lay[i, fk.L_ROWS_IN])
-                         + -(-plan.hidden // lay[i, fk.L_ROWS_DOWN]) for i in range(lay.shape[0])))
+                         + lay[i, fk.L_O1] - lay[i, fk.L_O0] + (-(-lay[i, fk.L_E] // 16) if lay[i, fk.L_MOE] else 0)
+                         + uses[i] * (-(-lay[i, fk.L_I] // lay[i, fk.L_ROWS_IN]) + -(-plan.hidden // lay[i, fk.L_ROWS_DOWN]))
+                         for i in range(lay.shape[0])))
         done = np.zeros(chunks + plan.g[fk.G_HEAD1] - plan.g[fk.G_HEAD0], np.int64)
         kv = plan._kv_table(caches[0].pool)
         t0 = time.perf_counter()
         decode_batch(threads, plan.descs, plan.kquant, plan.items, lay, plan.lf, g, bo, plan.fpar, kv, tables,
                      np.ascontiguousarray(positions, np.int64), cs, plan.rms_eps,
-                     np.ascontiguousarray(x0, np.float32).reshape(-1), shared, priv, per, scr, logits.reshape(-1),
-                     sync, done)
+                     np.ascontiguousarray(x0, np.float32).reshape(-1), shared, priv, per, scr, ivs, ws, rids, rw,
+                     logits.reshape(-1), sync, done)
         choice.record(threads, time.perf_counter() - t0)
-        return logits
+        routes = [Routing(i, rids[i, :n * k].reshape(n, k), rw[i, :n * k].reshape(n, k)) for i, k in plan.moe]
+        if routes:
+            count = self.reads.setdefault(n, [0, 0])
+            count[0] += 1
+            count[1] += sum(int(np.unique(r.experts).size) for r in routes)
+        return logits, routes

@@ -346,6 +346,11 @@ class FusedDecode:
 
     # --- running ---
 
+    @property
+    def tries(self) -> int:
+        """Steps run on the thread count not chosen, to measure it (see FasterChoice.tries)."""
+        return self._threads.tries
+
     def accepts(self, cache: KVCache) -> bool:
         """Whether a step on this cache can be fused: plain (not latent) attention layers (any KV width)."""
         return not any(cache.pool.latent)

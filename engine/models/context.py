@@ -87,6 +87,7 @@ class DecodeContext:
             batched = self.batched_step(caches)
             choice = self.apart[len(items)]
             apart = choice.pick(0 if batched is not None else 1, 1 if batched is not None else 0)
+            tries = self._thread_tries(batched, len(items))
             t0 = time.perf_counter()
             if apart:
                 for i, c in zip(ids_list, caches):     # room for every token first (preparing again is a no-op):
@@ -96,7 +97,9 @@ class DecodeContext:
                 out = self._batched_pass(batched, ids_list, caches)
             else:
                 out = self._pass(ids_list, caches, all_logits, None, None)
-            choice.record(apart, time.perf_counter() - t0)
+            # a step that tried a thread count not chosen (either way's) is slower than the way is: not counted
+            if self._thread_tries(batched, len(items)) == tries:
+                choice.record(apart, time.perf_counter() - t0)
             return out
         return self._pass(ids_list, caches, all_logits, routing, probe, hidden)
 
@@ -148,11 +151,19 @@ class DecodeContext:
         positions = np.concatenate([cache.prepare(ids.tolist()) for ids, cache in zip(ids_list, caches)])  # [B]
         with tel.phase("dense"):
             x = model.embed_tokens(np.concatenate(ids_list))                  # [B, hidden]
-        logits = batched.run(x, caches, positions)                            # [B, V]
+        logits, routes = batched.run(x, caches, positions)                    # [B, V]
         for cache in caches:
             cache.commit(1)
+        if tel.enabled:
+            for r in routes:
+                tel.route(r.layer, r.experts)
         tel.end_token(len(caches), prefill=False)
         return [logits[b : b + 1] for b in range(len(caches))]
+
+    def _thread_tries(self, batched: BatchedDecode | None, n: int) -> int:
+        """Steps the fused steps ran on a thread count they had not chosen, to measure it."""
+        single = self.fused.tries if isinstance(self.fused, FusedDecode) else 0
+        return single + (batched.tries(n) if batched is not None else 0)
 
     def batched_step(self, caches: list[KVCache]) -> BatchedDecode | None:
         """The fused step of one token of each of these sequences together, when the model and caches allow it."""

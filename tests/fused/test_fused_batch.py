@@ -1,7 +1,7 @@
 """The fused step of a batch: one token of each of several sequences through every layer in one parallel region
 (engine/fused/batch.py) gives each sequence the logits its own single fused step gives, bit for bit, for 2, 3
-and 8 sequences at different positions, with one thread or two; models it does not take (experts) decode their
-batches by the other ways with the same bits."""
+and 8 sequences at different positions, with one thread or two, dense layers or routed experts (each expert the
+batch chose read once for the rows that chose it); the other ways to decode a batch give the same bits."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ def threads():
     numba.set_num_threads(before)
 
 
-@pytest.mark.parametrize("name,bits", [("llama-tied-mqa", 4), ("qwen2-qkv-bias-window", 4), ("llama-tied-mqa", 2)])
+@pytest.mark.parametrize("name,bits", [("llama-tied-mqa", 4), ("qwen2-qkv-bias-window", 4), ("llama-tied-mqa", 2),
+                                       ("mixtral", 4), ("mixtral", 2)])
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_a_batch_fused_together_equals_each_sequence_alone(tmp_path_factory, monkeypatch, threads, name, bits, n):
     model = _model(tmp_path_factory, name, bits)
@@ -89,20 +90,45 @@ def test_a_batch_fused_together_equals_each_sequence_alone(tmp_path_factory, mon
             assert np.array_equal(together[k], alone[k]), (t, k)
 
 
-@pytest.mark.parametrize("n", [2, 3, 8])
-def test_experts_decode_a_batch_in_one_pass_with_the_same_bits(tmp_path_factory, monkeypatch, n):
-    """A MoE model's batch is not the fused batch's: its tokens run one pass of the blocks for all (the union of
-    the experts), or a fused step each, each with the bits of the sequence alone."""
+def test_experts_report_each_rows_routing_and_decode_any_way_with_the_same_bits(tmp_path_factory, monkeypatch):
+    """A MoE model's batch reports, per layer, the experts each sequence's token chose alone (the blocks' routing);
+    a fused step each, or one pass of the blocks for all (the fused batch switched off), give the same bits."""
     model = _model(tmp_path_factory, "mixtral")
-    model.context.batch_fused = True
-    assert model.context.batched_step([KVCache(model.spec, 64)]) is None
     pool = KVPool(model.spec, 8 * 20, block_size=4)
-    alone = _alone(model, pool, PROMPTS[:n])
-    for way in (0, 1):
-        together, calls = _together(model, pool, PROMPTS[:n], monkeypatch, way)
-        assert calls == 0
-        for k in range(n):
-            assert np.array_equal(together[k], alone[k]), (way, k)
+    prompts = PROMPTS[:5]
+    caches = [KVCache(model.spec, 64, pool=pool) for _ in prompts]
+    tokens = [int(model.forward(p, c)[-1].argmax()) for p, c in zip(prompts, caches)]
+    alone = []
+    for t, c in zip(tokens, caches):                     # each token by the blocks, its routing reported
+        routing: list = []
+        model.forward_batch([([t], c)], routing=routing)
+        c.truncate(c.length - 1)
+        alone.append(routing)
+    reported = []
+    real = BatchedDecode.run
+
+    def spy(self, *a):
+        out = real(self, *a)
+        reported.append(out[1])
+        return out
+    monkeypatch.setattr(BatchedDecode, "run", spy)
+    model.forward_batch([([t], c) for t, c in zip(tokens, caches)])
+    for c in caches:
+        c.release()
+    assert reported and len(reported[0]) == model.spec.n_layers
+    for r in reported[0]:
+        for b in range(len(prompts)):
+            mine = next(a for a in alone[b] if a.layer == r.layer)
+            assert np.array_equal(r.experts[b], mine.experts[0]) and np.array_equal(r.weights[b], mine.weights[0])
+    monkeypatch.undo()
+    expected = _alone(model, pool, prompts)
+    together, calls = _together(model, pool, prompts, monkeypatch, 1)
+    assert calls == 0
+    model.context.batch_fused = False
+    blocks, calls = _together(model, pool, prompts, monkeypatch, 0)
+    assert calls == 0
+    for k in range(len(prompts)):
+        assert np.array_equal(together[k], expected[k]) and np.array_equal(blocks[k], expected[k]), k
 
 
 def test_the_batch_step_chooses_its_threads_per_batch_size_with_the_same_bits(tmp_path_factory, monkeypatch, threads):
@@ -125,3 +151,26 @@ def test_the_batch_step_chooses_its_threads_per_batch_size_with_the_same_bits(tm
         assert np.array_equal(together[k], alone[k]), k
     batched = model.context.batched
     assert batched is not None and batched._threads[3].steps == STEPS and batched._threads[2].steps == 0
+    # the steps that tried one thread are no measure of the batch's way against a fused step each: not counted
+    assert batched.tries(3) == STEPS - first
+    assert len(model.context.apart[3].walls[0]) == first - 1          # (its first step is not counted either)
+
+
+def test_the_bench_sets_batched_experts_against_the_bound_of_their_union(tmp_path_factory, monkeypatch):
+    """The batched steps count the experts they read (each layer's union); the bench's bound is n sequences' bytes
+    over a step's: above 1 (dense weights read once), below n (rows share experts only by chance)."""
+    from app.bench.kv import _union_bound
+
+    model = _model(tmp_path_factory, "mixtral")
+    pool = KVPool(model.spec, 8 * 20, block_size=4)
+    assert _union_bound(model, 3) is None                                     # no batched step yet
+    _together(model, pool, PROMPTS[:3], monkeypatch, 0)
+    steps, experts = model.context.batched.reads[3]
+    moe = model.spec.n_layers                                                 # every layer routes: 8 experts, top 2
+    assert steps == STEPS and moe * 2 * STEPS <= experts <= moe * 6 * STEPS
+    bound = _union_bound(model, 3)
+    assert 1 < bound < 3
+    model.context.batched.reads[3] = [1, moe * 2]            # had the rows all chosen the same experts: 3 for 3
+    assert _union_bound(model, 3) == pytest.approx(3)
+    model.context.batched.reads[3] = [1, moe * 6]            # each row its own experts: the least the union saves
+    assert 1 < _union_bound(model, 3) <= bound

@@ -271,9 +271,9 @@ def test_retention_fused_equals_the_blocks(tmp_path_factory, threads, bits):
 
 
 def test_single_tokens_of_several_sequences_take_the_faster_way_with_the_same_bits(tmp_path_factory, monkeypatch):
-    """One token of each of several sequences runs as one pass of the blocks or as a fused step per sequence,
-    whichever measured faster at that batch size; both are tried, and each sequence gets the logits it gets
-    alone."""
+    """One token of each of several sequences runs as one step for all (the batch's fused step) or as a fused step
+    per sequence, whichever measured faster at that batch size; both are tried, and each sequence gets the logits
+    it gets alone."""
     from engine.fused.plan import FusedDecode
     from engine.tuning import FasterChoice
 
@@ -364,6 +364,7 @@ def test_thread_choice_follows_the_faster_count():
     assert picks[:first] == [2] * first and picks[first:2 * first] == [1] * first   # both counts tried first
     late = picks[2 * ThreadChoice.PROBE:]
     assert late.count(1) > late.count(2) >= 1             # one thread from then on, two now and then
+    assert choice.tries == first + picks[2 * first:].count(2)   # the steps that measured the count not chosen
     assert ThreadChoice().pick(1) == 1
 
 
