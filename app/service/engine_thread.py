@@ -96,6 +96,7 @@ class EngineThread:
         self._closed = False
         self._model: Engaged | None = None      # engine thread only, like the two below
         self._baseline: int | None = None       # RSS before the model in use loaded (what closing it gives back)
+        self._loaded_by: LoadRequest | None = None   # the request that loaded it (to open it again)
         self._backlog: deque[Request] = deque()  # requests taken from the queue that wait for the batch to end
         self._live: dict[int, _Running] = {}    # scheduler sequence id -> its generation
 
@@ -211,8 +212,9 @@ class EngineThread:
     def _load(self, req: LoadRequest, cancel: threading.Event) -> None:
         """Plan the load (files read, budget chosen, a GGUF to stream converted) with the model in use still
         loaded, so that a model that cannot open leaves it as it was; then close it (memory is what this engine is
-        short of) and load."""
-        from engine.loader import LoadCancelled, load_model
+        short of) and load. A load that fails after that (a file unreadable or corrupt past its header) opens the
+        model that was in use again, with its live settings, and says it is still loaded."""
+        from engine.loader import LoadCancelled
 
         last = [0.0]
 
@@ -231,24 +233,51 @@ class EngineThread:
         except (ColibriError, OSError, ValueError) as exc:
             self._emit(_load_failed(req, exc, kept=self._info))
             return
+        before, live = self._loaded_by, self._info.settings if self._info is not None else None
         self._close_model()
         try:
             if cancel.is_set():
                 raise LoadCancelled("loading cancelled")
-            if req.options.threads is not None:     # numba's count is per thread: this one runs the model
-                from app.config.settings import apply_threads
-
-                apply_threads(req.options.threads, "the app's compute threads setting")
-            telemetry = Telemetry(plan.spec.n_layers, n_experts(plan.spec))
-            baseline = rss()     # the interpreter and libraries: outside the budget, reported apart
-            loaded = load_model(plan.path, progress, plan.offload, telemetry)
+            self._open(req, plan, progress)
         except (ColibriError, OSError, ValueError) as exc:
-            self._emit(_load_failed(req, exc))
+            self._emit(_load_failed(req, exc, kept=self._reopen(before, live, exc)))
             return
+        self._emit(ModelLoaded(req.id, self._info, read_atlas(plan.path)))
+
+    def _reopen(self, req: LoadRequest | None, live: EngineSettings | None, why: BaseException) -> ModelInfo | None:
+        """After a load failed past closing the model in use: that model opened again (by its own request, then
+        its live settings), or None when there was none or it cannot open either."""
+        if req is None:
+            return None
+        try:
+            self._open(req, self._plan_load(req.path, req.options, lambda fraction, message: True), None)
+        except (ColibriError, OSError, ValueError):
+            log.exception("%s could not be opened again after another model failed to load (%s)", req.path, why)
+            self._close_model()
+            return None
+        if live is not None and self._model is not None:
+            self._model.apply(SettingsChange(live.memory_budget, live.prefetch_depth, live.io_threads,
+                                             live.context_length))
+            self._info = self._model.info
+            self._model.set_gauges()
+            self._tiers()
+        return self._info
+
+    def _open(self, req: LoadRequest, plan, progress: Callable[[float, str], bool] | None) -> None:
+        """Load the planned model and make it the one in use (raises what loading raises)."""
+        from engine.loader import load_model
+
+        if req.options.threads is not None:     # numba's count is per thread: this one runs the model
+            from app.config.settings import apply_threads
+
+            apply_threads(req.options.threads, "the app's compute threads setting")
+        telemetry = Telemetry(plan.spec.n_layers, n_experts(plan.spec))
+        baseline = rss()     # the interpreter and libraries: outside the budget, reported apart
+        loaded = load_model(plan.path, progress, plan.offload, telemetry)
         settings = EngineSettings(plan.budget, req.options.prefetch_depth if plan.offload is not None else 0,
                                   req.options.io_threads, plan.context_length)
         model = Engaged.open(loaded, telemetry, settings, req.options)
-        self._model, self._baseline = model, baseline
+        self._model, self._baseline, self._loaded_by = model, baseline, req
         with self._lock:
             self._telemetry = telemetry
             self._follow(telemetry)
@@ -260,7 +289,6 @@ class EngineThread:
         model.set_gauges()
         self._tiers()
         telemetry.flush()
-        self._emit(ModelLoaded(req.id, model.info, read_atlas(plan.path)))
 
     def _plan_load(self, model: str, options: LoadOptions, progress: Callable[[float, str], bool]):
         """The LoadPlan of a load: the container's spec and manifest are read, the budget chosen from free memory.
@@ -301,7 +329,7 @@ class EngineThread:
                          history_dir=usage_dir() if options.history else None)
 
     def _close_model(self) -> None:
-        model, self._model = self._model, None
+        model, self._model, self._loaded_by = self._model, None, None
         with self._lock:
             self._telemetry = None
             self._follow(None)

@@ -176,6 +176,32 @@ def test_a_model_that_cannot_open_leaves_the_one_in_use_answering(service, hf, t
     assert [t.token_id for t in again] == [t.token_id for t in tokens]                        # and answers alike
 
 
+def test_a_model_that_fails_once_the_one_in_use_closed_opens_that_one_again(service, hf, tmp_path, monkeypatch):
+    """A load that fails after the model in use was closed for it (a file unreadable past its header) opens that
+    model again, with the settings it had live, and answers as before."""
+    import engine.loader
+
+    _load(service, hf)
+    live = _settings(service, SettingsChange(context_length=96)).info
+    tokens, _ = _generate(service, messages=MESSAGES, max_tokens=8)
+    other = tmp_path / "other"
+    shutil.copytree(hf, other)
+    real = engine.loader.load_model
+
+    def load_model(path, *a, **k):
+        if Path(path) == other:
+            raise OSError(5, "Input/output error", str(other / "model.safetensors"))
+        return real(path, *a, **k)
+    monkeypatch.setattr(engine.loader, "load_model", load_model)
+    i = service.load(other)
+    failed = service.events.wait(lambda e: isinstance(e, LoadFailed) and e.request == i)
+    assert "Input/output error" in failed.message
+    assert failed.kept is not None and failed.kept == service.info and failed.kept.name == hf.name
+    assert service.info.settings == live.settings and live.settings.context_length == 96
+    again, _ = _generate(service, messages=MESSAGES, max_tokens=8)
+    assert [t.token_id for t in again] == [t.token_id for t in tokens]
+
+
 def test_loading_can_be_cancelled(service, hf):
     service.events.hooks.append(lambda e: isinstance(e, LoadProgress) and service.cancel(e.request))
     i = service.load(hf)
