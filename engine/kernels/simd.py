@@ -112,23 +112,32 @@ def _as_i32(builder, value):
 
 
 def _f16_bits_to_f32(builder, h):
-    """fp16 bit patterns (i32 scalar or vector, high bits zero) -> float32, exact for finite values.
+    """fp16 bit patterns (i32 scalar or vector, high bits zero) -> float32, exact for every value.
 
-    Exponent and mantissa moved into float32 position read as 2**(e - 127) * 1.m; times 2**112 that
-    is 2**(e - 15) * 1.m, and a subnormal half lands on the right float32 subnormal. Integer ops and
-    one multiply, so no fp16 support (F16C) or runtime helper is needed.
+    A normal half's exponent is rebased in the integers (e + 112) under its sign and mantissa; a subnormal half
+    is its mantissa m as a float times 2**-24, whose product is a normal float32; infinities and NaNs keep an
+    all-ones exponent. No arithmetic ever sees a float32 subnormal: on x86 such an operand costs a microcode
+    assist of about a hundred cycles, and GGUF's Q6_K super-block scales are subnormal halves in many models.
+    Integer ops, a conversion and one multiply, so no fp16 support (F16C) or runtime helper is needed.
     """
     ty = h.type
+    vec = isinstance(ty, ir.VectorType)
+    fty = ir.VectorType(_F32, ty.count) if vec else _F32
 
     def const(v):
-        return ir.Constant(ty, [ir.Constant(_I32, v)] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(_I32, v)
+        return ir.Constant(ty, [ir.Constant(_I32, v)] * ty.count) if vec else ir.Constant(_I32, v)
 
     sign = builder.shl(builder.and_(h, const(0x8000)), const(16))
-    mag = builder.shl(builder.and_(h, const(0x7FFF)), const(13))
-    fty = ir.VectorType(_F32, ty.count) if isinstance(ty, ir.VectorType) else _F32
-    f = builder.bitcast(builder.or_(sign, mag), fty)
-    scale = ir.Constant(_F32, 2.0 ** 112)
-    return builder.fmul(f, ir.Constant(fty, [scale] * ty.count) if isinstance(ty, ir.VectorType) else scale)
+    exp = builder.and_(builder.lshr(h, const(10)), const(0x1F))
+    mant = builder.and_(h, const(0x3FF))
+    top = builder.icmp_unsigned("==", exp, const(0x1F))                     # infinity or NaN
+    rebased = builder.select(top, const(0xFF), builder.add(exp, const(112)))
+    normal = builder.or_(builder.or_(sign, builder.shl(rebased, const(23))), builder.shl(mant, const(13)))
+    scale = ir.Constant(_F32, 2.0 ** -24)
+    tiny = builder.fmul(builder.sitofp(mant, fty), ir.Constant(fty, [scale] * ty.count) if vec else scale)
+    tiny = builder.or_(builder.bitcast(tiny, ty), sign)                     # (zero keeps its sign)
+    bits = builder.select(builder.icmp_unsigned("==", exp, const(0)), tiny, normal)
+    return builder.bitcast(bits, fty)
 
 
 def _permute8(builder, table, ix):
