@@ -256,11 +256,8 @@ class EngineThread:
             self._close_model()
             return None
         if live is not None and self._model is not None:
-            self._model.apply(SettingsChange(live.memory_budget, live.prefetch_depth, live.io_threads,
-                                             live.context_length))
-            self._info = self._model.info
-            self._model.set_gauges()
-            self._tiers()
+            self._apply(self._model, SettingsChange(live.memory_budget, live.prefetch_depth, live.io_threads,
+                                                    live.context_length))
         return self._info
 
     def _open(self, req: LoadRequest, plan, progress: Callable[[float, str], bool] | None) -> None:
@@ -458,12 +455,17 @@ class EngineThread:
         if model is None:
             self._emit(SettingsApplied(request, None, ("no model is loaded: the settings apply to a loaded model",)))
             return
+        problems = self._apply(model, change)
+        self._emit(SettingsApplied(request, model.info, tuple(problems)))
+
+    def _apply(self, model: Engaged, change: SettingsChange) -> list[str]:
+        """Apply live settings to the model in use and publish its new state; why any could not be applied."""
         problems = model.apply(change)
         self._info = model.info
         model.set_gauges()
         self._tiers()
         model.telemetry.flush()
-        self._emit(SettingsApplied(request, model.info, tuple(problems)))
+        return problems
 
     def _tiers(self):
         """The loaded model's expert tiers now (engine thread: the store is touched nowhere else); kept for

@@ -195,7 +195,7 @@ def _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, f
 
 @njit(boundscheck=False)
 def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-            scr_size, iv, w, rids, rw, logits, sync, done):
+            scr_size, iv, w, rids, rw, chosen, logits, sync, done):
     hidden, n_rows = g[fk.G_HIDDEN], pos.shape[0]
     po = tid * per
     x = priv[po:po + n_rows * hidden]                                 # this thread's copy of the hidden states
@@ -238,6 +238,7 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
         if lay[l, fk.L_MOE] != 0:
             slots = _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
                            cs, eps, lb, h, scr, tile, rows, iv, w, rids, rw, logits)
+            chosen[l] = slots                                         # (every thread: the same count)
             first += (lay[l, fk.L_E] + 15) // 16
         n = slots * ((lay[l, fk.L_I] + lay[l, fk.L_ROWS_IN] - 1) // lay[l, fk.L_ROWS_IN])
         _step(fk.S_GATE_UP, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
@@ -269,17 +270,18 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
 
 @njit(parallel=True, nogil=True, cache=True, boundscheck=False)
 def decode_batch(threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-                 scr_size, ivs, ws, rids, rw, logits, sync, done):  # pragma: no cover - compiled
+                 scr_size, ivs, ws, rids, rw, chosen, logits, sync, done):  # pragma: no cover - compiled
     """One token of each of B rows (embeddings x0 flat [B, hidden], row b at pos[b] of the cache blocks tables[b])
-    through the layers -> logits flat [B, V], each expert layer's routing in rids/rw [L, B * K] (see the module
-    docstring). ivs and ws: per thread, bo[BO_I_SIZE] int64 and B * K float32 of scratch."""
+    through the layers -> logits flat [B, V], each expert layer's routing in rids/rw [L, B * K] and the count of
+    experts its rows chose in chosen [L] (see the module docstring). ivs and ws: per thread, bo[BO_I_SIZE] int64
+    and B * K float32 of scratch."""
     for tid in prange(threads):
         # int64: parfor types tid signed, then unsigned in its gufunc; one type compiles _worker once
         t = np.int64(tid)
         nw = ws.shape[0] // threads
         _worker(t, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-                scr_size, ivs[t * bo[BO_I_SIZE]:(t + 1) * bo[BO_I_SIZE]], ws[t * nw:(t + 1) * nw], rids, rw, logits,
-                sync, done)
+                scr_size, ivs[t * bo[BO_I_SIZE]:(t + 1) * bo[BO_I_SIZE]], ws[t * nw:(t + 1) * nw], rids, rw, chosen,
+                logits, sync, done)
 
 
 class BatchedDecode:
@@ -363,6 +365,7 @@ class BatchedDecode:
         ws = np.empty(threads * n * self.slots, np.float32)
         rids = np.zeros((plan.lay.shape[0], n * self.slots), np.int64)
         rw = np.zeros((plan.lay.shape[0], n * self.slots), np.float32)
+        chosen = np.zeros(plan.lay.shape[0], np.int64)
         steps = 1 + plan.lay.shape[0] * 7
         sync = np.zeros((steps + 1) * LINE, np.int64)
         g = plan.g.copy()
@@ -380,11 +383,11 @@ class BatchedDecode:
         decode_batch(threads, plan.descs, plan.kquant, plan.items, lay, plan.lf, g, bo, plan.fpar, kv, tables,
                      np.ascontiguousarray(positions, np.int64), cs, plan.rms_eps,
                      np.ascontiguousarray(x0, np.float32).reshape(-1), shared, priv, per, scr, ivs, ws, rids, rw,
-                     logits.reshape(-1), sync, done)
+                     chosen, logits.reshape(-1), sync, done)
         choice.record(threads, time.perf_counter() - t0)
         routes = [Routing(i, rids[i, :n * k].reshape(n, k), rw[i, :n * k].reshape(n, k)) for i, k in plan.moe]
         if routes:
             count = self.reads.setdefault(n, [0, 0])
             count[0] += 1
-            count[1] += sum(int(np.unique(r.experts).size) for r in routes)
+            count[1] += int(chosen.sum())
         return logits, routes

@@ -13,6 +13,7 @@ from app.hub.convert import ConvertSettings, convert
 from engine.fused.batch import BatchedDecode
 from engine.kv import KVCache, KVPool
 from engine.loader import load_model
+from support.batching import greedy_alone, greedy_together
 from support.reference import build_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 7, 150, 64, 1, 88, 23, 9], [7, 7, 1], [120, 3, 4, 5, 6, 9, 11], [12],
@@ -33,39 +34,6 @@ def _model(tmp_path_factory, name: str, bits: int = 4):
                               log=lambda m: None)).model
 
 
-def _alone(model, pool: KVPool, prompts: list[list[int]]) -> list[np.ndarray]:
-    """Each sequence's greedy steps by itself (a single fused step each): logits [STEPS, V] per sequence."""
-    out = []
-    for p in prompts:
-        cache = KVCache(model.spec, 64, pool=pool)
-        rows = [model.forward(p, cache)[-1]]
-        for _ in range(STEPS):
-            rows.append(model.forward([int(rows[-1].argmax())], cache)[-1])
-        cache.release()
-        out.append(np.stack(rows[1:]))
-    return out
-
-
-def _together(model, pool: KVPool, prompts: list[list[int]], monkeypatch, way: int) -> tuple[list[np.ndarray], int]:
-    """The same sequences' steps run together (`way` 0: one step for all, 1: a fused step each), and how many
-    steps ran as the batch's fused step."""
-    calls = []
-    real = BatchedDecode.run
-    monkeypatch.setattr(BatchedDecode, "run", lambda self, *a: (calls.append(1), real(self, *a))[1])
-    monkeypatch.setattr(model.context.apart[len(prompts)], "pick", lambda preferred, other: way)
-    caches = [KVCache(model.spec, 64, pool=pool) for _ in prompts]
-    logits = [model.forward(p, c)[-1] for p, c in zip(prompts, caches)]
-    out: list[list[np.ndarray]] = [[] for _ in prompts]
-    for _ in range(STEPS):
-        res = model.forward_batch([([int(x.argmax())], c) for x, c in zip(logits, caches)])
-        logits = [r[-1] for r in res]
-        for k, x in enumerate(logits):
-            out[k].append(x)
-    for c in caches:
-        c.release()
-    return [np.stack(o) for o in out], len(calls)
-
-
 @pytest.fixture
 def threads():
     before = numba.get_num_threads()
@@ -83,8 +51,8 @@ def test_a_batch_fused_together_equals_each_sequence_alone(tmp_path_factory, mon
     prompts = PROMPTS[:n]
     for t in (1, 2):
         threads(t)
-        alone = _alone(model, pool, prompts)
-        together, calls = _together(model, pool, prompts, monkeypatch, 0)
+        alone = greedy_alone(model, pool, prompts, STEPS)
+        together, calls = greedy_together(model, pool, prompts, STEPS, monkeypatch, 0)
         assert calls == STEPS                                        # every step ran as the batch's fused step
         for k in range(n):
             assert np.array_equal(together[k], alone[k]), (t, k)
@@ -121,11 +89,11 @@ def test_experts_report_each_rows_routing_and_decode_any_way_with_the_same_bits(
             mine = next(a for a in alone[b] if a.layer == r.layer)
             assert np.array_equal(r.experts[b], mine.experts[0]) and np.array_equal(r.weights[b], mine.weights[0])
     monkeypatch.undo()
-    expected = _alone(model, pool, prompts)
-    together, calls = _together(model, pool, prompts, monkeypatch, 1)
+    expected = greedy_alone(model, pool, prompts, STEPS)
+    together, calls = greedy_together(model, pool, prompts, STEPS, monkeypatch, 1)
     assert calls == 0
     model.context.batch_fused = False
-    blocks, calls = _together(model, pool, prompts, monkeypatch, 0)
+    blocks, calls = greedy_together(model, pool, prompts, STEPS, monkeypatch, 0)
     assert calls == 0
     for k in range(len(prompts)):
         assert np.array_equal(together[k], expected[k]) and np.array_equal(blocks[k], expected[k]), k
@@ -140,11 +108,11 @@ def test_the_batch_step_chooses_its_threads_per_batch_size_with_the_same_bits(tm
     model = _model(tmp_path_factory, "llama-tied-mqa")
     pool = KVPool(model.spec, 8 * 20, block_size=4)
     threads(2)
-    alone = _alone(model, pool, PROMPTS[:3])
+    alone = greedy_alone(model, pool, PROMPTS[:3], STEPS)
     used = []
     real = fused_batch.decode_batch
     monkeypatch.setattr(fused_batch, "decode_batch", lambda t, *a: (used.append(t), real(t, *a))[1])
-    together, calls = _together(model, pool, PROMPTS[:3], monkeypatch, 0)
+    together, calls = greedy_together(model, pool, PROMPTS[:3], STEPS, monkeypatch, 0)
     first = ThreadChoice.FIRST + 1                   # each count's first step is not counted
     assert calls == STEPS and used == [2] * first + [1] * (STEPS - first)
     for k in range(3):
@@ -164,7 +132,7 @@ def test_the_bench_sets_batched_experts_against_the_bound_of_their_union(tmp_pat
     model = _model(tmp_path_factory, "mixtral")
     pool = KVPool(model.spec, 8 * 20, block_size=4)
     assert _union_bound(model, 3) is None                                     # no batched step yet
-    _together(model, pool, PROMPTS[:3], monkeypatch, 0)
+    greedy_together(model, pool, PROMPTS[:3], STEPS, monkeypatch, 0)
     steps, experts = model.context.batched.reads[3]
     moe = model.spec.n_layers                                                 # every layer routes: 8 experts, top 2
     assert steps == STEPS and moe * 2 * STEPS <= experts <= moe * 6 * STEPS

@@ -17,6 +17,7 @@ from engine.kv import KVCache, KVPool
 from engine.loader import load_model
 from engine.quant import KQuantTensor
 from engine.quant.kquant import KINDS
+from support.batching import greedy_alone, greedy_together
 from support.gguf_writer import write_gguf
 from support.reference import build_checkpoint
 
@@ -108,37 +109,17 @@ def test_k_quant_experts_in_the_fused_step_equal_the_blocks(tmp_path, threads):
 def test_a_batch_of_k_quant_experts_decodes_as_each_sequence_alone(tmp_path, threads, monkeypatch):
     """The batch's fused step on a Q4_K_M MoE (each expert the rows chose read once, in its file's blocks): every
     sequence gets the logits of its own single steps, bit for bit."""
-    from engine.fused.batch import BatchedDecode
-
     types = {"ffn_down_exps": Q.Q6_K, "output.weight": Q.Q6_K, "": Q.Q4_K}
     loaded = load_model(_gguf(tmp_path, types, "mixtral", num_local_experts=4, num_experts_per_tok=2))
     model = loaded.model
     prompts = [PROMPT, PROMPT[4:], PROMPT[:6]]
     pool = KVPool(model.spec, 3 * 20, block_size=4)
-    alone = []
-    for p in prompts:
-        cache = KVCache(model.spec, 64, pool=pool)
-        rows = [model.forward(p, cache)[-1]]
-        for _ in range(STEPS):
-            rows.append(model.forward([int(rows[-1].argmax())], cache)[-1])
-        cache.release()
-        alone.append(np.stack(rows[1:]))
-    calls = []
-    real = BatchedDecode.run
-    monkeypatch.setattr(BatchedDecode, "run", lambda self, *a: (calls.append(self.plan.kquant), real(self, *a))[1])
-    monkeypatch.setattr(model.context.apart[len(prompts)], "pick", lambda preferred, other: 0)   # together
+    alone = greedy_alone(model, pool, prompts, STEPS)
     for n in (1, 2):
         threads(n)
-        caches = [KVCache(model.spec, 64, pool=pool) for _ in prompts]
-        logits = [model.forward(p, c)[-1] for p, c in zip(prompts, caches)]
-        got: list[list[np.ndarray]] = [[] for _ in prompts]
-        for _ in range(STEPS):
-            logits = [r[-1] for r in model.forward_batch([([int(x.argmax())], c) for x, c in zip(logits, caches)])]
-            for k, x in enumerate(logits):
-                got[k].append(x)
-        for c in caches:
-            c.release()
+        got, calls = greedy_together(model, pool, prompts, STEPS, monkeypatch, 0)
+        assert calls == STEPS                            # every step ran as the batch's step,
+        assert model.context.batched.plan.kquant is True      # on K-quant blocks
         for k in range(len(prompts)):
-            assert np.array_equal(np.stack(got[k]).view(np.uint32), alone[k].view(np.uint32)), (n, k)
-    assert calls == [True] * (2 * STEPS)                 # every step ran as the batch's step, on K-quant blocks
+            assert np.array_equal(got[k].view(np.uint32), alone[k].view(np.uint32)), (n, k)
     loaded.close()
