@@ -14,9 +14,13 @@ single step weighs them.
 
 Every number is computed by the functions the single step and the blocks call, on the same inputs (each product
 element by the one fixed sequence of float32 operations the matmul contract gives for any count of tokens), so
-each row's logits are bitwise those of its own single step. Taken: resident models whose layers the single step
-runs (SiLU-gated MLPs, routed experts in memory); streamed models decode their sequences one fused step each, or
-in one pass of the blocks.
+each row's logits are bitwise those of its own single step. Taken: models whose layers the single step runs
+(SiLU-gated MLPs, routed experts resident or streamed).
+
+A streamed layer whose union is all in memory as the call begins runs on; at another the call stops after the
+routing, and the caller brings the union in through the store's `groups` (each expert read once, the resident
+ones first), a call resumed at the layer's experts per group, as the single step does without its driver (a
+batch does not read ahead: the union of several rows' guesses is most of a layer).
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ def _product(desc, kquant, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scra
 
 
 @njit(boundscheck=False)
+def _experts0(lay, l):
+    """The first descriptor row of layer l's experts, three per expert id: the plan's own, or for a streamed layer
+    the rows the store's experts in memory are written to (their flags set, or brought for this call)."""
+    return lay[l, fk.L_RES0] if lay[l, fk.L_STREAMED] != 0 else lay[l, fk.L_EXP0]
+
+
+@njit(boundscheck=False)
 def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows,
            iv, logits):
     """Chunk c of step `kind` of layer l for the batch (lb: the layer's slab; h, scr, tile, iv: the thread's own)."""
@@ -108,7 +119,7 @@ def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, table
         gu, hb = lb[bo[BO_GU]:], lb[bo[BO_HB]:]
         if lay[l, fk.L_MOE] != 0:
             e = iv[bo[BO_I_ACT] + c // per]
-            m0, i0, i1 = lay[l, fk.L_EXP0] + 3 * e, iv[e], iv[e + 1]
+            m0, i0, i1 = _experts0(lay, l) + 3 * e, iv[e], iv[e + 1]
             xs, os = iv[bo[BO_I_XS]:], iv[bo[BO_I_OS]:]
         else:
             m0, i0, i1, xs, os = lay[l, fk.L_GATE], 0, n_rows, rows, rows
@@ -125,7 +136,7 @@ def _chunk(kind, c, l, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, table
         r1 = min(hidden, r0 + per_rows)
         if lay[l, fk.L_MOE] != 0:
             e = iv[bo[BO_I_ACT] + c // per]
-            m, i0, i1, os = lay[l, fk.L_EXP0] + 3 * e + 2, iv[e], iv[e + 1], iv[bo[BO_I_OS]:]
+            m, i0, i1, os = _experts0(lay, l) + 3 * e + 2, iv[e], iv[e + 1], iv[bo[BO_I_OS]:]
         else:
             m, i0, i1, os = lay[l, fk.L_DOWN], 0, n_rows, rows
         _product(descs[m], kquant, r0, r1, lb[bo[BO_HB]:], os, os, i0, i1, lb[bo[BO_Y]:], hidden, r0, tile)
@@ -157,22 +168,29 @@ def _step(kind, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, 
 def _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, lb, h,
            scr, tile, rows, iv, w, rids, rw, logits):
     """Layer l's experts: every row's router logits (a step with the other threads), then this thread routes every
-    row (ids into iv, weights w [B * K]; reported in rids/rw [l]) and lays out their union in iv: each chosen
-    expert's run of slots, rows ascending, and the experts chosen, ascending. Returns how many experts were chosen."""
+    row (ids into iv, weights w [B * K]; reported in rids/rw [l]) and lays out their union (`_layout`). Returns how
+    many experts were chosen."""
     n_rows, n_exp, top_k = pos.shape[0], lay[l, fk.L_E], lay[l, fk.L_K]
     _step(fk.S_ROUTER, (n_exp + 15) // 16, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar,
           kvaddr, tables, pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
     bias = fpar[lay[l, fk.L_BIAS]:lay[l, fk.L_BIAS] + n_exp] if lay[l, fk.L_BIAS] >= 0 else fpar[:0]
-    ids, act = iv[bo[BO_I_IDS]:], iv[bo[BO_I_ACT]:]
-    xs, os = iv[bo[BO_I_XS]:], iv[bo[BO_I_OS]:]
+    ids = iv[bo[BO_I_IDS]:]
     for b in range(n_rows):
         route_row(lb[bo[BO_RL]:], U64(b * n_exp), n_exp, top_k, lay[l, fk.L_SCORING], bias, lay[l, fk.L_NORM_TOPK] != 0,
                   lf[l, 1], scr, ids, U64(b * top_k), w, U64(b * top_k))
-    n = n_rows * top_k
-    for s in range(n):
+    for s in range(n_rows * top_k):
         rids[l, s] = ids[s]
         rw[l, s] = w[s]
-    for e in range(n_exp + 1):                                        # iv[e]: where expert e's run starts
+    return _layout(n_rows * top_k, n_exp, top_k, bo, iv)
+
+
+@njit(boundscheck=False)
+def _layout(n, n_exp, top_k, bo, iv):
+    """The union of the n slots' experts (iv's ids): each chosen expert's run of slots, rows ascending (iv[e] where
+    expert e's run starts), and the experts chosen, ascending. Returns how many were chosen."""
+    ids, act = iv[bo[BO_I_IDS]:], iv[bo[BO_I_ACT]:]
+    xs, os = iv[bo[BO_I_XS]:], iv[bo[BO_I_OS]:]
+    for e in range(n_exp + 1):
         iv[e] = 0
     for s in range(n):
         iv[ids[s] + 1] += 1
@@ -195,7 +213,7 @@ def _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, f
 
 @njit(boundscheck=False)
 def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-            scr_size, iv, w, rids, rw, chosen, logits, sync, done):
+            scr_size, iv, w, rids, rw, chosen, logits, sync, done, run, state, held, pick):
     hidden, n_rows = g[fk.G_HIDDEN], pos.shape[0]
     po = tid * per
     x = priv[po:po + n_rows * hidden]                                 # this thread's copy of the hidden states
@@ -204,50 +222,90 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
     tile = priv[po + 2 * n_rows * hidden + scr_size:po + per]         # a dequantized tile of 4 rows
     rows = np.arange(n_rows)
     end = g[fk.G_STEPS] * LINE                                        # set when the call is done
+    fw = g[fk.G_FLAGW]
+    start, resume = run[fk.RUN_START], run[fk.RUN_RESUME] != 0
+    src = state if resume else x0
     for i in range(n_rows * hidden):
-        x[i] = x0[i]
+        x[i] = src[i]
     first = np.int64(0)                                               # not a literal 0: _step compiles once
-    for l in range(g[fk.G_LAYERS]):
+    for l in range(start, g[fk.G_LAYERS]):
         if atomic_load(sync, U64(end)) != 0:
             return
         lb = shared[l * bo[BO_LAYER]:(l + 1) * bo[BO_LAYER]]
-        for b in range(n_rows):
-            norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_IN_NORM]:], eps, hidden, h, U64(b * hidden))
-        n = lay[l, fk.L_QKV1] - lay[l, fk.L_QKV0]
-        _step(fk.S_QKV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, iv, logits)
-        first += n
-        n = n_rows * lay[l, fk.L_HKV]
-        _step(fk.S_KV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, iv, logits)
-        first += n
-        n = n_rows * lay[l, fk.L_H]
-        _step(fk.S_HEADS, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
-              cs, eps, lb, h, scr, tile, rows, iv, logits)
-        first += n
-        n = lay[l, fk.L_O1] - lay[l, fk.L_O0]
-        _step(fk.S_O, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, iv, logits)
-        first += n
-        o = lb[bo[BO_O]:]
-        for i in range(n_rows * hidden):
-            x[i] = x[i] + o[i]
-        for b in range(n_rows):
-            norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_POST_NORM]:], eps, hidden, h, U64(b * hidden))
+        streamed = lay[l, fk.L_STREAMED] != 0
+        again = resume and l == start                                 # resumed at this layer's experts
         slots = 1                                                     # per row: 1, or K in a layer of experts
-        if lay[l, fk.L_MOE] != 0:
-            slots = _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
-                           cs, eps, lb, h, scr, tile, rows, iv, w, rids, rw, logits)
-            chosen[l] = slots                                         # (every thread: the same count)
-            first += (lay[l, fk.L_E] + 15) // 16
+        if again:
+            # attention and routing ran in an earlier call: the routing back from rids/rw, and the experts of this
+            # call's group (pick) of the union
+            top_k = lay[l, fk.L_K]
+            for i in range(n_rows * hidden):
+                h[i] = state[n_rows * hidden + i]
+            ids = iv[bo[BO_I_IDS]:]
+            for s in range(n_rows * top_k):
+                ids[s] = rids[l, s]
+                w[s] = rw[l, s]
+            slots = _layout(n_rows * top_k, lay[l, fk.L_E], top_k, bo, iv)
+            act = iv[bo[BO_I_ACT]:]
+            kept = 0
+            for j in range(slots):
+                if pick[act[j]] != 0:
+                    act[kept] = act[j]
+                    kept += 1
+            slots = kept
+        else:
+            for b in range(n_rows):
+                norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_IN_NORM]:], eps, hidden, h, U64(b * hidden))
+            n = lay[l, fk.L_QKV1] - lay[l, fk.L_QKV0]
+            _step(fk.S_QKV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables,
+                  pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
+            first += n
+            n = n_rows * lay[l, fk.L_HKV]
+            _step(fk.S_KV, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables,
+                  pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
+            first += n
+            n = n_rows * lay[l, fk.L_H]
+            _step(fk.S_HEADS, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr,
+                  tables, pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
+            first += n
+            n = lay[l, fk.L_O1] - lay[l, fk.L_O0]
+            _step(fk.S_O, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables,
+                  pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
+            first += n
+            o = lb[bo[BO_O]:]
+            for i in range(n_rows * hidden):
+                x[i] = x[i] + o[i]
+            for b in range(n_rows):
+                norm_row(x, U64(b * hidden), fpar[lay[l, fk.L_POST_NORM]:], eps, hidden, h, U64(b * hidden))
+            if lay[l, fk.L_MOE] != 0:
+                slots = _union(l, tid, threads, done, first, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr,
+                               tables, pos, cs, eps, lb, h, scr, tile, rows, iv, w, rids, rw, logits)
+                chosen[l] = slots                                     # (every thread: the same count)
+                first += (lay[l, fk.L_E] + 15) // 16
+                if streamed:
+                    # `held` is the flags as the call began (the same in every thread): an expert not in memory
+                    # then stops the call here, and the caller brings the union's experts in groups
+                    act = iv[bo[BO_I_ACT]:]
+                    for j in range(slots):
+                        if held[l * fw + act[j]] != 1:
+                            for i in range(n_rows * hidden):
+                                state[i] = x[i]
+                                state[n_rows * hidden + i] = h[i]
+                            run[fk.RUN_EXIT] = l
+                            atomic_store(sync, U64(end), 1)
+                            return
         n = slots * ((lay[l, fk.L_I] + lay[l, fk.L_ROWS_IN] - 1) // lay[l, fk.L_ROWS_IN])
-        _step(fk.S_GATE_UP, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos,
-              cs, eps, lb, h, scr, tile, rows, iv, logits)
+        _step(fk.S_GATE_UP, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables,
+              pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
         first += n
         n = slots * ((hidden + lay[l, fk.L_ROWS_DOWN] - 1) // lay[l, fk.L_ROWS_DOWN])
-        _step(fk.S_DOWN, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs,
-              eps, lb, h, scr, tile, rows, iv, logits)
+        _step(fk.S_DOWN, n, first, l, tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables,
+              pos, cs, eps, lb, h, scr, tile, rows, iv, logits)
         first += n
+        if again and run[fk.RUN_LAST] == 0:                          # more of this layer's experts are to come
+            run[fk.RUN_EXIT] = l
+            atomic_store(sync, U64(end), 1)
+            return
         y = lb[bo[BO_Y]:]
         if lay[l, fk.L_MOE] != 0:
             top_k = lay[l, fk.L_K]
@@ -265,23 +323,29 @@ def _worker(tid, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, ta
     n = g[fk.G_HEAD1] - g[fk.G_HEAD0]
     _step(fk.S_HEAD, n, first, np.int64(0), tid, threads, done, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps,
           shared[:0], h, scr, tile, rows, iv, logits)
+    run[fk.RUN_EXIT] = g[fk.G_LAYERS]
     atomic_store(sync, U64(end), 1)
 
 
 @njit(parallel=True, nogil=True, cache=True, boundscheck=False)
 def decode_batch(threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
-                 scr_size, ivs, ws, rids, rw, chosen, logits, sync, done):  # pragma: no cover - compiled
+                 scr_size, ivs, ws, rids, rw, chosen, logits, sync, done, run, state, held, pick):  # pragma: no cover
     """One token of each of B rows (embeddings x0 flat [B, hidden], row b at pos[b] of the cache blocks tables[b])
     through the layers -> logits flat [B, V], each expert layer's routing in rids/rw [L, B * K] and the count of
     experts its rows chose in chosen [L] (see the module docstring). ivs and ws: per thread, bo[BO_I_SIZE] int64
-    and B * K float32 of scratch."""
+    and B * K float32 of scratch.
+
+    Streamed layers (the single step's `run` words, engine/fused/kernel.py): a call stops at the first one whose
+    union has an expert not flagged in `held` [L * G_FLAGW] (the flags as the call began), with RUN_EXIT that
+    layer and the rows' x and h [2 * B * hidden] in `state`; each call resumed there (RUN_RESUME) runs the experts
+    of the union flagged in pick [E] (their descriptors written for it), and the one with RUN_LAST goes on."""
     for tid in prange(threads):
         # int64: parfor types tid signed, then unsigned in its gufunc; one type compiles _worker once
         t = np.int64(tid)
         nw = ws.shape[0] // threads
         _worker(t, threads, descs, kquant, items, lay, lf, g, bo, fpar, kvaddr, tables, pos, cs, eps, x0, shared, priv, per,
                 scr_size, ivs[t * bo[BO_I_SIZE]:(t + 1) * bo[BO_I_SIZE]], ws[t * nw:(t + 1) * nw], rids, rw, chosen,
-                logits, sync, done)
+                logits, sync, done, run, state, held, pick)
 
 
 class BatchedDecode:
@@ -298,7 +362,8 @@ class BatchedDecode:
         moe = lay[:, fk.L_MOE] != 0
         self.slots = int(lay[moe, fk.L_K].max()) if moe.any() else 1     # a row's outputs of an MLP step: K slots
         self.experts = int(lay[moe, fk.L_E].max()) if moe.any() else 0
-        self.cols = int(plan.descs[:, 4].max())                         # the widest matrix's columns
+        # the widest matrix's columns (a streamed layer's expert rows are written per call: their widths from lay)
+        self.cols = int(max(plan.descs[:, 4].max(), plan.hidden, lay[moe, fk.L_I].max() if moe.any() else 0))
         self._shared: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # rows -> (bo, shared)
         # all of numba's threads, or one when steps with one were faster (other programs on the cores), per batch size
         self._threads: BySize[ThreadChoice] = BySize(ThreadChoice)
@@ -307,10 +372,8 @@ class BatchedDecode:
 
     @classmethod
     def for_plan(cls, plan: "FusedDecode | None") -> "BatchedDecode | None":
-        """The batched step of a single step's plan, or None when some layer's experts are streamed."""
-        if plan is None or plan.streamed_layers:
-            return None
-        return cls(plan)
+        """The batched step of a single step's plan (None: no plan)."""
+        return None if plan is None else cls(plan)
 
     def tries(self, n: int) -> int:
         """Steps of n sequences run on the thread count not chosen, to measure it (see FasterChoice.tries)."""
@@ -340,9 +403,15 @@ class BatchedDecode:
             self._shared = {n: held}       # one batch size at a time: a batch changes its size rarely
         return held
 
-    def run(self, x0: np.ndarray, caches: list[KVCache], positions: np.ndarray) -> tuple[np.ndarray, list[Routing]]:
+    def run(self, x0: np.ndarray, caches: list[KVCache], positions: np.ndarray,
+            source=None) -> tuple[np.ndarray, list[Routing]]:
         """The logits [B, V] of B tokens (embeddings x0 [B, hidden]), row b at positions[b] of caches[b] (prepared,
-        not yet committed), and each expert layer's routing of the B rows, as the blocks report it."""
+        not yet committed), and each expert layer's routing of the B rows, as the blocks report it.
+
+        With streamed experts, `source` (the expert store) brings each layer's union in: a layer whose union is all
+        in memory runs on; at another the call stops, and the union comes in `source.groups` (one read per expert,
+        resident ones first), each group run by a call of its own. The store counts every streamed layer's union
+        as one step."""
         plan, n = self.plan, len(caches)
         bo, shared = self._buffers(n)
         choice = self._threads[n]
@@ -379,11 +448,40 @@ class BatchedDecode:
                          for i in range(lay.shape[0])))
         done = np.zeros(chunks + plan.g[fk.G_HEAD1] - plan.g[fk.G_HEAD0], np.int64)
         kv = plan._kv_table(caches[0].pool)
+        pos = np.ascontiguousarray(positions, np.int64)
+        x0 = np.ascontiguousarray(x0, np.float32).reshape(-1)
+        run = np.zeros(fk.RUN_SLOTS, np.int64)
+        state = np.zeros(2 * n * plan.hidden, np.float32)
+        pick = np.zeros(max(1, self.experts), np.int64)
         t0 = time.perf_counter()
-        decode_batch(threads, plan.descs, plan.kquant, plan.items, lay, plan.lf, g, bo, plan.fpar, kv, tables,
-                     np.ascontiguousarray(positions, np.int64), cs, plan.rms_eps,
-                     np.ascontiguousarray(x0, np.float32).reshape(-1), shared, priv, per, scr, ivs, ws, rids, rw,
-                     chosen, logits.reshape(-1), sync, done)
+
+        def call() -> None:
+            sync[:] = 0
+            done[:] = 0
+            decode_batch(threads, plan.descs, plan.kquant, plan.items, lay, plan.lf, g, bo, plan.fpar, kv, tables, pos,
+                         cs, plan.rms_eps, x0, shared, priv, per, scr, ivs, ws, rids, rw, chosen, logits.reshape(-1),
+                         sync, done, run, state, plan._flat.copy(), pick)
+
+        call()
+        n_layers = lay.shape[0]
+        done_to = 0                                      # streamed layers before this one are counted by the store
+        while run[fk.RUN_EXIT] < n_layers:               # stopped for a streamed layer's union
+            layer = int(run[fk.RUN_EXIT])
+            done_to = self._account(source, rids, n, done_to, layer)
+            needed = sorted({int(e) for e in rids[layer, : n * int(lay[layer, fk.L_K])]})
+            brought = 0
+            run[fk.RUN_START], run[fk.RUN_RESUME] = layer, 1
+            for group in source.groups(layer, needed):  # each stays in memory until the next is asked for
+                pick[:] = 0
+                for e, expert in group.items():
+                    plan._bring_expert(layer, int(e), expert)
+                    pick[int(e)] = 1
+                brought += len(group)
+                run[fk.RUN_LAST] = int(brought == len(needed))
+                call()
+            done_to = layer + 1
+        if plan.streamed_layers:
+            self._account(source, rids, n, done_to, n_layers)
         choice.record(threads, time.perf_counter() - t0)
         routes = [Routing(i, rids[i, :n * k].reshape(n, k), rw[i, :n * k].reshape(n, k)) for i, k in plan.moe]
         if routes:
@@ -391,3 +489,13 @@ class BatchedDecode:
             count[0] += 1
             count[1] += int(chosen.sum())
         return logits, routes
+
+    def _account(self, source, rids: np.ndarray, n: int, lo: int, hi: int) -> int:
+        """Have the store count the streamed layers lo .. hi - 1, run without stopping (their unions were in
+        memory), each union as one step; returns hi."""
+        lay = self.plan.lay
+        steps = [(i, sorted({int(e) for e in rids[i, : n * int(lay[i, fk.L_K])]}))
+                 for i in self.plan.streamed_layers if lo <= i < hi]
+        if steps:
+            source.account_steps(steps)
+        return hi

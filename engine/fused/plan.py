@@ -484,7 +484,16 @@ class FusedDecode:
     def _bring(self, layer: int, slot: int, expert) -> None:
         """Point slot `slot` of a streamed layer at an expert in memory (for the next call only: the store may
         reuse its memory once the caller asks for the next group)."""
-        row = self._exp0[layer] + 3 * slot
+        self._point(self._exp0[layer] + 3 * slot, layer, slot, expert)
+
+    def _bring_expert(self, layer: int, e: int, expert) -> None:
+        """Point the rows of expert e of a streamed layer (those its flag publishes) at it in memory, for the batch's
+        next call (engine/fused/batch.py); its flag is left as it is, so that no single step reads the rows
+        unless the store says the expert stays."""
+        self._point(self._res0[layer] + 3 * e, layer, e, expert)
+
+    def _point(self, row: int, layer: int, slot: int, expert) -> None:
+        """Write an expert's gate, up and down descriptors at rows row .. row + 2, checked for the step's shapes."""
         i_ff = self._i_ff[layer]
         for m, w in enumerate((expert.gate, expert.up, expert.down)):
             want = (self.hidden, i_ff) if m == 2 else (i_ff, self.hidden)

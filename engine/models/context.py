@@ -79,7 +79,7 @@ class DecodeContext:
         caches = [cache for _, cache in items]
         if len({id(c) for c in caches}) != len(caches):
             raise GenerationError("a sequence appears twice in one batch")
-        if (len(items) > 1 and not self.model.streamed and routing is None and probe is None and hidden is None
+        if (len(items) > 1 and routing is None and probe is None and hidden is None
                 and all(i.size == 1 for i in ids_list)
                 and all(self.fused_step(1, c, None) is not None for c in caches)):
             # one token of each of several sequences: one step for all (fused where the layers allow), or a fused
@@ -151,12 +151,14 @@ class DecodeContext:
         positions = np.concatenate([cache.prepare(ids.tolist()) for ids, cache in zip(ids_list, caches)])  # [B]
         with tel.phase("dense"):
             x = model.embed_tokens(np.concatenate(ids_list))                  # [B, hidden]
-        logits, routes = batched.run(x, caches, positions)                    # [B, V]
+        logits, routes = batched.run(x, caches, positions, model.experts if model.streamed else None)   # [B, V]
         for cache in caches:
             cache.commit(1)
         if tel.enabled:
             for r in routes:
                 tel.route(r.layer, r.experts)
+        if model.streamed:
+            model.experts.end_token(len(caches))
         tel.end_token(len(caches), prefill=False)
         return [logits[b : b + 1] for b in range(len(caches))]
 

@@ -142,3 +142,44 @@ def test_the_bench_sets_batched_experts_against_the_bound_of_their_union(tmp_pat
     assert _union_bound(model, 3) == pytest.approx(3)
     model.context.batched.reads[3] = [1, moe * 6]            # each row its own experts: the least the union saves
     assert 1 < _union_bound(model, 3) <= bound
+
+
+@pytest.mark.parametrize("io", ["pread", "mmap"])
+def test_a_streamed_batch_reads_each_chosen_expert_once_with_each_sequences_bits(tmp_path_factory, monkeypatch,
+                                                                                 threads, io):
+    """Streamed experts: a batch's step stops at a layer whose union is not all in memory, the store brings the
+    union once (in groups when the cache holds fewer slots than the union, each group a call), and each sequence
+    gets the logits of its own steps on the resident model."""
+    from support.offload import load_streamed, mixtral_container
+
+    container = mixtral_container(tmp_path_factory, experts=8, top_k=2, layers=2)
+    resident = load_model(container).model
+    prompts = PROMPTS[:4]
+    alone = greedy_alone(resident, KVPool(resident.spec, 8 * 20, block_size=4), prompts, STEPS)
+    for t in (1, 2):
+        threads(t)
+        loaded = load_streamed(container, 3, io=io, policy="lru")    # 3 slots: a union of up to 8 in groups
+        try:
+            model, store = loaded.model, loaded.store
+            asked = []
+            real = store.groups
+
+            def groups(layer, ids, started=None):
+                asked.append((layer, list(ids)))
+                return real(layer, ids, started)
+            monkeypatch.setattr(store, "groups", groups)
+            before = store.stats().hits["disk"]
+            pool = KVPool(model.spec, 8 * 20, block_size=4)
+            together, calls = greedy_together(model, pool, prompts, STEPS, monkeypatch, 0)
+            disk = store.stats().hits["disk"] - before
+        finally:
+            loaded.close()
+        assert calls == STEPS                                        # every step ran as the batch's fused step
+        for k in range(len(prompts)):
+            assert np.array_equal(together[k], alone[k]), (t, k)
+        steps = asked[model.spec.n_layers * len(prompts):]          # after each prompt's pass of the blocks
+        assert steps and len(steps) <= STEPS * model.spec.n_layers
+        for layer, ids in steps:
+            assert ids == sorted(set(ids)) and len(ids) > 2          # one union of 4 rows' experts, each once
+        assert disk > 0
+
