@@ -40,6 +40,8 @@ class KVReport:
     # chats -> the union's bound (experts): one sequence's decoded weight bytes times n over a batched step's, with
     # dense weights read once and each expert the step's rows chose once (the experts its steps chose, measured)
     batch_bound: dict[int, float] = field(default_factory=dict)
+    # chats -> how many ran at once, where fewer than all (streamed experts: the cache holds a step of so many)
+    batch_room: dict[int, int] = field(default_factory=dict)
     blocks: dict[int, tuple[float, float]] = field(default_factory=dict)  # block size -> (decode us, prefill ms)
     int8_kl: float | None = None
     int8_top1: float | None = None
@@ -67,8 +69,10 @@ class KVReport:
         for n, (seq, bat) in sorted(self.batch.items()):
             bound = self.batch_bound.get(n)
             against = f"; the union's bound {bound:.2f}x ({bat / seq / bound * 100:.0f}%)" if bound else ""
+            room = self.batch_room.get(n)
+            at_once = f" ({room} at once: the expert cache holds the steps of so many)" if room else ""
             out.append(f"batching      {n} chats: {seq:6.1f} tok/s one after another, {bat:6.1f} tok/s together "
-                       f"= {bat / seq:.2f}x (prompt and answer){against}")
+                       f"= {bat / seq:.2f}x (prompt and answer){against}{at_once}")
         for b, (dec, pre) in sorted(self.blocks.items()):
             out.append(f"block size    {b:4d}: decode attention {dec:8.1f} us/layer, prefill chunk {pre:7.2f} ms/layer")
         if self.int8_kl is not None:
@@ -133,6 +137,8 @@ def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, ge
         for together in (False, True):
             pool = KVPool(loaded.spec, n * (blocks_for(ctx) + 2), prefix_cache=False)
             sched = Scheduler(loaded.model, pool, max_len=ctx, max_batch=n if together else 1)
+            if together and sched.room < n:
+                report.batch_room[n] = sched.room
             for p in prompts:
                 sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=gen, stop_ids=frozenset()))
             t0 = time.perf_counter()

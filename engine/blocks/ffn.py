@@ -198,6 +198,10 @@ class StreamingExpertSource(ExpertSource, Protocol):
     def set_capacity(self, capacity: int) -> None:
         """A new byte budget for the experts held in memory, applied between two tokens."""
 
+    def batch_rows(self, most: int) -> int:
+        """How many sequences (1 .. most) may decode together without their steps reading over each other's
+        experts in the cache."""
+
     def set_io_threads(self, threads: int) -> None:
         """A new number of reader threads."""
 

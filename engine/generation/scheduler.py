@@ -7,7 +7,8 @@ The model runs all rows at once (each distinct expert of a layer read once for t
 attention runs per sequence on its own cache. Rows are computed as they would be alone, so every
 sequence's tokens equal those of running it by itself.
 
-New requests join between steps (`submit`); a finished or cancelled sequence leaves and gives its
+New requests join between steps (`submit`), up to `max_batch` running at once (fewer for a streamed model whose
+expert cache holds the steps of fewer: `Scheduler.room`); a finished or cancelled sequence leaves and gives its
 blocks back (full blocks stay cached in the pool's prefix index for the next request that shares them);
 a request cancelled while it still waits for room leaves the queue at the next step.
 A request starts from the longest prefix of its prompt already in the pool.
@@ -298,8 +299,17 @@ class Scheduler:
         while self.busy:
             self.step()
 
+    @property
+    def room(self) -> int:
+        """How many sequences run at once: max_batch, or fewer for a model whose streamed experts the cache holds
+        for fewer (their steps would read over each other's experts: `StreamingExpertSource.batch_rows`)."""
+        if self.model.reads_ahead and self.max_batch > 1:        # (a StreamingExpertSource)
+            return self.model.experts.batch_rows(self.max_batch)
+        return self.max_batch
+
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_batch:
+        room = self.room
+        while self.waiting and len(self.running) < room:
             seq = self.waiting.popleft()
             prompt = seq.request.prompt
             seq.reused = seq.prefilled = seq.cache.adopt(prompt)

@@ -58,6 +58,8 @@ from engine.offload.story import TIER_CACHED, TIER_DISK, TIER_PINNED, ExpertCoun
 from engine.spec import ModelSpec, MoESpec
 from engine.telemetry import NULL, Telemetry
 
+# the share of the cache's slots a batch's expected union may fill (`batch_rows`)
+UNION_FILL = 0.9
 READING = "reading"         # what listeners hear when a read of an expert starts (it follows once in memory)
 
 
@@ -321,6 +323,22 @@ class ExpertStore:
         to_pin = self.accounting.end_token(n, self.slots.built)
         if to_pin:
             self._pin(to_pin)
+
+    def batch_rows(self, most: int) -> int:
+        """How many sequences may decode together (1 .. most): the most whose step's experts the cache is expected
+        to hold, with room to spare. B rows that each choose k of a layer's E experts, evenly and apart, choose
+        E (1 - (1 - k/E)^B) of them; a batch's step reads that union once, but one whose union does not stay in
+        the cache reads most of it again at the next step, where the same sequences one after another would find
+        their own experts still there."""
+        slots = self.settings.capacity // self.slots.slot_bytes * UNION_FILL
+        layers = [(m.n_experts, m.top_k) for m in (layer.ffn for layer in self.spec.layers) if isinstance(m, MoESpec)]
+
+        def union(b: int) -> float:
+            return sum(e * (1.0 - (1.0 - k / e) ** b) for e, k in layers)
+        rows = 1
+        while rows < most and union(rows + 1) <= slots:
+            rows += 1
+        return rows
 
     @property
     def capacity(self) -> int:

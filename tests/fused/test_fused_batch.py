@@ -183,3 +183,33 @@ def test_a_streamed_batch_reads_each_chosen_expert_once_with_each_sequences_bits
             assert ids == sorted(set(ids)) and len(ids) > 2          # one union of 4 rows' experts, each once
         assert disk > 0
 
+
+def test_the_scheduler_runs_together_only_the_sequences_whose_steps_the_expert_cache_holds(tmp_path_factory):
+    """A streamed model's scheduler admits as many sequences at once as the expert cache holds a step of (more
+    would read over each other's experts at every step); each answer is its answer alone on the resident model."""
+    from engine.generation.generate import GenerationRequest
+    from engine.generation.scheduler import Scheduler
+    from support.offload import load_streamed, mixtral_container
+
+    container = mixtral_container(tmp_path_factory, experts=8, top_k=2, layers=2)
+    resident = load_model(container).model
+
+    def answers(model, max_batch):
+        sched = Scheduler(model, KVPool(model.spec, 8 * 20, block_size=4), max_len=40, max_batch=max_batch)
+        seqs = [sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=STEPS, stop_ids=frozenset()))
+                for p in PROMPTS[:4]]
+        widest = 0
+        while sched.busy:
+            sched.step()
+            widest = max(widest, len(sched.running))
+        return [s.tokens for s in seqs], sched.room, widest
+
+    want, _, _ = answers(resident, 1)
+    for slots, room in ((3, 1), (32, 4)):
+        loaded = load_streamed(container, slots)
+        try:
+            got, at_once, widest = answers(loaded.model, 4)
+        finally:
+            loaded.close()
+        assert at_once == room and widest == room, slots
+        assert got == want, slots

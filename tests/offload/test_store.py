@@ -384,3 +384,14 @@ def test_live_budget_and_io_threads_change_between_tokens(container, resident):
         loaded.close()
     assert tokens == resident[1]
     assert np.array_equal(np.concatenate(logits), resident[0])
+
+
+@pytest.mark.parametrize("slots, most, rows", [(8, 8, 1), (16, 8, 3), (30, 8, 8), (30, 4, 4)])
+def test_sequences_decode_together_as_many_as_the_cache_holds_the_steps_of(container, slots, most, rows):
+    """A batch's step reads its union once: as many sequences run together as the cache is expected to hold a
+    step of (3 layers of 8 experts, top 2: b rows choose 24 (1 - (3/4)^b) experts, within 90% of the slots)."""
+    loaded = _stream(container, slots)
+    try:
+        assert loaded.store.batch_rows(most) == rows
+    finally:
+        loaded.close()
