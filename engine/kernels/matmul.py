@@ -186,17 +186,33 @@ def _dequant_rows(bits, asym, group, a, b, sc, mn, K, r0, nr, dst):
     nb = K // BLOCK
     ng = K // group
     bpg = group // BLOCK
+    buf = numba.carray(stack_block(), 128, np.float32)    # [d, m][16 groups]
+    neg = F32(-(1 << (bits - 1)))
     for i in range(nr):
+        r = r0 + i
         base = U64(i) * U64(K)
-        for g in range(ng):
-            ds, ms = _scale(bits, asym, sc, mn, U64(r0 + i) * U64(ng) + U64(g))
-            d = vsplat(ds)
-            m = vsplat(ms)
-            low, high = _tables(bits, asym, d, m)
-            for blk in range(g * bpg, (g + 1) * bpg):
-                o = base + U64(blk * BLOCK)
-                vstore(dst, o, _dq(bits, a, b, r0 + i, blk, nb, 0, d, m, low, high))
-                vstore(dst, o + U64(16), _dq(bits, a, b, r0 + i, blk, nb, 1, d, m, low, high))
+        for gc in range(0, ng, 16):
+            # the scales of 16 groups converted at once, as decode does (one scalar conversion per group cost a
+            # batch's tiles most of their time)
+            n16 = min(16, ng - gc)
+            gi = U64(r) * U64(ng) + U64(gc)
+            d16 = vhalves(sc, gi, n16)
+            vstore(buf, U64(0), d16)
+            vstore(buf, U64(16), vhalves(mn, gi, n16) if asym else vmul(d16, vsplat(neg)))
+            for q in range(n16):
+                g = gc + q
+                d = vsplat(buf[U64(q)])
+                m = vsplat(buf[U64(16 + q)])
+                low, high = _tables(bits, asym, d, m)
+                for blk in range(g * bpg, (g + 1) * bpg):
+                    o = base + U64(blk * BLOCK)
+                    if bits == 4 and _uses_table(bits):          # a block's code bytes widened once (see _block)
+                        c = vcodes8(a, (U64(r) * U64(nb) + U64(blk)) * U64(16), a, U64(0), 0)
+                        vstore(dst, o, vlookup16n(low, c))
+                        vstore(dst, o + U64(16), vlookup16n(low, vsrl4(c)))
+                    else:
+                        vstore(dst, o, _dq(bits, a, b, r, blk, nb, 0, d, m, low, high))
+                        vstore(dst, o + U64(16), _dq(bits, a, b, r, blk, nb, 1, d, m, low, high))
 
 
 # -- decode: dequantize on the fly ----------------------------------------------------------
