@@ -467,8 +467,8 @@ class BatchedDecode:
         done_to = 0                                      # streamed layers before this one are counted by the store
         while run[fk.RUN_EXIT] < n_layers:               # stopped for a streamed layer's union
             layer = int(run[fk.RUN_EXIT])
-            done_to = self._account(source, rids, n, done_to, layer)
-            needed = sorted({int(e) for e in rids[layer, : n * int(lay[layer, fk.L_K])]})
+            done_to = plan._account(source, rids, done_to, layer, n)
+            needed = plan.union(rids, layer, n)
             brought = 0
             run[fk.RUN_START], run[fk.RUN_RESUME] = layer, 1
             for group in source.groups(layer, needed):  # each stays in memory until the next is asked for
@@ -481,7 +481,7 @@ class BatchedDecode:
                 call()
             done_to = layer + 1
         if plan.streamed_layers:
-            self._account(source, rids, n, done_to, n_layers)
+            plan._account(source, rids, done_to, n_layers, n)
         choice.record(threads, time.perf_counter() - t0)
         routes = [Routing(i, rids[i, :n * k].reshape(n, k), rw[i, :n * k].reshape(n, k)) for i, k in plan.moe]
         if routes:
@@ -489,13 +489,3 @@ class BatchedDecode:
             count[0] += 1
             count[1] += int(chosen.sum())
         return logits, routes
-
-    def _account(self, source, rids: np.ndarray, n: int, lo: int, hi: int) -> int:
-        """Have the store count the streamed layers lo .. hi - 1, run without stopping (their unions were in
-        memory), each union as one step; returns hi."""
-        lay = self.plan.lay
-        steps = [(i, sorted({int(e) for e in rids[i, : n * int(lay[i, fk.L_K])]}))
-                 for i in self.plan.streamed_layers if lo <= i < hi]
-        if steps:
-            source.account_steps(steps)
-        return hi

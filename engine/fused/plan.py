@@ -437,7 +437,7 @@ class FusedDecode:
             done_to = self._account(source, rids, done_to, layer)
             top_k = int(self.lay[layer, fk.L_K])
             ids = rids[layer, :top_k]
-            needed = sorted({int(i) for i in ids})
+            needed = self.union(rids, layer)
             brought = 0
             run[fk.RUN_START], run[fk.RUN_RESUME] = layer, 1
             ahead = None if predict is None else (lambda: predict(layer, state[: self.hidden]))
@@ -459,14 +459,17 @@ class FusedDecode:
                    for j, name in enumerate(("attention", "dense", "experts", "io_wait")) if j < 3 or tcycles[j]}
         return logits, FusedStep(rids, rw, self.moe, seconds, kept)
 
-    def _account(self, source, rids: np.ndarray, lo: int, hi: int) -> int:
+    def _account(self, source, rids: np.ndarray, lo: int, hi: int, rows: int = 1) -> int:
         """Have the store count the streamed layers lo .. hi - 1, run without stopping (their experts were all in
-        memory); returns hi."""
-        steps = [(i, sorted(set(rids[i, : int(self.lay[i, fk.L_K])].tolist())))
-                 for i in self.streamed_layers if lo <= i < hi]
+        memory), each layer's experts of `rows` rows (a batch's union, rids [L, rows * K]) as one step; returns hi."""
+        steps = [(i, self.union(rids, i, rows)) for i in self.streamed_layers if lo <= i < hi]
         if steps:
             source.account_steps(steps)
         return hi
+
+    def union(self, rids: np.ndarray, layer: int, rows: int = 1) -> list[int]:
+        """The experts `rows` rows chose in a layer (rids [L, rows * K]), ascending, each once."""
+        return sorted(set(rids[layer, : rows * int(self.lay[layer, fk.L_K])].tolist()))
 
     def _release(self, key: tuple[int, int]) -> bool:
         """Unflag a streamed expert that is to leave, unless a thread of a running call is at its layer (then it

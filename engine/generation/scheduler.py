@@ -308,7 +308,9 @@ class Scheduler:
         return self.max_batch
 
     def _admit(self) -> None:
-        room = self.room
+        if not self.waiting:
+            return
+        room = self.room                      # (the store's arithmetic: only when someone waits)
         while self.waiting and len(self.running) < room:
             seq = self.waiting.popleft()
             prompt = seq.request.prompt
