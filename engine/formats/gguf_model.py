@@ -7,12 +7,13 @@ ernie4_5-moe). What
 llama.cpp's converter changes is changed back: Llama's Q/K permutation, Gemma's norms stored as w + 1,
 DeepSeek's kv_b_proj split into k_b (transposed) and v_b, experts stacked, GLM's MTP blocks counted as layers.
 
-Weights are dequantized to float32 with the `gguf` package (every type it can dequantize), or,
-when the model runs them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become
-`QuantizedTensor`s holding the same values: those block formats are Colibri's 4-, 5- and 8-bit
-group-32 formats with the bytes rearranged (no rounding), so decode reads 4.5-8.5 bits per weight
-instead of 32. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices become `KQuantTensor`s over the file's
-own bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; an expert
+Weights are dequantized to float32 with the `gguf` package (every type it can dequantize), or, when the model runs
+them (`quantized=True`), Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices become `QuantizedTensor`s holding the same values:
+those block formats are Colibri's 4-, 5- and 8-bit group-32 formats with the bytes rearranged (no rounding), so
+decode reads 4.5-8.5 bits per weight instead of 32. Q4_0 and Q8_0 matrices but the output head take the rows16
+layout (engine/kernels/rows16.py), whose products round activations to 8 bits per 32-block, as llama.cpp's products
+of these types do. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices become `KQuantTensor`s over the file's own
+bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; an expert
 stack's experts are row ranges of the stack (views of the memory map), so a K-quant MoE takes about its file's size.
 llama.cpp stores the Q and K projections of Llama-architecture models permuted for its interleaved RoPE;
 that permutation is undone here so the shared blocks see Hugging Face layout.
@@ -31,7 +32,7 @@ from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.formats import gguf_families
 from engine.formats.gguf_meta import gguf_metadata, open_gguf, release_tensor_pages
 from engine.formats.page_release import np_map, release_range
-from engine.kernels.layout import BLOCK
+from engine.kernels.layout import BLOCK, rows16_allowed
 from engine.quant.kquant import KINDS as _KQUANTS
 from engine.quant.kquant import KQuantTensor
 from engine.quant.tensor import QuantizedTensor
@@ -433,13 +434,26 @@ def kquant_blocks(raw: np.ndarray, qtype: "gguf.GGMLQuantizationType", rows: int
 
 
 def _rows(q: QuantizedTensor | KQuantTensor, rows) -> QuantizedTensor | KQuantTensor:
-    """Some rows of a quantized matrix (a slice gives views, an index array copies)."""
+    """Some rows of a quantized matrix (a slice gives views, an index array copies). A rows16 matrix is cut only
+    by slices along whole row blocks (an expert of a stack)."""
     if isinstance(q, KQuantTensor):
         return q.take_rows(rows)
     n = q.a[rows].shape[0]
     return QuantizedTensor((n, q.shape[1]), q.bits, q.group, q.asymmetric, np.ascontiguousarray(q.a[rows]),
                            np.ascontiguousarray(q.b[rows]), np.ascontiguousarray(q.scales[rows]),
-                           np.ascontiguousarray(q.mins[rows]))
+                           np.ascontiguousarray(q.mins[rows]), q.layout)
+
+
+# the output head (or the embedding tied to it) keeps float activations: its logits pick the greedy token, and
+# rounding its input to 8 bits moves them by about a tenth, enough to flip a near tie the float model decides
+_FLOAT_PRODUCTS = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
+
+
+def _fast(q: QuantizedTensor, rows: int) -> QuantizedTensor:
+    """Q4_0 and Q8_0 in the rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each expert's
+    of a stack): the integer kernels, which round activations to 8 bits per 32-block as llama.cpp's own products
+    of these types do. The dequantized values stay the file's."""
+    return q.with_layout("rows16") if rows16_allowed(q.bits, q.asymmetric, rows) else q
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -585,6 +599,8 @@ class GGUFModel:
             else:
                 q = native_blocks(t.data, t.tensor_type, rows, shape[0])    # a copy: its stored bytes leave the RSS
                 release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
+                if len(shape) > 2:            # an expert stack: each expert's rows are whole row blocks, or none is
+                    q = _fast(q, shape[1])
             if not keep:
                 return q
             self._cache[gname] = q
@@ -609,7 +625,9 @@ class GGUFModel:
             if self._arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
                 heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
                 q = _rows(q, unpermute_qk(np.arange(q.shape[0]), heads))
-            return q
+            if isinstance(q, KQuantTensor) or name in _FLOAT_PRODUCTS:
+                return q
+            return _fast(q, q.shape[0])
         data = self._dequantized(gname, keep=expert is not None)
         if expert is not None:
             return data[expert]

@@ -38,10 +38,20 @@ def _convert(tmp_path, model_type, arch, types, **overrides):
     return tmp_path / "model.gguf", load_reference(rounded), back
 
 
+ROWS16_TYPES = {Q.Q4_0, Q.Q8_0}   # these take the rows16 layout (16 rows divide every tiny shape here)
+
+
 def _check(path, ref, greedy: int = 16):
+    """Colibri's logits for the GGUF against transformers' on the same values, then greedy tokens. Q4_0 and Q8_0
+    matrices run with 8-bit activations (tests/kernels/test_rows16.py checks those kernels bit for bit): their
+    logits are close to the float reference's, as a rows16 container's are, and greedy paths of a random model may
+    part; every other type is exact to float rounding."""
     loaded = load_model(path)
     cache = KVCache(loaded.spec, 128)
     ours = loaded.model.forward(PROMPT, cache, all_logits=True)
+    if {t.tensor_type for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) > 1} & ROWS16_TYPES:
+        assert relative_error(ours, reference_logits(ref, PROMPT)) < 5e-2
+        return loaded
     assert relative_error(ours, reference_logits(ref, PROMPT)) < 1e-4
     seq = list(PROMPT)
     for _ in range(greedy):
@@ -62,6 +72,9 @@ def test_llama_every_writable_type(tmp_path, qtype):
     types = {t.tensor_type for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) > 1}
     assert types == {qtype}
     assert loaded.spec.architecture == "LlamaForCausalLM" and not loaded.spec.tie_embeddings
+    if qtype in ROWS16_TYPES:
+        assert loaded.model.layers[0].attn.wq.layout == "rows16"
+        assert loaded.model.lm_head.layout == "planes"      # the head's logits keep float activations
 
 
 def test_llama_mixed_types_and_tied_output(tmp_path):
@@ -76,30 +89,30 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     """Llama 3.1 GGUFs carry their RoPE scaling as a rope_freqs tensor, not as metadata."""
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 32}
-    path, ref, _ = _convert(tmp_path, "llama", "llama", {"": Q.Q8_0}, rope_scaling=llama3, rope_theta=500000.0)
+    path, ref, _ = _convert(tmp_path, "llama", "llama", {"": Q.Q5_0}, rope_scaling=llama3, rope_theta=500000.0)
     assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
     _check(path, ref)
 
 
 def test_qwen2_is_not_permuted(tmp_path):
-    path, ref, _ = _convert(tmp_path, "qwen2", "qwen2", {"": Q.Q8_0})
+    path, ref, _ = _convert(tmp_path, "qwen2", "qwen2", {"": Q.Q5_0})
     assert _check(path, ref).spec.architecture == "Qwen2ForCausalLM"
 
 
 def test_qwen3_head_norms(tmp_path):
-    path, ref, _ = _convert(tmp_path, "qwen3", "qwen3", {"": Q.Q8_0}, head_dim=24)
+    path, ref, _ = _convert(tmp_path, "qwen3", "qwen3", {"": Q.Q5_1}, head_dim=24)
     assert _check(path, ref).spec.architecture == "Qwen3ForCausalLM"
 
 
 def test_mixtral_as_llama_with_experts(tmp_path):
     """llama.cpp writes Mixtral as arch "llama" with expert stacks [E, out, in]."""
-    path, ref, _ = _convert(tmp_path, "mixtral", "llama", {"": Q.Q8_0}, num_local_experts=4, num_experts_per_tok=2)
+    path, ref, _ = _convert(tmp_path, "mixtral", "llama", {"": Q.Q5_0}, num_local_experts=4, num_experts_per_tok=2)
     loaded = _check(path, ref)
     assert loaded.spec.architecture == "MixtralForCausalLM" and loaded.spec.is_moe
 
 
 def test_qwen2moe_shared_expert(tmp_path):
-    path, ref, _ = _convert(tmp_path, "qwen2_moe", "qwen2moe", {"": Q.Q8_0}, moe_intermediate_size=32,
+    path, ref, _ = _convert(tmp_path, "qwen2_moe", "qwen2moe", {"": Q.Q5_1}, moe_intermediate_size=32,
                             shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
     assert _check(path, ref).spec.architecture == "Qwen2MoeForCausalLM"
 

@@ -47,12 +47,17 @@ def _convert(tmp_path, model_type, outtype=F32, split_kv_b=True, extra=None, exp
     return tmp_path / "model.gguf", load_reference(rounded), back
 
 
-def _check(path, ref, architecture: str, greedy: int = 16):
-    """Prompt logits within 1e-4 of the reference's largest, and `greedy` tokens through the KV cache identical."""
+def _check(path, ref, architecture: str, greedy: int = 16, rows16: bool = False):
+    """Prompt logits within 1e-4 of the reference's largest, and `greedy` tokens through the KV cache identical.
+    `rows16`: Q4_0 / Q8_0 matrices, run with 8-bit activations (as a rows16 container's are): logits within 5e-2,
+    and no greedy comparison (a random model's greedy path may part at that distance)."""
     loaded = load_model(path)
     assert loaded.spec.architecture == architecture
     cache = KVCache(loaded.spec, 128)
     ours = loaded.model.forward(PROMPT, cache, all_logits=True)
+    if rows16:
+        assert relative_error(ours, reference_logits(ref, PROMPT)) < 5e-2
+        return loaded
     assert relative_error(ours, reference_logits(ref, PROMPT)) < 1e-4
     tokens, logits = [], ours[-1]
     for _ in range(greedy):
@@ -75,7 +80,8 @@ def test_olmoe_f16(tmp_path):
 
 
 def test_olmoe_quantized_experts(tmp_path):
-    """A Q4_0 OLMoE file runs its matrices as QuantizedTensors (the names map the same for quantized files)."""
+    """A Q4_0 OLMoE file runs its matrices as QuantizedTensors (the names map the same for quantized files), each
+    expert's in the rows16 layout, with the file's values."""
     from safetensors.numpy import load_file, save_file
 
     from engine.quant import QuantizedTensor
@@ -89,9 +95,9 @@ def test_olmoe_quantized_experts(tmp_path):
     (rounded / "config.json").write_text(json.dumps(cfg))
     save_file({k: np.ascontiguousarray(v) for k, v in back.items()}, rounded / "model.safetensors",
               metadata={"format": "pt"})
-    loaded = _check(tmp_path / "model.gguf", load_reference(rounded), "OlmoeForCausalLM", greedy=8)
+    loaded = _check(tmp_path / "model.gguf", load_reference(rounded), "OlmoeForCausalLM", rows16=True)
     expert = loaded.model.experts.experts(0, [2])[2]
-    assert isinstance(expert.up, QuantizedTensor)
+    assert isinstance(expert.up, QuantizedTensor) and expert.up.layout == "rows16"
     assert np.array_equal(expert.up.dequantize(), back["model.layers.0.mlp.experts.2.up_proj.weight"])
 
 
