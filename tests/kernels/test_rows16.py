@@ -64,7 +64,7 @@ def test_activation_quantization_in_the_kernel_equals_numpy():
 def test_matmul_matches_the_reference_bitwise(bits, rows, cols, group):
     q = quantize(weights(rows, cols, rows), bits, group)
     assert q.layout == "rows16"
-    for t in (1, 2, 3, 4, 5, 17):
+    for t in (1, 2, 3, 4, 5, 8, 9, 17):
         x = acts(t, cols, t)
         assert np.array_equal(q.matmul(x), rows16_dot(q, x)), t
 
