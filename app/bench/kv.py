@@ -40,6 +40,9 @@ class KVReport:
     # chats -> the union's bound (experts): one sequence's decoded weight bytes times n over a batched step's, with
     # dense weights read once and each expert the step's rows chose once (the experts its steps chose, measured)
     batch_bound: dict[int, float] = field(default_factory=dict)
+    # chats -> (seconds per decoded row one after another, together): the decode steps alone, which the union's
+    # bound is about (a prompt's rows cost the same together or apart)
+    batch_decode: dict[int, tuple[float, float]] = field(default_factory=dict)
     # chats -> how many ran at once, where fewer than all (streamed experts: the cache holds a step of so many)
     batch_room: dict[int, int] = field(default_factory=dict)
     blocks: dict[int, tuple[float, float]] = field(default_factory=dict)  # block size -> (decode us, prefill ms)
@@ -69,6 +72,10 @@ class KVReport:
         for n, (seq, bat) in sorted(self.batch.items()):
             bound = self.batch_bound.get(n)
             against = f"; the union's bound {bound:.2f}x ({bat / seq / bound * 100:.0f}%)" if bound else ""
+            if n in self.batch_decode:
+                alone, together = self.batch_decode[n]
+                gain = alone / together
+                against += f"; decode steps {gain:.2f}x" + (f" ({gain / bound * 100:.0f}% of the bound)" if bound else "")
             room = self.batch_room.get(n)
             at_once = f" ({room} at once: the expert cache holds the steps of so many)" if room else ""
             out.append(f"batching      {n} chats: {seq:6.1f} tok/s one after another, {bat:6.1f} tok/s together "
@@ -133,7 +140,7 @@ def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, ge
         warm.run()
     for n in counts:
         prompts = [random_prompt(loaded, prompt, seed=100 + i) for i in range(n)]
-        rates = []
+        rates, per_row = [], []
         for together in (False, True):
             pool = KVPool(loaded.spec, n * (blocks_for(ctx) + 2), prefix_cache=False)
             sched = Scheduler(loaded.model, pool, max_len=ctx, max_batch=n if together else 1)
@@ -144,7 +151,10 @@ def batching(loaded, report: KVReport, counts=(1, 2, 4, 8), prompt: int = 32, ge
             t0 = time.perf_counter()
             sched.run()
             rates.append(n * (prompt + gen) / (time.perf_counter() - t0))
+            per_row.append(sched.decode_seconds / sched.decode_rows if sched.decode_rows else 0.0)
         report.batch[n] = (rates[0], rates[1])
+        if all(per_row):
+            report.batch_decode[n] = (per_row[0], per_row[1])
         bound = _union_bound(loaded.model, n)
         if bound is not None:
             report.batch_bound[n] = bound

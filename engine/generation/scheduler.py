@@ -125,6 +125,11 @@ class Scheduler:
         self._ids = 0
         self.steps = 0
         self.batch_rows = 0
+        # steps that only decoded (one token a row: no prompt, no draft) and their rows and seconds, by which a
+        # batch's decode is judged apart from its prompts (which batching does not make cheaper)
+        self.decode_steps = 0
+        self.decode_rows = 0
+        self.decode_seconds = 0.0
         self.drafting = DraftTotals()
 
     # --- requests ---
@@ -214,6 +219,7 @@ class Scheduler:
                 start = seq.prefilled
                 chunks.append((seq, list(seq.request.prompt[start : start + room])))
                 room -= len(chunks[-1][1])
+        decoding = bool(items) and not chunks and not drafts
         if chunks and not any(seq.speculation is not None for seq, _ in items):
             items += chunks
             chunks = []
@@ -225,6 +231,10 @@ class Scheduler:
         watch: list[np.ndarray] | None = [] if mtp else None
         results = self._forward(items, bool(drafts), watch) if items else []
         seconds = self.clock() - t0      # what the controllers time: the decode rows' step
+        if decoding:
+            self.decode_steps += 1
+            self.decode_rows += len(items)
+            self.decode_seconds += seconds
         if chunks:   # apart from the speculative rows: their logits are not all computed, nor timed with them
             items += chunks
             results += self._forward(chunks, False, None)

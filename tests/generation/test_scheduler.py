@@ -173,3 +173,22 @@ def test_prompts_reusing_a_cached_prefix_prefill_together(tiny):
     assert steps == [[10, 25]]                 # the second's 2 uncached tokens and the whole third in one pass
     sched.run()
     assert [_tokens(s) for s in seqs] == [_alone(tiny, p, greedy, 6).tokens for p in PROMPTS[1:3]]
+
+
+def test_steps_that_only_decode_are_counted_apart_from_prompt_chunks(tiny):
+    """The bench judges a batch's decode by these counts: a step with a prompt chunk in it is not a decode step."""
+    greedy = SamplingParams(temperature=0.0)
+    sched = Scheduler(tiny.model, KVPool(tiny.spec, 64, block_size=4), max_len=64, prefill_chunk=4)
+    first = sched.submit(GenerationRequest(prompt=tuple(PROMPTS[0]), max_tokens=12, sampling=greedy))
+    for _ in range(3):                                   # the 12-token prompt in 3 chunks
+        sched.step()
+    assert sched.decode_steps == 0 and first.pending is not None
+    for _ in range(2):
+        sched.step()
+    assert (sched.decode_steps, sched.decode_rows) == (2, 2) and sched.decode_seconds > 0
+    sched.submit(GenerationRequest(prompt=tuple(PROMPTS[2]), max_tokens=3, sampling=greedy))
+    for _ in range(7):                                   # its 25 tokens in 7 chunks, beside the first's decoding
+        sched.step()
+    assert sched.decode_steps == 2
+    sched.step()                                         # both decode
+    assert (sched.decode_steps, sched.decode_rows) == (3, 4)
