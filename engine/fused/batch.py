@@ -467,7 +467,7 @@ class BatchedDecode:
         done_to = 0                                      # streamed layers before this one are counted by the store
         while run[fk.RUN_EXIT] < n_layers:               # stopped for a streamed layer's union
             layer = int(run[fk.RUN_EXIT])
-            done_to = plan._account(source, rids, done_to, layer, n)
+            done_to = plan.account_streamed(source, rids, done_to, layer, n)
             needed = plan.union(rids, layer, n)
             brought = 0
             run[fk.RUN_START], run[fk.RUN_RESUME] = layer, 1
@@ -481,7 +481,7 @@ class BatchedDecode:
                 call()
             done_to = layer + 1
         if plan.streamed_layers:
-            plan._account(source, rids, done_to, n_layers, n)
+            plan.account_streamed(source, rids, done_to, n_layers, n)
         choice.record(threads, time.perf_counter() - t0)
         routes = [Routing(i, rids[i, :n * k].reshape(n, k), rw[i, :n * k].reshape(n, k)) for i, k in plan.moe]
         if routes:

@@ -434,7 +434,7 @@ class FusedDecode:
         done_to = 0                                      # streamed layers before this one are counted by the store
         while run[fk.RUN_EXIT] < n_layers:               # stopped for a layer's streamed experts
             layer = int(run[fk.RUN_EXIT])
-            done_to = self._account(source, rids, done_to, layer)
+            done_to = self.account_streamed(source, rids, done_to, layer)
             top_k = int(self.lay[layer, fk.L_K])
             ids = rids[layer, :top_k]
             needed = self.union(rids, layer)
@@ -452,14 +452,14 @@ class FusedDecode:
                 call()
             done_to = layer + 1
         if self.streamed_layers:
-            self._account(source, rids, done_to, n_layers)
+            self.account_streamed(source, rids, done_to, n_layers)
         self._threads.record(threads, wall)
         total = max(1, int(tcycles[:4].sum()))
         seconds = {name: wall * int(tcycles[j]) / total
                    for j, name in enumerate(("attention", "dense", "experts", "io_wait")) if j < 3 or tcycles[j]}
         return logits, FusedStep(rids, rw, self.moe, seconds, kept)
 
-    def _account(self, source, rids: np.ndarray, lo: int, hi: int, rows: int = 1) -> int:
+    def account_streamed(self, source, rids: np.ndarray, lo: int, hi: int, rows: int = 1) -> int:
         """Have the store count the streamed layers lo .. hi - 1, run without stopping (their experts were all in
         memory), each layer's experts of `rows` rows (a batch's union, rids [L, rows * K]) as one step; returns hi."""
         steps = [(i, self.union(rids, i, rows)) for i in self.streamed_layers if lo <= i < hi]
