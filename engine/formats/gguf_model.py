@@ -32,7 +32,9 @@ from engine.errors import ModelFormatError, UnsupportedArchitectureError
 from engine.formats import gguf_families
 from engine.formats.gguf_meta import gguf_metadata, open_gguf, release_tensor_pages
 from engine.formats.page_release import np_map, release_range
+from engine.kernels.krows16 import allowed as krows16_allowed
 from engine.kernels.layout import BLOCK, rows16_allowed
+from engine.quant.kquant import KINDS as KQUANT_KINDS
 from engine.quant.kquant import KINDS as _KQUANTS
 from engine.quant.kquant import KQuantTensor
 from engine.quant.tensor import QuantizedTensor
@@ -449,10 +451,12 @@ def _rows(q: QuantizedTensor | KQuantTensor, rows) -> QuantizedTensor | KQuantTe
 _FLOAT_PRODUCTS = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
-def _fast(q: QuantizedTensor, rows: int) -> QuantizedTensor:
-    """Q4_0 and Q8_0 in the rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each expert's
-    of a stack): the integer kernels, which round activations to 8 bits per 32-block as llama.cpp's own products
-    of these types do. The dequantized values stay the file's."""
+def _fast(q: QuantizedTensor | KQuantTensor, rows: int) -> QuantizedTensor | KQuantTensor:
+    """Q4_0, Q8_0, Q4_K and Q6_K in their rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each
+    expert's of a stack): the integer kernels, which round activations to 8 bits per 32-block as llama.cpp's own
+    products of these types do. The dequantized values stay the file's."""
+    if isinstance(q, KQuantTensor):
+        return q.with_layout("rows16") if krows16_allowed(KQUANT_KINDS[q.qtype], rows) else q
     return q.with_layout("rows16") if rows16_allowed(q.bits, q.asymmetric, rows) else q
 
 
@@ -596,6 +600,9 @@ class GGUFModel:
             rows = int(np.prod(shape[1:]))
             if t.tensor_type in _KQUANTS:
                 q = kquant_blocks(t.data, t.tensor_type, rows, shape[0], f"{self.path} ({gname})")
+                if len(shape) > 2 and krows16_allowed(KQUANT_KINDS[q.qtype], shape[1]):
+                    q = _fast(q, shape[1])    # a reordered copy: the file's pages under it are given back
+                    release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
             else:
                 q = native_blocks(t.data, t.tensor_type, rows, shape[0])    # a copy: its stored bytes leave the RSS
                 release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
@@ -625,9 +632,12 @@ class GGUFModel:
             if self._arch in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
                 heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
                 q = _rows(q, unpermute_qk(np.arange(q.shape[0]), heads))
-            if isinstance(q, KQuantTensor) or name in _FLOAT_PRODUCTS:
+            if name in _FLOAT_PRODUCTS:
                 return q
-            return _fast(q, q.shape[0])
+            fast = _fast(q, q.shape[0])
+            if fast is not q and isinstance(q, KQuantTensor):   # a reordered copy: give the file's pages back
+                release_tensor_pages(self.reader, self._tensors[gname])
+            return fast
         data = self._dequantized(gname, keep=expert is not None)
         if expert is not None:
             return data[expert]

@@ -37,6 +37,7 @@ from numba import literally, njit, prange, types
 from numba.extending import intrinsic
 
 from engine.kernels import iquant
+from engine.kernels.krows16 import KROWS16, krows16_rows
 from engine.kernels.matmul import TILE, tile_rows
 from engine.kernels.simd import (
     HAS_AVX512,
@@ -47,7 +48,6 @@ from engine.kernels.simd import (
     address_as_voidptr,
     f16_to_f32,
     f32x16,
-    i32x16,
     prefetch,
     stack_block,
     vcodes8,
@@ -64,6 +64,7 @@ from engine.kernels.simd import (
     vtofloat,
     vzero,
 )
+from engine.kernels.simd_int import vfield, vmerge
 
 F32 = np.float32
 SUPER = 256                       # weights per super-block
@@ -81,25 +82,6 @@ KQ_OTF_MAX_TOKENS = 2
 # no Colibri width or flag (bits | ROWS16_FLAG) equals it
 KQUANT_FLAG = 64
 _I32 = ir.IntType(32)
-
-
-@intrinsic
-def vfield(typingctx, v, shift, mask):
-    """Integer lanes (v >> shift) & mask (shift and mask scalars)."""
-    def codegen(context, builder, sig, args):
-        s = _splat_i32(builder, builder.trunc(args[1], _I32) if args[1].type.width > 32 else args[1])
-        m = _splat_i32(builder, builder.trunc(args[2], _I32) if args[2].type.width > 32 else args[2])
-        return builder.and_(builder.lshr(args[0], s), m)
-    return i32x16(i32x16, shift, mask), codegen
-
-
-@intrinsic
-def vmerge(typingctx, low, high, up):
-    """Integer lanes low | (high << up)."""
-    def codegen(context, builder, sig, args):
-        s = _splat_i32(builder, builder.trunc(args[2], _I32) if args[2].type.width > 32 else args[2])
-        return builder.or_(args[0], builder.shl(args[1], s))
-    return i32x16(i32x16, i32x16, up), codegen
 
 
 def _vi(values):
@@ -453,7 +435,9 @@ def _acc4(kind, raw, so, step, buf, x, xo, acc0, acc1, acc2, acc3):
 @njit(boundscheck=False)
 def kq_otf_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
     """K-quant (or IQ4) rows r0 .. r0 + nr - 1 times tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]."""
-    if kind == Q4_K:
+    if kind & KROWS16:
+        krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    elif kind == Q4_K:
         _otf(Q4_K, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
     elif kind == IQ4_XS:
         iquant.iq_otf(IQ4_XS, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
@@ -516,8 +500,9 @@ def _otf(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
 
 @njit(boundscheck=False)
 def kq_rows(kind, raw, K, r0, r1, x, xrows, orows, i0, i1, out, ldo, col0, scratch):
-    """Rows r0 .. r1 - 1 times tokens i0 .. i1 - 1: on the fly for few tokens, else a dequantized 4-row tile."""
-    if i1 - i0 <= KQ_OTF_MAX_TOKENS:
+    """Rows r0 .. r1 - 1 times tokens i0 .. i1 - 1: on the fly for few tokens, else a dequantized 4-row tile (the
+    16-row layout runs its integer kernel for any count of tokens)."""
+    if i1 - i0 <= KQ_OTF_MAX_TOKENS or kind & KROWS16:
         kq_otf_rows(kind, raw, K, r0, r1 - r0, x, xrows, orows, i0, i1, out, ldo, col0)
         return
     r = r0
@@ -550,7 +535,7 @@ def kq_run_items(table, items, pieces, x, xrows, orows, out):
         for j in range(pieces[p], pieces[p + 1]):
             kind, _, cols, raw = kq_matrix(table[items[j, 0]])
             r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
-            scratch = np.empty(TILE * cols if i1 - i0 > KQ_OTF_MAX_TOKENS else 0, np.float32)
+            scratch = np.empty(TILE * cols if i1 - i0 > KQ_OTF_MAX_TOKENS and not kind & KROWS16 else 0, np.float32)
             kq_rows(kind, raw, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0, scratch)
 
 

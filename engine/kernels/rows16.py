@@ -57,7 +57,7 @@ def _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo, over, dw, dx, acc):
 
 
 @njit(boundscheck=False)
-def _put(acc, rb, r0, nr, out, o, buf):
+def put_block(acc, rb, r0, nr, out, o, buf):
     """Lanes of row block rb that fall in rows r0 .. r0 + nr - 1 -> out[o + row - r0]."""
     first = rb * ROWS16_ROWS
     if first >= r0 and first + ROWS16_ROWS <= r0 + nr:
@@ -66,6 +66,18 @@ def _put(acc, rb, r0, nr, out, o, buf):
     vstore(buf, U64(0), acc)
     for lane in range(max(0, r0 - first), min(ROWS16_ROWS, r0 + nr - first)):
         out[o + U64(first + lane - r0)] = buf[lane]
+
+
+@njit(boundscheck=False, inline="always")
+def put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf):
+    """`put_block` of the first tn of tokens t0 .. t0 + 3's accumulators (out rows orows[t], from column col0)."""
+    put_block(a0, rb, r0, nr, out, U64(orows[t0]) * U64(ldo) + U64(col0), buf)
+    if tn > 1:
+        put_block(a1, rb, r0, nr, out, U64(orows[t0 + 1]) * U64(ldo) + U64(col0), buf)
+    if tn > 2:
+        put_block(a2, rb, r0, nr, out, U64(orows[t0 + 2]) * U64(ldo) + U64(col0), buf)
+    if tn > 3:
+        put_block(a3, rb, r0, nr, out, U64(orows[t0 + 3]) * U64(ldo) + U64(col0), buf)
 
 
 @njit(boundscheck=False)
@@ -132,13 +144,7 @@ def _rows16(bits, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, co
                     if tn > 3:
                         a3 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo + U64(3 * K), offset * sq[3 * nb + kb],
                                         dw, dq[3 * nb + kb], a3)
-            _put(a0, rb, r0, nr, out, U64(orows[t0]) * U64(ldo) + U64(col0), buf)
-            if tn > 1:
-                _put(a1, rb, r0, nr, out, U64(orows[t0 + 1]) * U64(ldo) + U64(col0), buf)
-            if tn > 2:
-                _put(a2, rb, r0, nr, out, U64(orows[t0 + 2]) * U64(ldo) + U64(col0), buf)
-            if tn > 3:
-                _put(a3, rb, r0, nr, out, U64(orows[t0 + 3]) * U64(ldo) + U64(col0), buf)
+            put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
 
 
 @njit(boundscheck=False)

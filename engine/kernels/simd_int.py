@@ -19,9 +19,11 @@ from engine.kernels.simd import (
     _VF,
     _VI,
     HAS_AVX512,
+    HAS_F16C,
     LANES,
     _as_i32,
     _elem_ptr,
+    _f16_bits_to_f32,
     _host_has,
     _ivec,
     _load_vec,
@@ -149,3 +151,64 @@ def quant_block(typingctx, x, xoff, q, qoff):
         d = builder.fdiv(amax, ir.Constant(_F32, 127.0))
         return cgutils.make_anonymous_struct(builder, [d, total])
     return types.Tuple((types.float32, types.int32))(x, xoff, q, qoff), codegen
+
+
+@intrinsic
+def vfield(typingctx, v, shift, mask):
+    """Integer lanes (v >> shift) & mask (shift and mask scalars)."""
+    def codegen(context, builder, sig, args):
+        s = _splat_i32(builder, _as_i32(builder, args[1]))
+        m = _splat_i32(builder, _as_i32(builder, args[2]))
+        return builder.and_(builder.lshr(args[0], s), m)
+    return i32x16(i32x16, shift, mask), codegen
+
+
+@intrinsic
+def vmerge(typingctx, low, high, up):
+    """Integer lanes low | (high << up)."""
+    def codegen(context, builder, sig, args):
+        return builder.or_(args[0], builder.shl(args[1], _splat_i32(builder, _as_i32(builder, args[2]))))
+    return i32x16(i32x16, i32x16, up), codegen
+
+
+def _byte_array(a) -> bool:
+    return isinstance(a, types.Array) and a.dtype == types.uint8 and a.ndim == 1
+
+
+@intrinsic
+def vwiden(typingctx, a, off):
+    """The 16 bytes a[off : off + 16] as unsigned integer lanes (uint8 array)."""
+    if not _byte_array(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        raw = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), ir.VectorType(_I8, LANES), 1)
+        return builder.zext(raw, _VI)
+    return i32x16(a, off), codegen
+
+
+@intrinsic
+def vsigned_f(typingctx, a, off):
+    """The 16 bytes a[off : off + 16] read as int8, as float32 lanes (uint8 array; exact)."""
+    if not _byte_array(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        raw = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), ir.VectorType(_I8, LANES), 1)
+        return builder.sitofp(raw, _VF)
+    return f32x16(a, off), codegen
+
+
+@intrinsic
+def vhalf_f(typingctx, a, off):
+    """The 16 fp16 values in the 32 bytes a[off : off + 32] as float32 lanes (uint8 array; exact)."""
+    if not _byte_array(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]),
+                         ir.VectorType(ir.IntType(16), LANES), 1)
+        if HAS_F16C:
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VF)
+        return _f16_bits_to_f32(builder, builder.zext(bits, _VI))
+    return f32x16(a, off), codegen

@@ -5,7 +5,9 @@ The rows are the file's own blocks (layouts in engine/kernels/kquant.py and iqua
 of the memory map: nothing is copied or widened, so a K-quant model takes the file's size in
 memory. The kernels dequantize exactly as `gguf.quants.dequantize` does (bitwise), and the tensor
 offers what the blocks call on a weight: `matmul` (decode and prefill), `rows` (embeddings).
-A container keeps the same blocks (`to_buffers` / `from_buffers`), read back into the same kernels.
+Q4_K and Q6_K matrices of whole 16-row blocks can instead hold the same bytes in the "rows16" layout
+(engine/kernels/krows16.py): a copy in another order, run by integer kernels with 8-bit activations.
+A container keeps the same blocks in the same layout (`to_buffers` / `from_buffers`), read back into the same kernels.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import gguf
 import numba
 import numpy as np
 
-from engine.kernels import kquant, matmul
+from engine.kernels import kquant, krows16, matmul
 from engine.kernels.layout import DESCRIPTOR_FIELDS, check_activations
 
 _Q = gguf.GGMLQuantizationType
@@ -28,6 +30,7 @@ _BY_NAME = {qtype.name: qtype for qtype in KINDS}
 # the width each type stands for (what tools that list a container's widths read; the scales come on top)
 NOMINAL_BITS = {_Q.Q2_K: 2, _Q.Q3_K: 3, _Q.Q4_K: 4, _Q.Q5_K: 5, _Q.Q6_K: 6, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}
 KQUANT_META_KIND = "colibri.kquant"     # a container's quant meta kind: blocks kept as the GGUF file holds them
+LAYOUTS = ("blocks", "rows16")           # the file's order, or 16 rows interleaved (Q4_K, Q6_K: engine/kernels/krows16.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,6 +41,7 @@ class KQuantTensor:
     shape: tuple[int, int]        # [out, in]; in % 256 == 0 (IQ4_NL: in % 32 == 0)
     qtype: gguf.GGMLQuantizationType
     raw: np.ndarray               # [out, in / BLOCK_WEIGHTS * BLOCK_BYTES] uint8
+    layout: str = "blocks"        # "blocks" (the file's order) or "rows16" (the same bytes, 16 rows interleaved)
     _table: np.ndarray = field(init=False, repr=False)   # [1, DESC_FIELDS]: kind, rows, cols, address, bytes
     _descriptor: np.ndarray = field(init=False, repr=False)   # [13]: see `descriptor`
     _rows: np.ndarray = field(init=False, repr=False)
@@ -58,6 +62,13 @@ class KQuantTensor:
             raise ValueError(f"{self.qtype.name} {[out, n_in]} needs {want[0] * want[1]} C-contiguous uint8 bytes, "
                              f"got {getattr(raw, 'size', '?')} of {getattr(raw, 'dtype', type(raw).__name__)}: "
                              "the tensor's data does not match its shape and type")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown K-quant layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+        if self.layout == "rows16":
+            if not krows16.allowed(kind, out):
+                raise ValueError(f"the rows16 layout holds Q4_K and Q6_K matrices of whole 16-row blocks, not "
+                                 f"{self.qtype.name} {[out, n_in]}")
+            kind |= krows16.KROWS16
         raw = raw.reshape(want).view()
         raw.flags.writeable = False
         set_ = object.__setattr__
@@ -69,8 +80,22 @@ class KQuantTensor:
         desc[:7] = (kquant.KQUANT_FLAG, kind, block, out, n_in, raw.ctypes.data, raw.size)
         set_(self, "_descriptor", desc)
 
+    @property
+    def blocks(self) -> np.ndarray:
+        """The blocks [out, bytes per row] in the file's order (the array itself, or a copy back from rows16)."""
+        return self.raw if self.layout == "blocks" else krows16.from_krows16(KINDS[self.qtype], self.raw)
+
+    def with_layout(self, layout: str) -> "KQuantTensor":
+        """The same matrix in `layout` (this tensor if it is already; otherwise a reordered copy)."""
+        if layout == self.layout:
+            return self
+        kind = KINDS[self.qtype]
+        raw = krows16.to_krows16(kind, self.raw) if layout == "rows16" else self.blocks
+        return KQuantTensor(self.shape, self.qtype, raw, layout)
+
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        """x [T, in] float32 -> x @ W.T [T, out] float32 (bitwise independent of T and of threads)."""
+        """x [T, in] float32 -> x @ W.T [T, out] float32 (bitwise independent of T and of threads; the rows16 layout
+        rounds x to 8 bits per 32-block, as engine/kernels/krows16.py says)."""
         x = check_activations(x, self.shape[1])
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
         if x.shape[0]:
@@ -84,27 +109,43 @@ class KQuantTensor:
         if ids.size and (ids.min() < 0 or ids.max() >= self.shape[0]):
             raise IndexError(f"row ids must lie in 0 .. {self.shape[0] - 1}")
         out = np.empty((ids.size, self.shape[1]), np.float32)
-        if ids.size:
-            kquant.kq_gather_rows(self._table[0], ids, out.reshape(-1))
+        if not ids.size:
+            return out
+        if self.layout == "rows16":       # each asked row's whole 16-row block, back in the file's order
+            first = ids // krows16.ROWS * krows16.ROWS
+            blocks = np.unique(first)
+            raw = krows16.from_krows16(KINDS[self.qtype], self.raw[(blocks[:, None] + np.arange(krows16.ROWS)).ravel()])
+            plain = KQuantTensor((raw.shape[0], self.shape[1]), self.qtype, raw)
+            return plain.rows(np.searchsorted(blocks, first) * krows16.ROWS + ids - first)
+        kquant.kq_gather_rows(self._table[0], ids, out.reshape(-1))
         return out
 
     def dequantize(self) -> np.ndarray:
         """The weights [out, in] float32 by gguf's numpy dequantization (the reference the kernels match)."""
-        return np.asarray(gguf.quants.dequantize(self.raw, self.qtype), np.float32).reshape(self.shape)
+        return np.asarray(gguf.quants.dequantize(self.blocks, self.qtype), np.float32).reshape(self.shape)
 
     def take_rows(self, rows) -> "KQuantTensor":
-        """Some rows (a slice gives a view of the same bytes, an index array a copy)."""
+        """Some rows (a slice gives a view of the same bytes, an index array a copy). A rows16 matrix keeps its layout
+        when a slice cuts it along whole 16-row blocks (an expert of a stack), else the rows come in the file's order."""
+        if self.layout == "rows16":
+            start, stop, step = rows.indices(self.shape[0]) if isinstance(rows, slice) else (1, 0, 1)
+            if step == 1 and start % krows16.ROWS == 0 and stop % krows16.ROWS == 0:
+                return KQuantTensor((stop - start, self.shape[1]), self.qtype, self.raw[start:stop], "rows16")
+            return KQuantTensor(self.shape, self.qtype, self.blocks).take_rows(rows)
         raw = self.raw[rows]
         return KQuantTensor((raw.shape[0], self.shape[1]), self.qtype, np.ascontiguousarray(raw))
 
     def __reduce__(self):
         # rebuild through __init__: the table's address belongs to this process's array
-        return (type(self), (self.shape, self.qtype, self.raw))
+        return (type(self), (self.shape, self.qtype, self.raw, self.layout))
 
     def to_buffers(self) -> tuple[dict, dict[str, np.ndarray]]:
-        """(JSON-able meta, named C-contiguous storage arrays) for a container writer: the file's blocks, unchanged."""
+        """(JSON-able meta, named C-contiguous storage arrays) for a container writer: the file's blocks, in this
+        tensor's layout (named in the meta when it is rows16)."""
         meta = {"kind": KQUANT_META_KIND, "version": 1, "type": self.qtype.name, "shape": list(self.shape),
                 "bits": NOMINAL_BITS[self.qtype], "group": kquant.BLOCK_WEIGHTS[KINDS[self.qtype]]}
+        if self.layout == "rows16":
+            meta["layout"] = "rows16-v1"
         return meta, {"blocks": self.raw}
 
     @classmethod
@@ -114,10 +155,15 @@ class KQuantTensor:
         if qtype is None:
             raise ValueError(f"type {meta['type']!r} is not one of {', '.join(_BY_NAME)}")
         out, n_in = (int(v) for v in meta["shape"])
-        return cls((out, n_in), qtype, buffers["blocks"])
+        layout = meta.get("layout", "blocks")
+        if layout not in ("blocks", "rows16-v1"):
+            raise ValueError(f"K-quant layout {layout!r} is not one this version reads (blocks, rows16-v1): "
+                             "upgrade Colibri, or convert the model again")
+        return cls((out, n_in), qtype, buffers["blocks"], "rows16" if layout == "rows16-v1" else "blocks")
 
     def __repr__(self) -> str:
-        return f"KQuantTensor(shape={list(self.shape)}, {self.qtype.name}, {self.bits_per_weight:.3f} bits/weight)"
+        rows16 = ", rows16" if self.layout == "rows16" else ""
+        return f"KQuantTensor(shape={list(self.shape)}, {self.qtype.name}{rows16}, {self.bits_per_weight:.3f} bits/weight)"
 
     @property
     def descriptor(self) -> tuple[int, ...]:

@@ -58,23 +58,20 @@ def test_q4_k_m_mix_runs_natively_and_matches_the_reference(tmp_path):
     for what, (w, qtype) in kinds.items():
         assert isinstance(w, KQuantTensor) and w.qtype == qtype, what
     assert isinstance(layer.attn.wo, QuantizedTensor) and layer.attn.wo.bits == 5
-    # V is held as the file's bytes, mapped, not copied; q's rows are un-permuted and equal gguf's values
-    assert np.array_equal(layer.attn.wv.raw, np.asarray(raw_v).reshape(layer.attn.wv.raw.shape))
-    assert isinstance(_root(layer.attn.wv.raw), np.memmap)
+    # V holds the file's bytes in the integer kernels' order (a copy); the embedding stays the mapped file; q's rows
+    # are un-permuted and equal gguf's values
+    assert layer.attn.wv.layout == "rows16" and layer.attn.wq.layout == "rows16" and model.lm_head.layout == "blocks"
+    assert np.array_equal(layer.attn.wv.blocks, np.asarray(raw_v).reshape(layer.attn.wv.raw.shape))
+    assert isinstance(_root(model.embed.raw), np.memmap)
     assert np.array_equal(layer.attn.wq.rows(np.arange(layer.attn.wq.shape[0])),
                           back["model.layers.1.self_attn.q_proj.weight"])
 
+    # Q4_K and Q6_K products round activations to 8 bits per 32-block (as llama.cpp's do): close to the float32
+    # model of the same file, within the bound rows16 containers have (tests/hub/test_convert.py); a wrong mapping
+    # is off by the logits' own scale
     cache = KVCache(loaded.spec, 128)
     ours = model.forward(PROMPT, cache, all_logits=True)
-    assert relative_error(ours, reference_logits(ref, PROMPT)) < 1e-4
-    seq = list(PROMPT)
-    for _ in range(12):
-        seq.append(int(reference_logits(ref, seq)[-1].argmax()))
-    tokens, logits = [], ours[-1]
-    for _ in range(12):
-        tokens.append(int(logits.argmax()))
-        logits = model.forward([tokens[-1]], cache)[-1]
-    assert tokens == seq[len(PROMPT):]      # greedy decoding equals the float32 model of the same file
+    assert relative_error(ours, reference_logits(ref, PROMPT)) < 5e-2
 
 
 # a Q4_K_M MoE: Q4_K experts with the down stack in Q6_K, the head in Q6_K and one Q5_0 matrix beside them
@@ -104,7 +101,8 @@ def _greedy(model, spec, n: int) -> tuple[np.ndarray, list[int]]:
 
 
 def test_k_quant_expert_stacks_run_as_the_files_blocks(tmp_path):
-    """Each expert of a K-quant stack is a view of the file's blocks, and decoding equals the float32 path."""
+    """Each expert of a K-quant stack holds the file's blocks (the stack reordered once into the integer kernels'
+    layout, each expert a view of it), and decoding stays close to the float32 path."""
     from engine.formats.gguf_model import GGUFModel
     from engine.loader import open_checkpoint
     from engine.models.transformer import Transformer
@@ -115,24 +113,23 @@ def test_k_quant_expert_stacks_run_as_the_files_blocks(tmp_path):
         full = f"model.layers.1.block_sparse_moe.experts.2.{name}.weight"
         expert = g.load(full)
         assert isinstance(expert, KQuantTensor) and expert.qtype == qtype, name
-        assert isinstance(_root(expert.raw), np.memmap)                       # mapped, not copied
+        assert expert.layout == "rows16" and not expert.raw.flags.owndata    # a view of the reordered stack
         assert np.array_equal(expert.rows(np.arange(expert.shape[0])), back[full]), name
     loaded = load_model(path)
     experts = loaded.model.experts.per_layer[0]
     assert all(isinstance(m, KQuantTensor) for e in experts for m in (e.gate, e.up, e.down))
-    ours, tokens = _greedy(loaded.model, loaded.spec, 12)
+    ours, _ = _greedy(loaded.model, loaded.spec, 12)
     ckpt = open_checkpoint(path, quantized=False)                            # every tensor widened to float32
     plain = Transformer(ckpt.spec, ckpt.source)
     assert isinstance(plain.experts.per_layer[0][0].gate, np.ndarray)
-    want, want_tokens = _greedy(plain, ckpt.spec, 12)
-    assert relative_error(ours, want) < 1e-4
-    assert tokens == want_tokens
+    want, _ = _greedy(plain, ckpt.spec, 12)
+    assert relative_error(ours, want) < 5e-2              # 8-bit activations: see the Q4_K_M test above
     loaded.close()
 
 
 def test_k_quant_moe_holds_about_its_file_not_float32(tmp_path):
-    """Loading a K-quant MoE allocates a small share of its file (the experts stay in the mapped file), where
-    widening the experts to float32 would take about 7 times it."""
+    """Loading a K-quant MoE allocates about its file (its Q4_K and Q6_K stacks reordered once, the file's pages given
+    back), where widening the experts to float32 would take about 7 times it."""
     import os
     import tracemalloc
 
@@ -148,5 +145,5 @@ def test_k_quant_moe_holds_about_its_file_not_float32(tmp_path):
     moe = spec.layers[0].ffn
     float32_experts = spec.n_layers * moe.n_experts * 3 * moe.expert_ffn * spec.hidden_size * 4
     assert float32_experts > 5 * size                                         # what the float32 path would hold
-    assert peak < size / 2, (peak, size)
+    assert peak < 1.5 * size, (peak, size)
     loaded.close()

@@ -104,3 +104,57 @@ def weights(rows: int, cols: int, seed: int) -> np.ndarray:
 
 def acts(t: int, cols: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((t, cols)).astype(np.float32)
+
+
+def _kquant_params(qtype_name: str, raw: np.ndarray, cols: int):
+    """(codes u [R, cols] int64, a [R, subs] float32, b [R, subs] float32 or None) of Q4_K or Q6_K blocks in file
+    order: the weights are a * u + b (Q4_K, sub-blocks of 32) or a * (u - 32) (Q6_K, sub-blocks of 16)."""
+    rows = raw.shape[0]
+    blocks = np.asarray(raw).reshape(rows, cols // 256, -1)
+    if qtype_name == "Q4_K":
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)                 # [R, S, 1]
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        p = blocks[..., 4:16].astype(np.uint8)
+        sc = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], axis=-1)
+        m = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], axis=-1)
+        qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        u = (qs & 15).reshape(rows, cols)
+        a = (d * sc.astype(np.float32)).reshape(rows, -1)
+        b = (dmin * m.astype(np.float32)).reshape(rows, -1)
+        return u.astype(np.int64), a, b
+    ql = blocks[..., 0:128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    ql = (ql & 15).reshape(rows, -1, 2, 4, 32)
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    u = ql | ((qh & 3) << 4)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)                   # [R, S, 16]
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    return u.reshape(rows, cols).astype(np.int64), (d * sc).reshape(rows, -1), None
+
+
+def krows16_dot(qtype_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x [T, K] times Q4_K or Q6_K blocks raw [R, bytes] (file order) by the arithmetic of engine/kernels/krows16.py:
+    per sub-block an exact integer sum of codes times 8-bit activations, then fused multiply-adds, sub-blocks in
+    the kernels' order from +0.0."""
+    x = np.asarray(x, np.float32)
+    cols = x.shape[1]
+    u, a, b = _kquant_params(qtype_name, raw, cols)
+    xq, dx, sums = quantize_activations(x)
+    xq = xq.astype(np.int64)
+    acc = np.zeros((x.shape[0], raw.shape[0]), np.float32)
+    for s in range(cols // 256):
+        if b is not None:                                   # Q4_K: sub-blocks 0 .. 7 of 32 weights
+            for j in range(8):
+                kb = 8 * s + j
+                k = slice(32 * kb, 32 * kb + 32)
+                isum = (xq[:, k] @ u[:, k].T).astype(np.float32)
+                acc = fma32(isum, a[None, :, kb] * dx[:, kb, None], acc)
+                acc = fma32(b[None, :, kb], -(dx[:, kb] * sums[:, kb].astype(np.float32))[:, None], acc)
+            continue
+        for h in range(2):                                  # Q6_K: sub-blocks 8h + 2c + g of 16 weights
+            for g in range(2):
+                for c in range(4):
+                    j = 16 * s + 8 * h + 2 * c + g
+                    k = slice(16 * j, 16 * j + 16)
+                    isum = xq[:, k] @ u[:, k].T - 32 * xq[:, k].sum(axis=1)[:, None]
+                    acc = fma32(isum.astype(np.float32), a[None, :, j] * dx[:, j // 2, None], acc)
+    return acc

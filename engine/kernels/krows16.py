@@ -1,0 +1,312 @@
+"""GGUF Q4_K and Q6_K matrices with 16 rows interleaved, times 8-bit activations: the integer kernels of K-quants.
+
+The bytes are the file's, reordered per block of 16 rows and per super-block (256 weights) so that one
+64-byte vector holds 4 consecutive weight bytes of each of the 16 rows (one row a 32-bit lane, as in
+engine/kernels/rows16.py). A matrix keeps its [out, bytes per row] shape and size: the 16 x (bytes per
+super-block) bytes of row block rb, super-block s sit where those rows' super-blocks s sat, as
+
+    Q4_K  2304 bytes: d[16], dmin[16] (fp16), 12 byte planes of 16 (plane b: byte b of each row's 6-bit
+          sub-scales and sub-mins), then qs: 4 chunks x 8 vectors (vector p of chunk c, lane l: bytes
+          4p .. 4p + 3 of row l's 32-byte chunk c; low nibbles sub-block 2c, high nibbles 2c + 1)
+    Q6_K  3360 bytes: d[16] (fp16), 16 planes of 16 int8 sub-scales, ql: 2 halves x 16 vectors (vector p
+          of half h: bytes 4p .. 4p + 3 of row l's 64 ql bytes of that half), qh: 2 halves x 8 vectors alike
+
+Each token's activations are quantized per 32-block (`rows16.quantize_tokens`: q int8, d_x, and the block's
+sum of q). Per sub-block of a row the weights are w = A * u + B exactly (Q4_K: A = d * sc, B = -(dmin * m),
+u < 16; Q6_K: A = d * sc, u - 32 with u < 64, sub-blocks of 16), and the kernels accumulate from +0.0,
+sub-blocks in the order listed below, one fixed sequence for any count of tokens, rows or threads:
+
+    Q4_K  acc = fma(float(sum_k u q), A * d_x, acc);  acc = fma(dmin * m, -(d_x * float(sum_k q)), acc)
+          sub-blocks 0, 1, ..., 7 of each super-block
+    Q6_K  acc = fma(float(sum_k u q - 32 * sum_k q), A * d_x, acc)
+          sub-blocks j = 8h + 2c + g for h in (0, 1), g in (0, 1), c in (0, 1, 2, 3)
+
+The integer sums are exact, and A, dmin * m are exact float32 products (the values gguf's dequantization
+multiplies by), so the dequantized weights stay the file's bit for bit; only the activations are rounded,
+as llama.cpp's own K-quant products round them.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit
+
+from engine.kernels.layout import BLOCK
+from engine.kernels.rows16 import put_tokens, quantize_tokens
+from engine.kernels.simd import U64, prefetch, stack_block, vfma, vloadf, vmul, vsplat, vstore, vzero
+from engine.kernels.simd_int import (
+    vbytes,
+    vdot_bcast,
+    vfield,
+    vhalf_f,
+    vitof,
+    vizero,
+    vmerge,
+    vnibbles,
+    vsigned_f,
+    vsub_splat,
+    vwiden,
+)
+
+ROWS = 16
+SUPER = 256
+KROWS16 = 128             # or-ed into a K-quant kind (12 Q4_K, 14 Q6_K) for this layout
+Q4_K, Q6_K = 12, 14
+KINDS = (Q4_K, Q6_K)
+SUPER_BYTES = {Q4_K: 144, Q6_K: 210}
+PREFETCH_AHEAD = 4096
+F32 = np.float32
+
+
+# -- the layout (numpy, load time) -------------------------------------------------------------------
+
+def allowed(kind: int, out: int) -> bool:
+    """Whether a matrix of this K-quant kind and `out` rows can take the layout (Q4_K, Q6_K; whole 16-row blocks)."""
+    return kind in KINDS and out % ROWS == 0
+
+
+def _fields(kind: int):
+    """Per super-block of one row: (start, end, per-row reshape, axes moved in front of the row axis)."""
+    if kind == Q4_K:
+        return [(0, 4, (2, 2), 1), (4, 16, (12, 1), 1), (16, 144, (4, 8, 4), 2)]
+    return [(208, 210, (1, 2), 1), (192, 208, (16, 1), 1), (0, 128, (2, 16, 4), 2), (128, 192, (2, 8, 4), 2)]
+
+
+def to_krows16(kind: int, raw: np.ndarray) -> np.ndarray:
+    """A K-quant matrix's blocks [out, bytes per row] (file order) -> the same bytes in this layout (a copy)."""
+    out, width = raw.shape
+    nsb = width // SUPER_BYTES[kind]
+    r = np.asarray(raw).reshape(out // ROWS, ROWS, nsb, SUPER_BYTES[kind]).transpose(0, 2, 1, 3)   # rb, s, l, byte
+    parts = []
+    for start, end, shape, lead in _fields(kind):
+        f = r[..., start:end].reshape(r.shape[:3] + shape)                                        # rb, s, l, *shape
+        f = np.moveaxis(f, list(range(3, 3 + lead)), list(range(2, 2 + lead)))                   # rb, s, lead.., l, ..
+        parts.append(f.reshape(r.shape[0], nsb, -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(out, width)
+
+
+def from_krows16(kind: int, raw: np.ndarray) -> np.ndarray:
+    """The inverse of `to_krows16` (a copy)."""
+    out, width = raw.shape
+    sb = SUPER_BYTES[kind]
+    nsb = width // sb
+    r = np.asarray(raw).reshape(out // ROWS, nsb, ROWS * sb)
+    back = np.empty((out // ROWS, nsb, ROWS, sb), np.uint8)
+    at = 0
+    for start, end, shape, lead in _fields(kind):
+        n = ROWS * (end - start)
+        f = r[..., at:at + n].reshape(r.shape[:2] + shape[:lead] + (ROWS,) + shape[lead:])
+        f = np.moveaxis(f, 2 + lead, 2)                                                          # rb, s, l, *shape
+        back[..., start:end] = f.reshape(r.shape[:2] + (ROWS, end - start))
+        at += n
+    return np.ascontiguousarray(back.transpose(0, 2, 1, 3)).reshape(out, width)
+
+
+# -- kernels -----------------------------------------------------------------------------------------
+
+@njit(boundscheck=False, inline="always")
+def _dot8(v0, v1, v2, v3, v4, v5, v6, v7, q, qo):
+    """Per lane the exact sum over 32 weights: vector p's 4 bytes times q[qo + 4p ...]."""
+    isum = vdot_bcast(vizero(), v0, q, qo)
+    isum = vdot_bcast(isum, v1, q, qo + U64(4))
+    isum = vdot_bcast(isum, v2, q, qo + U64(8))
+    isum = vdot_bcast(isum, v3, q, qo + U64(12))
+    isum = vdot_bcast(isum, v4, q, qo + U64(16))
+    isum = vdot_bcast(isum, v5, q, qo + U64(20))
+    isum = vdot_bcast(isum, v6, q, qo + U64(24))
+    return vdot_bcast(isum, v7, q, qo + U64(28))
+
+
+@njit(boundscheck=False, inline="always")
+def _dot4(v0, v1, v2, v3, q, qo):
+    isum = vdot_bcast(vizero(), v0, q, qo)
+    isum = vdot_bcast(isum, v1, q, qo + U64(4))
+    isum = vdot_bcast(isum, v2, q, qo + U64(8))
+    return vdot_bcast(isum, v3, q, qo + U64(12))
+
+
+@njit(boundscheck=False, inline="always")
+def _q4k_sub(v0, v1, v2, v3, v4, v5, v6, v7, q, qo, a, b, dx, sq, acc):
+    """One 32-weight sub-block of 16 rows for one token (a = d * sc, b = dmin * m per lane)."""
+    isum = _dot8(v0, v1, v2, v3, v4, v5, v6, v7, q, qo)
+    acc = vfma(vitof(isum), vmul(a, vsplat(dx)), acc)
+    return vfma(b, vsplat(-(dx * F32(sq))), acc)
+
+
+@njit(boundscheck=False, inline="always")
+def _q6k_sub(v0, v1, v2, v3, q, qo, a, dx, s16, acc):
+    """One 16-weight sub-block of 16 rows for one token (a = d * sc per lane, s16 = the 16 q's sum)."""
+    return vfma(vitof(vsub_splat(_dot4(v0, v1, v2, v3, q, qo), 32 * s16)), vmul(a, vsplat(dx)), acc)
+
+
+@njit(boundscheck=False)
+def _q4k_scales(raw, so, sbuf):
+    """sbuf[16 j ...] = d * sc[j], sbuf[16 (8 + j) ...] = dmin * m[j] for the 16 rows of super-block bytes `so`."""
+    d = vhalf_f(raw, so)
+    dmin = vhalf_f(raw, so + U64(32))
+    po = so + U64(64)
+    for j in range(4):
+        lo = vwiden(raw, po + U64(16 * j))
+        mid = vwiden(raw, po + U64(16 * (j + 4)))
+        hi = vwiden(raw, po + U64(16 * (j + 8)))
+        vstore(sbuf, U64(16 * j), vmul(d, vitof(vfield(lo, 0, 63))))
+        vstore(sbuf, U64(16 * (8 + j)), vmul(dmin, vitof(vfield(mid, 0, 63))))
+        vstore(sbuf, U64(16 * (4 + j)), vmul(d, vitof(vmerge(vfield(hi, 0, 15), vfield(lo, 6, 3), 4))))
+        vstore(sbuf, U64(16 * (12 + j)), vmul(dmin, vitof(vmerge(vfield(hi, 4, 15), vfield(mid, 6, 3), 4))))
+
+
+@njit(boundscheck=False)
+def _sums16(q, tn, K, s16):
+    """s16[j * K / 16 + i] = the sum of token j's 16 codes q[j * K + 16 i ...]."""
+    for j in range(tn):
+        for i in range(K // 16):
+            total = 0
+            for k in range(16):
+                total += np.int32(q[j * K + 16 * i + k])
+            s16[j * (K // 16) + i] = total
+
+
+@njit(boundscheck=False)
+def _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+    nsb = K // SUPER
+    nb = K // BLOCK
+    block = ROWS * 144
+    buf = numba.carray(stack_block(), 128, np.float32)
+    sbuf = np.empty(256, np.float32)
+    q = np.empty(4 * K, np.int8)
+    dq = np.empty(4 * nb, np.float32)
+    sq = np.empty(4 * nb, np.int32)
+    rb0 = r0 // ROWS
+    rb1 = (r0 + nr + ROWS - 1) // ROWS
+    for t0 in range(i0, i1, 4):
+        tn = min(4, i1 - t0)
+        quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+        for rb in range(rb0, rb1):
+            a0 = vzero()
+            a1 = vzero()
+            a2 = vzero()
+            a3 = vzero()
+            for s in range(nsb):
+                so = (U64(rb) * U64(nsb) + U64(s)) * U64(block)
+                _q4k_scales(raw, so, sbuf)
+                for c in range(4):
+                    wo = so + U64(256 + 512 * c)
+                    for line in range(0, 512, 64):
+                        prefetch(raw, wo + U64(PREFETCH_AHEAD + line))
+                    l0, h0 = vnibbles(raw, wo)
+                    l1, h1 = vnibbles(raw, wo + U64(64))
+                    l2, h2 = vnibbles(raw, wo + U64(128))
+                    l3, h3 = vnibbles(raw, wo + U64(192))
+                    l4, h4 = vnibbles(raw, wo + U64(256))
+                    l5, h5 = vnibbles(raw, wo + U64(320))
+                    l6, h6 = vnibbles(raw, wo + U64(384))
+                    l7, h7 = vnibbles(raw, wo + U64(448))
+                    j = 2 * c
+                    alo = vloadf(sbuf, U64(16 * j))
+                    blo = vloadf(sbuf, U64(16 * (8 + j)))
+                    ahi = vloadf(sbuf, U64(16 * (j + 1)))
+                    bhi = vloadf(sbuf, U64(16 * (9 + j)))
+                    kb = 8 * s + j
+                    for t in range(tn):
+                        qo = U64(t * K + SUPER * s + 64 * c)
+                        o = t * nb + kb
+                        acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
+                        acc = _q4k_sub(l0, l1, l2, l3, l4, l5, l6, l7, q, qo, alo, blo, dq[o], sq[o], acc)
+                        acc = _q4k_sub(h0, h1, h2, h3, h4, h5, h6, h7, q, qo + U64(32), ahi, bhi, dq[o + 1],
+                                       sq[o + 1], acc)
+                        if t == 0:
+                            a0 = acc
+                        elif t == 1:
+                            a1 = acc
+                        elif t == 2:
+                            a2 = acc
+                        else:
+                            a3 = acc
+            put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
+
+
+@njit(boundscheck=False, inline="always")
+def _q6k_codes(raw, ql, qh, h, i):
+    """The 4 code vectors (u < 64) of vector i of half h: weight sets 0, 1, 2, 3 (32 weights apart)."""
+    a = vbytes(raw, ql + U64(64 * (16 * h + i)))
+    b = vbytes(raw, ql + U64(64 * (16 * h + 8 + i)))
+    hb = vbytes(raw, qh + U64(64 * (8 * h + i)))
+    mask = 0x0F0F0F0F
+    crumbs = 0x03030303
+    return (vmerge(vfield(a, 0, mask), vfield(hb, 0, crumbs), 4), vmerge(vfield(b, 0, mask), vfield(hb, 2, crumbs), 4),
+            vmerge(vfield(a, 4, mask), vfield(hb, 4, crumbs), 4), vmerge(vfield(b, 4, mask), vfield(hb, 6, crumbs), 4))
+
+
+@njit(boundscheck=False)
+def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+    nsb = K // SUPER
+    nb = K // BLOCK
+    n16 = K // 16
+    block = ROWS * 210
+    buf = numba.carray(stack_block(), 128, np.float32)
+    sbuf = np.empty(256, np.float32)
+    q = np.empty(4 * K, np.int8)
+    dq = np.empty(4 * nb, np.float32)
+    sq = np.empty(4 * nb, np.int32)
+    s16 = np.empty(4 * n16, np.int32)
+    rb0 = r0 // ROWS
+    rb1 = (r0 + nr + ROWS - 1) // ROWS
+    for t0 in range(i0, i1, 4):
+        tn = min(4, i1 - t0)
+        quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+        _sums16(q, tn, K, s16)
+        for rb in range(rb0, rb1):
+            a0 = vzero()
+            a1 = vzero()
+            a2 = vzero()
+            a3 = vzero()
+            for s in range(nsb):
+                so = (U64(rb) * U64(nsb) + U64(s)) * U64(block)
+                d = vhalf_f(raw, so)
+                for j in range(16):
+                    vstore(sbuf, U64(16 * j), vmul(d, vsigned_f(raw, so + U64(32 + 16 * j))))
+                ql = so + U64(288)
+                qh = so + U64(2336)
+                for line in range(0, block, 64):
+                    prefetch(raw, so + U64(PREFETCH_AHEAD + line))
+                for h in range(2):
+                    for g in range(2):
+                        u00, u01, u02, u03 = _q6k_codes(raw, ql, qh, h, 4 * g)
+                        u10, u11, u12, u13 = _q6k_codes(raw, ql, qh, h, 4 * g + 1)
+                        u20, u21, u22, u23 = _q6k_codes(raw, ql, qh, h, 4 * g + 2)
+                        u30, u31, u32, u33 = _q6k_codes(raw, ql, qh, h, 4 * g + 3)
+                        j = 8 * h + g
+                        c0 = vloadf(sbuf, U64(16 * j))
+                        c1 = vloadf(sbuf, U64(16 * (j + 2)))
+                        c2 = vloadf(sbuf, U64(16 * (j + 4)))
+                        c3 = vloadf(sbuf, U64(16 * (j + 6)))
+                        for t in range(tn):
+                            acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
+                            qo = U64(t * K + SUPER * s + 128 * h + 16 * g)
+                            xb = t * nb + 8 * s + 4 * h          # 32-block of weight set 0
+                            xs = t * n16 + 16 * s + 8 * h + g    # 16-block of weight set 0
+                            acc = _q6k_sub(u00, u10, u20, u30, q, qo, c0, dq[xb], s16[xs], acc)
+                            acc = _q6k_sub(u01, u11, u21, u31, q, qo + U64(32), c1, dq[xb + 1], s16[xs + 2], acc)
+                            acc = _q6k_sub(u02, u12, u22, u32, q, qo + U64(64), c2, dq[xb + 2], s16[xs + 4], acc)
+                            acc = _q6k_sub(u03, u13, u23, u33, q, qo + U64(96), c3, dq[xb + 3], s16[xs + 6], acc)
+                            if t == 0:
+                                a0 = acc
+                            elif t == 1:
+                                a1 = acc
+                            elif t == 2:
+                                a2 = acc
+                            else:
+                                a3 = acc
+            put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
+
+
+@njit(boundscheck=False)
+def krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+    """Rows r0 .. r0 + nr - 1 of a Q4_K or Q6_K matrix in this layout (`kind`: its K-quant kind | KROWS16) times
+    tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]. Row blocks cut by r0 or r0 + nr are computed
+    whole and stored in part."""
+    if kind & 127 == Q4_K:
+        _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+    else:
+        _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
