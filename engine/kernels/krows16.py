@@ -18,8 +18,9 @@ sub-blocks in the order listed below, one fixed sequence for any count of tokens
 
     Q4_K  acc = fma(float(sum_k u q), A * d_x, acc);  acc = fma(dmin * m, -(d_x * float(sum_k q)), acc)
           sub-blocks 0, 1, ..., 7 of each super-block
-    Q6_K  acc = fma(float(sum_k u q - 32 * sum_k q), A * d_x, acc)
-          sub-blocks j = 8h + 2c + g for h in (0, 1), g in (0, 1), c in (0, 1, 2, 3)
+    Q6_K  per 32-block: t = float(sum_k u q - 32 * sum_k q) * A over its first 16 weights,
+          t = fma(float(the same over its last 16), A', t), acc = fma(t, d_x, acc)
+          32-blocks 4h + c of each super-block for h in (0, 1), c in (0, 2, 1, 3)
 
 The integer sums are exact, and A, dmin * m are exact float32 products (the values gguf's dequantization
 multiplies by), so the dequantized weights stay the file's bit for bit; only the activations are rounded,
@@ -33,19 +34,19 @@ import numpy as np
 from numba import njit
 
 from engine.kernels.layout import BLOCK
-from engine.kernels.rows16 import put_tokens, quantize_tokens
+from engine.kernels.rows16 import put_tokens, quantize_tokens, sums16
 from engine.kernels.simd import U64, prefetch, stack_block, vfma, vloadf, vmul, vsplat, vstore, vzero
 from engine.kernels.simd_int import (
     vbytes,
     vdot_bcast,
     vfield,
     vhalf_f,
+    visplat,
     vitof,
     vizero,
     vmerge,
     vnibbles,
     vsigned_f,
-    vsub_splat,
     vwiden,
 )
 
@@ -119,8 +120,9 @@ def _dot8(v0, v1, v2, v3, v4, v5, v6, v7, q, qo):
 
 
 @njit(boundscheck=False, inline="always")
-def _dot4(v0, v1, v2, v3, q, qo):
-    isum = vdot_bcast(vizero(), v0, q, qo)
+def _dot4(init, v0, v1, v2, v3, q, qo):
+    """init plus, per lane, the exact sum over 16 weights: vector p's 4 bytes times q[qo + 4p ...]."""
+    isum = vdot_bcast(init, v0, q, qo)
     isum = vdot_bcast(isum, v1, q, qo + U64(4))
     isum = vdot_bcast(isum, v2, q, qo + U64(8))
     return vdot_bcast(isum, v3, q, qo + U64(12))
@@ -135,9 +137,12 @@ def _q4k_sub(v0, v1, v2, v3, v4, v5, v6, v7, q, qo, a, b, dx, sq, acc):
 
 
 @njit(boundscheck=False, inline="always")
-def _q6k_sub(v0, v1, v2, v3, q, qo, a, dx, s16, acc):
-    """One 16-weight sub-block of 16 rows for one token (a = d * sc per lane, s16 = the 16 q's sum)."""
-    return vfma(vitof(vsub_splat(_dot4(v0, v1, v2, v3, q, qo), 32 * s16)), vmul(a, vsplat(dx)), acc)
+def _q6k_block(v0, v1, v2, v3, v4, v5, v6, v7, q, qo, a0, a1, dx, s0, s1, acc):
+    """One 32-weight block of 16 rows for one token: two sub-blocks of 16 (vectors v0-v3 and v4-v7, a0 and a1 =
+    d * sc per lane, s0 and s1 = -32 times their 16 q's sums, as `rows16.sums16` keeps them)."""
+    i0 = _dot4(visplat(s0), v0, v1, v2, v3, q, qo)
+    i1 = _dot4(visplat(s1), v4, v5, v6, v7, q, qo + U64(16))
+    return vfma(vfma(vitof(i1), a1, vmul(vitof(i0), a0)), vsplat(dx), acc)
 
 
 @njit(boundscheck=False)
@@ -157,31 +162,20 @@ def _q4k_scales(raw, so, sbuf):
 
 
 @njit(boundscheck=False)
-def _sums16(q, tn, K, s16):
-    """s16[j * K / 16 + i] = the sum of token j's 16 codes q[j * K + 16 i ...]."""
-    for j in range(tn):
-        for i in range(K // 16):
-            total = 0
-            for k in range(16):
-                total += np.int32(q[j * K + 16 * i + k])
-            s16[j * (K // 16) + i] = total
-
-
-@njit(boundscheck=False)
-def _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+def _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre):
     nsb = K // SUPER
     nb = K // BLOCK
     block = ROWS * 144
     buf = numba.carray(stack_block(), 128, np.float32)
     sbuf = np.empty(256, np.float32)
-    q = np.empty(4 * K, np.int8)
-    dq = np.empty(4 * nb, np.float32)
-    sq = np.empty(4 * nb, np.int32)
     rb0 = r0 // ROWS
     rb1 = (r0 + nr + ROWS - 1) // ROWS
     for t0 in range(i0, i1, 4):
         tn = min(4, i1 - t0)
-        quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+        base = t0
+        if not pre:
+            quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+            base = 0
         for rb in range(rb0, rb1):
             a0 = vzero()
             a1 = vzero()
@@ -209,8 +203,8 @@ def _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
                     bhi = vloadf(sbuf, U64(16 * (9 + j)))
                     kb = 8 * s + j
                     for t in range(tn):
-                        qo = U64(t * K + SUPER * s + 64 * c)
-                        o = t * nb + kb
+                        qo = U64((base + t) * K + SUPER * s + 64 * c)
+                        o = (base + t) * nb + kb
                         acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
                         acc = _q4k_sub(l0, l1, l2, l3, l4, l5, l6, l7, q, qo, alo, blo, dq[o], sq[o], acc)
                         acc = _q4k_sub(h0, h1, h2, h3, h4, h5, h6, h7, q, qo + U64(32), ahi, bhi, dq[o + 1],
@@ -227,35 +221,40 @@ def _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
 
 
 @njit(boundscheck=False, inline="always")
-def _q6k_codes(raw, ql, qh, h, i):
-    """The 4 code vectors (u < 64) of vector i of half h: weight sets 0, 1, 2, 3 (32 weights apart)."""
-    a = vbytes(raw, ql + U64(64 * (16 * h + i)))
-    b = vbytes(raw, ql + U64(64 * (16 * h + 8 + i)))
-    hb = vbytes(raw, qh + U64(64 * (8 * h + i)))
-    mask = 0x0F0F0F0F
-    crumbs = 0x03030303
-    return (vmerge(vfield(a, 0, mask), vfield(hb, 0, crumbs), 4), vmerge(vfield(b, 0, mask), vfield(hb, 2, crumbs), 4),
-            vmerge(vfield(a, 4, mask), vfield(hb, 4, crumbs), 4), vmerge(vfield(b, 4, mask), vfield(hb, 6, crumbs), 4))
+def _q6k_codes(raw, lo, qh, i, pair):
+    """Code vectors (u < 64) of the weight sets whose low nibbles sit in the ql vector at `lo` with the crumbs at
+    `qh`: sets 0 and 2 (pair 0: the low and high nibbles, crumbs 0 and 2) or sets 1 and 3 (pair 1: crumbs 1 and 3)."""
+    a = vbytes(raw, lo + U64(64 * i))
+    hb = vbytes(raw, qh + U64(64 * i))
+    return (vmerge(vfield(a, 0, 0x0F0F0F0F), vfield(hb, 2 * pair, 0x03030303), 4),
+            vmerge(vfield(a, 4, 0x0F0F0F0F), vfield(hb, 4 + 2 * pair, 0x03030303), 4))
+
+
+@njit(boundscheck=False, inline="always")
+def _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7, q, qo, xb, xs, dq, s16, a00, a01,
+               a10, a11, acc):
+    """Both weight sets of a pair (32 weights apart in codes c, 64 in the token's weights) for one token."""
+    acc = _q6k_block(c0, c1, c2, c3, c4, c5, c6, c7, q, qo, a00, a01, dq[xb], s16[xs], s16[xs + 1], acc)
+    return _q6k_block(d0, d1, d2, d3, d4, d5, d6, d7, q, qo + U64(64), a10, a11, dq[xb + 2], s16[xs + 4],
+                      s16[xs + 5], acc)
 
 
 @njit(boundscheck=False)
-def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, pre):
     nsb = K // SUPER
     nb = K // BLOCK
     n16 = K // 16
     block = ROWS * 210
     buf = numba.carray(stack_block(), 128, np.float32)
-    sbuf = np.empty(256, np.float32)
-    q = np.empty(4 * K, np.int8)
-    dq = np.empty(4 * nb, np.float32)
-    sq = np.empty(4 * nb, np.int32)
-    s16 = np.empty(4 * n16, np.int32)
     rb0 = r0 // ROWS
     rb1 = (r0 + nr + ROWS - 1) // ROWS
     for t0 in range(i0, i1, 4):
         tn = min(4, i1 - t0)
-        quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
-        _sums16(q, tn, K, s16)
+        base = t0
+        if not pre:
+            quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+            sums16(q, 0, tn, K, s16)
+            base = 0
         for rb in range(rb0, rb1):
             a0 = vzero()
             a1 = vzero()
@@ -264,40 +263,40 @@ def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
             for s in range(nsb):
                 so = (U64(rb) * U64(nsb) + U64(s)) * U64(block)
                 d = vhalf_f(raw, so)
-                for j in range(16):
-                    vstore(sbuf, U64(16 * j), vmul(d, vsigned_f(raw, so + U64(32 + 16 * j))))
-                ql = so + U64(288)
-                qh = so + U64(2336)
                 for line in range(0, block, 64):
                     prefetch(raw, so + U64(PREFETCH_AHEAD + line))
                 for h in range(2):
-                    for g in range(2):
-                        u00, u01, u02, u03 = _q6k_codes(raw, ql, qh, h, 4 * g)
-                        u10, u11, u12, u13 = _q6k_codes(raw, ql, qh, h, 4 * g + 1)
-                        u20, u21, u22, u23 = _q6k_codes(raw, ql, qh, h, 4 * g + 2)
-                        u30, u31, u32, u33 = _q6k_codes(raw, ql, qh, h, 4 * g + 3)
-                        j = 8 * h + g
-                        c0 = vloadf(sbuf, U64(16 * j))
-                        c1 = vloadf(sbuf, U64(16 * (j + 2)))
-                        c2 = vloadf(sbuf, U64(16 * (j + 4)))
-                        c3 = vloadf(sbuf, U64(16 * (j + 6)))
-                        for t in range(tn):
-                            acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
-                            qo = U64(t * K + SUPER * s + 128 * h + 16 * g)
-                            xb = t * nb + 8 * s + 4 * h          # 32-block of weight set 0
-                            xs = t * n16 + 16 * s + 8 * h + g    # 16-block of weight set 0
-                            acc = _q6k_sub(u00, u10, u20, u30, q, qo, c0, dq[xb], s16[xs], acc)
-                            acc = _q6k_sub(u01, u11, u21, u31, q, qo + U64(32), c1, dq[xb + 1], s16[xs + 2], acc)
-                            acc = _q6k_sub(u02, u12, u22, u32, q, qo + U64(64), c2, dq[xb + 2], s16[xs + 4], acc)
-                            acc = _q6k_sub(u03, u13, u23, u33, q, qo + U64(96), c3, dq[xb + 3], s16[xs + 6], acc)
-                            if t == 0:
-                                a0 = acc
-                            elif t == 1:
-                                a1 = acc
-                            elif t == 2:
-                                a2 = acc
-                            else:
-                                a3 = acc
+                    qh = so + U64(2336 + 512 * h)
+                    for pair in range(2):
+                        lo = so + U64(288 + 1024 * h + 512 * pair)
+                        c0, e0 = _q6k_codes(raw, lo, qh, 0, pair)
+                        c1, e1 = _q6k_codes(raw, lo, qh, 1, pair)
+                        c2, e2 = _q6k_codes(raw, lo, qh, 2, pair)
+                        c3, e3 = _q6k_codes(raw, lo, qh, 3, pair)
+                        c4, e4 = _q6k_codes(raw, lo, qh, 4, pair)
+                        c5, e5 = _q6k_codes(raw, lo, qh, 5, pair)
+                        c6, e6 = _q6k_codes(raw, lo, qh, 6, pair)
+                        c7, e7 = _q6k_codes(raw, lo, qh, 7, pair)
+                        j = 8 * h + 2 * pair                       # sub-block of the first set's first 16 weights
+                        sc = so + U64(32 + 16 * j)
+                        a00 = vmul(d, vsigned_f(raw, sc))
+                        a01 = vmul(d, vsigned_f(raw, sc + U64(16)))
+                        a10 = vmul(d, vsigned_f(raw, sc + U64(64)))
+                        a11 = vmul(d, vsigned_f(raw, sc + U64(80)))
+                        w = base * K + SUPER * s + 128 * h + 32 * pair   # the first set's first weight
+                        xb = w // BLOCK
+                        xs = w // 16
+                        a0 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, U64(w),
+                                        xb, xs, dq, s16, a00, a01, a10, a11, a0)
+                        if tn > 1:
+                            a1 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q,
+                                            U64(K + w), nb + xb, n16 + xs, dq, s16, a00, a01, a10, a11, a1)
+                        if tn > 2:
+                            a2 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q,
+                                            U64(2 * K + w), 2 * nb + xb, 2 * n16 + xs, dq, s16, a00, a01, a10, a11, a2)
+                        if tn > 3:
+                            a3 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q,
+                                            U64(3 * K + w), 3 * nb + xb, 3 * n16 + xs, dq, s16, a00, a01, a10, a11, a3)
             put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
 
 
@@ -306,7 +305,18 @@ def krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
     """Rows r0 .. r0 + nr - 1 of a Q4_K or Q6_K matrix in this layout (`kind`: its K-quant kind | KROWS16) times
     tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]. Row blocks cut by r0 or r0 + nr are computed
     whole and stored in part."""
+    nb = K // BLOCK
+    q, dq, sq = np.empty(4 * K, np.int8), np.empty(4 * nb, np.float32), np.empty(4 * nb, np.int32)
     if kind & 127 == Q4_K:
-        _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+        _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
     else:
-        _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+        _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, np.empty(4 * K // 16, np.int32), False)
+
+
+@njit(boundscheck=False)
+def krows16_rows_pre(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16):
+    """`krows16_rows` on tokens quantized beforehand (`rows16.quantize_token`, with the sums of 16 for Q6_K)."""
+    if kind & 127 == Q4_K:
+        _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+    else:
+        _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, True)

@@ -41,6 +41,33 @@ def quantize_tokens(x, xrows, t0, tn, K, q, dq, sq):
             sq[j * nb + kb] = total
 
 
+@njit(boundscheck=False)
+def quantize_token(x, xrows, i, K, q, dq, sq, s16):
+    """Token i (x row xrows[i]) quantized into slot i of arrays for every token: q[i * K ...], the 32-blocks' scales
+    and sums at dq[i * K / 32 ...], sq[i * K / 32 ...] (as `quantize_tokens`), and when s16 has room, `sums16` at
+    s16[i * K / 16 ...]."""
+    nb = K // BLOCK
+    xo = U64(xrows[i]) * U64(K)
+    for kb in range(nb):
+        d, total = quant_block(x, xo + U64(kb * BLOCK), q, U64(i * K + kb * BLOCK))
+        dq[i * nb + kb] = d
+        sq[i * nb + kb] = total
+    if s16.size:
+        sums16(q, i, 1, K, s16)
+
+
+@njit(boundscheck=False)
+def sums16(q, t0, tn, K, s16):
+    """s16[t * K / 16 + j] = -32 times the sum of the 16 codes q[t * K + 16 j ...] of the tokens in slots t0 .. t0 +
+    tn - 1: what Q6_K's codes (offset 32) overcount, kept in memory so that the kernel broadcasts it from there."""
+    for t in range(t0, t0 + tn):
+        for j in range(K // 16):
+            total = 0
+            for k in range(16):
+                total += np.int32(q[t * K + 16 * j + k])
+            s16[t * (K // 16) + j] = -32 * total
+
+
 @njit(boundscheck=False, inline="always")
 def _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo, over, dw, dx, acc):
     """acc + the block's 16 row sums for one token (see the module docstring): vector w_i holds the 4 weights
@@ -85,10 +112,22 @@ def rows16_rows(code, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo
     """Rows r0 .. r0 + nr - 1 of a rows16 matrix (`code`: its bits | ROWS16_FLAG) times tokens i0 .. i1 - 1
     -> out[orows[i] * ldo + col0 + row - r0] (as kernels.otf_rows). Row blocks cut by r0 or r0 + nr are computed
     whole and stored in part."""
+    nb = K // BLOCK
+    q, dq, sq = np.empty(4 * K, np.int8), np.empty(4 * nb, np.float32), np.empty(4 * nb, np.int32)
     if code & 15 == 8:  # a constant width: _rows16 is compiled once per width
-        _rows16(8, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+        _rows16(8, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
     else:
-        _rows16(4, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0)
+        _rows16(4, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
+
+
+@njit(boundscheck=False)
+def rows16_rows_pre(code, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq):
+    """`rows16_rows` on tokens quantized beforehand (`quantize_token`: token i's codes at q[i * K], its blocks' scales
+    and sums at dq[i * K / 32], sq[i * K / 32]): the same bits, without quantizing again for every row range."""
+    if code & 15 == 8:
+        _rows16(8, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+    else:
+        _rows16(4, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
 
 
 @njit(boundscheck=False, inline="always")
@@ -105,7 +144,9 @@ def _weights(bits, a, wo):
 
 
 @njit(boundscheck=False)
-def _rows16(bits, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
+def _rows16(bits, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre):
+    """The kernel: with `pre`, q, dq, sq hold every token's quantization (token i at i * K); else they are room for 4
+    tokens, quantized here from x."""
     literally(bits)
     block_bytes = 64 * bits              # 32 weights of 16 rows: 256 (4-bit) or 512 (8-bit) bytes
     offset = np.int32(1 << (bits - 1))    # codes are u = w / d + offset
@@ -113,14 +154,15 @@ def _rows16(bits, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, co
     ng = K // group
     bpg = group // BLOCK
     buf = numba.carray(stack_block(), 128, np.float32)
-    q = np.empty(4 * K, np.int8)
-    dq = np.empty(4 * nb, np.float32)
-    sq = np.empty(4 * nb, np.int32)
     rb0 = r0 // ROWS16_ROWS
     rb1 = (r0 + nr + ROWS16_ROWS - 1) // ROWS16_ROWS
     for t0 in range(i0, i1, 4):
         tn = min(4, i1 - t0)
-        quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+        base = t0
+        if not pre:
+            quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+            base = 0
+        qb = U64(base) * U64(K)
         for rb in range(rb0, rb1):
             a0 = vzero()
             a1 = vzero()
@@ -133,17 +175,18 @@ def _rows16(bits, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, co
                     for line in range(0, block_bytes, 64):
                         prefetch(a, wo + U64(PREFETCH_AHEAD + line))
                     w0, w1, w2, w3, w4, w5, w6, w7 = _weights(bits, a, wo)
-                    qo = U64(kb * BLOCK)
-                    a0 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo, offset * sq[kb], dw, dq[kb], a0)
+                    qo = qb + U64(kb * BLOCK)
+                    o = base * nb + kb
+                    a0 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo, offset * sq[o], dw, dq[o], a0)
                     if tn > 1:
-                        a1 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo + U64(K), offset * sq[nb + kb], dw,
-                                        dq[nb + kb], a1)
+                        a1 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo + U64(K), offset * sq[nb + o], dw,
+                                        dq[nb + o], a1)
                     if tn > 2:
-                        a2 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo + U64(2 * K), offset * sq[2 * nb + kb],
-                                        dw, dq[2 * nb + kb], a2)
+                        a2 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo + U64(2 * K), offset * sq[2 * nb + o],
+                                        dw, dq[2 * nb + o], a2)
                     if tn > 3:
-                        a3 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo + U64(3 * K), offset * sq[3 * nb + kb],
-                                        dw, dq[3 * nb + kb], a3)
+                        a3 = _block_dot(w0, w1, w2, w3, w4, w5, w6, w7, q, qo + U64(3 * K), offset * sq[3 * nb + o],
+                                        dw, dq[3 * nb + o], a3)
             put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
 
 

@@ -101,6 +101,17 @@ def vdot_bcast(typingctx, acc, w, q, qoff):
 
 
 @intrinsic
+def visplat(typingctx, s):
+    """16 integer lanes of the integer s (taken modulo 2**32)."""
+    if not isinstance(s, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _splat_i32(builder, _as_i32(builder, args[0]))
+    return i32x16(s), codegen
+
+
+@intrinsic
 def vsub_splat(typingctx, v, s):
     """Integer lanes minus the integer s (taken modulo 2**32, as the lanes are)."""
     if not isinstance(s, types.Integer):

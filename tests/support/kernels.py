@@ -150,11 +150,12 @@ def krows16_dot(qtype_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
                 acc = fma32(isum, a[None, :, kb] * dx[:, kb, None], acc)
                 acc = fma32(b[None, :, kb], -(dx[:, kb] * sums[:, kb].astype(np.float32))[:, None], acc)
             continue
-        for h in range(2):                                  # Q6_K: sub-blocks 8h + 2c + g of 16 weights
-            for g in range(2):
-                for c in range(4):
-                    j = 16 * s + 8 * h + 2 * c + g
-                    k = slice(16 * j, 16 * j + 16)
-                    isum = xq[:, k] @ u[:, k].T - 32 * xq[:, k].sum(axis=1)[:, None]
-                    acc = fma32(isum.astype(np.float32), a[None, :, j] * dx[:, j // 2, None], acc)
+        for h in range(2):                                  # Q6_K: 32-blocks 4h + c, c = 0, 2, 1, 3
+            for c in (0, 2, 1, 3):
+                kb = 8 * s + 4 * h + c
+                isum = [xq[:, k] @ u[:, k].T - 32 * xq[:, k].sum(axis=1)[:, None]
+                        for k in (slice(32 * kb, 32 * kb + 16), slice(32 * kb + 16, 32 * kb + 32))]
+                t = isum[0].astype(np.float32) * a[None, :, 2 * kb]                       # [T, R] float32
+                t = fma32(isum[1].astype(np.float32), a[None, :, 2 * kb + 1], t)
+                acc = fma32(t, dx[:, kb, None], acc)
     return acc
