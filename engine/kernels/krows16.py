@@ -231,9 +231,13 @@ def _q6k_codes(raw, lo, qh, i, pair):
 
 
 @njit(boundscheck=False, inline="always")
-def _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7, q, qo, xb, xs, dq, s16, a00, a01,
-               a10, a11, acc):
-    """Both weight sets of a pair (32 weights apart in codes c, 64 in the token's weights) for one token."""
+def _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, d0, d1, d2, d3, d4, d5, d6, d7, q, w, K, nb, n16, t, dq, s16, a00,
+               a01, a10, a11, acc):
+    """Both weight sets of a pair (32 weights apart in codes c, 64 in the token's weights, the first at weight w of
+    token slot 0) for the token in slot t."""
+    qo = U64(t * K + w)
+    xb = t * nb + w // BLOCK
+    xs = t * n16 + w // 16
     acc = _q6k_block(c0, c1, c2, c3, c4, c5, c6, c7, q, qo, a00, a01, dq[xb], s16[xs], s16[xs + 1], acc)
     return _q6k_block(d0, d1, d2, d3, d4, d5, d6, d7, q, qo + U64(64), a10, a11, dq[xb + 2], s16[xs + 4],
                       s16[xs + 5], acc)
@@ -248,8 +252,9 @@ def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16
     buf = numba.carray(stack_block(), 128, np.float32)
     rb0 = r0 // ROWS
     rb1 = (r0 + nr + ROWS - 1) // ROWS
-    for t0 in range(i0, i1, 4):
-        tn = min(4, i1 - t0)
+    step = 8 if pre else 4                # tokens per pass over the weights (8 when quantized beforehand)
+    for t0 in range(i0, i1, step):
+        tn = min(step, i1 - t0)
         base = t0
         if not pre:
             quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
@@ -260,6 +265,10 @@ def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16
             a1 = vzero()
             a2 = vzero()
             a3 = vzero()
+            a4 = vzero()
+            a5 = vzero()
+            a6 = vzero()
+            a7 = vzero()
             for s in range(nsb):
                 so = (U64(rb) * U64(nsb) + U64(s)) * U64(block)
                 d = vhalf_f(raw, so)
@@ -284,20 +293,32 @@ def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16
                         a10 = vmul(d, vsigned_f(raw, sc + U64(64)))
                         a11 = vmul(d, vsigned_f(raw, sc + U64(80)))
                         w = base * K + SUPER * s + 128 * h + 32 * pair   # the first set's first weight
-                        xb = w // BLOCK
-                        xs = w // 16
-                        a0 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, U64(w),
-                                        xb, xs, dq, s16, a00, a01, a10, a11, a0)
+                        a0 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K, nb,
+                                        n16, 0, dq, s16, a00, a01, a10, a11, a0)
                         if tn > 1:
-                            a1 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q,
-                                            U64(K + w), nb + xb, n16 + xs, dq, s16, a00, a01, a10, a11, a1)
+                            a1 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K,
+                                            nb, n16, 1, dq, s16, a00, a01, a10, a11, a1)
                         if tn > 2:
-                            a2 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q,
-                                            U64(2 * K + w), 2 * nb + xb, 2 * n16 + xs, dq, s16, a00, a01, a10, a11, a2)
+                            a2 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K,
+                                            nb, n16, 2, dq, s16, a00, a01, a10, a11, a2)
                         if tn > 3:
-                            a3 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q,
-                                            U64(3 * K + w), 3 * nb + xb, 3 * n16 + xs, dq, s16, a00, a01, a10, a11, a3)
-            put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
+                            a3 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K,
+                                            nb, n16, 3, dq, s16, a00, a01, a10, a11, a3)
+                        if tn > 4:
+                            a4 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K,
+                                            nb, n16, 4, dq, s16, a00, a01, a10, a11, a4)
+                        if tn > 5:
+                            a5 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K,
+                                            nb, n16, 5, dq, s16, a00, a01, a10, a11, a5)
+                        if tn > 6:
+                            a6 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K,
+                                            nb, n16, 6, dq, s16, a00, a01, a10, a11, a6)
+                        if tn > 7:
+                            a7 = _q6k_token(c0, c1, c2, c3, c4, c5, c6, c7, e0, e1, e2, e3, e4, e5, e6, e7, q, w, K,
+                                            nb, n16, 7, dq, s16, a00, a01, a10, a11, a7)
+            put_tokens(a0, a1, a2, a3, min(tn, 4), t0, rb, r0, nr, out, orows, ldo, col0, buf)
+            if tn > 4:
+                put_tokens(a4, a5, a6, a7, tn - 4, t0 + 4, rb, r0, nr, out, orows, ldo, col0, buf)
 
 
 @njit(boundscheck=False)
