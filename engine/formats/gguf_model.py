@@ -452,7 +452,7 @@ _FLOAT_PRODUCTS = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
 def _fast(q: QuantizedTensor | KQuantTensor, rows: int) -> QuantizedTensor | KQuantTensor:
-    """Q4_0, Q8_0, Q4_K and Q6_K in their rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each
+    """Q4_0, Q8_0, Q4_K, Q5_K and Q6_K in their rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each
     expert's of a stack): the integer kernels, which round activations to 8 bits per 32-block as llama.cpp's own
     products of these types do. The dequantized values stay the file's."""
     if isinstance(q, KQuantTensor):

@@ -1,4 +1,4 @@
-"""GGUF Q4_K and Q6_K matrices with 16 rows interleaved, times 8-bit activations: the integer kernels of K-quants.
+"""GGUF Q4_K, Q5_K and Q6_K matrices with 16 rows interleaved, times 8-bit activations: integer K-quant kernels.
 
 The bytes are the file's, reordered per block of 16 rows and per super-block (256 weights) so that one
 64-byte vector holds 4 consecutive weight bytes of each of the 16 rows (one row a 32-bit lane, as in
@@ -8,15 +8,17 @@ super-block) bytes of row block rb, super-block s sit where those rows' super-bl
     Q4_K  2304 bytes: d[16], dmin[16] (fp16), 12 byte planes of 16 (plane b: byte b of each row's 6-bit
           sub-scales and sub-mins), then qs: 4 chunks x 8 vectors (vector p of chunk c, lane l: bytes
           4p .. 4p + 3 of row l's 32-byte chunk c; low nibbles sub-block 2c, high nibbles 2c + 1)
+    Q5_K  2816 bytes: as Q4_K, with qh's 8 vectors between the planes and qs (vector p, lane l: bytes
+          4p .. 4p + 3 of row l's qh, whose bit j is the fifth bit of sub-block j's weight there)
     Q6_K  3360 bytes: d[16] (fp16), 16 planes of 16 int8 sub-scales, ql: 2 halves x 16 vectors (vector p
           of half h: bytes 4p .. 4p + 3 of row l's 64 ql bytes of that half), qh: 2 halves x 8 vectors alike
 
 Each token's activations are quantized per 32-block (`rows16.quantize_tokens`: q int8, d_x, and the block's
-sum of q). Per sub-block of a row the weights are w = A * u + B exactly (Q4_K: A = d * sc, B = -(dmin * m),
-u < 16; Q6_K: A = d * sc, u - 32 with u < 64, sub-blocks of 16), and the kernels accumulate from +0.0,
+sum of q). Per sub-block of a row the weights are w = A * u + B exactly (Q4_K, Q5_K: A = d * sc, B = -(dmin * m),
+u < 16 or 32; Q6_K: A = d * sc, u - 32 with u < 64, sub-blocks of 16), and the kernels accumulate from +0.0,
 sub-blocks in the order listed below, one fixed sequence for any count of tokens, rows or threads:
 
-    Q4_K  acc = fma(float(sum_k u q), A * d_x, acc);  acc = fma(dmin * m, -(d_x * float(sum_k q)), acc)
+    Q4_K, Q5_K  acc = fma(float(sum_k u q), A * d_x, acc);  acc = fma(dmin * m, -(d_x * float(sum_k q)), acc)
           sub-blocks 0, 1, ..., 7 of each super-block
     Q6_K  per 32-block: t = float(sum_k u q - 32 * sum_k q) * A over its first 16 weights,
           t = fma(float(the same over its last 16), A', t), acc = fma(t, d_x, acc)
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit
+from numba import literally, njit
 
 from engine.kernels.layout import BLOCK
 from engine.kernels.rows16 import put_tokens, quantize_tokens, sums16
@@ -52,10 +54,10 @@ from engine.kernels.simd_int import (
 
 ROWS = 16
 SUPER = 256
-KROWS16 = 128             # or-ed into a K-quant kind (12 Q4_K, 14 Q6_K) for this layout
-Q4_K, Q6_K = 12, 14
-KINDS = (Q4_K, Q6_K)
-SUPER_BYTES = {Q4_K: 144, Q6_K: 210}
+KROWS16 = 128             # or-ed into a K-quant kind (12 Q4_K, 13 Q5_K, 14 Q6_K) for this layout
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+KINDS = (Q4_K, Q5_K, Q6_K)
+SUPER_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
 PREFETCH_AHEAD = 4096
 F32 = np.float32
 
@@ -63,7 +65,8 @@ F32 = np.float32
 # -- the layout (numpy, load time) -------------------------------------------------------------------
 
 def allowed(kind: int, out: int) -> bool:
-    """Whether a matrix of this K-quant kind and `out` rows can take the layout (Q4_K, Q6_K; whole 16-row blocks)."""
+    """Whether a matrix of this K-quant kind and `out` rows can take the layout (Q4_K, Q5_K, Q6_K; whole 16-row
+    blocks)."""
     return kind in KINDS and out % ROWS == 0
 
 
@@ -71,6 +74,8 @@ def _fields(kind: int):
     """Per super-block of one row: (start, end, per-row reshape, axes moved in front of the row axis)."""
     if kind == Q4_K:
         return [(0, 4, (2, 2), 1), (4, 16, (12, 1), 1), (16, 144, (4, 8, 4), 2)]
+    if kind == Q5_K:
+        return [(0, 4, (2, 2), 1), (4, 16, (12, 1), 1), (16, 48, (8, 4), 1), (48, 176, (4, 8, 4), 2)]
     return [(208, 210, (1, 2), 1), (192, 208, (16, 1), 1), (0, 128, (2, 16, 4), 2), (128, 192, (2, 8, 4), 2)]
 
 
@@ -161,11 +166,33 @@ def _q4k_scales(raw, so, sbuf):
         vstore(sbuf, U64(16 * (12 + j)), vmul(dmin, vitof(vmerge(vfield(hi, 4, 15), vfield(mid, 6, 3), 4))))
 
 
+@njit(boundscheck=False, inline="always")
+def _q45_token(l0, l1, l2, l3, l4, l5, l6, l7, h0, h1, h2, h3, h4, h5, h6, h7, q, qo, alo, blo, ahi, bhi, dq, sq, o,
+               acc):
+    """Both sub-blocks of a chunk (codes l, then h, 32 weights apart) for one token."""
+    acc = _q4k_sub(l0, l1, l2, l3, l4, l5, l6, l7, q, qo, alo, blo, dq[o], sq[o], acc)
+    return _q4k_sub(h0, h1, h2, h3, h4, h5, h6, h7, q, qo + U64(32), ahi, bhi, dq[o + 1], sq[o + 1], acc)
+
+
+@njit(boundscheck=False, inline="always")
+def _q45_codes(five, raw, wo, hb, c, p):
+    """Codes (u < 16, or < 32 for Q5_K) of vector p of chunk c: sub-blocks 2c (low nibbles) and 2c + 1 (high)."""
+    lo, hi = vnibbles(raw, wo + U64(64 * p))
+    if five:                   # the fifth bit of sub-block j's weight is bit j of the qh byte at the same place
+        h = vbytes(raw, hb + U64(64 * p))
+        lo = vmerge(lo, vfield(h, 2 * c, 0x01010101), 4)
+        hi = vmerge(hi, vfield(h, 2 * c + 1, 0x01010101), 4)
+    return lo, hi
+
+
 @njit(boundscheck=False)
-def _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre):
+def _q4k(five, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre):
+    """Q4_K, or with `five` Q5_K (a plane of fifth bits before the nibbles)."""
+    literally(five)
     nsb = K // SUPER
     nb = K // BLOCK
-    block = ROWS * 144
+    block = ROWS * (176 if five else 144)
+    qs = 768 if five else 256                 # where the nibbles start in a row block's super-block
     buf = numba.carray(stack_block(), 128, np.float32)
     sbuf = np.empty(256, np.float32)
     rb0 = r0 // ROWS
@@ -184,31 +211,30 @@ def _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre
             for s in range(nsb):
                 so = (U64(rb) * U64(nsb) + U64(s)) * U64(block)
                 _q4k_scales(raw, so, sbuf)
+                hb = so + U64(256)
                 for c in range(4):
-                    wo = so + U64(256 + 512 * c)
+                    wo = so + U64(qs + 512 * c)
                     for line in range(0, 512, 64):
                         prefetch(raw, wo + U64(PREFETCH_AHEAD + line))
-                    l0, h0 = vnibbles(raw, wo)
-                    l1, h1 = vnibbles(raw, wo + U64(64))
-                    l2, h2 = vnibbles(raw, wo + U64(128))
-                    l3, h3 = vnibbles(raw, wo + U64(192))
-                    l4, h4 = vnibbles(raw, wo + U64(256))
-                    l5, h5 = vnibbles(raw, wo + U64(320))
-                    l6, h6 = vnibbles(raw, wo + U64(384))
-                    l7, h7 = vnibbles(raw, wo + U64(448))
+                    l0, h0 = _q45_codes(five, raw, wo, hb, c, 0)
+                    l1, h1 = _q45_codes(five, raw, wo, hb, c, 1)
+                    l2, h2 = _q45_codes(five, raw, wo, hb, c, 2)
+                    l3, h3 = _q45_codes(five, raw, wo, hb, c, 3)
+                    l4, h4 = _q45_codes(five, raw, wo, hb, c, 4)
+                    l5, h5 = _q45_codes(five, raw, wo, hb, c, 5)
+                    l6, h6 = _q45_codes(five, raw, wo, hb, c, 6)
+                    l7, h7 = _q45_codes(five, raw, wo, hb, c, 7)
                     j = 2 * c
                     alo = vloadf(sbuf, U64(16 * j))
                     blo = vloadf(sbuf, U64(16 * (8 + j)))
                     ahi = vloadf(sbuf, U64(16 * (j + 1)))
                     bhi = vloadf(sbuf, U64(16 * (9 + j)))
-                    kb = 8 * s + j
-                    for t in range(tn):
+                    for t in range(tn):          # a loop, not unrolled: the compiler keeps the codes in registers
                         qo = U64((base + t) * K + SUPER * s + 64 * c)
-                        o = (base + t) * nb + kb
+                        o = (base + t) * nb + 8 * s + j
                         acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
-                        acc = _q4k_sub(l0, l1, l2, l3, l4, l5, l6, l7, q, qo, alo, blo, dq[o], sq[o], acc)
-                        acc = _q4k_sub(h0, h1, h2, h3, h4, h5, h6, h7, q, qo + U64(32), ahi, bhi, dq[o + 1],
-                                       sq[o + 1], acc)
+                        acc = _q45_token(l0, l1, l2, l3, l4, l5, l6, l7, h0, h1, h2, h3, h4, h5, h6, h7, q, qo, alo,
+                                         blo, ahi, bhi, dq, sq, o, acc)
                         if t == 0:
                             a0 = acc
                         elif t == 1:
@@ -323,13 +349,15 @@ def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16
 
 @njit(boundscheck=False)
 def krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
-    """Rows r0 .. r0 + nr - 1 of a Q4_K or Q6_K matrix in this layout (`kind`: its K-quant kind | KROWS16) times
+    """Rows r0 .. r0 + nr - 1 of a Q4_K, Q5_K or Q6_K matrix in this layout (`kind`: its K-quant kind | KROWS16) times
     tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]. Row blocks cut by r0 or r0 + nr are computed
     whole and stored in part."""
     nb = K // BLOCK
     q, dq, sq = np.empty(4 * K, np.int8), np.empty(4 * nb, np.float32), np.empty(4 * nb, np.int32)
     if kind & 127 == Q4_K:
-        _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
+        _q4k(False, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
+    elif kind & 127 == Q5_K:
+        _q4k(True, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
     else:
         _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, np.empty(4 * K // 16, np.int32), False)
 
@@ -338,6 +366,8 @@ def krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
 def krows16_rows_pre(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16):
     """`krows16_rows` on tokens quantized beforehand (`rows16.quantize_token`, with the sums of 16 for Q6_K)."""
     if kind & 127 == Q4_K:
-        _q4k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+        _q4k(False, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+    elif kind & 127 == Q5_K:
+        _q4k(True, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
     else:
         _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, True)

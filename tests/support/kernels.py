@@ -107,18 +107,21 @@ def acts(t: int, cols: int, seed: int) -> np.ndarray:
 
 
 def _kquant_params(qtype_name: str, raw: np.ndarray, cols: int):
-    """(codes u [R, cols] int64, a [R, subs] float32, b [R, subs] float32 or None) of Q4_K or Q6_K blocks in file
-    order: the weights are a * u + b (Q4_K, sub-blocks of 32) or a * (u - 32) (Q6_K, sub-blocks of 16)."""
+    """(codes u [R, cols] int64, a [R, subs] float32, b [R, subs] float32 or None) of Q4_K, Q5_K or Q6_K blocks in
+    file order: the weights are a * u - b (Q4_K, Q5_K: sub-blocks of 32) or a * (u - 32) (Q6_K, sub-blocks of 16)."""
     rows = raw.shape[0]
     blocks = np.asarray(raw).reshape(rows, cols // 256, -1)
-    if qtype_name == "Q4_K":
+    if qtype_name in ("Q4_K", "Q5_K"):
         d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)                 # [R, S, 1]
         dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
         p = blocks[..., 4:16].astype(np.uint8)
         sc = np.concatenate([p[..., 0:4] & 63, (p[..., 8:12] & 15) | ((p[..., 0:4] >> 6) << 4)], axis=-1)
         m = np.concatenate([p[..., 4:8] & 63, (p[..., 8:12] >> 4) | ((p[..., 4:8] >> 6) << 4)], axis=-1)
-        qs = blocks[..., 16:144].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+        qs = blocks[..., -128:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
         u = (qs & 15).reshape(rows, cols)
+        if qtype_name == "Q5_K":                   # bit j of qh[l]: the fifth bit of sub-block j's weight l
+            qh = blocks[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+            u = u | ((qh & 1) << 4).reshape(rows, cols)
         a = (d * sc.astype(np.float32)).reshape(rows, -1)
         b = (dmin * m.astype(np.float32)).reshape(rows, -1)
         return u.astype(np.int64), a, b
@@ -132,7 +135,7 @@ def _kquant_params(qtype_name: str, raw: np.ndarray, cols: int):
 
 
 def krows16_dot(qtype_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """x [T, K] times Q4_K or Q6_K blocks raw [R, bytes] (file order) by the arithmetic of engine/kernels/krows16.py:
+    """x [T, K] times Q4_K, Q5_K or Q6_K blocks raw [R, bytes] (file order) by the arithmetic of engine/kernels/krows16.py:
     per sub-block an exact integer sum of codes times 8-bit activations, then fused multiply-adds, sub-blocks in
     the kernels' order from +0.0."""
     x = np.asarray(x, np.float32)
@@ -142,7 +145,7 @@ def krows16_dot(qtype_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     xq = xq.astype(np.int64)
     acc = np.zeros((x.shape[0], raw.shape[0]), np.float32)
     for s in range(cols // 256):
-        if b is not None:                                   # Q4_K: sub-blocks 0 .. 7 of 32 weights
+        if b is not None:                                   # Q4_K, Q5_K: sub-blocks 0 .. 7 of 32 weights
             for j in range(8):
                 kb = 8 * s + j
                 k = slice(32 * kb, 32 * kb + 32)
