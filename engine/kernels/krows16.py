@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import literally, njit
+from numba import literally, njit, prange
 
 from engine.kernels.layout import BLOCK
 from engine.kernels.rows16 import put_tokens, quantize_tokens, sums16
@@ -70,43 +70,54 @@ def allowed(kind: int, out: int) -> bool:
     return kind in KINDS and out % ROWS == 0
 
 
-def _fields(kind: int):
-    """Per super-block of one row: (start, end, per-row reshape, axes moved in front of the row axis)."""
-    if kind == Q4_K:
-        return [(0, 4, (2, 2), 1), (4, 16, (12, 1), 1), (16, 144, (4, 8, 4), 2)]
-    if kind == Q5_K:
-        return [(0, 4, (2, 2), 1), (4, 16, (12, 1), 1), (16, 48, (8, 4), 1), (48, 176, (4, 8, 4), 2)]
-    return [(208, 210, (1, 2), 1), (192, 208, (16, 1), 1), (0, 128, (2, 16, 4), 2), (128, 192, (2, 8, 4), 2)]
+# per super-block of one row: (first byte, end, bytes kept together); a field's bytes go [run][row][bytes of the run]
+_FIELDS = {Q4_K: ((0, 4, 2), (4, 16, 1), (16, 144, 4)),
+           Q5_K: ((0, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),
+           Q6_K: ((208, 210, 2), (192, 208, 1), (0, 128, 4), (128, 192, 4))}
+
+
+@njit(parallel=True, cache=True, boundscheck=False)
+def _permute(src, dst, out, width, sb, fields, back):
+    """File-order blocks src -> rows16 dst (or, with `back`, rows16 src -> file order dst); flat [out * width]."""
+    nsb = width // sb
+    for rb in prange(out // ROWS):
+        for s in range(nsb):
+            region = (rb * nsb + s) * ROWS * sb
+            at = 0
+            for f in range(fields.shape[0]):
+                start, end, run = fields[f, 0], fields[f, 1], fields[f, 2]
+                for lane in range(ROWS):
+                    row = (rb * ROWS + lane) * width + s * sb + start
+                    for p in range((end - start) // run):
+                        o = region + at + (p * ROWS + lane) * run
+                        i = row + p * run
+                        if back:
+                            o, i = i, o
+                        dst[o] = src[i]          # runs of 1, 2 or 4 bytes, written out rather than looped over
+                        if run > 1:
+                            dst[o + 1] = src[i + 1]
+                        if run > 2:
+                            dst[o + 2] = src[i + 2]
+                            dst[o + 3] = src[i + 3]
+                at += ROWS * (end - start)
+
+
+def _permuted(kind: int, raw: np.ndarray, back: bool) -> np.ndarray:
+    out, width = raw.shape
+    src = np.ascontiguousarray(raw)
+    dst = np.empty_like(src)
+    _permute(src.reshape(-1), dst.reshape(-1), out, width, SUPER_BYTES[kind], np.array(_FIELDS[kind], np.int64), back)
+    return dst
 
 
 def to_krows16(kind: int, raw: np.ndarray) -> np.ndarray:
     """A K-quant matrix's blocks [out, bytes per row] (file order) -> the same bytes in this layout (a copy)."""
-    out, width = raw.shape
-    nsb = width // SUPER_BYTES[kind]
-    r = np.asarray(raw).reshape(out // ROWS, ROWS, nsb, SUPER_BYTES[kind]).transpose(0, 2, 1, 3)   # rb, s, l, byte
-    parts = []
-    for start, end, shape, lead in _fields(kind):
-        f = r[..., start:end].reshape(r.shape[:3] + shape)                                        # rb, s, l, *shape
-        f = np.moveaxis(f, list(range(3, 3 + lead)), list(range(2, 2 + lead)))                   # rb, s, lead.., l, ..
-        parts.append(f.reshape(r.shape[0], nsb, -1))
-    return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(out, width)
+    return _permuted(kind, raw, False)
 
 
 def from_krows16(kind: int, raw: np.ndarray) -> np.ndarray:
     """The inverse of `to_krows16` (a copy)."""
-    out, width = raw.shape
-    sb = SUPER_BYTES[kind]
-    nsb = width // sb
-    r = np.asarray(raw).reshape(out // ROWS, nsb, ROWS * sb)
-    back = np.empty((out // ROWS, nsb, ROWS, sb), np.uint8)
-    at = 0
-    for start, end, shape, lead in _fields(kind):
-        n = ROWS * (end - start)
-        f = r[..., at:at + n].reshape(r.shape[:2] + shape[:lead] + (ROWS,) + shape[lead:])
-        f = np.moveaxis(f, 2 + lead, 2)                                                          # rb, s, l, *shape
-        back[..., start:end] = f.reshape(r.shape[:2] + (ROWS, end - start))
-        at += n
-    return np.ascontiguousarray(back.transpose(0, 2, 1, 3)).reshape(out, width)
+    return _permuted(kind, raw, True)
 
 
 # -- kernels -----------------------------------------------------------------------------------------
