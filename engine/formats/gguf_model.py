@@ -13,8 +13,10 @@ those block formats are Colibri's 4-, 5- and 8-bit group-32 formats with the byt
 decode reads 4.5-8.5 bits per weight instead of 32. Q4_0 and Q8_0 matrices but the output head take the rows16
 layout (engine/kernels/rows16.py), whose products round activations to 8 bits per 32-block, as llama.cpp's products
 of these types do. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices become `KQuantTensor`s over the file's own
-bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; an expert
-stack's experts are row ranges of the stack (views of the memory map), so a K-quant MoE takes about its file's size.
+bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; Q4_K, Q5_K and
+Q6_K ones but the head and the embedding are reordered once into their rows16 layout (engine/kernels/krows16.py, a
+copy, the file's pages given back) and run on integer kernels the same way. An expert stack's experts are row
+ranges of the stack (views of it), so a K-quant MoE takes about its file's size.
 llama.cpp stores the Q and K projections of Llama-architecture models permuted for its interleaved RoPE;
 that permutation is undone here so the shared blocks see Hugging Face layout.
 """
