@@ -36,7 +36,7 @@ import numpy as np
 from numba import literally, njit, prange
 
 from engine.kernels.layout import BLOCK
-from engine.kernels.rows16 import put_tokens, quantize_tokens, sums16
+from engine.kernels.rows16 import put_tokens, sums16, token_slot
 from engine.kernels.simd import U64, prefetch, stack_block, vfma, vloadf, vmul, vsplat, vstore, vzero
 from engine.kernels.simd_int import (
     vbytes,
@@ -210,10 +210,7 @@ def _q4k(five, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, s
     rb1 = (r0 + nr + ROWS - 1) // ROWS
     for t0 in range(i0, i1, 4):
         tn = min(4, i1 - t0)
-        base = t0
-        if not pre:
-            quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
-            base = 0
+        base = token_slot(pre, x, xrows, t0, tn, K, q, dq, sq)
         for rb in range(rb0, rb1):
             a0 = vzero()
             a1 = vzero()
@@ -292,11 +289,9 @@ def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16
     step = 8 if pre else 4                # tokens per pass over the weights (8 when quantized beforehand)
     for t0 in range(i0, i1, step):
         tn = min(step, i1 - t0)
-        base = t0
+        base = token_slot(pre, x, xrows, t0, tn, K, q, dq, sq)
         if not pre:
-            quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
             sums16(q, 0, tn, K, s16)
-            base = 0
         for rb in range(rb0, rb1):
             a0 = vzero()
             a1 = vzero()

@@ -41,6 +41,16 @@ def quantize_tokens(x, xrows, t0, tn, K, q, dq, sq):
             sq[j * nb + kb] = total
 
 
+@njit(boundscheck=False, inline="always")
+def token_slot(pre, x, xrows, t0, tn, K, q, dq, sq):
+    """Where tokens t0 .. t0 + tn - 1 sit in q, dq, sq: slot t0 when they were quantized beforehand (`pre`), else
+    slot 0 of room for 4 tokens, after quantizing them here."""
+    if pre:
+        return t0
+    quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
+    return 0
+
+
 @njit(boundscheck=False)
 def quantize_token(x, xrows, i, K, q, dq, sq, s16):
     """Token i (x row xrows[i]) quantized into slot i of arrays for every token: q[i * K ...], the 32-blocks' scales
@@ -158,10 +168,7 @@ def _rows16(bits, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, co
     rb1 = (r0 + nr + ROWS16_ROWS - 1) // ROWS16_ROWS
     for t0 in range(i0, i1, 4):
         tn = min(4, i1 - t0)
-        base = t0
-        if not pre:
-            quantize_tokens(x, xrows, t0, tn, K, q, dq, sq)
-            base = 0
+        base = token_slot(pre, x, xrows, t0, tn, K, q, dq, sq)
         qb = U64(base) * U64(K)
         for rb in range(rb0, rb1):
             a0 = vzero()
