@@ -13,8 +13,8 @@ those block formats are Colibri's 4-, 5- and 8-bit group-32 formats with the byt
 decode reads 4.5-8.5 bits per weight instead of 32. Q4_0 and Q8_0 matrices but the output head take the rows16
 layout (engine/kernels/rows16.py), whose products round activations to 8 bits per 32-block, as llama.cpp's products
 of these types do. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices become `KQuantTensor`s over the file's own
-bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; Q4_K, Q5_K and
-Q6_K ones but the head and the embedding are reordered once into their rows16 layout (engine/kernels/krows16.py, a
+bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; Q4_K, Q5_K,
+Q6_K and IQ4_XS ones but the head and the embedding are reordered once into their rows16 layout (engine/kernels/krows16.py, a
 copy, the file's pages given back) and run on integer kernels the same way. An expert stack's experts are row
 ranges of the stack (views of it), so a K-quant MoE takes about its file's size.
 llama.cpp stores the Q and K projections of Llama-architecture models permuted for its interleaved RoPE;
@@ -454,7 +454,7 @@ _FLOAT_PRODUCTS = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
 def _fast(q: QuantizedTensor | KQuantTensor, rows: int) -> QuantizedTensor | KQuantTensor:
-    """Q4_0, Q8_0, Q4_K, Q5_K and Q6_K in their rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each
+    """Q4_0, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS in their rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each
     expert's of a stack): the integer kernels, which round activations to 8 bits per 32-block as llama.cpp's own
     products of these types do. The dequantized values stay the file's."""
     if isinstance(q, KQuantTensor):

@@ -155,7 +155,7 @@ def _check_kquant(what: str, shape: tuple[int, ...], q: dict) -> None:
     qtype = next((t for t in KINDS if t.name == q["type"]), None)
     if qtype is None:
         raise _Bad(f"{what}: type {q['type']!r:.60} is not a K-quant or IQ4 type")
-    if "layout" in q and (q["layout"] != "rows16-v1" or qtype.name not in ("Q4_K", "Q5_K", "Q6_K") or shape[0] % 16):
+    if "layout" in q and (q["layout"] != "rows16-v1" or qtype.name not in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") or shape[0] % 16):
         raise _Bad(f"{what}: layout {q['layout']!r:.60} is not one a {q['type']} [{shape[0]}, ...] matrix takes")
     if q["bits"] != NOMINAL_BITS[qtype] or q["group"] != BLOCK_WEIGHTS[KINDS[qtype]] or shape[1] % q["group"]:
         raise _Bad(f"{what}: bits {q['bits']!r} and group {q['group']!r} are not those of {q['type']} over "

@@ -1,8 +1,8 @@
 """numba kernels for GGUF K-quant matrices (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) read in the file's own block layout.
 
 The entry points (`kq_rows`, `kq_otf_rows`, `kq_dequant_rows`, `kq_desc_rows`) also take IQ4_NL and IQ4_XS
-matrices, whose kernels live in engine/kernels/iquant.py, and (but `kq_dequant_rows`) Q4_K, Q5_K and Q6_K matrices
-in the 16-row layout (kind | KROWS16), whose integer kernels live in engine/kernels/krows16.py.
+matrices, whose kernels live in engine/kernels/iquant.py, and (but `kq_dequant_rows`) Q4_K, Q5_K, Q6_K and IQ4_XS
+matrices in the 16-row layout (kind | KROWS16), whose integer kernels live in engine/kernels/krows16.py.
 
 A row of K weights is K / 256 super-blocks of ggml bytes, kept exactly as the file holds them (no
 copy of a memory map, memory = the file's size):

@@ -1,4 +1,4 @@
-"""GGUF Q4_K, Q5_K and Q6_K matrices with 16 rows interleaved, times 8-bit activations: integer K-quant kernels.
+"""GGUF Q4_K, Q5_K, Q6_K and IQ4_XS matrices with 16 rows interleaved, times 8-bit activations: integer kernels.
 
 The bytes are the file's, reordered per block of 16 rows and per super-block (256 weights) so that one
 64-byte vector holds 4 consecutive weight bytes of each of the 16 rows (one row a 32-bit lane, as in
@@ -12,10 +12,14 @@ super-block) bytes of row block rb, super-block s sit where those rows' super-bl
           4p .. 4p + 3 of row l's qh, whose bit j is the fifth bit of sub-block j's weight there)
     Q6_K  3360 bytes: d[16] (fp16), 16 planes of 16 int8 sub-scales, ql: 2 halves x 16 vectors (vector p
           of half h: bytes 4p .. 4p + 3 of row l's 64 ql bytes of that half), qh: 2 halves x 8 vectors alike
+    IQ4_XS 2176 bytes: d[16] (fp16), scales_h[16] (uint16), scales_l (one vector: lane l, row l's 4 bytes),
+          then qs: 8 sub-blocks x 4 vectors (vector p of sub-block j, lane l: bytes 4p .. 4p + 3 of row l's 16;
+          low nibbles weights 4p .., high nibbles 16 + 4p ..)
 
 Each token's activations are quantized per 32-block (`rows16.quantize_tokens`: q int8, d_x, and the block's
 sum of q). Per sub-block of a row the weights are w = A * u + B exactly (Q4_K, Q5_K: A = d * sc, B = -(dmin * m),
-u < 16 or 32; Q6_K: A = d * sc, u - 32 with u < 64, sub-blocks of 16), and the kernels accumulate from +0.0,
+u < 16 or 32; Q6_K: A = d * sc, u - 32 with u < 64, sub-blocks of 16; IQ4_XS: A = d * (ls - 32), u = KVALUES[code],
+looked up per byte as u + 128), and the kernels accumulate from +0.0,
 sub-blocks in the order listed below, one fixed sequence for any count of tokens, rows or threads:
 
     Q4_K, Q5_K  acc = fma(float(sum_k u q), A * d_x, acc);  acc = fma(dmin * m, -(d_x * float(sum_k q)), acc)
@@ -23,6 +27,7 @@ sub-blocks in the order listed below, one fixed sequence for any count of tokens
     Q6_K  per 32-block: t = float(sum_k u q - 32 * sum_k q) * A over its first 16 weights,
           t = fma(float(the same over its last 16), A', t), acc = fma(t, d_x, acc)
           32-blocks 4h + c of each super-block for h in (0, 1), c in (0, 2, 1, 3)
+    IQ4_XS  acc = fma(float(sum_k u q), A * d_x, acc)  sub-blocks 0, 1, ..., 7 of each super-block
 
 The integer sums are exact, and A, dmin * m are exact float32 products (the values gguf's dequantization
 multiplies by), so the dequantized weights stay the file's bit for bit; only the activations are rounded,
@@ -46,18 +51,23 @@ from engine.kernels.simd_int import (
     visplat,
     vitof,
     vizero,
+    vlut_bytes,
     vmerge,
     vnibbles,
     vsigned_f,
+    vsub_splat,
     vwiden,
+    vwiden16,
 )
 
 ROWS = 16
 SUPER = 256
-KROWS16 = 128             # or-ed into a K-quant kind (12 Q4_K, 13 Q5_K, 14 Q6_K) for this layout
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-KINDS = (Q4_K, Q5_K, Q6_K)
-SUPER_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+KROWS16 = 128             # or-ed into a K-quant kind (12 Q4_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS) for this layout
+Q4_K, Q5_K, Q6_K, IQ4_XS = 12, 13, 14, 23
+KINDS = (Q4_K, Q5_K, Q6_K, IQ4_XS)
+SUPER_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
+# IQ4_XS's non-linear code values plus 128: unsigned bytes for the byte products (which then overcount 128 * sum q)
+KV128 = tuple(v + 128 for v in (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113))
 PREFETCH_AHEAD = 4096
 F32 = np.float32
 
@@ -65,15 +75,16 @@ F32 = np.float32
 # -- the layout (numpy, load time) -------------------------------------------------------------------
 
 def allowed(kind: int, out: int) -> bool:
-    """Whether a matrix of this K-quant kind and `out` rows can take the layout (Q4_K, Q5_K, Q6_K; whole 16-row
-    blocks)."""
+    """Whether a matrix of this K-quant kind and `out` rows can take the layout (Q4_K, Q5_K, Q6_K, IQ4_XS; whole
+    16-row blocks)."""
     return kind in KINDS and out % ROWS == 0
 
 
 # per super-block of one row: (first byte, end, bytes kept together); a field's bytes go [run][row][bytes of the run]
 _FIELDS = {Q4_K: ((0, 4, 2), (4, 16, 1), (16, 144, 4)),
            Q5_K: ((0, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),
-           Q6_K: ((208, 210, 2), (192, 208, 1), (0, 128, 4), (128, 192, 4))}
+           Q6_K: ((208, 210, 2), (192, 208, 1), (0, 128, 4), (128, 192, 4)),
+           IQ4_XS: ((0, 2, 2), (2, 4, 2), (4, 8, 4), (8, 136, 4))}
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -353,9 +364,71 @@ def _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16
                 put_tokens(a4, a5, a6, a7, tn - 4, t0 + 4, rb, r0, nr, out, orows, ldo, col0, buf)
 
 
+@njit(boundscheck=False, inline="always")
+def _iq4_sub(v0, v1, v2, v3, v4, v5, v6, v7, q, qo, a, dx, sq, acc):
+    """One 32-weight sub-block of 16 rows for one token: looked-up bytes KV128[code], a = d * (ls - 32) per lane."""
+    isum = vsub_splat(_dot8(v0, v1, v2, v3, v4, v5, v6, v7, q, qo), 128 * sq)
+    return vfma(vitof(isum), vmul(a, vsplat(dx)), acc)
+
+
+@njit(boundscheck=False)
+def _iq4xs(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre):
+    nsb = K // SUPER
+    nb = K // BLOCK
+    block = ROWS * 136
+    buf = numba.carray(stack_block(), 128, np.float32)
+    rb0 = r0 // ROWS
+    rb1 = (r0 + nr + ROWS - 1) // ROWS
+    for t0 in range(i0, i1, 4):
+        tn = min(4, i1 - t0)
+        base = token_slot(pre, x, xrows, t0, tn, K, q, dq, sq)
+        for rb in range(rb0, rb1):
+            a0 = vzero()
+            a1 = vzero()
+            a2 = vzero()
+            a3 = vzero()
+            for s in range(nsb):
+                so = (U64(rb) * U64(nsb) + U64(s)) * U64(block)
+                d = vhalf_f(raw, so)
+                high = vwiden16(raw, so + U64(32))         # scales_h: bits 2j, 2j + 1 for sub-block j
+                low = vbytes(raw, so + U64(64))            # scales_l: nibble j (from bit 4j) for sub-block j
+                for line in range(0, block, 64):
+                    prefetch(raw, so + U64(PREFETCH_AHEAD + line))
+                for j in range(8):
+                    ls = vmerge(vfield(low, 4 * j, 15), vfield(high, 2 * j, 3), 4)
+                    a = vmul(d, vitof(vsub_splat(ls, 32)))
+                    wo = so + U64(128 + 256 * j)
+                    l0, h0 = vnibbles(raw, wo)
+                    l1, h1 = vnibbles(raw, wo + U64(64))
+                    l2, h2 = vnibbles(raw, wo + U64(128))
+                    l3, h3 = vnibbles(raw, wo + U64(192))
+                    v0 = vlut_bytes(l0, KV128)
+                    v1 = vlut_bytes(l1, KV128)
+                    v2 = vlut_bytes(l2, KV128)
+                    v3 = vlut_bytes(l3, KV128)
+                    v4 = vlut_bytes(h0, KV128)
+                    v5 = vlut_bytes(h1, KV128)
+                    v6 = vlut_bytes(h2, KV128)
+                    v7 = vlut_bytes(h3, KV128)
+                    for t in range(tn):          # a loop, as Q4_K's: the compiler keeps the codes in registers
+                        qo = U64((base + t) * K + SUPER * s + 32 * j)
+                        o = (base + t) * nb + 8 * s + j
+                        acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
+                        acc = _iq4_sub(v0, v1, v2, v3, v4, v5, v6, v7, q, qo, a, dq[o], sq[o], acc)
+                        if t == 0:
+                            a0 = acc
+                        elif t == 1:
+                            a1 = acc
+                        elif t == 2:
+                            a2 = acc
+                        else:
+                            a3 = acc
+            put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
+
+
 @njit(boundscheck=False)
 def krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
-    """Rows r0 .. r0 + nr - 1 of a Q4_K, Q5_K or Q6_K matrix in this layout (`kind`: its K-quant kind | KROWS16) times
+    """Rows r0 .. r0 + nr - 1 of a Q4_K, Q5_K, Q6_K or IQ4_XS matrix in this layout (`kind`: its K-quant kind | KROWS16) times
     tokens i0 .. i1 - 1 -> out[orows[i] * ldo + col0 + row - r0]. Row blocks cut by r0 or r0 + nr are computed
     whole and stored in part."""
     nb = K // BLOCK
@@ -364,6 +437,8 @@ def krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
         _q4k(False, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
     elif kind & 127 == Q5_K:
         _q4k(True, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
+    elif kind & 127 == IQ4_XS:
+        _iq4xs(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
     else:
         _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, np.empty(4 * K // 16, np.int32), False)
 
@@ -375,5 +450,7 @@ def krows16_rows_pre(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, co
         _q4k(False, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
     elif kind & 127 == Q5_K:
         _q4k(True, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+    elif kind & 127 == IQ4_XS:
+        _iq4xs(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
     else:
         _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, True)

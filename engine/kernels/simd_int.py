@@ -18,6 +18,7 @@ from engine.kernels.simd import (
     _I32,
     _VF,
     _VI,
+    HAS_AVX2,
     HAS_AVX512,
     HAS_F16C,
     LANES,
@@ -223,3 +224,52 @@ def vhalf_f(typingctx, a, off):
             return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VF)
         return _f16_bits_to_f32(builder, builder.zext(bits, _VI))
     return f32x16(a, off), codegen
+
+
+@intrinsic
+def vlut_bytes(typingctx, v, table):
+    """Each byte b of v (all < 16) replaced by byte b of the 16-byte table (a tuple of 16 ints), per lane of 4 bytes:
+    `vpshufb` on AVX-512 (or on two halves with AVX2), byte by byte elsewhere."""
+    if not isinstance(table, types.UniTuple) or table.count != 16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        raw = builder.bitcast(args[0], _V64)
+        entries = [builder.trunc(builder.extract_value(args[1], j), _I8) for j in range(16)]
+        if HAS_AVX512 or HAS_AVX2:
+            width = 64 if HAS_AVX512 else 32
+            vt = ir.VectorType(_I8, width)
+            tab = ir.Constant(vt, ir.Undefined)
+            for j in range(width):
+                tab = builder.insert_element(tab, entries[j % 16], ir.Constant(_I32, j))
+            name = "llvm.x86.avx512.pshuf.b.512" if HAS_AVX512 else "llvm.x86.avx2.pshuf.b"
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt]), name)
+            if HAS_AVX512:
+                return builder.bitcast(builder.call(fn, [tab, raw]), _VI)
+            lo = builder.shuffle_vector(raw, raw, _ivec(list(range(32))))
+            hi = builder.shuffle_vector(raw, raw, _ivec(list(range(32, 64))))
+            both = builder.shuffle_vector(builder.call(fn, [tab, lo]), builder.call(fn, [tab, hi]), _ivec(list(range(64))))
+            return builder.bitcast(both, _VI)
+        out = ir.Constant(_V64, ir.Undefined)
+        arr = cgutils.alloca_once(builder, ir.ArrayType(_I8, 16))
+        for j in range(16):
+            builder.store(entries[j], cgutils.gep(builder, arr, 0, j))
+        for j in range(64):
+            idx = builder.zext(builder.extract_element(raw, ir.Constant(_I32, j)), _I32)
+            out = builder.insert_element(out, builder.load(builder.gep(arr, [ir.Constant(_I32, 0), idx])),
+                                         ir.Constant(_I32, j))
+        return builder.bitcast(out, _VI)
+    return i32x16(i32x16, table), codegen
+
+
+@intrinsic
+def vwiden16(typingctx, a, off):
+    """The 16 little-endian uint16 in the 32 bytes a[off : off + 32] as integer lanes (uint8 array)."""
+    if not _byte_array(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        bits = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]),
+                         ir.VectorType(ir.IntType(16), LANES), 1)
+        return builder.zext(bits, _VI)
+    return i32x16(a, off), codegen

@@ -5,7 +5,7 @@ The rows are the file's own blocks (layouts in engine/kernels/kquant.py and iqua
 of the memory map: nothing is copied or widened, so a K-quant model takes the file's size in
 memory. The kernels dequantize exactly as `gguf.quants.dequantize` does (bitwise), and the tensor
 offers what the blocks call on a weight: `matmul` (decode and prefill), `rows` (embeddings).
-Q4_K, Q5_K and Q6_K matrices of whole 16-row blocks can instead hold the same bytes in the "rows16" layout
+Q4_K, Q5_K, Q6_K and IQ4_XS matrices of whole 16-row blocks can instead hold the same bytes in the "rows16" layout
 (engine/kernels/krows16.py): a copy in another order, run by integer kernels with 8-bit activations.
 A container keeps the same blocks in the same layout (`to_buffers` / `from_buffers`), read back into the same kernels.
 """
@@ -66,7 +66,7 @@ class KQuantTensor:
             raise ValueError(f"unknown K-quant layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
         if self.layout == "rows16":
             if not krows16.allowed(kind, out):
-                raise ValueError(f"the rows16 layout holds Q4_K, Q5_K and Q6_K matrices of whole 16-row blocks, not "
+                raise ValueError(f"the rows16 layout holds Q4_K, Q5_K, Q6_K and IQ4_XS matrices of whole 16-row blocks, not "
                                  f"{self.qtype.name} {[out, n_in]}")
             kind |= krows16.KROWS16
         raw = raw.reshape(want).view()

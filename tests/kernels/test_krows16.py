@@ -1,4 +1,4 @@
-"""GGUF Q4_K, Q5_K and Q6_K in the 16-row layout and its integer kernels (engine/kernels/krows16.py): the layout keeps every
+"""GGUF Q4_K, Q5_K, Q6_K and IQ4_XS in the 16-row layout and its integer kernels (engine/kernels/krows16.py): the layout keeps every
 byte, the kernels equal a plain numpy reference of their arithmetic bit for bit, and any tokens, row ranges,
 threads or descriptor path give the same bits."""
 
@@ -15,7 +15,7 @@ from support.kernels import acts, krows16_dot
 from support.kquant_blocks import quantize_k, random_k_blocks
 
 Q = gguf.GGMLQuantizationType
-TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -40,11 +40,11 @@ def test_the_layout_is_a_reordering_that_keeps_every_byte(qtype):
     assert r.with_layout("blocks").layout == "blocks" and np.array_equal(r.with_layout("blocks").raw, raw)
 
 
-def test_only_q4_k_q5_k_and_q6_k_of_whole_row_blocks_take_the_layout():
+def test_only_k_quants_and_iq4_xs_of_whole_row_blocks_take_the_layout():
     rng = np.random.default_rng(2)
-    with pytest.raises(ValueError, match="rows16 layout holds Q4_K, Q5_K and Q6_K matrices of whole 16-row blocks"):
+    with pytest.raises(ValueError, match="rows16 layout holds Q4_K, Q5_K, Q6_K and IQ4_XS matrices of whole 16-row blocks"):
         KQuantTensor((24, 256), Q.Q4_K, random_k_blocks(Q.Q4_K, 24, 256, rng), "rows16")
-    with pytest.raises(ValueError, match="rows16 layout holds Q4_K, Q5_K and Q6_K"):
+    with pytest.raises(ValueError, match="rows16 layout holds Q4_K, Q5_K, Q6_K and IQ4_XS"):
         KQuantTensor((16, 256), Q.Q3_K, random_k_blocks(Q.Q3_K, 16, 256, rng), "rows16")
     with pytest.raises(ValueError, match="unknown K-quant layout"):
         KQuantTensor((16, 256), Q.Q4_K, random_k_blocks(Q.Q4_K, 16, 256, rng), "tiles")

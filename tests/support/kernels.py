@@ -134,16 +134,37 @@ def _kquant_params(qtype_name: str, raw: np.ndarray, cols: int):
     return u.reshape(rows, cols).astype(np.int64), (d * sc).reshape(rows, -1), None
 
 
+def _iq4xs_params(raw: np.ndarray, cols: int):
+    """(code values KVALUES[q] [R, cols] int64, a = d * (ls - 32) [R, cols / 32] float32) of IQ4_XS blocks."""
+    rows = raw.shape[0]
+    blocks = np.asarray(raw).reshape(rows, cols // 256, 136)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)                     # [R, S, 1]
+    high = blocks[..., 2:4].copy().view(np.uint16).astype(np.int64)                      # [R, S, 1]
+    low = blocks[..., 4:8].astype(np.int64)                                              # [R, S, 4]
+    j = np.arange(8)
+    ls = ((low[..., j // 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4)   # [R, S, 8]
+    a = (d * (ls - 32).astype(np.float32)).reshape(rows, -1)
+    qs = blocks[..., 8:].reshape(rows, -1, 8, 1, 16) >> np.array([0, 4], np.uint8)[:, None]
+    kv = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int64)
+    return kv[(qs & 15).reshape(rows, cols)], a
+
+
 def krows16_dot(qtype_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """x [T, K] times Q4_K, Q5_K or Q6_K blocks raw [R, bytes] (file order) by the arithmetic of engine/kernels/krows16.py:
+    """x [T, K] times Q4_K, Q5_K, Q6_K or IQ4_XS blocks raw [R, bytes] (file order) by the arithmetic of engine/kernels/krows16.py:
     per sub-block an exact integer sum of codes times 8-bit activations, then fused multiply-adds, sub-blocks in
     the kernels' order from +0.0."""
     x = np.asarray(x, np.float32)
     cols = x.shape[1]
-    u, a, b = _kquant_params(qtype_name, raw, cols)
     xq, dx, sums = quantize_activations(x)
     xq = xq.astype(np.int64)
     acc = np.zeros((x.shape[0], raw.shape[0]), np.float32)
+    if qtype_name == "IQ4_XS":                              # sub-blocks of 32 in order: exact sums of values * q
+        values, a = _iq4xs_params(raw, cols)
+        for kb in range(cols // 32):
+            k = slice(32 * kb, 32 * kb + 32)
+            acc = fma32((xq[:, k] @ values[:, k].T).astype(np.float32), a[None, :, kb] * dx[:, kb, None], acc)
+        return acc
+    u, a, b = _kquant_params(qtype_name, raw, cols)
     for s in range(cols // 256):
         if b is not None:                                   # Q4_K, Q5_K: sub-blocks 0 .. 7 of 32 weights
             for j in range(8):
