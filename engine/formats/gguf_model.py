@@ -14,8 +14,8 @@ decode reads 4.5-8.5 bits per weight instead of 32. Q4_0 and Q8_0 matrices but t
 layout (engine/kernels/rows16.py), whose products round activations to 8 bits per 32-block, as llama.cpp's products
 of these types do. Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices become `KQuantTensor`s over the file's own
 bytes, run by their own kernels (engine/kernels/kquant.py, iquant.py), each tensor in its own type; Q4_K, Q5_K,
-Q6_K and IQ4_XS ones but the head and the embedding are reordered once into their rows16 layout (engine/kernels/krows16.py, a
-copy, the file's pages given back) and run on integer kernels the same way. An expert stack's experts are row
+Q6_K and IQ4_XS ones but the head and the embedding are reordered once into their rows16 layout
+(engine/kernels/krows16.py; a copy, the file's pages given back) and run on integer kernels the same way. An expert stack's experts are row
 ranges of the stack (views of it), so a K-quant MoE takes about its file's size.
 llama.cpp stores the Q and K projections of Llama-architecture models permuted for its interleaved RoPE;
 that permutation is undone here so the shared blocks see Hugging Face layout.
@@ -36,7 +36,6 @@ from engine.formats.gguf_meta import gguf_metadata, open_gguf, release_tensor_pa
 from engine.formats.page_release import np_map, release_range
 from engine.kernels.krows16 import allowed as krows16_allowed
 from engine.kernels.layout import BLOCK, rows16_allowed
-from engine.quant.kquant import KINDS as KQUANT_KINDS
 from engine.quant.kquant import KINDS as _KQUANTS
 from engine.quant.kquant import KQuantTensor
 from engine.quant.tensor import QuantizedTensor
@@ -454,11 +453,11 @@ _FLOAT_PRODUCTS = frozenset({"lm_head.weight", "model.embed_tokens.weight"})
 
 
 def _fast(q: QuantizedTensor | KQuantTensor, rows: int) -> QuantizedTensor | KQuantTensor:
-    """Q4_0, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS in their rows16 layout when its row blocks of 16 fit `rows` (a matrix's, or each
-    expert's of a stack): the integer kernels, which round activations to 8 bits per 32-block as llama.cpp's own
-    products of these types do. The dequantized values stay the file's."""
+    """Q4_0, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS in their rows16 layout when its row blocks of 16 fit `rows` (a
+    matrix's, or each expert's of a stack): the integer kernels, which round activations to 8 bits per 32-block as
+    llama.cpp's own products of these types do. The dequantized values stay the file's."""
     if isinstance(q, KQuantTensor):
-        return q.with_layout("rows16") if krows16_allowed(KQUANT_KINDS[q.qtype], rows) else q
+        return q.with_layout("rows16") if krows16_allowed(_KQUANTS[q.qtype], rows) else q
     return q.with_layout("rows16") if rows16_allowed(q.bits, q.asymmetric, rows) else q
 
 
@@ -602,7 +601,7 @@ class GGUFModel:
             rows = int(np.prod(shape[1:]))
             if t.tensor_type in _KQUANTS:
                 q = kquant_blocks(t.data, t.tensor_type, rows, shape[0], f"{self.path} ({gname})")
-                if len(shape) > 2 and krows16_allowed(KQUANT_KINDS[q.qtype], shape[1]):
+                if len(shape) > 2 and krows16_allowed(_KQUANTS[q.qtype], shape[1]):
                     q = _fast(q, shape[1])    # a reordered copy: the file's pages under it are given back
                     release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
             else:

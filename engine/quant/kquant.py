@@ -5,8 +5,8 @@ The rows are the file's own blocks (layouts in engine/kernels/kquant.py and iqua
 of the memory map: nothing is copied or widened, so a K-quant model takes the file's size in
 memory. The kernels dequantize exactly as `gguf.quants.dequantize` does (bitwise), and the tensor
 offers what the blocks call on a weight: `matmul` (decode and prefill), `rows` (embeddings).
-Q4_K, Q5_K, Q6_K and IQ4_XS matrices of whole 16-row blocks can instead hold the same bytes in the "rows16" layout
-(engine/kernels/krows16.py): a copy in another order, run by integer kernels with 8-bit activations.
+Q4_K, Q5_K, Q6_K and IQ4_XS matrices of whole 16-row blocks can instead hold the same bytes in the "rows16"
+layout (engine/kernels/krows16.py): a copy in another order, run by integer kernels with 8-bit activations.
 A container keeps the same blocks in the same layout (`to_buffers` / `from_buffers`), read back into the same kernels.
 """
 
@@ -30,7 +30,7 @@ _BY_NAME = {qtype.name: qtype for qtype in KINDS}
 # the width each type stands for (what tools that list a container's widths read; the scales come on top)
 NOMINAL_BITS = {_Q.Q2_K: 2, _Q.Q3_K: 3, _Q.Q4_K: 4, _Q.Q5_K: 5, _Q.Q6_K: 6, _Q.IQ4_NL: 4, _Q.IQ4_XS: 4}
 KQUANT_META_KIND = "colibri.kquant"     # a container's quant meta kind: blocks kept as the GGUF file holds them
-LAYOUTS = ("blocks", "rows16")           # the file's order, or 16 rows interleaved (Q4_K, Q6_K: engine/kernels/krows16.py)
+LAYOUTS = ("blocks", "rows16")           # the file's order, or 16 rows interleaved (engine/kernels/krows16.py)
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,8 +66,8 @@ class KQuantTensor:
             raise ValueError(f"unknown K-quant layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
         if self.layout == "rows16":
             if not krows16.allowed(kind, out):
-                raise ValueError(f"the rows16 layout holds Q4_K, Q5_K, Q6_K and IQ4_XS matrices of whole 16-row blocks, not "
-                                 f"{self.qtype.name} {[out, n_in]}")
+                raise ValueError(f"the rows16 layout holds Q4_K, Q5_K, Q6_K and IQ4_XS matrices of whole 16-row "
+                                 f"blocks, not {self.qtype.name} {[out, n_in]}")
             kind |= krows16.KROWS16
         raw = raw.reshape(want).view()
         raw.flags.writeable = False
