@@ -601,8 +601,9 @@ class GGUFModel:
             rows = int(np.prod(shape[1:]))
             if t.tensor_type in _KQUANTS:
                 q = kquant_blocks(t.data, t.tensor_type, rows, shape[0], f"{self.path} ({gname})")
-                if len(shape) > 2 and krows16_allowed(_KQUANTS[q.qtype], shape[1]):
-                    q = _fast(q, shape[1])    # a reordered copy: the file's pages under it are given back
+                fast = _fast(q, shape[1]) if len(shape) > 2 else q
+                if fast is not q:             # a reordered copy: the file's pages under it are given back
+                    q = fast
                     release_range(np_map(self.reader.data), None, int(t.data_offset), int(t.n_bytes))
             else:
                 q = native_blocks(t.data, t.tensor_type, rows, shape[0])    # a copy: its stored bytes leave the RSS

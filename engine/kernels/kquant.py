@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from engine.kernels import iquant
 from engine.kernels.krows16 import KROWS16, krows16_rows, krows16_rows_pre
-from engine.kernels.matmul import TILE, quantize_all, tile_rows
+from engine.kernels.matmul import TILE, prequantize, shared_width, tile_rows
 from engine.kernels.simd import (
     HAS_AVX512,
     U64,
@@ -529,37 +529,19 @@ def kq_matrix(desc):
     return desc[0], desc[1], desc[2], raw
 
 
-@njit
-def _krows16_cols(table):
-    """(the input width every rows16 matrix of a K-quant table shares, or 0; whether one is Q6_K)."""
-    cols = 0
-    q6 = False
-    for m in range(table.shape[0]):
-        if table[m, 0] & KROWS16:
-            if cols and table[m, 2] != cols:
-                return 0, False
-            cols = table[m, 2]
-            q6 = q6 or table[m, 0] & 127 == Q6_K
-    return cols, q6
-
-
 @njit(parallel=True, cache=True, boundscheck=False)
 def kq_run_items(table, items, pieces, x, xrows, orows, out):
     """Work items (engine/kernels/matmul.py's `matmul_items`) over K-quant matrices `table` [M, DESC_FIELDS]. The
     tokens of rows16 matrices are quantized once, before the pieces."""
-    k16, q6 = _krows16_cols(table)
-    n = xrows.shape[0] if k16 else 0
-    nb = k16 // 32
-    q, dq, sq = np.empty(n * k16, np.int8), np.empty(n * nb, np.float32), np.empty(n * nb, np.int32)
-    s16 = np.empty(n * k16 // 16 if q6 else 0, np.int32)
-    quantize_all(x, xrows, n, k16, q, dq, sq, s16)
+    q6 = (table[:, 0] == (Q6_K | KROWS16)).any()             # Q6_K's products also need the sums of 16 codes
+    n, q, dq, sq, s16 = prequantize(x, xrows, shared_width(table[:, 0], table[:, 2], KROWS16), q6)
     for p in prange(pieces.shape[0] - 1):
         for j in range(pieces[p], pieces[p + 1]):
             kind, _, cols, raw = kq_matrix(table[items[j, 0]])
             r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
             if kind & KROWS16 and n:
                 krows16_rows_pre(kind, raw, cols, r0, r1 - r0, x, xrows, orows, i0, i1, out[base:], ldo, r0, q, dq, sq,
-                                 s16)
+                                 s16, True)
                 continue
             scratch = np.empty(TILE * cols if i1 - i0 > KQ_OTF_MAX_TOKENS and not kind & KROWS16 else 0, np.float32)
             kq_rows(kind, raw, cols, r0, r1, x, xrows, orows, i0, i1, out[base:], ldo, r0, scratch)

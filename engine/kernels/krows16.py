@@ -134,25 +134,36 @@ def from_krows16(kind: int, raw: np.ndarray) -> np.ndarray:
 # -- kernels -----------------------------------------------------------------------------------------
 
 @njit(boundscheck=False, inline="always")
-def _dot8(v0, v1, v2, v3, v4, v5, v6, v7, q, qo):
-    """Per lane the exact sum over 32 weights: vector p's 4 bytes times q[qo + 4p ...]."""
-    isum = vdot_bcast(vizero(), v0, q, qo)
-    isum = vdot_bcast(isum, v1, q, qo + U64(4))
-    isum = vdot_bcast(isum, v2, q, qo + U64(8))
-    isum = vdot_bcast(isum, v3, q, qo + U64(12))
-    isum = vdot_bcast(isum, v4, q, qo + U64(16))
-    isum = vdot_bcast(isum, v5, q, qo + U64(20))
-    isum = vdot_bcast(isum, v6, q, qo + U64(24))
-    return vdot_bcast(isum, v7, q, qo + U64(28))
-
-
-@njit(boundscheck=False, inline="always")
 def _dot4(init, v0, v1, v2, v3, q, qo):
     """init plus, per lane, the exact sum over 16 weights: vector p's 4 bytes times q[qo + 4p ...]."""
     isum = vdot_bcast(init, v0, q, qo)
     isum = vdot_bcast(isum, v1, q, qo + U64(4))
     isum = vdot_bcast(isum, v2, q, qo + U64(8))
     return vdot_bcast(isum, v3, q, qo + U64(12))
+
+
+@njit(boundscheck=False, inline="always")
+def _dot8(v0, v1, v2, v3, v4, v5, v6, v7, q, qo):
+    """Per lane the exact sum over 32 weights: vector p's 4 bytes times q[qo + 4p ...]."""
+    return _dot4(_dot4(vizero(), v0, v1, v2, v3, q, qo), v4, v5, v6, v7, q, qo + U64(16))
+
+
+@njit(inline="always")
+def _pick(t, a0, a1, a2, a3):
+    """Token slot t's accumulator of four (kernels loop over their tokens rather than unroll: see _q4k)."""
+    return a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
+
+
+@njit(inline="always")
+def _place(t, acc, a0, a1, a2, a3):
+    """The four accumulators with slot t's replaced by acc."""
+    if t == 0:
+        return acc, a1, a2, a3
+    if t == 1:
+        return a0, acc, a2, a3
+    if t == 2:
+        return a0, a1, acc, a3
+    return a0, a1, a2, acc
 
 
 @njit(boundscheck=False, inline="always")
@@ -251,17 +262,10 @@ def _q4k(five, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, s
                     for t in range(tn):          # a loop, not unrolled: the compiler keeps the codes in registers
                         qo = U64((base + t) * K + SUPER * s + 64 * c)
                         o = (base + t) * nb + 8 * s + j
-                        acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
+                        acc = _pick(t, a0, a1, a2, a3)
                         acc = _q45_token(l0, l1, l2, l3, l4, l5, l6, l7, h0, h1, h2, h3, h4, h5, h6, h7, q, qo, alo,
                                          blo, ahi, bhi, dq, sq, o, acc)
-                        if t == 0:
-                            a0 = acc
-                        elif t == 1:
-                            a1 = acc
-                        elif t == 2:
-                            a2 = acc
-                        else:
-                            a3 = acc
+                        a0, a1, a2, a3 = _place(t, acc, a0, a1, a2, a3)
             put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
 
 
@@ -413,16 +417,9 @@ def _iq4xs(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, p
                     for t in range(tn):          # a loop, as Q4_K's: the compiler keeps the codes in registers
                         qo = U64((base + t) * K + SUPER * s + 32 * j)
                         o = (base + t) * nb + 8 * s + j
-                        acc = a0 if t == 0 else a1 if t == 1 else a2 if t == 2 else a3
+                        acc = _pick(t, a0, a1, a2, a3)
                         acc = _iq4_sub(v0, v1, v2, v3, v4, v5, v6, v7, q, qo, a, dq[o], sq[o], acc)
-                        if t == 0:
-                            a0 = acc
-                        elif t == 1:
-                            a1 = acc
-                        elif t == 2:
-                            a2 = acc
-                        else:
-                            a3 = acc
+                        a0, a1, a2, a3 = _place(t, acc, a0, a1, a2, a3)
             put_tokens(a0, a1, a2, a3, tn, t0, rb, r0, nr, out, orows, ldo, col0, buf)
 
 
@@ -433,24 +430,19 @@ def krows16_rows(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0):
     whole and stored in part."""
     nb = K // BLOCK
     q, dq, sq = np.empty(4 * K, np.int8), np.empty(4 * nb, np.float32), np.empty(4 * nb, np.int32)
-    if kind & 127 == Q4_K:
-        _q4k(False, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
-    elif kind & 127 == Q5_K:
-        _q4k(True, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
-    elif kind & 127 == IQ4_XS:
-        _iq4xs(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
-    else:
-        _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, np.empty(4 * K // 16, np.int32), False)
+    s16 = np.empty(4 * K // 16 if kind & 127 == Q6_K else 0, np.int32)
+    krows16_rows_pre(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, False)
 
 
 @njit(boundscheck=False)
-def krows16_rows_pre(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16):
-    """`krows16_rows` on tokens quantized beforehand (`rows16.quantize_token`, with the sums of 16 for Q6_K)."""
+def krows16_rows_pre(kind, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, pre):
+    """`krows16_rows` on tokens quantized beforehand when `pre` (`rows16.quantize_token`, with the sums of 16 for
+    Q6_K); without `pre`, q, dq, sq, s16 are room for the tokens quantized from x as they come."""
     if kind & 127 == Q4_K:
-        _q4k(False, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+        _q4k(False, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre)
     elif kind & 127 == Q5_K:
-        _q4k(True, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+        _q4k(True, raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre)
     elif kind & 127 == IQ4_XS:
-        _iq4xs(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+        _iq4xs(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre)
     else:
-        _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, True)
+        _q6k(raw, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, s16, pre)

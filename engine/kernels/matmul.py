@@ -527,27 +527,34 @@ ITEM_FIELDS = 7
 
 
 @njit
-def _rows16_cols(table):
-    """The input width every rows16 matrix of a kernel table shares, or 0 (none, or not one width)."""
+def shared_width(flags, widths, flag):
+    """The input width every matrix of a kernel table whose flags field has `flag` shares, or 0 (none, or not one
+    width): the tokens such a table's integer products quantize once for all of them."""
     cols = 0
-    for m in range(table.shape[0]):
-        if table[m, 0] & ROWS16_FLAG:
-            if cols and table[m, 4] != cols:
+    for m in range(flags.shape[0]):
+        if flags[m] & flag:
+            if cols and widths[m] != cols:
                 return 0
-            cols = table[m, 4]
+            cols = widths[m]
     return cols
 
 
-@njit(boundscheck=False)
-def quantize_all(x, xrows, n, K, q, dq, sq, s16):
-    """Tokens 0 .. n - 1 quantized once for every integer product of a call (`rows16.quantize_token`), over the
-    threads when there are enough of them to pay for it."""
+@njit(parallel=True, boundscheck=False)
+def prequantize(x, xrows, K, sums):
+    """(n, q, dq, sq, s16): every token i < n = len(xrows) quantized once for all the integer products of a call
+    (`rows16.quantize_token`; s16 only with `sums`), over the threads when there are enough tokens to pay for it.
+    K = 0 gives n = 0 and empty arrays."""
+    n = xrows.shape[0] if K else 0
+    nb = K // BLOCK
+    q, dq, sq = np.empty(n * K, np.int8), np.empty(n * nb, np.float32), np.empty(n * nb, np.int32)
+    s16 = np.empty(n * K // 16 if sums else 0, np.int32)
     if n < 8:
         for i in range(n):
             quantize_token(x, xrows, i, K, q, dq, sq, s16)
     else:
         for i in prange(n):
             quantize_token(x, xrows, i, K, q, dq, sq, s16)
+    return n, q, dq, sq, s16
 
 
 @njit(parallel=True, cache=True, boundscheck=False)
@@ -555,17 +562,14 @@ def run_items(table, items, pieces, x, xrows, orows, out):
     """Run the work items (see above) over the threads: piece p is items pieces[p] .. pieces[p + 1] - 1, and
     the pieces are split statically, so pieces of equal work balance the threads. The tokens of rows16 matrices
     are quantized once, before the pieces, not once for every row range."""
-    k16 = _rows16_cols(table)
-    n = xrows.shape[0] if k16 else 0
-    q, dq, sq = np.empty(n * k16, np.int8), np.empty(n * k16 // BLOCK, np.float32), np.empty(n * k16 // BLOCK, np.int32)
-    quantize_all(x, xrows, n, k16, q, dq, sq, np.empty(0, np.int32))
+    n, q, dq, sq, _ = prequantize(x, xrows, shared_width(table[:, 0], table[:, 4], ROWS16_FLAG), False)
     for p in prange(pieces.shape[0] - 1):
         for j in range(pieces[p], pieces[p + 1]):
             bits, asym, group, _, cols, a, b, sc, mn = planes(table[items[j, 0]])
             r0, r1, i0, i1, base, ldo = items[j, 1], items[j, 2], items[j, 3], items[j, 4], items[j, 5], items[j, 6]
             if bits & ROWS16_FLAG and n:
                 rows16_rows_pre(bits, group, a, sc, cols, r0, r1 - r0, x, xrows, orows, i0, i1, out[base:], ldo, r0,
-                                q, dq, sq)
+                                q, dq, sq, True)
                 continue
             tiled = i1 - i0 > OTF_MAX_TOKENS and not bits & ROWS16_FLAG    # the dequantized tile's scratch
             scratch = np.empty(TILE * cols if tiled else 0, np.float32)

@@ -28,17 +28,23 @@ F32 = np.float32
 PREFETCH_AHEAD = 4096  # bytes ahead along the weights' stream that decode asks the CPU to fetch
 
 
+@njit(boundscheck=False, inline="always")
+def _quantize_row(x, row, slot, K, q, dq, sq):
+    """x row `row` quantized per 32-block into slot `slot`: q[slot * K ...], dq and sq[slot * K / 32 ...]."""
+    nb = K // BLOCK
+    xo = U64(row) * U64(K)
+    for kb in range(nb):
+        d, total = quant_block(x, xo + U64(kb * BLOCK), q, U64(slot * K + kb * BLOCK))
+        dq[slot * nb + kb] = d
+        sq[slot * nb + kb] = total
+
+
 @njit(boundscheck=False)
 def quantize_tokens(x, xrows, t0, tn, K, q, dq, sq):
     """Tokens t0 .. t0 + tn - 1 (x rows xrows[t]) quantized per 32-block: q [tn, K] int8, dq [tn, K / 32] the
     scales, sq [tn, K / 32] each block's sum of q (times the codes' offset it is what the products overcount)."""
-    nb = K // BLOCK
     for j in range(tn):
-        xo = U64(xrows[t0 + j]) * U64(K)
-        for kb in range(nb):
-            d, total = quant_block(x, xo + U64(kb * BLOCK), q, U64(j * K + kb * BLOCK))
-            dq[j * nb + kb] = d
-            sq[j * nb + kb] = total
+        _quantize_row(x, xrows[t0 + j], j, K, q, dq, sq)
 
 
 @njit(boundscheck=False, inline="always")
@@ -56,12 +62,7 @@ def quantize_token(x, xrows, i, K, q, dq, sq, s16):
     """Token i (x row xrows[i]) quantized into slot i of arrays for every token: q[i * K ...], the 32-blocks' scales
     and sums at dq[i * K / 32 ...], sq[i * K / 32 ...] (as `quantize_tokens`), and when s16 has room, `sums16` at
     s16[i * K / 16 ...]."""
-    nb = K // BLOCK
-    xo = U64(xrows[i]) * U64(K)
-    for kb in range(nb):
-        d, total = quant_block(x, xo + U64(kb * BLOCK), q, U64(i * K + kb * BLOCK))
-        dq[i * nb + kb] = d
-        sq[i * nb + kb] = total
+    _quantize_row(x, xrows[i], i, K, q, dq, sq)
     if s16.size:
         sums16(q, i, 1, K, s16)
 
@@ -124,20 +125,18 @@ def rows16_rows(code, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo
     whole and stored in part."""
     nb = K // BLOCK
     q, dq, sq = np.empty(4 * K, np.int8), np.empty(4 * nb, np.float32), np.empty(4 * nb, np.int32)
-    if code & 15 == 8:  # a constant width: _rows16 is compiled once per width
-        _rows16(8, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
-    else:
-        _rows16(4, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
+    rows16_rows_pre(code, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, False)
 
 
 @njit(boundscheck=False)
-def rows16_rows_pre(code, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq):
+def rows16_rows_pre(code, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre):
     """`rows16_rows` on tokens quantized beforehand (`quantize_token`: token i's codes at q[i * K], its blocks' scales
-    and sums at dq[i * K / 32], sq[i * K / 32]): the same bits, without quantizing again for every row range."""
-    if code & 15 == 8:
-        _rows16(8, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+    and sums at dq[i * K / 32], sq[i * K / 32]) when `pre`: the same bits, without quantizing again for every row
+    range. Without `pre`, q, dq, sq are room for 4 tokens quantized from x as they come."""
+    if code & 15 == 8:  # a constant width: _rows16 is compiled once per width
+        _rows16(8, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre)
     else:
-        _rows16(4, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, True)
+        _rows16(4, group, a, sc, K, r0, nr, x, xrows, orows, i0, i1, out, ldo, col0, q, dq, sq, pre)
 
 
 @njit(boundscheck=False, inline="always")

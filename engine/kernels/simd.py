@@ -140,6 +140,14 @@ def _f16_bits_to_f32(builder, h):
     return builder.bitcast(bits, fty)
 
 
+def halves_to_f32(builder, bits):
+    """16 fp16 bit patterns (<16 x i16>) -> float32 lanes, exact: one conversion instruction where the CPU has F16C
+    (the same values as the integer path for finite inputs), else `_f16_bits_to_f32`."""
+    if HAS_F16C:
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VF)
+    return _f16_bits_to_f32(builder, builder.zext(bits, _VI))
+
+
 def _permute8(builder, table, ix):
     """Lane j = table[ix[j] & 15] (16-lane table and indices) by AVX2's 8-lane vpermps, which reads an index's low 3
     bits: each 8-lane half of ix permutes both halves of the table and bit 3 picks one."""
@@ -421,10 +429,7 @@ def vloadf(typingctx, arr, off):
         if sig.args[0].dtype == types.float32:
             return _load_vec(builder, ptr, _VF, 4)
         if sig.args[0].dtype == types.uint16:
-            bits = _load_vec(builder, ptr, ir.VectorType(ir.IntType(16), LANES), 2)
-            if HAS_F16C:   # one conversion instruction; the same values as the integer path for finite inputs
-                return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VF)
-            return _f16_bits_to_f32(builder, builder.zext(bits, _VI))
+            return halves_to_f32(builder, _load_vec(builder, ptr, ir.VectorType(ir.IntType(16), LANES), 2))
         return builder.sitofp(_load_vec(builder, ptr, _VB, 1), _VF)
     return f32x16(arr, off), codegen
 

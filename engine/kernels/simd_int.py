@@ -20,16 +20,15 @@ from engine.kernels.simd import (
     _VI,
     HAS_AVX2,
     HAS_AVX512,
-    HAS_F16C,
     LANES,
     _as_i32,
     _elem_ptr,
-    _f16_bits_to_f32,
     _host_has,
     _ivec,
     _load_vec,
     _splat_i32,
     f32x16,
+    halves_to_f32,
     i32x16,
 )
 
@@ -187,6 +186,12 @@ def _byte_array(a) -> bool:
     return isinstance(a, types.Array) and a.dtype == types.uint8 and a.ndim == 1
 
 
+def _load16(context, builder, sig, args, width):
+    """The 16 `width`-bit integers at byte a[off] of a uint8 array (args: a, off), as <16 x iN>."""
+    ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1])
+    return _load_vec(builder, ptr, ir.VectorType(ir.IntType(width), LANES), 1)
+
+
 @intrinsic
 def vwiden(typingctx, a, off):
     """The 16 bytes a[off : off + 16] as unsigned integer lanes (uint8 array)."""
@@ -194,8 +199,7 @@ def vwiden(typingctx, a, off):
         return None
 
     def codegen(context, builder, sig, args):
-        raw = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), ir.VectorType(_I8, LANES), 1)
-        return builder.zext(raw, _VI)
+        return builder.zext(_load16(context, builder, sig, args, 8), _VI)
     return i32x16(a, off), codegen
 
 
@@ -206,8 +210,7 @@ def vsigned_f(typingctx, a, off):
         return None
 
     def codegen(context, builder, sig, args):
-        raw = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]), ir.VectorType(_I8, LANES), 1)
-        return builder.sitofp(raw, _VF)
+        return builder.sitofp(_load16(context, builder, sig, args, 8), _VF)
     return f32x16(a, off), codegen
 
 
@@ -218,12 +221,19 @@ def vhalf_f(typingctx, a, off):
         return None
 
     def codegen(context, builder, sig, args):
-        bits = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]),
-                         ir.VectorType(ir.IntType(16), LANES), 1)
-        if HAS_F16C:
-            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _VF)
-        return _f16_bits_to_f32(builder, builder.zext(bits, _VI))
+        return halves_to_f32(builder, _load16(context, builder, sig, args, 16))
     return f32x16(a, off), codegen
+
+
+@intrinsic
+def vwiden16(typingctx, a, off):
+    """The 16 little-endian uint16 in the 32 bytes a[off : off + 32] as integer lanes (uint8 array)."""
+    if not _byte_array(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.zext(_load16(context, builder, sig, args, 16), _VI)
+    return i32x16(a, off), codegen
 
 
 @intrinsic
@@ -261,15 +271,3 @@ def vlut_bytes(typingctx, v, table):
         return builder.bitcast(out, _VI)
     return i32x16(i32x16, table), codegen
 
-
-@intrinsic
-def vwiden16(typingctx, a, off):
-    """The 16 little-endian uint16 in the 32 bytes a[off : off + 32] as integer lanes (uint8 array)."""
-    if not _byte_array(a):
-        return None
-
-    def codegen(context, builder, sig, args):
-        bits = _load_vec(builder, _elem_ptr(context, builder, sig.args[0], args[0], args[1]),
-                         ir.VectorType(ir.IntType(16), LANES), 1)
-        return builder.zext(bits, _VI)
-    return i32x16(a, off), codegen
